@@ -1,0 +1,23 @@
+"""spotguard: keep training alive across spot/preemptible VM interruptions.
+
+``from spotguard import Guard`` gives the trainer hook. The import is lazy so
+that the daemon (which imports this package too) never loads torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+__all__ = ["Guard", "__version__"]
+
+if TYPE_CHECKING:
+    from spotguard.trainer.guard import Guard
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Guard":
+        from spotguard.trainer.guard import Guard
+
+        return Guard
+    raise AttributeError(f"module 'spotguard' has no attribute {name!r}")

@@ -1,0 +1,5 @@
+import sys
+
+from spotguard.cli import main
+
+sys.exit(main())

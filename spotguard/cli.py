@@ -1,0 +1,376 @@
+"""``spotguard``: argv -> config -> the right command. Exit codes: 0 ok, 1 failure, 2 usage/config error."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from spotguard import __version__, protocol
+from spotguard.config import DEFAULT_SOCKET, ConfigError, load_config
+from spotguard.manifest import CheckpointInfo, parse_step_dir, scan_local, verify_dir
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+
+class CommandError(Exception):
+    """A failure with a one-line reason for the user (exit 1)."""
+
+
+# --- talking to the daemon ------------------------------------------------------------------
+
+
+def daemon_socket(explicit: str | None) -> Path:
+    return Path(explicit or os.environ.get("SPOTGUARD_SOCKET") or DEFAULT_SOCKET)
+
+
+def request(socket_path: Path, message_type: str, timeout: float = 5.0, **fields: Any) -> dict[str, Any]:
+    """One request/reply with the daemon."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        try:
+            sock.connect(os.fspath(socket_path))
+        except OSError as exc:
+            raise CommandError(f"no spotguard daemon at {socket_path}: {exc.strerror or exc}") from None
+        sock.sendall(protocol.encode(message_type, **fields))
+        buffer = b""
+        while b"\n" not in buffer:
+            chunk = sock.recv(65536)
+            if not chunk:
+                raise CommandError("the daemon closed the connection without answering")
+            buffer += chunk
+    reply = protocol.decode(buffer.split(b"\n", 1)[0], allowed=protocol.DAEMON_TYPES)
+    if reply["type"] == "error":
+        raise CommandError(f"daemon: {reply['message']}")
+    return reply
+
+
+# --- locations: a local directory or a bucket URL ---------------------------------------------
+
+
+def is_url(location: str) -> bool:
+    return urlparse(location).scheme in ("s3", "gs", "file")
+
+
+def split_checkpoint(location: str) -> tuple[str, str | None]:
+    """``…/step-000000100`` names one checkpoint inside its root; anything else is a root."""
+    stripped = location.rstrip("/")
+    head, _, tail = stripped.rpartition("/")
+    if head and parse_step_dir(tail) is not None:
+        return head, tail
+    return stripped or location, None
+
+
+def _open(location: str) -> Any:
+    from spotguard.storage import open_storage
+
+    return open_storage(location if is_url(location) else Path(location).absolute().as_uri())
+
+
+def list_location(location: str) -> list[CheckpointInfo]:
+    if is_url(location):
+        from spotguard.storage.checkpoints import list_remote
+
+        storage = _open(location)
+        try:
+            return list_remote(storage)
+        finally:
+            storage.close()
+    root = Path(location)
+    if not root.is_dir():
+        raise CommandError(f"{location}: no such directory")
+    return scan_local(root)
+
+
+def _human(size: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size} B"  # pragma: no cover
+
+
+class Progress:
+    """A one-line progress bar on stderr, only when it is a terminal."""
+
+    def __init__(self, total: int, label: str) -> None:
+        self.total = max(total, 1)
+        self.done = 0
+        self.label = label
+        self.enabled = sys.stderr.isatty()
+
+    def __call__(self, count: int) -> None:
+        self.done += count
+        if self.enabled:
+            width = 30
+            filled = int(width * min(self.done / self.total, 1.0))
+            sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {_human(self.done)}")
+            sys.stderr.flush()
+
+    def finish(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+
+
+# --- commands -----------------------------------------------------------------------------
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from spotguard.daemon.app import build_and_run
+
+    flags = {
+        "provider": args.provider,
+        "metadata_url": args.metadata_url,
+        "socket": args.socket,
+        "checkpoint_dir": args.checkpoint_dir,
+        "bucket": args.bucket,
+        "poll_interval": args.poll_interval,
+        "state_dir": args.state_dir,
+    }
+    config = load_config(flags, config_file=Path(args.config) if args.config else None)
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return asyncio.run(build_and_run(config))
+    except RuntimeError as exc:  # e.g. another daemon on the socket
+        raise CommandError(str(exc)) from None
+
+
+def cmd_drill(args: argparse.Namespace) -> int:
+    fields: dict[str, Any] = {"deadline_s": args.deadline} if args.deadline is not None else {"deadline_s": 120.0}
+    reply = request(daemon_socket(args.socket), "drill", **fields)
+    print(
+        f"drill {reply['event_id']}: {reply['trainers_told']} trainer(s) told, deadline in {fields['deadline_s']:.0f} s"
+    )
+    return EXIT_OK
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    reply = request(daemon_socket(args.socket), "status")
+    reply.pop("v", None)
+    reply.pop("type", None)
+    if args.json:
+        print(json.dumps(reply, indent=1))
+        return EXIT_OK
+    print(f"spotguard {reply['version']} pid {reply['pid']}, provider {reply['provider']}")
+    print(f"checkpoints: {reply['checkpoint_dir']} -> {reply['uploads']['bucket'] or '(no bucket)'}")
+    print(f"trainers connected: {len(reply['trainers'])}")
+    pending = reply["pending"]
+    print(
+        "pending notice: "
+        + (
+            "none"
+            if pending is None
+            else f"{pending['kind']} ({pending['action']}), {pending['seconds_left']:.0f} s left"
+        )
+    )
+    if reply["last_notice"]:
+        print("last notice: " + ", ".join(f"{k}={v}" for k, v in reply["last_notice"].items()))
+    uploads = reply["uploads"]
+    if uploads["current"]:
+        cur = uploads["current"]
+        print(
+            f"uploading {cur['name']}: {_human(cur['bytes_done'])}/{_human(cur['bytes_total'])}, eta {cur['eta_s']} s"
+        )
+    if uploads["last_committed"]:
+        last = uploads["last_committed"]
+        print(f"last committed in bucket: {last['name']} at {last['at']} ({last['seconds']} s)")
+    for failure in uploads["failures"]:
+        print(f"upload failure: {failure['name']}: {failure['error']}")
+    for name, error in reply["monitor_errors"].items():
+        print(f"monitor {name}: {error}")
+    return EXIT_OK
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    infos = list_location(args.location)
+    if args.json:
+        print(json.dumps([info.to_json() for info in infos], indent=1))
+        return EXIT_OK
+    if not infos:
+        print(f"no checkpoints in {args.location}")
+        return EXIT_OK
+    print(f"{'NAME':<16} {'STEP':>10} {'SIZE':>10}  {'CREATED':<32} STATUS")
+    for info in infos:
+        print(f"{info.name:<16} {info.step:>10} {_human(info.bytes):>10}  {info.created or '-':<32} {info.status}")
+    return EXIT_OK
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    root, single = split_checkpoint(args.location)
+    names = [single] if single else [info.name for info in list_location(root)]
+    if not names:
+        raise CommandError(f"no checkpoints in {root}")
+    failed = 0
+    for name in names:
+        if is_url(root):
+            from spotguard.storage.checkpoints import verify_remote
+
+            storage = _open(root)
+            try:
+                problems = verify_remote(storage, name)
+            finally:
+                storage.close()
+        else:
+            problems = verify_dir(Path(root) / name)
+        if problems:
+            failed += 1
+            print(f"{name}: FAILED")
+            for problem in problems:
+                print(f"  {problem}")
+        else:
+            print(f"{name}: ok")
+    if failed:
+        print(f"{failed} of {len(names)} checkpoint(s) failed verification", file=sys.stderr)
+    return EXIT_FAILURE if failed else EXIT_OK
+
+
+def cmd_restore(args: argparse.Namespace) -> int:
+    from spotguard.storage.checkpoints import list_remote, restore
+
+    storage = _open(args.location)
+    try:
+        complete = [info for info in list_remote(storage) if info.status == "complete"]
+        total = next((i.bytes for i in reversed(complete) if args.step in (None, i.step)), 0)
+        progress = Progress(total, "restoring")
+        target = restore(
+            storage,
+            Path(args.dest),
+            step=args.step,
+            progress=progress,
+            log=lambda line: print(line, file=sys.stderr),
+        )
+        progress.finish()
+    finally:
+        storage.close()
+    if target is None:
+        raise CommandError(f"no complete checkpoint in {args.location}")
+    print(target)
+    return EXIT_OK
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    if args.keep < 1:
+        raise ConfigError("--keep", "must be >= 1")
+    from spotguard.storage.checkpoints import prune_remote
+
+    storage = _open(args.location)
+    try:
+        removed = prune_remote(storage, args.keep)
+    finally:
+        storage.close()
+    print("removed: " + (", ".join(removed) if removed else "nothing"))
+    return EXIT_OK
+
+
+def cmd_emulate(args: argparse.Namespace) -> int:
+    from spotguard.emulate import run_emulator_forever
+
+    run_emulator_forever(args.provider, args.host, args.port, args.notice_after, args.action)
+    return EXIT_OK
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from spotguard.demo import run_demo
+
+    return run_demo(steps=args.steps, notice_at=args.notice_at, keep_dir=args.keep_dir)
+
+
+# --- argv -------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="spotguard", description="Survive spot/preemptible VM interruptions.")
+    parser.add_argument("--version", action="version", version=f"spotguard {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser("run", help="the daemon")
+    run.add_argument("--config", help="TOML file (default /etc/spotguard/spotguard.toml if present)")
+    run.add_argument("--provider", help="auto|aws|gcp|azure|none")
+    run.add_argument("--metadata-url", help="metadata service base URL (scheme://host:port)")
+    run.add_argument("--socket", help="Unix socket path")
+    run.add_argument("--checkpoint-dir", help="local checkpoint root")
+    run.add_argument("--state-dir", help="where handled event ids are kept")
+    run.add_argument("--bucket", help="s3://bucket/prefix, gs://bucket/prefix or file:///dir")
+    run.add_argument("--poll-interval", help="seconds between metadata polls")
+    run.set_defaults(func=cmd_run)
+
+    drill = sub.add_parser("drill", help="inject a simulated hard notice into the running daemon")
+    drill.add_argument("--deadline", type=float, help="seconds until the simulated termination (default 120)")
+    drill.add_argument("--socket")
+    drill.set_defaults(func=cmd_drill)
+
+    status = sub.add_parser("status", help="what the daemon sees")
+    status.add_argument("--json", action="store_true")
+    status.add_argument("--socket")
+    status.set_defaults(func=cmd_status)
+
+    lister = sub.add_parser("list", help="checkpoints at a root or bucket URL")
+    lister.add_argument("location")
+    lister.add_argument("--json", action="store_true")
+    lister.set_defaults(func=cmd_list)
+
+    verify = sub.add_parser("verify", help="check checkpoints against their manifests")
+    verify.add_argument("location", help="a root, a bucket URL, or one step-NNNNNNNNN inside either")
+    verify.set_defaults(func=cmd_verify)
+
+    restore = sub.add_parser("restore", help="download the newest (or given) complete checkpoint, verified")
+    restore.add_argument("location")
+    restore.add_argument("dest")
+    restore.add_argument("--step", type=int)
+    restore.set_defaults(func=cmd_restore)
+
+    prune = sub.add_parser("prune", help="keep the newest N complete checkpoints")
+    prune.add_argument("location")
+    prune.add_argument("--keep", type=int, required=True)
+    prune.set_defaults(func=cmd_prune)
+
+    emulate = sub.add_parser("emulate", help="a local metadata emulator")
+    emulate.add_argument("provider", choices=["aws", "gcp", "azure"])
+    emulate.add_argument("--host", default="127.0.0.1")
+    emulate.add_argument("--port", type=int, default=0)
+    emulate.add_argument("--notice-after", type=float)
+    emulate.add_argument("--action", help="aws: terminate|stop|hibernate; azure: Preempt|Terminate|...")
+    emulate.set_defaults(func=cmd_emulate)
+
+    demo = sub.add_parser("demo", help="the whole story on one machine")
+    demo.add_argument("--steps", type=int, default=240)
+    demo.add_argument("--notice-at", type=int, default=100)
+    demo.add_argument("--keep-dir", help="keep the demo's files here instead of a temporary directory")
+    demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except ConfigError as exc:
+        print(f"spotguard: config: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except (CommandError, protocol.ProtocolError) as exc:
+        print(f"spotguard: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        return EXIT_FAILURE
+    except Exception as exc:
+        from spotguard.storage.base import StorageError
+
+        if isinstance(exc, StorageError | OSError | ValueError):
+            print(f"spotguard: {exc}", file=sys.stderr)
+            return EXIT_FAILURE
+        raise

@@ -1,0 +1,237 @@
+"""Configuration: TOML file, ``SPOTGUARD_*`` environment and CLI flags, parsed once, here.
+
+Precedence: explicit flag > environment > file > default. The result is a
+frozen, validated :class:`DaemonConfig`; any bad value raises
+:class:`ConfigError` naming the key and what to fix. Stdlib only.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from spotguard.notice import Action
+
+DEFAULT_CONFIG_FILE = Path("/etc/spotguard/spotguard.toml")
+DEFAULT_SOCKET = Path("/run/spotguard/spotguard.sock")
+DEFAULT_CHECKPOINT_DIR = Path("/var/lib/spotguard/checkpoints")
+DEFAULT_STATE_DIR = Path("/var/lib/spotguard/state")
+PROVIDERS = ("auto", "aws", "gcp", "azure", "none")
+BUCKET_SCHEMES = ("s3", "gs", "file")
+
+
+class ConfigError(ValueError):
+    """A bad configuration value. ``str()`` is the one line the CLI prints."""
+
+    def __init__(self, key: str, problem: str) -> None:
+        super().__init__(f"{key}: {problem}")
+        self.key = key
+
+
+def _own_uid_and_root() -> tuple[int, ...]:
+    uid = os.getuid()
+    return (uid,) if uid == 0 else (uid, 0)
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    """Everything ``spotguard run`` needs. Defaults suit the systemd unit."""
+
+    provider: str = "auto"
+    metadata_url: str | None = None  # base URL, e.g. http://127.0.0.1:8080; None = the provider's own
+    socket: Path = DEFAULT_SOCKET
+    checkpoint_dir: Path = DEFAULT_CHECKPOINT_DIR
+    state_dir: Path = DEFAULT_STATE_DIR  # remembers handled event ids across restarts
+    bucket: str | None = None  # s3://b/prefix, gs://b/prefix or file:///dir; None = keep local only
+    poll_interval: float = 1.0
+    http_timeout: float = 2.0
+    keep_local: int = 2  # newest complete checkpoints kept on local disk (plus any not yet uploaded)
+    keep_remote: int = 3  # newest complete checkpoints kept in the bucket
+    allowed_uids: tuple[int, ...] = field(default_factory=_own_uid_and_root)
+    allowed_gids: tuple[int, ...] = ()
+    max_message_bytes: int = 64 * 1024
+    max_connections: int = 64
+    drill_deadline: float = 120.0  # seconds a drill gives, unless `spotguard drill --deadline` says
+    scan_interval: float = 2.0  # how often the uploader rescans the checkpoint root
+    shutdown_grace: float = 110.0  # on SIGTERM, upload for at most this long (or the notice deadline)
+    upload_concurrency: int = 8
+    on_rebalance: Action = Action.CHECKPOINT
+    on_maintenance: Action = Action.CHECKPOINT
+    imds_v1_fallback: bool = False  # AWS: fall back to IMDSv1 if no token can be had
+    vm_name: str | None = None  # Azure: this VM's name in Scheduled Events `Resources`; None = ask IMDS
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.provider not in PROVIDERS:
+            raise ConfigError("provider", f"{self.provider!r} is not one of {', '.join(PROVIDERS)}")
+        if self.metadata_url is not None:
+            parsed = urlparse(self.metadata_url)
+            if parsed.scheme not in ("http", "https") or not parsed.netloc:
+                raise ConfigError("metadata_url", f"{self.metadata_url!r} is not scheme://host[:port]")
+        if self.bucket is not None:
+            check_bucket_url(self.bucket, key="bucket")
+        for name in ("poll_interval", "http_timeout", "drill_deadline", "scan_interval", "shutdown_grace"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")
+        for name in ("keep_local", "keep_remote", "max_connections", "upload_concurrency"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.max_message_bytes < 1024:
+            raise ConfigError("max_message_bytes", f"must be >= 1024, got {self.max_message_bytes}")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error"):
+            raise ConfigError("log_level", f"{self.log_level!r} is not debug, info, warning or error")
+
+    def action_for_soft(self, kind: str) -> Action:
+        return self.on_rebalance if kind == "rebalance" else self.on_maintenance
+
+
+def check_bucket_url(url: str, *, key: str = "bucket") -> str:
+    parsed = urlparse(url)
+    if parsed.scheme not in BUCKET_SCHEMES:
+        raise ConfigError(key, f"{url!r} must start with s3://, gs:// or file://")
+    if parsed.scheme in ("s3", "gs") and not parsed.netloc:
+        raise ConfigError(key, f"{url!r} names no bucket")
+    if parsed.scheme == "file" and (parsed.netloc or not parsed.path.startswith("/")):
+        raise ConfigError(key, f"{url!r} must be file:///absolute/path")
+    return url
+
+
+# --- parsing -------------------------------------------------------------------------------
+
+
+def _as_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{value!r} is not a boolean (true/false)")
+
+
+def _as_int_tuple(value: Any) -> tuple[int, ...]:
+    items = value if isinstance(value, list | tuple) else str(value).replace(",", " ").split()
+    return tuple(int(item) for item in items)
+
+
+def _as_number(kind: type) -> Callable[[Any], Any]:
+    def parse(value: Any) -> Any:
+        if isinstance(value, bool):
+            raise ValueError(f"{value!r} is not a number")
+        return kind(value)
+
+    return parse
+
+
+def _as_optional_str(value: Any) -> str | None:
+    text = str(value).strip()
+    return text or None
+
+
+_PARSERS: dict[str, Callable[[Any], Any]] = {
+    "str": str,
+    "str | None": _as_optional_str,
+    "Path": lambda v: Path(str(v)).expanduser(),
+    "float": _as_number(float),
+    "int": _as_number(int),
+    "bool": _as_bool,
+    "tuple[int, ...]": _as_int_tuple,
+    "Action": Action,
+}
+
+
+def _parse(key: str, type_name: str, value: Any) -> Any:
+    try:
+        return _PARSERS[type_name](value)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(key, f"cannot use {value!r}: {exc}") from None
+
+
+def env_name(key: str) -> str:
+    return "SPOTGUARD_" + key.upper()
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as handle:
+            data = tomllib.load(handle)
+    except OSError as exc:
+        raise ConfigError("config", f"cannot read {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("config", f"{path} is not valid TOML: {exc}") from None
+    # Accept both top-level keys and a [daemon] table, the latter for files shared with other tools.
+    table = data.get("daemon", data)
+    if not isinstance(table, dict):
+        raise ConfigError("config", f"{path}: [daemon] must be a table")
+    return {k.replace("-", "_"): v for k, v in table.items()}
+
+
+def load_config(
+    flags: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    config_file: Path | None = None,
+) -> DaemonConfig:
+    """Build the daemon's config. ``flags`` holds only flags given on the command line."""
+    flags = {k: v for k, v in (flags or {}).items() if v is not None}
+    env = os.environ if env is None else env
+    known = {f.name: str(f.type) for f in fields(DaemonConfig)}
+
+    path = config_file
+    if path is None and env.get("SPOTGUARD_CONFIG"):
+        path = Path(env["SPOTGUARD_CONFIG"])
+    if path is None and DEFAULT_CONFIG_FILE.is_file():
+        path = DEFAULT_CONFIG_FILE
+    from_file = read_config_file(path) if path is not None else {}
+    unknown = sorted(set(from_file) - set(known))
+    if unknown:
+        raise ConfigError(unknown[0], f"unknown key in {path}; known keys: {', '.join(sorted(known))}")
+
+    values: dict[str, Any] = {}
+    for key, type_name in known.items():
+        if key in flags:
+            values[key] = _parse(f"--{key.replace('_', '-')}", type_name, flags[key])
+        elif env_name(key) in env:
+            values[key] = _parse(env_name(key), type_name, env[env_name(key)])
+        elif key in from_file:
+            values[key] = _parse(key, type_name, from_file[key])
+    return DaemonConfig(**values)
+
+
+def with_overrides(config: DaemonConfig, **changes: Any) -> DaemonConfig:
+    return replace(config, **changes)
+
+
+# --- trainer side --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    checkpoint_dir: Path | None  # None: ask the daemon for its root
+    bucket: str | None
+    socket: Path
+
+
+def trainer_settings(
+    checkpoint_dir: str | os.PathLike[str] | None,
+    bucket: str | None,
+    socket: str | os.PathLike[str] | None,
+    env: Mapping[str, str] | None = None,
+) -> TrainerSettings:
+    """Resolve the hook's arguments: explicit argument > environment > default."""
+    env = os.environ if env is None else env
+    root = checkpoint_dir if checkpoint_dir is not None else env.get("SPOTGUARD_CHECKPOINT_DIR")
+    bucket = bucket if bucket is not None else (env.get("SPOTGUARD_BUCKET") or None)
+    if bucket is not None:
+        check_bucket_url(bucket, key="bucket")
+    sock = socket if socket is not None else env.get("SPOTGUARD_SOCKET", str(DEFAULT_SOCKET))
+    return TrainerSettings(
+        checkpoint_dir=Path(root).expanduser().absolute() if root else None,
+        bucket=bucket,
+        socket=Path(sock),
+    )

@@ -1,0 +1,1 @@
+"""The daemon side. Imports aiohttp and storage SDKs; never torch."""

@@ -1,0 +1,424 @@
+"""The daemon: monitors -> notices -> trainers, saved checkpoints -> uploader.
+
+The only place real clients (HTTP session, storage backend) are built is
+:func:`build_and_run`; :class:`Daemon` takes them as arguments so tests can
+hand in their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from spotguard import __version__, protocol
+from spotguard.config import DaemonConfig, with_overrides
+from spotguard.daemon.server import Peer, Reply, SocketServer
+from spotguard.daemon.uploader import Uploader
+from spotguard.manifest import Manifest, atomic_file, load_manifest, prune_local
+from spotguard.monitors.base import Acknowledger, Monitor, MonitorError
+from spotguard.notice import Action, Kind, Notice, utcnow
+from spotguard.storage.base import Storage
+
+logger = logging.getLogger("spotguard.daemon")
+
+NoticeListener = Callable[[Notice, Action], Awaitable[None]]
+
+
+class EventLog:
+    """Event ids the daemon has acted on, kept in ``state_dir`` so a restart does not act twice."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.path = state_dir / "events.json"
+        self.events: dict[str, dict[str, Any]] = {}
+        try:
+            loaded = json.loads(self.path.read_bytes())
+            self.events = {k: v for k, v in loaded.items() if isinstance(v, dict) and "notice" in v}
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError) as exc:
+            logger.warning("ignoring unreadable %s: %s", self.path, exc)
+        self._forget_old()
+
+    def _forget_old(self) -> None:
+        horizon = utcnow() - timedelta(days=1)
+        for event_id, entry in list(self.events.items()):
+            with contextlib.suppress(ValueError, KeyError):
+                if Notice.from_dict(entry["notice"]).deadline < horizon:
+                    del self.events[event_id]
+
+    def __contains__(self, event_id: str) -> bool:
+        return event_id in self.events
+
+    def record(self, notice: Notice, **fields: Any) -> None:
+        entry = self.events.setdefault(notice.event_id, {"notice": notice.to_dict()})
+        entry.update(fields)
+        self._save()
+
+    def _save(self) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with atomic_file(self.path) as out:
+                out.write(json.dumps(self.events, indent=1).encode())
+        except OSError as exc:  # losing this only risks acting twice after a restart
+            logger.warning("cannot write %s: %s", self.path, exc)
+
+    def pending(self) -> list[Notice]:
+        """Notices whose deadline has not passed, oldest first."""
+        notices = []
+        for entry in self.events.values():
+            with contextlib.suppress(ValueError):
+                notice = Notice.from_dict(entry["notice"])
+                if notice.seconds_left() > 0:
+                    notices.append(notice)
+        return sorted(notices, key=lambda n: n.received)
+
+
+class Daemon:
+    def __init__(
+        self,
+        config: DaemonConfig,
+        *,
+        provider: str,
+        monitors: Sequence[Monitor] = (),
+        storage: Storage | None = None,
+    ) -> None:
+        self.config = config
+        self.provider = provider
+        self.monitors = list(monitors)
+        self.storage = storage
+        self.root = config.checkpoint_dir.absolute()
+        self.events = EventLog(config.state_dir)
+        self.uploader = Uploader(
+            storage,
+            self.root,
+            keep_local=config.keep_local,
+            keep_remote=config.keep_remote,
+            concurrency=config.upload_concurrency,
+            scan_interval=config.scan_interval,
+        )
+        self.uploader.on_committed.append(self._on_committed)
+        self.server = SocketServer(
+            config.socket,
+            self._handle,
+            allowed_uids=config.allowed_uids,
+            allowed_gids=config.allowed_gids,
+            max_message_bytes=config.max_message_bytes,
+            max_connections=config.max_connections,
+            on_disconnect=self._on_disconnect,
+        )
+        self.pending: tuple[Notice, Action] | None = None  # the notice trainers must act on
+        self.last_notice: dict[str, Any] | None = None  # its timeline, for status and reports
+        self.notice_listeners: list[NoticeListener] = []
+        self.monitor_errors: dict[str, str] = {}
+        self._stopping = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # --- notices -----------------------------------------------------------------------
+
+    def action_for(self, notice: Notice) -> Action:
+        if notice.is_hard:
+            return Action.STOP
+        return self.config.action_for_soft(str(notice.kind))
+
+    async def on_notice(self, notice: Notice) -> bool:
+        """Act on a notice once per event id (also across restarts). True if it was acted on now."""
+        if notice.event_id in self.events:
+            return False
+        action = self.action_for(notice)
+        self.events.record(notice, action=str(action))
+        if action is Action.IGNORE:
+            logger.info("ignoring %s notice %s (policy)", notice.kind, notice.event_id)
+            return True
+        logger.warning(
+            "%s %s notice %s: deadline %s (%.0f s); telling %d trainer(s) to %s",
+            notice.provider,
+            notice.kind,
+            notice.event_id,
+            notice.deadline.isoformat(),
+            notice.seconds_left(),
+            len(self.server.trainers()),
+            "checkpoint and stop" if action is Action.STOP else "checkpoint",
+        )
+        self._make_pending(notice, action)
+        message_type, fields = self._checkpoint_now(notice, action)
+        told = await self.server.broadcast(message_type, **fields)
+        if self.last_notice is not None:
+            self.last_notice["told_at"] = utcnow().isoformat()
+            self.last_notice["trainers_told"] = told
+        for listener in self.notice_listeners:
+            with contextlib.suppress(Exception):
+                await listener(notice, action)
+        return True
+
+    def _make_pending(self, notice: Notice, action: Action) -> None:
+        current = self.pending
+        # A hard notice outranks a soft one; among equals the earlier deadline wins.
+        if (
+            current is None
+            or (action is Action.STOP and current[1] is not Action.STOP)
+            or (current[1] is action and notice.deadline < current[0].deadline)
+        ):
+            self.pending = (notice, action)
+            if action is Action.STOP or current is None:
+                self.uploader.set_deadline(notice.deadline)
+        self.last_notice = {
+            "event_id": notice.event_id,
+            "provider": notice.provider,
+            "kind": str(notice.kind),
+            "action": str(action),
+            "deadline": notice.deadline.isoformat(),
+            "received_at": notice.received.isoformat(),
+        }
+
+    def _checkpoint_now(self, notice: Notice, action: Action) -> Reply:
+        return "checkpoint-now", {
+            "notice": notice.to_dict(),
+            "stop": action is Action.STOP,
+            "deadline_s": round(notice.seconds_left(), 3),
+        }
+
+    def _pending_if_live(self) -> tuple[Notice, Action] | None:
+        if self.pending is not None and self.pending[0].seconds_left() <= 0 and self.pending[1] is not Action.STOP:
+            self.pending = None  # a soft notice whose time has passed is over
+        return self.pending
+
+    # --- socket requests ---------------------------------------------------------------
+
+    async def _handle(self, peer: Peer, message: dict[str, Any]) -> list[Reply]:
+        kind = message["type"]
+        if kind == "hello":
+            return self._hello(peer, message)
+        if kind == "saved":
+            return [await self._saved(peer, message)]
+        if kind == "drill":
+            return [await self._drill(message)]
+        return [("status", self.status())]
+
+    def _hello(self, peer: Peer, message: dict[str, Any]) -> list[Reply]:
+        peer.hello = message
+        claimed = message.get("checkpoint_dir") or ""
+        fields: dict[str, Any] = {
+            "checkpoint_dir": str(self.root),
+            "bucket": self.config.bucket,
+            "daemon_pid": os.getpid(),
+        }
+        if claimed and Path(claimed).resolve() != self.root.resolve():
+            fields["warning"] = (
+                f"the trainer writes to {claimed} but this daemon uploads from {self.root}: "
+                "set the same directory on both sides"
+            )
+            logger.warning("trainer pid %d: %s", peer.pid, fields["warning"])
+        logger.info("trainer connected: pid %d rank %s/%s", peer.pid, message["rank"], message["world_size"])
+        replies: list[Reply] = [("welcome", fields)]
+        pending = self._pending_if_live()
+        if pending is not None:
+            # A trainer that (re)connects while a notice is pending is told at once.
+            replies.append(self._checkpoint_now(*pending))
+        return replies
+
+    async def _saved(self, peer: Peer, message: dict[str, Any]) -> Reply:
+        path = Path(message["path"])
+        try:
+            resolved = path.resolve(strict=True)
+        except (OSError, RuntimeError):
+            raise protocol.ProtocolError("bad-path", f"{path} does not exist") from None
+        if not resolved.is_relative_to(self.root.resolve()) or resolved.parent != self.root.resolve():
+            raise protocol.ProtocolError("bad-path", f"{path} is not a checkpoint directory inside {self.root}")
+        try:
+            manifest = await asyncio.to_thread(load_manifest, resolved)
+        except (OSError, ValueError) as exc:
+            raise protocol.ProtocolError("not-committed", f"{resolved.name}: {exc}") from None
+        urgent = message["reason"] in ("urgent", "soft", "final")
+        logger.info(
+            "trainer pid %d committed %s (%s, %d bytes)", peer.pid, resolved.name, manifest.reason, manifest.total_bytes
+        )
+        event_id = message.get("event_id")
+        if isinstance(event_id, str) and event_id in self.events:
+            self.events.record(Notice.from_dict(self.events.events[event_id]["notice"]), saved_step=manifest.step)
+            if self.last_notice and self.last_notice.get("event_id") == event_id:
+                self.last_notice.update(
+                    saved_at=utcnow().isoformat(), saved_step=manifest.step, checkpoint=resolved.name
+                )
+        if self.storage is None:
+            await asyncio.to_thread(self._prune_without_bucket)
+        else:
+            self.uploader.submit(resolved, urgent=urgent)
+        return "ok", {"queued": self.storage is not None, "name": resolved.name}
+
+    def _prune_without_bucket(self) -> None:
+        prune_local(self.root, self.config.keep_local)
+
+    async def _drill(self, message: dict[str, Any]) -> Reply:
+        if self._stopping.is_set():
+            raise protocol.ProtocolError("stopping", "the daemon is shutting down")
+        seconds = float(message["deadline_s"])
+        if not 0 < seconds <= 3600:
+            raise protocol.ProtocolError("bad-field", "drill: deadline_s must be in (0, 3600]")
+        notice = Notice.in_seconds(self.provider, Kind.DRILL, seconds, identity=uuid.uuid4().hex, raw={"drill": True})
+        await self.on_notice(notice)
+        return "ok", {"event_id": notice.event_id, "trainers_told": len(self.server.trainers())}
+
+    def _on_disconnect(self, peer: Peer) -> None:
+        if peer.is_trainer:
+            logger.info("trainer pid %d disconnected", peer.pid)
+
+    async def _on_committed(self, name: str, manifest: Manifest, seconds: float) -> None:
+        event_id = manifest.meta.get("event_id")
+        if self.last_notice is not None and self.last_notice.get("checkpoint") == name:
+            self.last_notice["committed_at"] = utcnow().isoformat()
+        if isinstance(event_id, str) and event_id in self.events:
+            notice = Notice.from_dict(self.events.events[event_id]["notice"])
+            self.events.record(notice, committed=name)
+            for monitor in self.monitors:
+                if isinstance(monitor, Acknowledger):
+                    try:
+                        await monitor.acknowledge(notice)
+                    except MonitorError as exc:
+                        logger.warning("acknowledging %s failed: %s", event_id, exc)
+
+    # --- status ------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        pending = self._pending_if_live()
+        return {
+            "version": __version__,
+            "pid": os.getpid(),
+            "provider": self.provider,
+            "monitors": [monitor.name for monitor in self.monitors],
+            "monitor_errors": dict(self.monitor_errors),
+            "checkpoint_dir": str(self.root),
+            "trainers": [
+                {"pid": p.pid, "uid": p.uid, "rank": p.hello["rank"], "world_size": p.hello["world_size"]}
+                for p in self.server.trainers()
+                if p.hello is not None
+            ],
+            "pending": None
+            if pending is None
+            else {
+                **pending[0].to_dict(),
+                "action": str(pending[1]),
+                "seconds_left": round(pending[0].seconds_left(), 3),
+            },
+            "last_notice": self.last_notice,
+            "uploads": self.uploader.status(),
+            "stopping": self._stopping.is_set(),
+        }
+
+    # --- lifetime ----------------------------------------------------------------------
+
+    async def _watch(self, monitor: Monitor) -> None:
+        while not self._stopping.is_set():
+            started = asyncio.get_running_loop().time()
+            try:
+                notice = await monitor.check()
+            except MonitorError as exc:
+                self.monitor_errors[monitor.name] = str(exc)
+                logger.warning("%s", exc)
+                notice = None
+            except Exception as exc:  # a monitor bug must not stop the others or the daemon
+                self.monitor_errors[monitor.name] = repr(exc)
+                logger.exception("%s monitor failed", monitor.name)
+                notice = None
+            else:
+                self.monitor_errors.pop(monitor.name, None)
+            if notice is not None:
+                await self.on_notice(notice)
+            spent = asyncio.get_running_loop().time() - started
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), max(0.0, monitor.interval - spent))
+
+    async def start(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        for notice in self.events.pending():
+            # Restarted mid-incident: the notice still holds for trainers that (re)connect.
+            entry = self.events.events[notice.event_id]
+            action = Action(entry.get("action", str(self.action_for(notice))))
+            if action is not Action.IGNORE:
+                logger.warning("a %s notice (%s) is still pending from before a restart", notice.kind, notice.event_id)
+                self._make_pending(notice, action)
+        await self.server.start()
+        self._tasks = [asyncio.create_task(self.uploader.run(), name="uploader")]
+        self._tasks += [asyncio.create_task(self._watch(m), name=f"monitor-{m.name}") for m in self.monitors]
+
+    def request_stop(self) -> None:
+        self._stopping.set()
+
+    async def serve_until_stopped(self, ready: Callable[[], None] | None = None) -> int:
+        await self.start()
+        if ready:
+            ready()
+        await self._stopping.wait()
+        return await self.shutdown()
+
+    async def shutdown(self) -> int:
+        """Stop taking new work, finish uploads until the pending deadline (or the grace time), exit."""
+        self._stopping.set()
+        await self.server.stop_accepting()
+        pending = self._pending_if_live()
+        budget = self.config.shutdown_grace
+        if pending is not None:
+            budget = max(0.0, min(budget, pending[0].seconds_left()))
+        logger.info("shutting down: finishing uploads for up to %.0f s", budget)
+        drained = await self.uploader.drain(budget)
+        if not drained:
+            logger.error(
+                "shutdown: uploads still unfinished after %.0f s: %s", budget, self.uploader.status()["queued"]
+            )
+        for task in self._tasks:
+            task.cancel("daemon shutting down")
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.server.close()
+        for monitor in self.monitors:
+            with contextlib.suppress(Exception):
+                await monitor.close()
+        if self.storage is not None:
+            await asyncio.to_thread(self.storage.close)
+        return 0
+
+
+async def build_and_run(config: DaemonConfig) -> int:
+    """Build the real parts from ``config`` and run until SIGTERM/SIGINT."""
+    from spotguard.storage import open_storage
+
+    storage = open_storage(config.bucket) if config.bucket else None
+    if storage is not None and hasattr(storage, "warm"):
+        # Credentials and connections now, not at notice time.
+        await asyncio.to_thread(storage.warm)
+    provider, monitors, session = await _build_monitors(config)
+    daemon = Daemon(config, provider=provider, monitors=monitors, storage=storage)
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, daemon.request_stop)
+    try:
+        return await daemon.serve_until_stopped(
+            ready=lambda: logger.info("spotguard %s ready (provider %s)", __version__, provider)
+        )
+    finally:
+        if session is not None:
+            await session.close()
+
+
+async def _build_monitors(config: DaemonConfig) -> tuple[str, list[Monitor], Any]:
+    if config.provider == "none":
+        return "none", [], None
+    import aiohttp
+
+    from spotguard.monitors.detect import build_monitors, detect_provider
+
+    provider = detect_provider() if config.provider == "auto" else config.provider
+    if provider == "none":
+        return "none", [], None
+    session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=config.http_timeout))
+    return provider, build_monitors(with_overrides(config, provider=provider), session), session
+
+
+__all__ = ["Daemon", "EventLog", "build_and_run"]

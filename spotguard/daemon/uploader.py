@@ -1,0 +1,292 @@
+"""Background uploads of committed checkpoints, restart-safe and deadline-aware.
+
+What is left to do is derived, never remembered: at start and every
+``scan_interval`` the uploader compares the complete checkpoints under the
+local root with the complete ones in the bucket. Urgent checkpoints jump the
+queue and cancel a periodic upload in flight (it is picked up again later;
+the files it already sent are not sent twice). Blocking storage calls run in
+threads, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from spotguard.manifest import Manifest, load_manifest, prune_local, scan_local
+from spotguard.notice import utcnow
+from spotguard.storage.base import Storage, StorageError
+from spotguard.storage.checkpoints import Throughput, UploadCancelled, list_remote, prune_remote, upload_checkpoint
+
+logger = logging.getLogger("spotguard.uploader")
+
+OnCommitted = Callable[[str, Manifest, float], Awaitable[None]]
+
+
+@dataclass(order=True)
+class _Job:
+    priority: int  # 0 urgent, 1 periodic
+    neg_step: int  # newest first within a priority
+    name: str = field(compare=False)
+
+
+@dataclass
+class _Current:
+    name: str
+    urgent: bool
+    total: int
+    progress: Throughput
+    cancel: threading.Event
+    started_wall: datetime
+
+
+class Uploader:
+    def __init__(
+        self,
+        storage: Storage | None,
+        root: Path,
+        *,
+        keep_local: int = 2,
+        keep_remote: int = 3,
+        concurrency: int = 8,
+        scan_interval: float = 2.0,
+        retry_after: float = 2.0,
+    ) -> None:
+        self.storage = storage
+        self.root = root
+        self.keep_local = keep_local
+        self.keep_remote = keep_remote
+        self.concurrency = concurrency
+        self.scan_interval = scan_interval
+        self.retry_after = retry_after
+        self.committed: set[str] = set()  # complete in the bucket
+        self.on_committed: list[OnCommitted] = []
+        self.last_committed: dict[str, Any] | None = None
+        self.failures: list[dict[str, Any]] = []
+        self._queued: dict[str, _Job] = {}
+        self._urgent: set[str] = set()
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._current: _Current | None = None
+        self._deadline: datetime | None = None  # the pending notice's, if any
+        self._not_before: dict[str, float] = {}  # backoff after a failed attempt
+
+    # --- what to upload --------------------------------------------------------------------
+
+    def submit(self, step_dir: Path, *, urgent: bool) -> None:
+        name = step_dir.name
+        if self.storage is None or name in self.committed:
+            return
+        step = load_manifest(step_dir).step
+        if urgent:
+            self._urgent.add(name)
+        job = _Job(0 if name in self._urgent else 1, -step, name)
+        self._queued[name] = min(job, self._queued.get(name, job))
+        current = self._current
+        if urgent and current is not None and not current.urgent:
+            logger.info("urgent %s: cancelling the periodic upload of %s", name, current.name)
+            current.cancel.set()
+        self._idle.clear()
+        self._wake.set()
+
+    def set_deadline(self, deadline: datetime | None) -> None:
+        self._deadline = deadline
+
+    async def rescan(self) -> None:
+        """Queue every complete local checkpoint not yet complete in the bucket."""
+        if self.storage is None:
+            return
+        storage = self.storage
+        remote = await asyncio.to_thread(list_remote, storage)
+        self.committed = {info.name for info in remote if info.status == "complete"}
+        for info in await asyncio.to_thread(scan_local, self.root):
+            uploading = self._current is not None and self._current.name == info.name
+            if info.status == "complete" and info.name not in self.committed | set(self._queued) and not uploading:
+                self.submit(self.root / info.name, urgent=False)
+
+    # --- the loop ----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        if self.storage is None:
+            self._idle.set()
+            return
+        await self._rescan_logged()
+        next_scan = time.monotonic() + self.scan_interval
+        while True:
+            job = self._next_job()
+            if job is None:
+                if not self._queued:
+                    self._idle.set()
+                timeout = max(0.0, next_scan - time.monotonic())
+                if self._not_before:
+                    timeout = min(timeout, max(0.0, min(self._not_before.values()) - time.monotonic()))
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout)
+                if time.monotonic() >= next_scan:
+                    await self._rescan_logged()
+                    next_scan = time.monotonic() + self.scan_interval
+                continue
+            await self._upload(job)
+
+    async def _rescan_logged(self) -> None:
+        try:
+            await self.rescan()
+        except (StorageError, OSError) as exc:
+            logger.warning("cannot list %s: %s (will retry)", self.storage.url if self.storage else "-", exc)
+
+    def _next_job(self) -> _Job | None:
+        now = time.monotonic()
+        ready = [job for job in self._queued.values() if self._not_before.get(job.name, 0) <= now]
+        if not ready:
+            return None
+        job = min(ready)
+        del self._queued[job.name]
+        return job
+
+    async def _upload(self, job: _Job) -> None:
+        assert self.storage is not None
+        step_dir = self.root / job.name
+        try:
+            manifest = load_manifest(step_dir)
+        except (OSError, ValueError) as exc:
+            logger.warning("not uploading %s: %s", job.name, exc)
+            return
+        current = _Current(job.name, job.priority == 0, manifest.total_bytes, Throughput(), threading.Event(), utcnow())
+        self._current = current
+        deadline = None
+        if self._deadline is not None:
+            deadline = time.monotonic() + (self._deadline - utcnow()).total_seconds()
+        started = time.monotonic()
+        logger.info(
+            "uploading %s (%d bytes, %s)", job.name, manifest.total_bytes, "urgent" if current.urgent else "periodic"
+        )
+        try:
+            await asyncio.to_thread(
+                upload_checkpoint,
+                self.storage,
+                step_dir,
+                concurrency=self.concurrency,
+                deadline=deadline,
+                cancel=current.cancel,
+                progress=current.progress.add,
+            )
+        except UploadCancelled:
+            self._queued.setdefault(job.name, _Job(1, job.neg_step, job.name))
+            return
+        except (StorageError, OSError) as exc:
+            self._record_failure(job, exc)
+            return
+        finally:
+            self._current = None
+        elapsed = time.monotonic() - started
+        await self._committed(job.name, manifest, elapsed)
+
+    def _record_failure(self, job: _Job, exc: BaseException) -> None:
+        logger.error("upload of %s failed: %s; retrying in %.0f s", job.name, exc, self.retry_after)
+        self.failures.append({"name": job.name, "error": str(exc), "at": utcnow().isoformat()})
+        del self.failures[:-20]
+        self._not_before[job.name] = time.monotonic() + self.retry_after
+        self._queued.setdefault(job.name, job)
+
+    async def _committed(self, name: str, manifest: Manifest, elapsed: float) -> None:
+        assert self.storage is not None
+        self.committed.add(name)
+        self._urgent.discard(name)
+        self._not_before.pop(name, None)
+        now = utcnow()
+        margin = (self._deadline - now).total_seconds() if self._deadline else None
+        self.last_committed = {
+            "name": name,
+            "step": manifest.step,
+            "bytes": manifest.total_bytes,
+            "seconds": round(elapsed, 3),
+            "at": now.isoformat(),
+            "deadline_margin_s": None if margin is None else round(margin, 3),
+        }
+        if margin is not None and margin < 0:
+            logger.error("%s committed in the bucket %.1f s AFTER the deadline", name, -margin)
+        else:
+            logger.info(
+                "%s committed in %s in %.2f s (%.1f MB/s)%s",
+                name,
+                self.storage.url,
+                elapsed,
+                manifest.total_bytes / max(elapsed, 1e-9) / 1e6,
+                "" if margin is None else f", {margin:.1f} s before the deadline",
+            )
+        for callback in self.on_committed:
+            try:
+                await callback(name, manifest, elapsed)
+            except Exception:
+                logger.exception("a commit listener failed for %s", name)
+        await self._retention()
+
+    async def _retention(self) -> None:
+        assert self.storage is not None
+        storage = self.storage
+        in_flight = frozenset(self._queued) | ({self._current.name} if self._current else set())
+        try:
+            removed = await asyncio.to_thread(prune_remote, storage, self.keep_remote, protected=in_flight)
+            if removed:
+                logger.info("bucket retention removed %s", ", ".join(removed))
+        except (StorageError, OSError) as exc:
+            logger.warning("bucket retention failed: %s", exc)
+        # Locally, never delete what is not yet safe in the bucket.
+        not_uploaded = frozenset(
+            info.name for info in scan_local(self.root) if info.status == "complete" and info.name not in self.committed
+        )
+        await asyncio.to_thread(prune_local, self.root, self.keep_local, protected=not_uploaded)
+
+    # --- shutdown and status -----------------------------------------------------------
+
+    async def drain(self, timeout: float) -> bool:
+        """Wait until nothing is left to upload (after a final rescan) or ``timeout``; True if drained."""
+        if self.storage is None:
+            return True
+        await self._rescan_logged()
+        self._wake.set()
+        try:
+            await asyncio.wait_for(self._wait_idle(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    async def _wait_idle(self) -> None:
+        while self._queued or self._current is not None:
+            self._idle.clear()
+            await self._idle.wait()
+
+    def status(self) -> dict[str, Any]:
+        current = None
+        if self._current is not None:
+            cur = self._current
+            rate = cur.progress.rate()
+            remaining = max(cur.total - cur.progress.bytes, 0)
+            eta = remaining / rate if rate else None
+            current = {
+                "name": cur.name,
+                "urgent": cur.urgent,
+                "bytes_done": cur.progress.bytes,
+                "bytes_total": cur.total,
+                "rate_bytes_s": None if rate is None else round(rate),
+                "eta_s": None if eta is None else round(eta, 2),
+            }
+            if self._deadline is not None and eta is not None:
+                current["will_meet_deadline"] = eta <= (self._deadline - utcnow()).total_seconds()
+        return {
+            "bucket": self.storage.url if self.storage else None,
+            "current": current,
+            "queued": sorted(self._queued),
+            "committed": sorted(self.committed)[-5:],
+            "last_committed": self.last_committed,
+            "failures": self.failures[-5:],
+        }

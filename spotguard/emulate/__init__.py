@@ -1,0 +1,1 @@
+"""Local metadata-service emulators for rehearsals and tests."""

@@ -1,0 +1,1 @@
+"""Framework integrations (Lightning, Hugging Face Trainer)."""

@@ -1,0 +1,393 @@
+"""Checkpoint layout, ``manifest.json``, CRC32C and the atomic commit. Both sides import it.
+
+::
+
+    <root>/step-000001234/     a fresh directory per checkpoint, never overwritten
+        manifest.json          written last: the commit marker
+        <data files>
+
+Every data file is written under a temporary name, fsynced and renamed, so a
+finished file can be uploaded while the rest are still being written. The
+manifest goes last the same way, then the directory is fsynced: the manifest
+*is* the commit. A directory without a valid manifest, or whose files do not
+match it, is incomplete and never loaded.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path, PurePosixPath
+from typing import IO, Any, Literal
+
+import google_crc32c
+
+FORMAT = "spotguard/1"
+MANIFEST = "manifest.json"
+REASONS = ("urgent", "periodic", "soft", "final")
+_STEP_DIR = re.compile(r"^step-(\d{9,})$")
+_TMP_MARK = ".tmp-"
+_CHUNK = 8 * 1024 * 1024
+
+Status = Literal["complete", "incomplete"]
+
+
+class ManifestError(ValueError):
+    """A manifest that is missing, malformed, or does not match the files beside it."""
+
+
+class CheckpointExists(FileExistsError):
+    """The step directory already holds a complete checkpoint; checkpoints are never overwritten."""
+
+
+# --- names and checksums --------------------------------------------------------------------
+
+
+def step_dir_name(step: int) -> str:
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return f"step-{step:09d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    match = _STEP_DIR.match(name)
+    return int(match.group(1)) if match else None
+
+
+def crc32c_hex(value: int) -> str:
+    return f"{value:08x}"
+
+
+def crc32c_of_file(path: Path) -> str:
+    checksum = google_crc32c.Checksum()
+    with path.open("rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            checksum.update(chunk)
+    return checksum.digest().hex()
+
+
+def crc32c_of_bytes(data: bytes) -> str:
+    return crc32c_hex(google_crc32c.value(data))
+
+
+def hex_to_base64(crc_hex: str) -> str:
+    """The form S3 (``x-amz-checksum-crc32c``) and GCS (``crc32c``) use: base64 of 4 big-endian bytes."""
+    return base64.b64encode(bytes.fromhex(crc_hex)).decode()
+
+
+def base64_to_hex(crc_b64: str) -> str:
+    return base64.b64decode(crc_b64).hex()
+
+
+def check_relpath(relpath: str) -> str:
+    """A manifest key must stay inside its checkpoint directory."""
+    path = PurePosixPath(relpath)
+    if not relpath or path.is_absolute() or ".." in path.parts or "\\" in relpath or relpath == MANIFEST:
+        raise ManifestError(f"file name {relpath!r} is not a plain relative path inside the checkpoint")
+    if _TMP_MARK in path.name:
+        raise ManifestError(f"file name {relpath!r} looks like a temporary file")
+    return relpath
+
+
+# --- the manifest ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    size: int
+    crc32c: str  # 8 lowercase hex digits of the big-endian CRC32C
+
+
+@dataclass(frozen=True)
+class Manifest:
+    step: int
+    reason: str
+    world_size: int
+    files: Mapping[str, FileEntry]
+    created: str = field(default_factory=lambda: datetime.now(UTC).isoformat())
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(entry.size for entry in self.files.values())
+
+    def to_json(self) -> bytes:
+        document = {
+            "format": FORMAT,
+            "step": self.step,
+            "created": self.created,
+            "reason": self.reason,
+            "world_size": self.world_size,
+            "files": {name: {"size": e.size, "crc32c": e.crc32c} for name, e in sorted(self.files.items())},
+            "meta": dict(self.meta),
+        }
+        return json.dumps(document, indent=1, sort_keys=False).encode() + b"\n"
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Manifest:
+        try:
+            document = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ManifestError(f"manifest is not JSON: {exc}") from None
+        if not isinstance(document, dict) or document.get("format") != FORMAT:
+            raise ManifestError(f"manifest format is not {FORMAT!r}")
+        try:
+            files = {
+                check_relpath(name): FileEntry(size=_int(entry["size"]), crc32c=_crc(entry["crc32c"]))
+                for name, entry in document["files"].items()
+            }
+            return cls(
+                step=_int(document["step"]),
+                reason=str(document["reason"]),
+                world_size=_int(document["world_size"]),
+                files=files,
+                created=str(document["created"]),
+                meta=dict(document.get("meta") or {}),
+            )
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            raise ManifestError(f"manifest is malformed: {exc!r}") from None
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{value!r} is not a non-negative integer")
+    return value
+
+
+def _crc(value: Any) -> str:
+    if not isinstance(value, str) or not re.fullmatch(r"[0-9a-f]{8}", value):
+        raise ValueError(f"{value!r} is not 8 lowercase hex digits")
+    return value
+
+
+# --- durable writes -------------------------------------------------------------------------
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _ChecksummingWriter:
+    """A write-only file wrapper that computes size and CRC32C as bytes go by (no second read)."""
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        self._raw = raw
+        self._crc = google_crc32c.Checksum()
+        self.size = 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        view = memoryview(data).cast("B")
+        written = self._raw.write(view)
+        # google-crc32c's C extension accepts only bytes, so feed it bounded copies (memcpy speed).
+        for start in range(0, len(view), _CHUNK):
+            self._crc.update(bytes(view[start : start + _CHUNK]))
+        self.size += len(view)
+        return written if written is not None else len(view)
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def writable(self) -> bool:
+        return True
+
+    @property
+    def crc32c(self) -> str:
+        return self._crc.digest().hex()
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path) -> Iterator[_ChecksummingWriter]:
+    """Write ``path`` durably: temp name, fsync, rename. On error the temp file is removed."""
+    tmp = path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}")
+    try:
+        with tmp.open("wb", buffering=_CHUNK) as raw:
+            writer = _ChecksummingWriter(raw)
+            yield writer
+            raw.flush()
+            os.fsync(raw.fileno())
+        tmp.rename(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+class CheckpointWriter:
+    """Writes one checkpoint directory and commits it with its manifest.
+
+    >>> writer = CheckpointWriter(root, step=100, reason="urgent")
+    >>> with writer.create("model.pt") as out:
+    ...     torch.save(model.state_dict(), out)
+    >>> manifest = writer.commit()
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        step: int,
+        *,
+        reason: str,
+        world_size: int = 1,
+        meta: Mapping[str, Any] | None = None,
+    ) -> None:
+        if reason not in REASONS:
+            raise ValueError(f"reason must be one of {REASONS}, got {reason!r}")
+        self.root = root
+        self.step = step
+        self.reason = reason
+        self.world_size = world_size
+        self.meta = dict(meta or {})
+        self.dir = root / step_dir_name(step)
+        self.files: dict[str, FileEntry] = {}
+
+    def prepare(self) -> None:
+        """Create the step directory; clear a leftover of a killed writer at the same step."""
+        if load_manifest_or_none(self.dir) is not None:
+            raise CheckpointExists(f"{self.dir} is already a complete checkpoint")
+        if self.dir.exists():
+            shutil.rmtree(self.dir)
+        self.dir.mkdir(parents=True)
+        fsync_dir(self.root)
+
+    @contextlib.contextmanager
+    def create(self, relpath: str) -> Iterator[_ChecksummingWriter]:
+        target = self.dir / check_relpath(relpath)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_file(target) as writer:
+            yield writer
+        self.files[relpath] = FileEntry(size=writer.size, crc32c=writer.crc32c)
+
+    def write_bytes(self, relpath: str, data: bytes) -> FileEntry:
+        with self.create(relpath) as out:
+            out.write(data)
+        return self.files[relpath]
+
+    def add_existing(self, relpath: str) -> FileEntry:
+        """Record a file someone else wrote into the directory (another rank, DCP)."""
+        path = self.dir / check_relpath(relpath)
+        entry = FileEntry(size=path.stat().st_size, crc32c=crc32c_of_file(path))
+        self.files[relpath] = entry
+        return entry
+
+    def commit(self) -> Manifest:
+        manifest = Manifest(
+            step=self.step, reason=self.reason, world_size=self.world_size, files=dict(self.files), meta=self.meta
+        )
+        for sub in {(self.dir / name).parent for name in self.files}:
+            fsync_dir(sub)
+        with atomic_file(self.dir / MANIFEST) as out:
+            out.write(manifest.to_json())
+        fsync_dir(self.dir)
+        return manifest
+
+
+# --- reading and checking -------------------------------------------------------------------
+
+
+def load_manifest(step_dir: Path) -> Manifest:
+    try:
+        data = (step_dir / MANIFEST).read_bytes()
+    except FileNotFoundError:
+        raise ManifestError(f"{step_dir.name}: no {MANIFEST} (never committed)") from None
+    manifest = Manifest.from_json(data)
+    if parse_step_dir(step_dir.name) != manifest.step:
+        raise ManifestError(f"{step_dir.name}: manifest says step {manifest.step}")
+    return manifest
+
+
+def load_manifest_or_none(step_dir: Path) -> Manifest | None:
+    try:
+        return load_manifest(step_dir)
+    except (ManifestError, OSError):
+        return None
+
+
+def verify_dir(step_dir: Path, *, checksums: bool = True) -> list[str]:
+    """Problems with a local checkpoint (empty: complete and matching its manifest)."""
+    try:
+        manifest = load_manifest(step_dir)
+    except (ManifestError, OSError) as exc:
+        return [str(exc)]
+    problems = []
+    for name, entry in sorted(manifest.files.items()):
+        path = step_dir / name
+        try:
+            size = path.stat().st_size
+        except OSError:
+            problems.append(f"{step_dir.name}/{name}: missing")
+            continue
+        if size != entry.size:
+            problems.append(f"{step_dir.name}/{name}: size {size}, manifest says {entry.size}")
+        elif checksums and (actual := crc32c_of_file(path)) != entry.crc32c:
+            problems.append(f"{step_dir.name}/{name}: crc32c {actual}, manifest says {entry.crc32c}")
+    return problems
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    name: str
+    step: int
+    status: Status
+    bytes: int
+    created: str | None
+    manifest: Manifest | None = field(default=None, compare=False, repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "step": self.step,
+            "bytes": self.bytes,
+            "created": self.created,
+            "status": self.status,
+        }
+
+
+def scan_local(root: Path) -> list[CheckpointInfo]:
+    """Every step directory under ``root``, oldest first. Complete means: manifest valid, files present
+    with the right sizes (checksums are ``verify``'s job)."""
+    infos = []
+    try:
+        entries = list(root.iterdir())
+    except FileNotFoundError:
+        return []
+    for entry in entries:
+        step = parse_step_dir(entry.name)
+        if step is None or not entry.is_dir():
+            continue
+        manifest = load_manifest_or_none(entry)
+        if manifest is not None and not verify_dir(entry, checksums=False):
+            infos.append(CheckpointInfo(entry.name, step, "complete", manifest.total_bytes, manifest.created, manifest))
+        else:
+            size = sum(p.stat().st_size for p in entry.rglob("*") if p.is_file())
+            infos.append(CheckpointInfo(entry.name, step, "incomplete", size, None))
+    return sorted(infos, key=lambda info: info.step)
+
+
+def remove_incomplete(root: Path, *, except_names: frozenset[str] = frozenset()) -> list[str]:
+    """Remove leftovers of killed writers (step directories with no valid manifest)."""
+    removed = []
+    for info in scan_local(root):
+        if info.status == "incomplete" and info.name not in except_names:
+            shutil.rmtree(root / info.name, ignore_errors=True)
+            removed.append(info.name)
+    return removed
+
+
+def prune_local(root: Path, keep: int, *, protected: frozenset[str] = frozenset()) -> list[str]:
+    """Keep the newest ``keep`` complete checkpoints (and every name in ``protected``); delete older
+    complete ones. Incomplete directories are left alone: a writer may be filling one."""
+    complete = [info for info in scan_local(root) if info.status == "complete"]
+    doomed = [info.name for info in complete[:-keep] if info.name not in protected] if keep > 0 else []
+    for name in doomed:
+        shutil.rmtree(root / name, ignore_errors=True)
+    return doomed

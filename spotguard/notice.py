@@ -1,0 +1,117 @@
+"""The notice model: one immutable value for "this VM is going away (or may)".
+
+Stdlib only: both the daemon and the trainer hook import it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from enum import StrEnum
+from typing import Any
+
+
+class Kind(StrEnum):
+    TERMINATE = "terminate"
+    STOP = "stop"
+    HIBERNATE = "hibernate"
+    REBALANCE = "rebalance"
+    MAINTENANCE = "maintenance"
+    DRILL = "drill"
+    SIGTERM = "sigterm"
+
+
+#: Kinds that stop training by default. Soft kinds (rebalance, maintenance) only
+#: trigger an early, non-stopping checkpoint unless the daemon's policy says otherwise.
+HARD_KINDS = frozenset({Kind.TERMINATE, Kind.STOP, Kind.HIBERNATE, Kind.DRILL, Kind.SIGTERM})
+
+
+class Action(StrEnum):
+    """What the daemon does about a notice."""
+
+    STOP = "stop"  # urgent checkpoint, then training stops
+    CHECKPOINT = "checkpoint"  # early checkpoint, training goes on
+    IGNORE = "ignore"
+
+
+def event_id_for(provider: str, kind: Kind | str, identity: str) -> str:
+    """A stable id for one event.
+
+    ``identity`` must be what stays the same across polls of the same event
+    (AWS: the action and its announced time; Azure: ``EventId``; GCP: the
+    instance's preemption), never a timestamp taken at poll time.
+    """
+    digest = hashlib.sha256(f"{provider}\0{kind}\0{identity}".encode()).hexdigest()
+    return f"{provider}-{kind}-{digest[:16]}"
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass(frozen=True)
+class Notice:
+    provider: str
+    kind: Kind
+    deadline: datetime
+    event_id: str
+    raw: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    received: datetime = field(default_factory=utcnow, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.deadline.tzinfo is None:
+            raise ValueError("Notice.deadline must be timezone-aware (UTC)")
+        object.__setattr__(self, "kind", Kind(self.kind))
+
+    @property
+    def is_hard(self) -> bool:
+        return self.kind in HARD_KINDS
+
+    def seconds_left(self, now: datetime | None = None) -> float:
+        return (self.deadline - (now or utcnow())).total_seconds()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "provider": self.provider,
+            "kind": str(self.kind),
+            "deadline": self.deadline.isoformat(),
+            "event_id": self.event_id,
+            "received": self.received.isoformat(),
+            "raw": json.loads(json.dumps(dict(self.raw), default=str)),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Notice:
+        try:
+            return cls(
+                provider=str(data["provider"]),
+                kind=Kind(data["kind"]),
+                deadline=parse_iso(str(data["deadline"])),
+                event_id=str(data["event_id"]),
+                raw=dict(data.get("raw") or {}),
+                received=parse_iso(str(data["received"])) if data.get("received") else utcnow(),
+            )
+        except (KeyError, ValueError, TypeError) as exc:
+            raise ValueError(f"not a notice: {exc}") from exc
+
+    @classmethod
+    def in_seconds(
+        cls, provider: str, kind: Kind, seconds: float, identity: str, raw: Mapping[str, Any] | None = None
+    ) -> Notice:
+        """A notice whose deadline is ``seconds`` from now (GCP, drills, SIGTERM)."""
+        return cls(
+            provider=provider,
+            kind=kind,
+            deadline=utcnow() + timedelta(seconds=seconds),
+            event_id=event_id_for(provider, kind, identity),
+            raw=raw or {},
+        )
+
+
+def parse_iso(text: str) -> datetime:
+    """Parse an ISO-8601 time (``Z`` accepted); naive times are taken as UTC."""
+    value = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    return value if value.tzinfo else value.replace(tzinfo=UTC)

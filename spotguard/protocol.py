@@ -1,0 +1,91 @@
+"""The socket protocol between the daemon and its clients (trainer hooks, the CLI).
+
+Newline-delimited JSON objects, each ``{"v": 1, "type": ..., ...}``, at most
+``MAX_MESSAGE_BYTES`` per line by default. Stdlib only: both sides import it.
+
+Client -> daemon:
+  hello   {rank, world_size, pid, checkpoint_dir}    a trainer introduces itself
+  saved   {path, step, reason, event_id?}           a checkpoint is committed locally
+  drill   {deadline_s}                               inject a simulated hard notice
+  status  {}                                         what the daemon sees
+Daemon -> client:
+  welcome          {checkpoint_dir, bucket, daemon_pid, notice?}   reply to hello
+  checkpoint-now   {notice, stop, deadline_s}                      write an urgent checkpoint now
+  ok               {...}                                           reply to saved/drill
+  status           {...}                                           reply to status
+  error            {code, message}                                 what was wrong with the request
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+VERSION = 1
+MAX_MESSAGE_BYTES = 64 * 1024
+
+
+class ProtocolError(ValueError):
+    """A message that cannot be accepted; ``code`` goes into the error reply."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# Required fields and their types, per message type.
+_SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
+    "hello": {"rank": int, "world_size": int, "pid": int},
+    "saved": {"path": str, "step": int, "reason": str},
+    "drill": {"deadline_s": (int, float)},
+    "status": {},
+    "welcome": {"checkpoint_dir": str},
+    "checkpoint-now": {"notice": dict, "stop": bool, "deadline_s": (int, float)},
+    "ok": {},
+    "error": {"code": str, "message": str},
+}
+CLIENT_TYPES = frozenset({"hello", "saved", "drill", "status"})
+DAEMON_TYPES = frozenset({"welcome", "checkpoint-now", "ok", "status", "error"})
+
+
+def encode(message_type: str, **fields: Any) -> bytes:
+    if message_type not in _SCHEMA:
+        raise ValueError(f"unknown message type {message_type!r}")
+    return json.dumps({"v": VERSION, "type": message_type, **fields}, separators=(",", ":")).encode() + b"\n"
+
+
+def decode(line: bytes, *, allowed: frozenset[str] | None = None, limit: int = MAX_MESSAGE_BYTES) -> dict[str, Any]:
+    """Parse and validate one line. Raises :class:`ProtocolError` saying what is wrong."""
+    if len(line) > limit:
+        raise ProtocolError("too-large", f"message of {len(line)} bytes exceeds the limit of {limit}")
+    try:
+        message = json.loads(line)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ProtocolError("bad-json", f"not JSON: {exc}") from None
+    if not isinstance(message, dict):
+        raise ProtocolError("bad-message", "a message must be a JSON object")
+    if message.get("v") != VERSION:
+        raise ProtocolError("bad-version", f"protocol version {message.get('v')!r} not supported (want {VERSION})")
+    message_type = message.get("type")
+    if not isinstance(message_type, str) or message_type not in _SCHEMA:
+        raise ProtocolError("unknown-type", f"unknown message type {message_type!r}")
+    if allowed is not None and message_type not in allowed:
+        raise ProtocolError("unknown-type", f"message type {message_type!r} not accepted here")
+    _check_fields(message_type, message)
+    return message
+
+
+def _check_fields(message_type: str, message: Mapping[str, Any]) -> None:
+    for name, expected in _SCHEMA[message_type].items():
+        value = message.get(name)
+        # bool is an int in Python; a field that wants a number must not take true/false.
+        wrong_bool = isinstance(value, bool) and expected is not bool
+        if value is None or wrong_bool or not isinstance(value, expected):
+            raise ProtocolError("bad-field", f"{message_type}: field {name!r} missing or not {_type_name(expected)}")
+
+
+def _type_name(expected: type | tuple[type, ...]) -> str:
+    if isinstance(expected, tuple):
+        return " or ".join(t.__name__ for t in expected)
+    return expected.__name__

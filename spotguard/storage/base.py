@@ -1,0 +1,98 @@
+"""The one seam every object store implements, and the retry helper they share.
+
+Backends are synchronous: boto3 and google-cloud-storage block, so the daemon
+calls them through ``asyncio.to_thread`` (or a bounded executor) and the
+trainer hook calls them directly. Keys are relative to the URL's prefix and
+always use ``/``.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, TypeVar, runtime_checkable
+
+T = TypeVar("T")
+
+
+class StorageError(Exception):
+    """An operation on the bucket failed for good (after retries, or fatally)."""
+
+
+class TransientStorageError(StorageError):
+    """Worth retrying: 503 SlowDown, 500, throttling, a reset connection."""
+
+
+class ObjectNotFound(StorageError):
+    pass
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    size: int
+    crc32c: str | None = None  # hex, as in manifest.json; None when the store does not say
+
+
+@runtime_checkable
+class Storage(Protocol):
+    url: str
+
+    def put_file(self, local: Path, key: str, *, crc32c: str) -> None:
+        """Upload ``local`` to ``key``; visible only once complete; ``crc32c`` is verified by the store."""
+        ...
+
+    def get_file(self, key: str, local: Path) -> None:
+        """Download ``key`` to ``local`` (written under a temporary name, then renamed)."""
+        ...
+
+    def read_bytes(self, key: str) -> bytes: ...
+
+    def stat(self, key: str) -> ObjectInfo | None: ...
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Every object whose key starts with ``prefix``."""
+        ...
+
+    def delete(self, keys: Iterable[str]) -> None: ...
+
+    def is_transient(self, exc: BaseException) -> bool:
+        """Whether ``exc`` raised by this backend is worth retrying."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def retry(
+    operation: Callable[[], T],
+    *,
+    is_transient: Callable[[BaseException], bool],
+    deadline: float | None = None,
+    attempts: int = 8,
+    base_delay: float = 0.2,
+    max_delay: float = 5.0,
+    what: str = "storage operation",
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> T:
+    """Run ``operation``, retrying transient failures with full-jitter backoff.
+
+    Stops at ``attempts`` or when the next wait would pass ``deadline`` (a
+    ``clock()`` value, usually the notice's deadline): past it, retrying only
+    burns time the VM no longer has. Catches ``Exception`` only, so
+    cancellation and KeyboardInterrupt pass through.
+    """
+    for attempt in range(1, attempts + 1):
+        try:
+            return operation()
+        except Exception as exc:
+            if not is_transient(exc) or attempt == attempts:
+                raise
+            delay = random.uniform(0, min(max_delay, base_delay * 2 ** (attempt - 1)))
+            if deadline is not None and clock() + delay >= deadline:
+                raise StorageError(f"{what}: gave up at the deadline after {attempt} attempts: {exc}") from exc
+            sleep(delay)
+    raise AssertionError("unreachable")  # pragma: no cover

@@ -1,0 +1,98 @@
+"""``file:///path``: a directory as a bucket (NFS, Lustre, tests, the embedded default)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from urllib.parse import urlparse
+
+from spotguard.manifest import atomic_file, fsync_dir
+from spotguard.storage.base import ObjectInfo, ObjectNotFound, StorageError
+
+_COPY_CHUNK = 8 * 1024 * 1024
+# Errors a shared filesystem (NFS) can clear up by itself.
+_TRANSIENT_ERRNOS = frozenset({errno.EAGAIN, errno.EINTR, errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.EBUSY})
+
+
+class FileStorage:
+    def __init__(self, url: str) -> None:
+        parsed = urlparse(url)
+        if parsed.scheme != "file" or parsed.netloc:
+            raise ValueError(f"{url!r} is not a file:///absolute/path URL")
+        self.url = url
+        self.root = Path(parsed.path)
+
+    def _path(self, key: str) -> Path:
+        path = (self.root / key).resolve()
+        if not path.is_relative_to(self.root.resolve()):
+            raise StorageError(f"key {key!r} escapes {self.url}")
+        return path
+
+    def put_file(self, local: Path, key: str, *, crc32c: str) -> None:
+        target = self._path(key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with local.open("rb") as source, atomic_file(target) as out:
+            while chunk := source.read(_COPY_CHUNK):
+                out.write(chunk)
+        if out.crc32c != crc32c:
+            target.unlink(missing_ok=True)
+            raise StorageError(f"{key}: crc32c {out.crc32c} while copying, expected {crc32c}")
+        fsync_dir(target.parent)
+
+    def get_file(self, key: str, local: Path) -> None:
+        source = self._path(key)
+        local.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with source.open("rb") as handle, atomic_file(local) as out:
+                shutil.copyfileobj(handle, out, _COPY_CHUNK)
+        except FileNotFoundError:
+            raise ObjectNotFound(f"{self.url}/{key}") from None
+
+    def read_bytes(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError:
+            raise ObjectNotFound(f"{self.url}/{key}") from None
+
+    def stat(self, key: str) -> ObjectInfo | None:
+        try:
+            return ObjectInfo(key=key, size=self._path(key).stat().st_size)
+        except FileNotFoundError:
+            return None
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        if not self.root.is_dir():
+            return
+        for dirpath, _dirs, names in os.walk(self.root):
+            for name in names:
+                if name.startswith("."):  # temporary files of writes in progress
+                    continue
+                full = Path(dirpath) / name
+                key = full.relative_to(self.root).as_posix()
+                if key.startswith(prefix):
+                    try:
+                        yield ObjectInfo(key=key, size=full.stat().st_size)
+                    except FileNotFoundError:
+                        continue
+
+    def delete(self, keys: Iterable[str]) -> None:
+        parents = set()
+        for key in keys:
+            path = self._path(key)
+            path.unlink(missing_ok=True)
+            parents.add(path.parent)
+        # Drop directories the deletes emptied, so listings stay tidy.
+        for parent in sorted(parents, key=lambda p: len(p.parts), reverse=True):
+            if parent != self.root:
+                with contextlib.suppress(OSError):
+                    parent.rmdir()
+
+    def is_transient(self, exc: BaseException) -> bool:
+        return isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,132 @@
+"""The hook's connection to the daemon: a background thread that keeps it up.
+
+The training loop never waits on this thread: messages from the daemon only
+set flags (through ``on_message``), and messages to it are queued and sent
+whenever a connection is up, so a daemon restart goes unnoticed by the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import selectors
+import socket
+import threading
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from spotguard import protocol
+
+logger = logging.getLogger("spotguard.trainer")
+
+
+class DaemonClient:
+    def __init__(
+        self,
+        socket_path: Path,
+        hello: dict[str, Any],
+        on_message: Callable[[dict[str, Any]], None],
+        *,
+        retry_min: float = 0.05,
+        retry_max: float = 1.0,
+    ) -> None:
+        self.socket_path = socket_path
+        self._hello = hello
+        self._on_message = on_message
+        self._retry_min = retry_min
+        self._retry_max = retry_max
+        self._outbox: deque[bytes] = deque()
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._closing = threading.Event()
+        self.connected = threading.Event()
+        self.welcome: dict[str, Any] | None = None
+        self.welcomed = threading.Event()
+        self.connections = 0  # how many times a connection was made (reconnects show here)
+        self._thread = threading.Thread(target=self._run, name="spotguard-daemon-client", daemon=True)
+
+    def start(self) -> DaemonClient:
+        self._thread.start()
+        return self
+
+    def send(self, message_type: str, **fields: Any) -> None:
+        """Queue a message; it goes out now if connected, else right after the next reconnect."""
+        with self._lock:
+            self._outbox.append(protocol.encode(message_type, **fields))
+            self._flush_locked()
+
+    def close(self, timeout: float = 2.0) -> None:
+        self._closing.set()
+        with self._lock:
+            if self._sock is not None:
+                self._sock.shutdown(socket.SHUT_RDWR)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # --- thread side ---------------------------------------------------------------------
+
+    def _flush_locked(self) -> None:
+        while self._sock is not None and self._outbox:
+            try:
+                self._sock.sendall(self._outbox[0])
+            except OSError:
+                return  # the reader notices the broken connection and reconnects
+            self._outbox.popleft()
+
+    def _run(self) -> None:
+        delay = self._retry_min
+        while not self._closing.is_set():
+            try:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.connect(os.fspath(self.socket_path))
+            except OSError:
+                sock.close()
+                self._closing.wait(delay)
+                delay = min(delay * 2, self._retry_max)
+                continue
+            delay = self._retry_min
+            try:
+                self._serve(sock)
+            except OSError as exc:
+                logger.debug("spotguard daemon connection lost: %s", exc)
+            finally:
+                with self._lock:
+                    self._sock = None
+                self.connected.clear()
+                sock.close()
+
+    def _serve(self, sock: socket.socket) -> None:
+        sock.sendall(protocol.encode("hello", **self._hello))
+        with self._lock:
+            self._sock = sock
+            self._flush_locked()
+        self.connections += 1
+        self.connected.set()
+        buffer = b""
+        with selectors.DefaultSelector() as selector:
+            selector.register(sock, selectors.EVENT_READ)
+            while not self._closing.is_set():
+                if not selector.select(timeout=0.5):
+                    continue
+                chunk = sock.recv(65536)
+                if not chunk:
+                    return
+                buffer += chunk
+                while b"\n" in buffer:
+                    line, buffer = buffer.split(b"\n", 1)
+                    self._dispatch(line)
+
+    def _dispatch(self, line: bytes) -> None:
+        try:
+            message = protocol.decode(line, allowed=protocol.DAEMON_TYPES)
+        except protocol.ProtocolError as exc:
+            logger.warning("ignoring a message from the spotguard daemon: %s", exc)
+            return
+        if message["type"] == "welcome":
+            self.welcome = message
+            self.welcomed.set()
+        elif message["type"] == "error":
+            logger.warning("spotguard daemon: %s: %s", message["code"], message["message"])
+        self._on_message(message)

@@ -1,0 +1,39 @@
+"""Rank agreement under ``torch.distributed``: every rank takes the same decision at the same step."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def active() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    return dist.get_rank() if active() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if active() else 1
+
+
+def barrier() -> None:
+    if active():
+        dist.barrier()
+
+
+def agree_any(flags: list[bool]) -> list[bool]:
+    """Element-wise OR of ``flags`` across ranks: one small all-reduce (MAX) per call.
+
+    Called at step boundaries only, never from a signal handler: a collective there could
+    deadlock against the one the training step is in.
+    """
+    if not active():
+        return flags
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    tensor = torch.tensor([int(flag) for flag in flags], dtype=torch.int32, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return [bool(value) for value in tensor.tolist()]

@@ -1,0 +1,328 @@
+"""``Guard``: the few lines a training loop needs to survive a spot interruption."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import MutableMapping
+from datetime import datetime
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from spotguard.config import trainer_settings
+from spotguard.manifest import (
+    CheckpointExists,
+    CheckpointWriter,
+    ManifestError,
+    load_manifest,
+    prune_local,
+    remove_incomplete,
+    scan_local,
+    step_dir_name,
+    verify_dir,
+)
+from spotguard.notice import parse_iso
+from spotguard.trainer import dist
+from spotguard.trainer.client import DaemonClient
+from spotguard.trainer.state import RNG_KEY, StateError, check_state, entry_file, read_state, write_state
+
+logger = logging.getLogger("spotguard.trainer")
+
+
+class Guard:
+    """Checkpoint when the VM is about to go away, and resume exactly where training stopped.
+
+    >>> guard = Guard(checkpoint_dir="/nvme/ckpt", bucket="s3://b/run1")
+    >>> state = {"model": model, "optimizer": opt, "scheduler": sched, "loader": loader}
+    >>> step = guard.resume(state)             # 0 when there is nothing to resume
+    >>> while step < total_steps:
+    ...     train_one_step(); step += 1
+    ...     if guard.should_checkpoint(step):  # a notice arrived (all ranks agree) or periodic due
+    ...         guard.save(state, step)        # returns once committed locally
+    ...     if guard.stop_requested:           # a hard notice: the VM is going away
+    ...         break
+    >>> guard.close()
+
+    Without a daemon it still saves and resumes local checkpoints, and SIGTERM to the trainer
+    works as a hard notice (the handler only sets a flag; the save happens at the next step).
+    """
+
+    def __init__(
+        self,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        bucket: str | None = None,
+        socket: str | os.PathLike[str] | None = None,
+        every_steps: int | None = None,
+        every_seconds: float | None = None,
+        *,
+        keep: int = 2,
+        handle_sigterm: bool = True,
+        daemon_wait: float = 2.0,
+    ) -> None:
+        if every_steps is not None and every_steps < 1:
+            raise ValueError(f"every_steps must be >= 1, got {every_steps}")
+        if every_seconds is not None and every_seconds <= 0:
+            raise ValueError(f"every_seconds must be > 0, got {every_seconds}")
+        settings = trainer_settings(checkpoint_dir, bucket, socket)
+        self.bucket = settings.bucket
+        self.every_steps = every_steps
+        self.every_seconds = every_seconds
+        self.keep = keep
+        self.rank = dist.rank()
+        self.world_size = dist.world_size()
+
+        self._lock = threading.Lock()
+        self._notice: dict[str, Any] | None = None  # the checkpoint-now message not yet saved for
+        self._notice_received: float | None = None
+        self._handled_events: set[str] = set()
+        self._sigterm = False  # set by the signal handler: a plain store, safe there
+        self._stop_agreed = False
+        self._urgent_agreed = False
+        self._last_save_step: int | None = None
+        self._last_save_time = time.monotonic()
+        self.timeline: dict[str, float] = {}  # wall-clock times of the last urgent save, for reports
+
+        root = settings.checkpoint_dir
+        hello = {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "pid": os.getpid(),
+            "checkpoint_dir": str(root or ""),
+        }
+        self.client = DaemonClient(settings.socket, hello, self._on_daemon_message).start()
+        if root is None:
+            root = self._root_from_daemon(settings.socket, daemon_wait)
+        self.checkpoint_dir = root
+        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+
+        self._previous_handler: Any = None
+        if handle_sigterm and threading.current_thread() is threading.main_thread():
+            self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _root_from_daemon(self, socket_path: Path, wait: float) -> Path:
+        if self.client.welcomed.wait(wait) and self.client.welcome:
+            return Path(self.client.welcome["checkpoint_dir"])
+        self.client.close()
+        raise ValueError(
+            "Guard needs a checkpoint directory: pass checkpoint_dir=, set SPOTGUARD_CHECKPOINT_DIR, "
+            f"or run the spotguard daemon (no answer on {socket_path})"
+        )
+
+    # --- flags, set from other threads ---------------------------------------------------
+
+    def _on_daemon_message(self, message: dict[str, Any]) -> None:
+        if message["type"] != "checkpoint-now":
+            return
+        event_id = str(message["notice"].get("event_id", ""))
+        with self._lock:
+            if event_id in self._handled_events or (self._notice and self._notice["notice"]["event_id"] == event_id):
+                return
+            self._notice = message
+            self._notice_received = time.time()
+            self.timeline = {"told": self._notice_received}
+        logger.warning(
+            "spotguard: %s notice (%s), %.0f s to the deadline: checkpointing at the next step",
+            message["notice"].get("kind"),
+            "stop" if message["stop"] else "keep training",
+            message["deadline_s"],
+        )
+
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        self._sigterm = True
+        if callable(self._previous_handler):
+            self._previous_handler(signum, frame)
+
+    # --- the loop's questions ------------------------------------------------------------
+
+    @property
+    def stop_requested(self) -> bool:
+        """True once a hard notice (or SIGTERM) means the VM is going away: save, then leave the loop."""
+        if dist.active():
+            return self._stop_agreed
+        return self._stop_agreed or self._local_flags()[1]
+
+    @property
+    def deadline(self) -> datetime | None:
+        """When the VM goes away, if a notice said so."""
+        with self._lock:
+            notice = self._notice
+        return parse_iso(notice["notice"]["deadline"]) if notice else None
+
+    def _local_flags(self) -> tuple[bool, bool]:
+        with self._lock:
+            notice = self._notice
+        urgent = notice is not None or self._sigterm
+        stop = bool(notice and notice["stop"]) or self._sigterm
+        return urgent, stop
+
+    def should_checkpoint(self, step: int) -> bool:
+        """Whether to save at this step boundary: a notice arrived on any rank, or a periodic save is due.
+
+        Under ``torch.distributed`` this is one small all-reduce, and every rank gets the same answer.
+        """
+        urgent, stop = self._local_flags()
+        periodic = step != self._last_save_step and (
+            (self.every_steps is not None and step % self.every_steps == 0)
+            or (self.every_seconds is not None and time.monotonic() - self._last_save_time >= self.every_seconds)
+        )
+        urgent, stop, periodic = dist.agree_any([urgent, stop, periodic])
+        self._urgent_agreed = urgent
+        self._stop_agreed = self._stop_agreed or stop
+        return urgent or periodic
+
+    # --- save ----------------------------------------------------------------------------
+
+    def save(self, state: MutableMapping[str, Any], step: int, *, reason: str | None = None) -> Path:
+        """Write and commit a checkpoint of ``state`` at ``step``; returns once it is committed locally.
+
+        The daemon (if any) is told, and uploads it. Saving a step that is already committed
+        returns the existing checkpoint: checkpoints are never overwritten.
+        """
+        check_state(state)
+        with self._lock:
+            notice = self._notice
+        urgent = notice is not None or self._sigterm or self._urgent_agreed
+        if reason is None:
+            reason = "urgent" if urgent else "periodic"
+            if notice is not None and not notice["stop"]:
+                reason = "soft"
+        meta: dict[str, Any] = {"keys": sorted(state), "rank_files": self.world_size > 1}
+        if notice is not None:
+            meta["event_id"] = notice["notice"]["event_id"]
+        writer = CheckpointWriter(self.checkpoint_dir, step, reason=reason, world_size=self.world_size, meta=meta)
+        target = self.checkpoint_dir / step_dir_name(step)
+        try:
+            self._write(writer, state)
+        except CheckpointExists:
+            logger.info("spotguard: %s is already committed; not writing it again", target.name)
+        self._after_save(step, target, reason, notice)
+        return target
+
+    def _write(self, writer: CheckpointWriter, state: MutableMapping[str, Any]) -> None:
+        per_rank = self.world_size > 1
+        exists = False
+        if self.rank == 0:
+            # Leftovers of a writer killed mid-save; the daemon never loads or uploads them.
+            removed = remove_incomplete(self.checkpoint_dir, except_names=frozenset({writer.dir.name}))
+            if removed:
+                logger.info("spotguard: removed incomplete checkpoints %s", ", ".join(removed))
+            try:
+                writer.prepare()
+            except CheckpointExists:
+                exists = True
+        if per_rank:
+            # Also keeps the other ranks from writing before rank 0 has made the directory.
+            exists = dist.agree_any([exists])[0]
+        if exists:
+            raise CheckpointExists(str(writer.dir))
+        write_state(writer, state, rank=self.rank if per_rank else None)
+        if per_rank:
+            dist.barrier()  # every rank's files are renamed into place
+            if self.rank == 0:
+                for other in range(1, self.world_size):
+                    for key in [*state, RNG_KEY]:
+                        writer.add_existing(entry_file(key, other))
+        if self.rank == 0:
+            writer.commit()
+        if per_rank:
+            dist.barrier()  # nobody goes on (or exits) before the commit
+
+    def _after_save(self, step: int, target: Path, reason: str, notice: dict[str, Any] | None) -> None:
+        self._last_save_step = step
+        self._last_save_time = time.monotonic()
+        with self._lock:
+            if notice is not None:
+                self._handled_events.add(str(notice["notice"]["event_id"]))
+                if self._notice is notice:
+                    self._notice = None
+            self.timeline["committed_local"] = time.time()
+        self._urgent_agreed = False
+        if notice is not None and notice["stop"]:
+            self._stop_agreed = True
+        if self._sigterm:
+            self._stop_agreed = True
+        if self.rank != 0:
+            return
+        self.client.send(
+            "saved",
+            path=str(target),
+            step=step,
+            reason=reason,
+            event_id=notice["notice"]["event_id"] if notice else None,
+        )
+        if self.bucket is None and not self.client.connected.is_set():
+            # Nobody uploads these; keep the disk from filling.
+            prune_local(self.checkpoint_dir, self.keep)
+
+    # --- resume --------------------------------------------------------------------------
+
+    def resume(self, state: MutableMapping[str, Any]) -> int:
+        """Load the newest complete checkpoint into ``state``; returns the step to run next (0 if none).
+
+        Looks in the local root first, then in the bucket. A checkpoint that fails verification is
+        skipped for the previous complete one.
+        """
+        check_state(state)
+        rank_arg = self.rank if self.world_size > 1 else None
+        candidates = [info for info in reversed(scan_local(self.checkpoint_dir)) if info.status == "complete"]
+        for info in candidates:
+            if self._try_load(self.checkpoint_dir / info.name, state, rank_arg):
+                return info.step
+        if self.bucket is not None:
+            step_dir = self._restore_from_bucket()
+            if step_dir is not None and self._try_load(step_dir, state, rank_arg):
+                return load_manifest(step_dir).step
+        return 0
+
+    def _try_load(self, step_dir: Path, state: MutableMapping[str, Any], rank: int | None) -> bool:
+        problems = verify_dir(step_dir)
+        if problems:
+            logger.warning("spotguard: skipping %s: %s", step_dir.name, "; ".join(problems))
+            return False
+        try:
+            manifest = load_manifest(step_dir)
+        except ManifestError as exc:
+            logger.warning("spotguard: skipping %s: %s", step_dir.name, exc)
+            return False
+        read_state(step_dir, manifest, state, rank=rank)
+        self._last_save_step = manifest.step
+        logger.info("spotguard: resumed from %s (%s)", step_dir, manifest.reason)
+        return True
+
+    def _restore_from_bucket(self) -> Path | None:
+        from spotguard.storage import open_storage  # imports a storage SDK only now, if at all
+        from spotguard.storage.checkpoints import restore
+
+        assert self.bucket is not None
+        storage = open_storage(self.bucket)
+        try:
+            if self.rank == 0:
+                step_dir = restore(storage, self.checkpoint_dir, log=logger.warning)
+            dist.barrier()
+            if self.rank != 0:
+                # Other ranks on other nodes have their own root; on one node this finds rank 0's copy.
+                step_dir = restore(storage, self.checkpoint_dir, log=logger.warning)
+        finally:
+            storage.close()
+        return step_dir
+
+    # --- lifetime ------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self.client.close()
+        if self._previous_handler is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._previous_handler)
+            self._previous_handler = None
+
+    def __enter__(self) -> Guard:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["Guard", "StateError"]

@@ -1,0 +1,170 @@
+"""Turning a ``state`` dict into checkpoint files and back, RNG states included.
+
+Each entry of ``state`` becomes one file, ``<key>.pt`` (``<key>.rank<R>.pt``
+for per-rank entries under ``torch.distributed``), so that a finished file
+can be uploaded while the next is written. Everything is stored so that it
+loads with ``torch.load(weights_only=True)``: tensors and primitives only.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import warnings
+from collections.abc import Callable, Mapping, MutableMapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from spotguard.manifest import CheckpointWriter, Manifest
+
+RNG_KEY = "_rng"
+_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+
+
+class StateError(ValueError):
+    """``state`` holds something spotguard cannot save or restore; the message says what to change."""
+
+
+def entry_file(key: str, rank: int | None = None) -> str:
+    return f"{key}.pt" if rank is None else f"{key}.rank{rank}.pt"
+
+
+def check_state(state: Mapping[str, Any]) -> None:
+    for key, value in state.items():
+        if not isinstance(key, str) or not _KEY.match(key) or key == RNG_KEY:
+            raise StateError(f"state key {key!r}: use letters, digits, '_', '.', '-' (it becomes a file name)")
+        if type(value).__name__ == "DataLoader" and not hasattr(value, "state_dict"):
+            raise StateError(
+                f"state[{key!r}] is a torch DataLoader, which has no state to save: use "
+                "torchdata.stateful_dataloader.StatefulDataLoader to resume mid-epoch"
+            )
+        warn_if_loader_draws_global_rng(key, value)
+
+
+def warn_if_loader_draws_global_rng(key: str, value: Any) -> None:
+    """Warn about the one way an exact resume silently goes wrong with a shuffling loader.
+
+    Creating a DataLoader iterator draws a base seed from the *global* torch RNG unless the
+    loader has its own ``generator``; a shuffling sampler without its own generator draws
+    from it too. A resumed run restores the global RNG and then calls ``iter(loader)``, so it
+    is one draw off the uninterrupted run and dropout diverges.
+    """
+    if not hasattr(value, "state_dict") or not hasattr(value, "sampler") or not hasattr(value, "generator"):
+        return
+    sampler = value.sampler
+    shuffles = type(sampler).__name__ == "RandomSampler"
+    if value.generator is None or (shuffles and getattr(sampler, "generator", None) is None):
+        warnings.warn(
+            f"state[{key!r}]: the loader (or its RandomSampler) has no generator of its own, so creating "
+            "its iterator draws from the global torch RNG and a resumed run will not match an "
+            "uninterrupted one. Pass generator=torch.Generator().manual_seed(s1) to the loader and "
+            "sampler=torchdata.stateful_dataloader.sampler.RandomSampler(ds, generator=...) to it.",
+            stacklevel=4,
+        )
+
+
+# --- RNG states as primitives ----------------------------------------------------------------
+
+
+def capture_rng() -> dict[str, Any]:
+    version, internal, gauss = random.getstate()
+    states: dict[str, Any] = {
+        "python": {"version": version, "state": list(internal), "gauss": gauss},
+        "torch": torch.get_rng_state(),
+    }
+    try:
+        import numpy as np
+    except ImportError:  # numpy is optional
+        pass
+    else:
+        kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+        states["numpy"] = {
+            "kind": str(kind),
+            "keys": torch.from_numpy(np.asarray(keys).astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = [state.cpu() for state in torch.cuda.get_rng_state_all()]
+    return states
+
+
+def restore_rng(states: Mapping[str, Any]) -> None:
+    python = states["python"]
+    random.setstate((python["version"], tuple(python["state"]), python["gauss"]))
+    torch.set_rng_state(states["torch"])
+    if "numpy" in states:
+        import numpy as np
+
+        saved = states["numpy"]
+        np.random.set_state(
+            (
+                saved["kind"],
+                saved["keys"].numpy().astype(np.uint32),
+                saved["pos"],
+                saved["has_gauss"],
+                saved["cached_gaussian"],
+            )
+        )
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+# --- save / load --------------------------------------------------------------------------
+
+
+def _payload(value: Any) -> Any:
+    return value.state_dict() if hasattr(value, "state_dict") else value
+
+
+def write_state(
+    writer: CheckpointWriter,
+    state: Mapping[str, Any],
+    *,
+    rank: int | None = None,
+    on_file: Callable[[str], None] | None = None,
+) -> list[str]:
+    """Write every entry of ``state`` plus the RNG states; returns the file names written."""
+    names = []
+    for key, value in [*state.items(), (RNG_KEY, None)]:
+        name = entry_file(key, rank)
+        payload = capture_rng() if key == RNG_KEY else _payload(value)
+        with writer.create(name) as out:
+            torch.save(payload, out)  # type: ignore[arg-type]  # a write-only file object is enough
+        names.append(name)
+        if on_file:
+            on_file(name)
+    return names
+
+
+def read_state(step_dir: Path, manifest: Manifest, state: MutableMapping[str, Any], *, rank: int | None = None) -> None:
+    """Load every entry of ``state`` from ``step_dir``, then the RNG states (last, so that nothing
+    done while loading draws from a restored generator)."""
+    loaded: dict[str, Any] = {}
+    for key in [*state.keys(), RNG_KEY]:
+        name = entry_file(key, rank)
+        if name not in manifest.files:
+            raise StateError(
+                f"{step_dir.name} has no entry {key!r} (it holds {', '.join(sorted(manifest.files))}); "
+                "resume with the same state keys the run saved"
+            )
+        try:
+            loaded[key] = torch.load(step_dir / name, map_location="cpu", weights_only=True)
+        except Exception as exc:  # torch raises many kinds of errors for one root cause
+            raise StateError(
+                f"{step_dir.name}/{name} cannot be loaded with weights_only=True ({exc}); keep state to "
+                "tensors, primitives and objects with state_dict()/load_state_dict()"
+            ) from exc
+    for key, value in state.items():
+        saved = loaded[key]
+        if hasattr(value, "load_state_dict"):
+            value.load_state_dict(saved)
+        elif isinstance(value, torch.Tensor) and isinstance(saved, torch.Tensor) and value.shape == saved.shape:
+            with torch.no_grad():
+                value.copy_(saved)
+        else:
+            state[key] = saved
+    restore_rng(loaded[RNG_KEY])
