@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -39,13 +40,17 @@ def request(socket_path: Path, message_type: str, timeout: float = 5.0, **fields
             sock.connect(os.fspath(socket_path))
         except OSError as exc:
             raise CommandError(f"no spotguard daemon at {socket_path}: {exc.strerror or exc}") from None
-        sock.sendall(protocol.encode(message_type, **fields))
         buffer = b""
-        while b"\n" not in buffer:
-            chunk = sock.recv(65536)
-            if not chunk:
-                raise CommandError("the daemon closed the connection without answering")
-            buffer += chunk
+        try:
+            # A daemon that refuses us answers with an error and hangs up, maybe before we finish sending.
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                sock.sendall(protocol.encode(message_type, **fields))
+            while b"\n" not in buffer and (chunk := sock.recv(65536)):
+                buffer += chunk
+        except OSError as exc:
+            raise CommandError(f"talking to the daemon at {socket_path}: {exc}") from None
+    if b"\n" not in buffer:
+        raise CommandError("the daemon closed the connection without answering")
     reply = protocol.decode(buffer.split(b"\n", 1)[0], allowed=protocol.DAEMON_TYPES)
     if reply["type"] == "error":
         raise CommandError(f"daemon: {reply['message']}")

@@ -39,9 +39,12 @@ def emit(event: str, **fields: Any) -> None:
     print(json.dumps({"event": event, "t": time.time(), **fields}), flush=True)
 
 
-def build_training(seed: int = 0) -> dict[str, Any]:
+def build_training(seed: int = 0, *, plain_loader: bool = False) -> dict[str, Any]:
     """A small model whose result depends on every piece of state: dropout, AdamW moments,
-    the LR schedule, the shuffling order and position in the epoch."""
+    the LR schedule, the shuffling order and position in the epoch.
+
+    ``plain_loader`` builds the loader the common way (``shuffle=True``, no generators of its
+    own) to show the global-RNG trap the README describes; spotguard warns about it."""
     import torch
     from torchdata.stateful_dataloader import StatefulDataLoader
     from torchdata.stateful_dataloader.sampler import RandomSampler
@@ -51,6 +54,9 @@ def build_training(seed: int = 0) -> dict[str, Any]:
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(64, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=500)
+    if plain_loader:
+        loader = StatefulDataLoader(data, batch_size=BATCH, shuffle=True)
+        return {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader}
     # Own generators for the loader and its sampler: see README, "Exact resume and DataLoaders".
     loader = StatefulDataLoader(
         data,
@@ -71,6 +77,7 @@ def train(
     pace: float = 0.0,
     wait_notice_at: int | None = None,
     every_steps: int | None = None,
+    plain_loader: bool = False,
 ) -> int:
     """The loop from the README, with JSON progress lines on stdout. Returns the step reached."""
     import warnings
@@ -82,7 +89,7 @@ def train(
     # torchdata 0.11 calls a torch API that torch 2.13 deprecates; nothing for users to act on.
     warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
     torch.set_num_threads(1)  # same reduction order in every process
-    state = build_training()
+    state = build_training(plain_loader=plain_loader)
     model, optimizer, scheduler, loader = state["model"], state["optimizer"], state["scheduler"], state["loader"]
     guard = Guard(checkpoint_dir=checkpoint_dir, bucket=bucket, socket=socket, every_steps=every_steps)
     started = time.time()
@@ -176,7 +183,7 @@ class Vm:
         self.extra_args = extra_args or ["--provider", "none"]
         self.process: subprocess.Popen[bytes] | None = None
 
-    def start_daemon(self) -> None:
+    def start_daemon(self, env: dict[str, str] | None = None) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         command = [
             sys.executable, "-m", "spotguard", "run",
@@ -186,9 +193,10 @@ class Vm:
             "--bucket", self.bucket,
             *self.extra_args,
         ]  # fmt: skip
-        env = {**os.environ, "SPOTGUARD_SCAN_INTERVAL": "0.5"}
         with self.log.open("ab") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=log, env=env)
+            self.process = subprocess.Popen(
+                command, stdout=log, stderr=log, env={**os.environ, "SPOTGUARD_SCAN_INTERVAL": "0.5", **(env or {})}
+            )
         wait_for(self._answers, 20, f"the daemon of {self.dir.name} to listen (log: {self.log})")
 
     def _answers(self) -> bool:
@@ -199,14 +207,21 @@ class Vm:
             raise RuntimeError(f"the daemon exited with {self.process.returncode}; see {self.log}")
         try:
             request(self.socket, "status", timeout=1)
-        except CommandError:
-            return False
+        except CommandError as exc:
+            return str(exc).startswith("daemon:")  # it answered, if only to refuse us
         return True
 
     def status(self) -> dict[str, Any]:
         from spotguard.cli import request
 
         return request(self.socket, "status")
+
+    def kill_daemon(self) -> None:
+        """SIGKILL: the daemon gets no chance to clean up (a crash, the OOM killer)."""
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+            self.process = None
 
     def stop_daemon(self) -> int:
         if self.process is None:
@@ -238,7 +253,9 @@ def trainer_command(
     if out:
         command += ["--out", str(out)]
     for key, value in extra.items():
-        if value is not None:
+        if value is True:
+            command.append(f"--{key.replace('_', '-')}")
+        elif value is not None and value is not False:
             command += [f"--{key.replace('_', '-')}", str(value)]
     return command
 
@@ -373,6 +390,7 @@ def _train_main(argv: list[str]) -> int:
     parser.add_argument("--pace", type=float, default=0.0)
     parser.add_argument("--wait-notice-at", type=int)
     parser.add_argument("--every-steps", type=int)
+    parser.add_argument("--plain-loader", action="store_true")
     args = parser.parse_args(argv)
     train(
         checkpoint_dir=args.checkpoint_dir,
@@ -383,6 +401,7 @@ def _train_main(argv: list[str]) -> int:
         pace=args.pace,
         wait_notice_at=args.wait_notice_at,
         every_steps=args.every_steps,
+        plain_loader=args.plain_loader,
     )
     return 0
 

@@ -1,0 +1,129 @@
+"""Acceptance: daemon restarts are invisible to the training loop; uploads catch up; SIGTERM drains."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from spotguard import Guard
+from spotguard.cli import request
+from spotguard.demo import Vm, wait_for
+from spotguard.storage.checkpoints import list_remote
+from spotguard.storage.file import FileStorage
+
+
+def committed(bucket: str) -> list[int]:
+    return [i.step for i in list_remote(FileStorage(bucket)) if i.status == "complete"]
+
+
+def test_hook_reconnects_and_checkpoint_saved_while_daemon_down_is_uploaded(vm: Vm, bucket: str) -> None:
+    guard = Guard(checkpoint_dir=vm.root, socket=vm.socket, handle_sigterm=False)
+    try:
+        wait_for(guard.client.connected.is_set, 10, "the hook to connect")
+        state = {"w": torch.arange(10.0)}
+        guard.save(state, 1)
+        wait_for(lambda: committed(bucket) == [1], 20, "step 1 in the bucket")
+
+        vm.kill_daemon()
+        wait_for(lambda: not guard.client.connected.is_set(), 10, "the hook to notice")
+        # The loop goes on as if nothing happened: questions answer, saves commit locally.
+        assert guard.should_checkpoint(2) is False
+        guard.save(state, 2)
+        assert committed(bucket) == [1]
+
+        vm.start_daemon()
+        wait_for(lambda: committed(bucket) == [1, 2], 20, "step 2 uploaded after the restart")
+        wait_for(lambda: guard.client.connections >= 2 and guard.client.connected.is_set(), 10, "the reconnect")
+        request(vm.socket, "drill", deadline_s=60)
+        wait_for(lambda: guard.should_checkpoint(3), 10, "the drill to reach the hook")
+        assert guard.stop_requested
+    finally:
+        guard.close()
+
+
+def test_trainer_connecting_while_a_notice_is_pending_is_told_at_once(vm: Vm) -> None:
+    request(vm.socket, "drill", deadline_s=60)
+    guard = Guard(checkpoint_dir=vm.root, socket=vm.socket, handle_sigterm=False)
+    try:
+        wait_for(lambda: guard.should_checkpoint(1), 10, "the pending notice")
+        assert guard.stop_requested
+        assert guard.deadline is not None
+    finally:
+        guard.close()
+
+
+def test_pending_notice_survives_daemon_restart_without_double_action(vm: Vm) -> None:
+    reply = request(vm.socket, "drill", deadline_s=120)
+    vm.stop_daemon()
+    vm.start_daemon()
+    status = request(vm.socket, "status")
+    assert status["pending"]["event_id"] == reply["event_id"]
+    guard = Guard(checkpoint_dir=vm.root, socket=vm.socket, handle_sigterm=False)
+    try:
+        wait_for(lambda: guard.should_checkpoint(1), 10, "the pending notice after restart")
+        guard.save({"x": torch.ones(1)}, 1)
+        assert not guard.should_checkpoint(2)  # acted on once
+    finally:
+        guard.close()
+
+
+def test_sigterm_drains_uploads_and_exits_zero(vm_factory: Callable[..., Vm], bucket: str) -> None:
+    vm = vm_factory("drain", start=False)
+    # Several checkpoints already committed locally, none uploaded: the daemon must push them before exiting.
+    guard = Guard(checkpoint_dir=vm.root, socket=vm.socket, handle_sigterm=False, keep=10)
+    try:
+        for step in (1, 2, 3):
+            guard.save({"w": torch.full((1 << 16,), float(step))}, step)
+    finally:
+        guard.close()
+    vm.start_daemon(env={"SPOTGUARD_SCAN_INTERVAL": "3600"})
+    assert vm.process is not None
+    vm.process.send_signal(signal.SIGTERM)
+    assert vm.process.wait(timeout=60) == 0
+    vm.process = None
+    assert committed(bucket) == [1, 2, 3]
+
+
+def test_trainer_without_daemon_saves_on_sigterm_and_resumes(tmp_path: Path) -> None:
+    script = """
+import sys, torch, json
+from spotguard import Guard
+guard = Guard(checkpoint_dir=sys.argv[1], socket=sys.argv[1] + "/none.sock")
+state = {"w": torch.zeros(3)}
+step = guard.resume(state)
+print(json.dumps({"resumed": step}), flush=True)
+while step < 10**9:
+    state["w"] += 1
+    step += 1
+    if step == 5:
+        print(json.dumps({"ready": step}), flush=True)
+    if guard.should_checkpoint(step):
+        guard.save(state, step)
+        print(json.dumps({"saved": step, "w": state["w"].tolist()}), flush=True)
+    if guard.stop_requested:
+        break
+"""
+    root = tmp_path / "ckpt"
+    proc = subprocess.Popen([sys.executable, "-c", script, str(root)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    lines = iter(proc.stdout)
+    assert json.loads(next(lines)) == {"resumed": 0}
+    assert "ready" in json.loads(next(lines))
+    proc.send_signal(signal.SIGTERM)
+    saved = json.loads(next(lines))
+    assert proc.wait(timeout=30) == 0
+    assert saved["w"] == [float(saved["saved"])] * 3
+
+    again = subprocess.Popen([sys.executable, "-c", script, str(root)], stdout=subprocess.PIPE, text=True)
+    assert again.stdout is not None
+    try:
+        assert json.loads(again.stdout.readline()) == {"resumed": saved["saved"]}
+    finally:
+        again.kill()
+        again.wait()

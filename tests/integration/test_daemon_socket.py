@@ -1,0 +1,116 @@
+"""Acceptance: socket abuse gets errors or refusals, and the daemon keeps serving the others."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from spotguard import protocol
+from spotguard.cli import request
+from spotguard.demo import Vm
+
+
+def exchange(path: Path, payload: bytes, timeout: float = 5.0) -> list[dict]:
+    """Send raw bytes, read replies until the daemon stops talking or hangs up."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        sock.connect(os.fspath(path))
+        sock.sendall(payload)
+        sock.shutdown(socket.SHUT_WR)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    return [json.loads(line) for line in data.splitlines() if line.strip()]
+
+
+def assert_alive(vm: Vm) -> None:
+    assert request(vm.socket, "status")["pid"] == vm.process.pid  # type: ignore[union-attr]
+
+
+def test_invalid_json_gets_error_and_connection_survives(vm: Vm) -> None:
+    replies = exchange(vm.socket, b"{nope\n" + protocol.encode("status"))
+    assert replies[0]["type"] == "error" and replies[0]["code"] == "bad-json"
+    assert replies[1]["type"] == "status"  # the same connection still works
+    assert_alive(vm)
+
+
+def test_oversized_message_is_refused_and_disconnected(vm: Vm) -> None:
+    huge = b'{"v":1,"type":"status","pad":"' + b"x" * (200 * 1024) + b'"}\n'
+    replies = exchange(vm.socket, huge + protocol.encode("status"))
+    assert [r["code"] for r in replies] == ["too-large"]
+    assert_alive(vm)
+
+
+def test_unknown_type_and_bad_fields_get_errors(vm: Vm) -> None:
+    replies = exchange(
+        vm.socket,
+        b'{"v":1,"type":"format-disk"}\n{"v":1,"type":"saved","path":3,"step":1,"reason":"urgent"}\n[]\n',
+    )
+    assert [r["code"] for r in replies] == ["unknown-type", "bad-field", "bad-message"]
+    assert_alive(vm)
+
+
+def test_reported_paths_outside_the_root_are_refused(vm: Vm, tmp_path: Path) -> None:
+    outside = tmp_path / "elsewhere" / "step-000000001"
+    outside.mkdir(parents=True)
+    vm.root.mkdir(parents=True, exist_ok=True)
+    (vm.root / "link").symlink_to(outside)
+    attempts = [
+        str(outside),
+        str(vm.root / ".." / "elsewhere"),
+        str(vm.root / "link"),
+        "/etc",
+        str(vm.root / "step-000000404"),
+    ]
+    payload = b"".join(protocol.encode("saved", path=p, step=1, reason="urgent") for p in attempts)
+    replies = exchange(vm.socket, payload)
+    assert [r["code"] for r in replies] == ["bad-path"] * len(attempts)
+    uncommitted = vm.root / "step-000000002"
+    uncommitted.mkdir()
+    [reply] = exchange(vm.socket, protocol.encode("saved", path=str(uncommitted), step=2, reason="urgent"))
+    assert reply["code"] == "not-committed"
+    assert_alive(vm)
+
+
+def test_fifty_clients_at_once_are_all_served(vm: Vm) -> None:
+    def one(i: int) -> str:
+        hello = protocol.encode("hello", rank=i, world_size=50, pid=os.getpid(), checkpoint_dir=str(vm.root))
+        return exchange(vm.socket, hello + b"garbage\n" + protocol.encode("status"))[-1]["type"]
+
+    with ThreadPoolExecutor(50) as pool:
+        results = list(pool.map(one, range(50)))
+    assert results == ["status"] * 50
+    assert_alive(vm)
+
+
+def test_connections_over_the_limit_are_refused_politely(vm_factory: Callable[..., Vm]) -> None:
+    vm = vm_factory("small", env={"SPOTGUARD_MAX_CONNECTIONS": "3"})
+    held = []
+    try:
+        for _ in range(3):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(os.fspath(vm.socket))
+            sock.sendall(protocol.encode("status"))
+            assert sock.recv(65536)  # served, and still holding its slot
+            held.append(sock)
+        replies = exchange(vm.socket, protocol.encode("status"))
+        assert [r.get("code") for r in replies] == ["busy"]
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def test_peers_with_other_uids_are_refused(vm_factory: Callable[..., Vm]) -> None:
+    # Allow only a uid that is not ours: SO_PEERCRED must refuse us.
+    other = "4242" if os.getuid() != 4242 else "4243"
+    vm = vm_factory("strict", env={"SPOTGUARD_ALLOWED_UIDS": other})
+    replies = exchange(vm.socket, protocol.encode("status"))
+    assert [r.get("code") for r in replies] == ["forbidden"]
+
+
+def test_socket_file_mode_is_0660(vm: Vm) -> None:
+    assert vm.socket.stat().st_mode & 0o777 == 0o660

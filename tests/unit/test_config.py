@@ -1,0 +1,99 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spotguard.config import ConfigError, DaemonConfig, load_config, trainer_settings
+from spotguard.notice import Action
+
+
+def test_defaults_without_any_source(tmp_path: Path) -> None:
+    config = load_config({}, env={}, config_file=None)
+    assert config == DaemonConfig()
+    assert config.socket == Path("/run/spotguard/spotguard.sock")
+    assert config.on_rebalance is Action.CHECKPOINT
+
+
+def test_flag_beats_env_beats_file(tmp_path: Path) -> None:
+    file = tmp_path / "spotguard.toml"
+    file.write_text('poll_interval = 3.0\nprovider = "aws"\nkeep_local = 4\nbucket = "s3://from-file/p"\n')
+    env = {"SPOTGUARD_POLL_INTERVAL": "2.0", "SPOTGUARD_PROVIDER": "gcp"}
+    config = load_config({"poll_interval": "0.5"}, env=env, config_file=file)
+    assert config.poll_interval == 0.5  # flag
+    assert config.provider == "gcp"  # env
+    assert config.keep_local == 4  # file
+    assert config.bucket == "s3://from-file/p"
+    assert config.max_connections == 64  # default
+
+
+def test_config_file_from_environment_and_daemon_table(tmp_path: Path) -> None:
+    file = tmp_path / "c.toml"
+    file.write_text('[daemon]\nallowed_uids = [0, 1000]\non_rebalance = "ignore"\nimds_v1_fallback = true\n')
+    config = load_config({}, env={"SPOTGUARD_CONFIG": str(file)})
+    assert config.allowed_uids == (0, 1000)
+    assert config.on_rebalance is Action.IGNORE
+    assert config.imds_v1_fallback is True
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "key"),
+    [
+        ({"poll_interval": "fast"}, {}, "--poll-interval"),
+        ({}, {"SPOTGUARD_POLL_INTERVAL": "-1"}, "poll_interval"),
+        ({"provider": "oracle"}, {}, "provider"),
+        ({"bucket": "ftp://x"}, {}, "bucket"),
+        ({"bucket": "s3://"}, {}, "bucket"),
+        ({"metadata_url": "169.254.169.254"}, {}, "metadata_url"),
+        ({}, {"SPOTGUARD_KEEP_LOCAL": "0"}, "keep_local"),
+        ({}, {"SPOTGUARD_IMDS_V1_FALLBACK": "maybe"}, "SPOTGUARD_IMDS_V1_FALLBACK"),
+        ({}, {"SPOTGUARD_ON_REBALANCE": "panic"}, "SPOTGUARD_ON_REBALANCE"),
+    ],
+)
+def test_bad_values_name_the_key(flags: dict[str, str], env: dict[str, str], key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(flags, env=env)
+    assert str(info.value).startswith(key)
+
+
+def test_unknown_and_broken_files_are_config_errors(tmp_path: Path) -> None:
+    typo = tmp_path / "typo.toml"
+    typo.write_text("pol_interval = 1\n")
+    with pytest.raises(ConfigError, match="pol_interval: unknown key"):
+        load_config({}, env={}, config_file=typo)
+    broken = tmp_path / "broken.toml"
+    broken.write_text("provider = \n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config({}, env={}, config_file=broken)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config({}, env={}, config_file=tmp_path / "missing.toml")
+
+
+def test_cli_exits_2_with_one_line_naming_the_key(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "spotguard", "run", "--poll-interval", "soon", "--socket", str(tmp_path / "s")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "spotguard: config: --poll-interval: cannot use 'soon': could not convert string to float: 'soon'"
+    ]
+
+
+def test_trainer_settings_argument_beats_environment() -> None:
+    env = {"SPOTGUARD_CHECKPOINT_DIR": "/env/ckpt", "SPOTGUARD_BUCKET": "gs://b/p", "SPOTGUARD_SOCKET": "/env.sock"}
+    from_env = trainer_settings(None, None, None, env=env)
+    assert (from_env.checkpoint_dir, from_env.bucket, from_env.socket) == (
+        Path("/env/ckpt"),
+        "gs://b/p",
+        Path("/env.sock"),
+    )
+    explicit = trainer_settings("/arg", "s3://a/b", "/arg.sock", env=env)
+    assert (explicit.checkpoint_dir, explicit.bucket, explicit.socket) == (Path("/arg"), "s3://a/b", Path("/arg.sock"))
+    with pytest.raises(ConfigError, match="bucket"):
+        trainer_settings(None, "http://nope", None, env={})

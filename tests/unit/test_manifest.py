@@ -1,0 +1,145 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from spotguard.manifest import (
+    MANIFEST,
+    CheckpointExists,
+    CheckpointWriter,
+    Manifest,
+    ManifestError,
+    atomic_file,
+    base64_to_hex,
+    crc32c_of_bytes,
+    crc32c_of_file,
+    hex_to_base64,
+    load_manifest,
+    prune_local,
+    remove_incomplete,
+    scan_local,
+    verify_dir,
+)
+
+
+def write_checkpoint(root: Path, step: int, files: dict[str, bytes], reason: str = "periodic") -> Path:
+    writer = CheckpointWriter(root, step, reason=reason)
+    writer.prepare()
+    for name, data in files.items():
+        writer.write_bytes(name, data)
+    writer.commit()
+    return writer.dir
+
+
+def test_commit_writes_manifest_with_sizes_and_crc32c(tmp_path: Path) -> None:
+    step_dir = write_checkpoint(tmp_path, 12, {"a.bin": b"hello", "sub/b.bin": b"x" * 10_000})
+    manifest = load_manifest(step_dir)
+    assert step_dir.name == "step-000000012"
+    assert manifest.step == 12 and manifest.reason == "periodic" and manifest.world_size == 1
+    assert manifest.files["a.bin"].size == 5
+    assert manifest.files["a.bin"].crc32c == crc32c_of_bytes(b"hello")
+    assert manifest.files["sub/b.bin"].crc32c == crc32c_of_file(step_dir / "sub" / "b.bin")
+    document = json.loads((step_dir / MANIFEST).read_text())
+    assert document["format"] == "spotguard/1"
+    assert set(document) == {"format", "step", "created", "reason", "world_size", "files", "meta"}
+    assert verify_dir(step_dir) == []
+
+
+def test_crc32c_matches_known_vector_and_cloud_encoding() -> None:
+    # RFC 3720 test vector: 32 bytes of zeros -> 0x8a9136aa.
+    assert crc32c_of_bytes(bytes(32)) == "8a9136aa"
+    assert hex_to_base64("8a9136aa") == "ipE2qg=="
+    assert base64_to_hex("ipE2qg==") == "8a9136aa"
+
+
+def test_verify_detects_a_single_flipped_byte(tmp_path: Path) -> None:
+    step_dir = write_checkpoint(tmp_path, 1, {"w.bin": bytes(range(256)) * 100})
+    data = bytearray((step_dir / "w.bin").read_bytes())
+    data[1234] ^= 0x01
+    (step_dir / "w.bin").write_bytes(bytes(data))
+    problems = verify_dir(step_dir)
+    assert len(problems) == 1 and "crc32c" in problems[0]
+    assert verify_dir(step_dir, checksums=False) == []  # same size: only the checksum catches it
+
+
+def test_verify_reports_missing_and_truncated_files(tmp_path: Path) -> None:
+    step_dir = write_checkpoint(tmp_path, 1, {"a": b"aaaa", "b": b"bbbb"})
+    (step_dir / "a").unlink()
+    (step_dir / "b").write_bytes(b"bb")
+    problems = verify_dir(step_dir)
+    assert any("a: missing" in p for p in problems)
+    assert any("b: size 2" in p for p in problems)
+
+
+def test_directory_without_manifest_is_incomplete_and_listed_so(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, 1, {"a": b"1"})
+    writer = CheckpointWriter(tmp_path, 2, reason="urgent")
+    writer.prepare()
+    writer.write_bytes("a", b"2")  # killed before commit
+    infos = scan_local(tmp_path)
+    assert [(i.name, i.status) for i in infos] == [("step-000000001", "complete"), ("step-000000002", "incomplete")]
+    assert infos[1].created is None
+    assert remove_incomplete(tmp_path) == ["step-000000002"]
+    assert not (tmp_path / "step-000000002").exists()
+
+
+def test_checkpoints_are_never_overwritten(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, 5, {"a": b"first"})
+    with pytest.raises(CheckpointExists):
+        CheckpointWriter(tmp_path, 5, reason="urgent").prepare()
+    assert (tmp_path / "step-000000005" / "a").read_bytes() == b"first"
+
+
+def test_prepare_clears_a_leftover_at_the_same_step(tmp_path: Path) -> None:
+    leftover = tmp_path / "step-000000005"
+    leftover.mkdir()
+    (leftover / "junk").write_bytes(b"half written")
+    writer = CheckpointWriter(tmp_path, 5, reason="urgent")
+    writer.prepare()
+    assert list(leftover.iterdir()) == []
+
+
+def test_atomic_file_leaves_nothing_behind_on_error(tmp_path: Path) -> None:
+    target = tmp_path / "f.bin"
+    with pytest.raises(RuntimeError), atomic_file(target) as out:
+        out.write(b"partial")
+        raise RuntimeError("killed")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda d: d.update(format="other/9"),
+        lambda d: d.update(step=-1),
+        lambda d: d.update(step=True),
+        lambda d: d["files"].update({"../escape": {"size": 1, "crc32c": "00000000"}}),
+        lambda d: d["files"].update({"/abs": {"size": 1, "crc32c": "00000000"}}),
+        lambda d: d["files"].update({"x": {"size": 1, "crc32c": "XYZ"}}),
+        lambda d: d.pop("files"),
+    ],
+)
+def test_malformed_manifests_are_rejected(tmp_path: Path, mutate) -> None:  # type: ignore[no-untyped-def]
+    step_dir = write_checkpoint(tmp_path, 3, {"a": b"1"})
+    document = json.loads((step_dir / MANIFEST).read_text())
+    mutate(document)
+    with pytest.raises(ManifestError):
+        Manifest.from_json(json.dumps(document).encode())
+
+
+def test_manifest_for_another_step_is_rejected(tmp_path: Path) -> None:
+    step_dir = write_checkpoint(tmp_path, 3, {"a": b"1"})
+    other = tmp_path / "step-000000004"
+    step_dir.rename(other)
+    with pytest.raises(ManifestError, match="manifest says step 3"):
+        load_manifest(other)
+
+
+def test_prune_local_keeps_newest_and_protected(tmp_path: Path) -> None:
+    for step in range(1, 6):
+        write_checkpoint(tmp_path, step, {"a": bytes([step])})
+    removed = prune_local(tmp_path, 2, protected=frozenset({"step-000000001"}))
+    assert removed == ["step-000000002", "step-000000003"]
+    assert [i.step for i in scan_local(tmp_path)] == [1, 4, 5]

@@ -1,0 +1,42 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from spotguard import protocol
+
+
+def test_round_trip() -> None:
+    line = protocol.encode("saved", path="/x/step-000000001", step=1, reason="urgent")
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    message = protocol.decode(line.strip(), allowed=protocol.CLIENT_TYPES)
+    assert message == {"v": 1, "type": "saved", "path": "/x/step-000000001", "step": 1, "reason": "urgent"}
+
+
+@pytest.mark.parametrize(
+    ("line", "code"),
+    [
+        (b"{not json", "bad-json"),
+        (b"\xff\xfe", "bad-json"),
+        (b"[1, 2]", "bad-message"),
+        (b'{"v": 2, "type": "status"}', "bad-version"),
+        (b'{"v": 1, "type": "launch-missiles"}', "unknown-type"),
+        (b'{"v": 1, "type": "welcome", "checkpoint_dir": "/x"}', "unknown-type"),  # a daemon message sent to the daemon
+        (b'{"v": 1, "type": "saved", "path": "/x", "step": "7", "reason": "urgent"}', "bad-field"),
+        (b'{"v": 1, "type": "saved", "path": "/x", "step": true, "reason": "urgent"}', "bad-field"),
+        (b'{"v": 1, "type": "drill"}', "bad-field"),
+    ],
+)
+def test_bad_messages_get_a_precise_error(line: bytes, code: str) -> None:
+    with pytest.raises(protocol.ProtocolError) as info:
+        protocol.decode(line, allowed=protocol.CLIENT_TYPES)
+    assert info.value.code == code
+
+
+def test_size_limit() -> None:
+    big = json.dumps({"v": 1, "type": "status", "pad": "x" * 2000}).encode()
+    with pytest.raises(protocol.ProtocolError) as info:
+        protocol.decode(big, limit=1024)
+    assert info.value.code == "too-large"
+    assert protocol.decode(big, limit=4096)["type"] == "status"

@@ -1,0 +1,132 @@
+from __future__ import annotations
+
+import random
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import RandomSampler
+
+from spotguard import Guard
+from spotguard.manifest import scan_local
+from spotguard.trainer.state import StateError, capture_rng, restore_rng
+
+
+@pytest.fixture
+def guard(tmp_path: Path):  # type: ignore[no-untyped-def]
+    g = Guard(checkpoint_dir=tmp_path / "ckpt", socket=tmp_path / "no-daemon.sock", handle_sigterm=False)
+    yield g
+    g.close()
+
+
+def test_rng_states_round_trip_and_load_weights_only(tmp_path: Path) -> None:
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    saved = capture_rng()
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    torch.save(saved, tmp_path / "rng.pt")
+    random.seed(99)
+    np.random.seed(99)
+    torch.manual_seed(99)
+    restore_rng(torch.load(tmp_path / "rng.pt", weights_only=True))
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+
+
+def test_save_and_resume_model_optimizer_tensor_and_plain_data(guard: Guard, tmp_path: Path) -> None:
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    counter = torch.arange(4.0)
+    state = {"model": model, "optimizer": opt, "counter": counter, "extra": {"epoch": 3, "name": "run"}}
+    guard.save(state, 9)
+
+    model2 = torch.nn.Linear(3, 2)
+    opt2 = torch.optim.AdamW(model2.parameters())
+    counter2 = torch.zeros(4)
+    state2 = {"model": model2, "optimizer": opt2, "counter": counter2, "extra": None}
+    assert guard.resume(state2) == 9
+    assert torch.equal(model2.weight, model.weight)
+    assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    assert state2["counter"] is counter2 and torch.equal(counter2, counter)  # restored in place
+    assert state2["extra"] == {"epoch": 3, "name": "run"}
+
+
+def test_resume_with_nothing_saved_returns_zero(guard: Guard) -> None:
+    assert guard.resume({"x": torch.zeros(1)}) == 0
+
+
+def test_resume_skips_a_corrupt_newest_checkpoint(guard: Guard) -> None:
+    guard.save({"x": torch.full((1000,), 1.0)}, 1)
+    newest = guard.save({"x": torch.full((1000,), 2.0)}, 2)
+    payload = newest / "x.pt"
+    data = bytearray(payload.read_bytes())
+    data[-100] ^= 0xFF
+    payload.write_bytes(bytes(data))
+    state = {"x": torch.zeros(1000)}
+    assert guard.resume(state) == 1
+    assert torch.equal(state["x"], torch.full((1000,), 1.0))
+
+
+def test_missing_key_in_checkpoint_says_what_to_fix(guard: Guard) -> None:
+    guard.save({"model": torch.nn.Linear(1, 1)}, 1)
+    with pytest.raises(StateError, match="no entry 'optimizer'"):
+        guard.resume({"model": torch.nn.Linear(1, 1), "optimizer": {"lr": 1}})
+
+
+def test_plain_dataloader_is_refused_with_advice(guard: Guard) -> None:
+    loader = torch.utils.data.DataLoader(list(range(10)))
+    with pytest.raises(StateError, match="StatefulDataLoader"):
+        guard.save({"loader": loader}, 1)
+
+
+def test_bad_key_is_refused(guard: Guard) -> None:
+    with pytest.raises(StateError, match="file name"):
+        guard.save({"../etc": 1}, 1)
+
+
+def test_loader_without_own_generators_warns() -> None:
+    data = list(range(32))
+    plain = StatefulDataLoader(data, batch_size=4, shuffle=True)
+    with pytest.warns(UserWarning, match="global torch RNG"):
+        from spotguard.trainer.state import check_state
+
+        check_state({"loader": plain})
+    seeded = StatefulDataLoader(
+        data,
+        batch_size=4,
+        sampler=RandomSampler(data, generator=torch.Generator().manual_seed(1)),
+        generator=torch.Generator().manual_seed(2),
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_state({"loader": seeded})
+
+
+def test_saving_a_committed_step_again_keeps_the_first(guard: Guard) -> None:
+    first = guard.save({"x": torch.ones(2)}, 4)
+    again = guard.save({"x": torch.zeros(2)}, 4)
+    assert first == again
+    state = {"x": torch.empty(2)}
+    guard.resume(state)
+    assert torch.equal(state["x"], torch.ones(2))
+
+
+def test_without_daemon_or_bucket_old_checkpoints_are_pruned(tmp_path: Path) -> None:
+    g = Guard(checkpoint_dir=tmp_path / "c", socket=tmp_path / "none.sock", keep=2, handle_sigterm=False)
+    try:
+        for step in range(1, 6):
+            g.save({"x": torch.tensor([step])}, step)
+    finally:
+        g.close()
+    assert [i.step for i in scan_local(tmp_path / "c")] == [4, 5]
+
+
+def test_guard_without_directory_or_daemon_explains(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SPOTGUARD_CHECKPOINT_DIR", raising=False)
+    with pytest.raises(ValueError, match="SPOTGUARD_CHECKPOINT_DIR"):
+        Guard(socket=tmp_path / "none.sock", daemon_wait=0.1, handle_sigterm=False)

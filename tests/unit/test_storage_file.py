@@ -1,0 +1,193 @@
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from spotguard.manifest import MANIFEST, CheckpointWriter, crc32c_of_bytes
+from spotguard.storage.base import StorageError, TransientStorageError, retry
+from spotguard.storage.checkpoints import (
+    UploadCancelled,
+    list_remote,
+    prune_remote,
+    restore,
+    upload_checkpoint,
+    verify_remote,
+)
+from spotguard.storage.file import FileStorage
+
+
+def make_checkpoint(root: Path, step: int, files: dict[str, bytes]) -> Path:
+    writer = CheckpointWriter(root, step, reason="periodic")
+    writer.prepare()
+    for name, data in files.items():
+        writer.write_bytes(name, data)
+    writer.commit()
+    return writer.dir
+
+
+@pytest.fixture
+def storage(tmp_path: Path) -> FileStorage:
+    (tmp_path / "bucket").mkdir()
+    return FileStorage((tmp_path / "bucket").as_uri())
+
+
+class FailingStorage(FileStorage):
+    """Fails the upload of one named file, like a bucket that keeps answering 403."""
+
+    def __init__(self, url: str, fail_on: str) -> None:
+        super().__init__(url)
+        self.fail_on = fail_on
+        self.puts: list[str] = []
+
+    def put_file(self, local: Path, key: str, *, crc32c: str) -> None:
+        self.puts.append(key)
+        if key.endswith(self.fail_on):
+            raise StorageError(f"injected failure for {key}")
+        super().put_file(local, key, crc32c=crc32c)
+
+
+def test_upload_then_list_shows_complete_and_restore_is_identical(tmp_path: Path, storage: FileStorage) -> None:
+    files = {"a.pt": b"a" * 1000, "b.pt": bytes(range(256)) * 64}
+    make_checkpoint(tmp_path / "local", 7, files)
+    upload_checkpoint(storage, tmp_path / "local" / "step-000000007")
+    [info] = list_remote(storage)
+    assert (info.name, info.status, info.bytes) == ("step-000000007", "complete", sum(map(len, files.values())))
+    assert verify_remote(storage, info.name) == []
+    target = restore(storage, tmp_path / "restored")
+    assert target is not None
+    assert {p.name: p.read_bytes() for p in target.iterdir() if p.name != MANIFEST} == files
+
+
+def test_manifest_is_uploaded_last_and_not_at_all_on_failure(tmp_path: Path) -> None:
+    (tmp_path / "bucket").mkdir()
+    failing = FailingStorage((tmp_path / "bucket").as_uri(), fail_on="b.pt")
+    make_checkpoint(tmp_path / "local", 1, {"a.pt": b"1", "b.pt": b"2", "c.pt": b"3"})
+    with pytest.raises(StorageError):
+        upload_checkpoint(failing, tmp_path / "local" / "step-000000001", concurrency=1)
+    assert not (tmp_path / "bucket" / "step-000000001" / MANIFEST).exists()
+    assert [i.status for i in list_remote(failing)] == ["incomplete"]
+    failing.fail_on = "nothing"
+    upload_checkpoint(failing, tmp_path / "local" / "step-000000001")
+    assert failing.puts[-1].endswith(MANIFEST)
+    assert [i.status for i in list_remote(failing)] == ["complete"]
+
+
+def test_upload_resumes_without_resending_finished_files(tmp_path: Path) -> None:
+    (tmp_path / "bucket").mkdir()
+    failing = FailingStorage((tmp_path / "bucket").as_uri(), fail_on="c.pt")
+    make_checkpoint(tmp_path / "local", 1, {"a.pt": b"1" * 100, "b.pt": b"2" * 50, "c.pt": b"3"})
+    with pytest.raises(StorageError):
+        upload_checkpoint(failing, tmp_path / "local" / "step-000000001", concurrency=1)
+    failing.fail_on = "nothing"
+    failing.puts.clear()
+    upload_checkpoint(failing, tmp_path / "local" / "step-000000001")
+    assert sorted(failing.puts) == ["step-000000001/c.pt", f"step-000000001/{MANIFEST}"]
+
+
+def test_cancelled_upload_does_not_commit(tmp_path: Path, storage: FileStorage) -> None:
+    make_checkpoint(tmp_path / "local", 1, {"a.pt": b"1"})
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(UploadCancelled):
+        upload_checkpoint(storage, tmp_path / "local" / "step-000000001", cancel=cancel)
+    assert not any(i.status == "complete" for i in list_remote(storage))
+
+
+def test_restore_falls_back_when_newest_fails_verification(tmp_path: Path, storage: FileStorage) -> None:
+    for step in (1, 2):
+        make_checkpoint(tmp_path / "local", step, {"w.pt": bytes([step]) * 4096})
+        upload_checkpoint(storage, tmp_path / "local" / f"step-00000000{step}")
+    remote = storage.root / "step-000000002" / "w.pt"
+    data = bytearray(remote.read_bytes())
+    data[10] ^= 0x40  # same size, different bytes: only the checksum notices
+    remote.write_bytes(bytes(data))
+    assert verify_remote(storage, "step-000000002") != []
+    messages: list[str] = []
+    target = restore(storage, tmp_path / "restored", log=messages.append)
+    assert target is not None and target.name == "step-000000001"
+    assert (target / "w.pt").read_bytes() == bytes([1]) * 4096
+    assert not (tmp_path / "restored" / "step-000000002").exists()
+    assert "step-000000002" in messages[0]
+
+
+def test_restore_of_empty_bucket_is_none(tmp_path: Path, storage: FileStorage) -> None:
+    assert restore(storage, tmp_path / "restored") is None
+
+
+def test_prune_remote_keeps_newest_and_drops_stale_leftovers(tmp_path: Path, storage: FileStorage) -> None:
+    for step in (1, 2, 3, 4):
+        make_checkpoint(tmp_path / "local", step, {"w.pt": bytes([step])})
+        upload_checkpoint(storage, tmp_path / "local" / f"step-00000000{step}")
+    (storage.root / "step-000000002" / MANIFEST).unlink()  # an upload that never committed
+    removed = prune_remote(storage, keep=2)
+    assert sorted(removed) == ["step-000000001", "step-000000002"]
+    assert [(i.step, i.status) for i in list_remote(storage)] == [(3, "complete"), (4, "complete")]
+    assert prune_remote(storage, keep=1, protected=frozenset({"step-000000003"})) == []
+
+
+def test_put_file_rejects_wrong_checksum(tmp_path: Path, storage: FileStorage) -> None:
+    local = tmp_path / "f"
+    local.write_bytes(b"payload")
+    with pytest.raises(StorageError, match="crc32c"):
+        storage.put_file(local, "x/f", crc32c=crc32c_of_bytes(b"other"))
+    assert storage.stat("x/f") is None
+
+
+def test_keys_cannot_escape_the_bucket(storage: FileStorage) -> None:
+    with pytest.raises(StorageError, match="escapes"):
+        storage.read_bytes("../../etc/passwd")
+
+
+def test_retry_retries_transient_and_stops_at_fatal() -> None:
+    calls: list[int] = []
+
+    def flaky() -> str:
+        calls.append(1)
+        if len(calls) < 3:
+            raise TransientStorageError("503")
+        return "done"
+
+    transient = lambda exc: isinstance(exc, TransientStorageError)  # noqa: E731
+    assert retry(flaky, is_transient=transient, base_delay=0.001, sleep=lambda s: None) == "done"
+    assert len(calls) == 3
+
+    def fatal() -> None:
+        calls.append(1)
+        raise StorageError("403")
+
+    calls.clear()
+    with pytest.raises(StorageError, match="403"):
+        retry(fatal, is_transient=transient, sleep=lambda s: None)
+    assert len(calls) == 1
+
+
+def test_retry_gives_up_at_the_deadline() -> None:
+    now = [100.0]
+
+    def always_503() -> None:
+        raise TransientStorageError("503")
+
+    def fake_sleep(seconds: float) -> None:
+        now[0] += seconds
+
+    with pytest.raises(StorageError, match="deadline"):
+        retry(
+            always_503,
+            is_transient=lambda e: True,
+            deadline=100.5,
+            attempts=1000,
+            base_delay=0.2,
+            clock=lambda: now[0],
+            sleep=fake_sleep,
+        )
+    assert now[0] <= 100.5
+
+
+def test_retry_lets_cancellation_through() -> None:
+    def cancelled() -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        retry(cancelled, is_transient=lambda e: True, sleep=lambda s: None)
