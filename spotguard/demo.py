@@ -1,6 +1,8 @@
 """``spotguard demo``: the whole story on one machine, with embedded defaults.
 
-A daemon and a trainer stand for spot VM "A"; a drill notice arrives mid-run;
+A daemon and a trainer stand for spot VM "A", the daemon polling a local AWS
+metadata emulator (IMDSv2) as it would the real one; mid-run the emulator
+announces a spot interruption;
 the trainer writes an urgent checkpoint, the daemon uploads it to a
 ``file://`` bucket; a fresh daemon and trainer on "VM B" resume from the
 bucket and finish; the result is compared, bit for bit, with an
@@ -297,7 +299,7 @@ def run_demo(steps: int = 240, notice_at: int = 100, keep_dir: str | None = None
         bucket_dir = base / "bucket"
         bucket_dir.mkdir()
         bucket = bucket_dir.as_uri()
-        say(f"spotguard demo: {steps} steps; a notice arrives near step {notice_at}; bucket {bucket}")
+        say(f"spotguard demo: {steps} steps; a spot interruption near step {notice_at}; bucket {bucket}")
 
         reference_out = base / "reference.pt"
         reference = subprocess.Popen(
@@ -305,30 +307,34 @@ def run_demo(steps: int = 240, notice_at: int = 100, keep_dir: str | None = None
             stdout=subprocess.DEVNULL,
         )
 
-        vm_a = Vm(base, "vm-a", bucket)
+        from spotguard.emulate import start_emulator
+
+        imds = start_emulator("aws")
+        aws_args = ["--provider", "aws", "--metadata-url", imds.url, "--poll-interval", "1"]
+        vm_a = Vm(base, "vm-a", bucket, extra_args=aws_args)
         vm_a.start_daemon()
-        say(f"[vm-a] daemon up ({vm_a.socket}); trainer starts")
+        say(f"[vm-a] daemon up, polling the AWS metadata emulator at {imds.url} every 1 s; trainer starts")
         trainer = subprocess.Popen(
             trainer_command(vm_a.root, bucket, vm_a.socket, steps, None, pace=0.02),
             stdout=subprocess.PIPE,
             text=True,
         )
         assert trainer.stdout is not None
-        from spotguard.cli import request
 
         t_notice = None
         saved: dict[str, Any] = {}
         for event in events(trainer.stdout):
             if event["event"] == "step" and t_notice is None and event["step"] >= notice_at:
                 t_notice = time.time()
-                reply = request(vm_a.socket, "drill", deadline_s=120.0)
-                say(f"[vm-a] step {event['step']}: termination notice (drill {reply['event_id']}, deadline 120 s)")
+                action = imds.trigger(kind="spot", action="terminate")
+                say(f"[vm-a] step {event['step']}: EC2 announces a spot interruption {action}")
             elif event["event"] == "saved":
                 saved = event
                 say(f"[vm-a] trainer saved step {event['step']} and stops")
         if trainer.wait() != 0 or not saved or t_notice is None:
             say("[vm-a] the trainer did not save and stop as expected")
             vm_a.stop_daemon()
+            imds.stop()
             return 1
 
         status = wait_for(
@@ -338,6 +344,7 @@ def run_demo(steps: int = 240, notice_at: int = 100, keep_dir: str | None = None
         )
         notice = status["last_notice"]
         vm_a.stop_daemon()
+        imds.stop()
         say(f"[vm-a] urgent checkpoint {notice['checkpoint']} committed in the bucket; VM A goes away")
         shutil.rmtree(vm_a.root)  # local NVMe dies with the VM
 
@@ -363,9 +370,9 @@ def run_demo(steps: int = 240, notice_at: int = 100, keep_dir: str | None = None
         differences = compare_final(reference_out, base / "resumed.pt")
         timeline = saved["timeline"]
         say("")
-        say("timeline of the interruption (wall clock)")
-        say(f"  notice fired                  {_ms(t_notice, t_notice)}")
-        say(f"  daemon received it            {_ms(t_notice, _ts(notice['received_at']))}")
+        say("timeline of the interruption (wall clock; the daemon polls IMDS every 1 s)")
+        say(f"  notice appears in IMDS        {_ms(t_notice, t_notice)}")
+        say(f"  daemon saw it                 {_ms(t_notice, _ts(notice['received_at']))}")
         say(f"  trainer told                  {_ms(t_notice, timeline['told'])}")
         say(f"  committed locally (step {saved['step']}) {_ms(t_notice, timeline['committed_local'])}")
         say(f"  committed in bucket           {_ms(t_notice, _ts(notice['committed_at']))}")

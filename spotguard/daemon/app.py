@@ -125,7 +125,8 @@ class Daemon:
     # --- notices -----------------------------------------------------------------------
 
     def action_for(self, notice: Notice) -> Action:
-        if notice.is_hard:
+        # GCP TERMINATE_ON_HOST_MAINTENANCE: GPU VMs cannot live-migrate, so it ends the VM.
+        if notice.is_hard or notice.raw.get("terminates") is True:
             return Action.STOP
         return self.config.action_for_soft(str(notice.kind))
 
@@ -319,18 +320,18 @@ class Daemon:
         while not self._stopping.is_set():
             started = asyncio.get_running_loop().time()
             try:
-                notice = await monitor.check()
+                notices = await _check_all(monitor)
             except MonitorError as exc:
                 self.monitor_errors[monitor.name] = str(exc)
                 logger.warning("%s", exc)
-                notice = None
+                notices = []
             except Exception as exc:  # a monitor bug must not stop the others or the daemon
                 self.monitor_errors[monitor.name] = repr(exc)
                 logger.exception("%s monitor failed", monitor.name)
-                notice = None
+                notices = []
             else:
                 self.monitor_errors.pop(monitor.name, None)
-            if notice is not None:
+            for notice in notices:
                 await self.on_notice(notice)
             spent = asyncio.get_running_loop().time() - started
             with contextlib.suppress(TimeoutError):
@@ -383,6 +384,15 @@ class Daemon:
         if self.storage is not None:
             await asyncio.to_thread(self.storage.close)
         return 0
+
+
+async def _check_all(monitor: Monitor) -> list[Notice]:
+    """Every current notice of a source: a soft event must not hide behind a harder one."""
+    check_all = getattr(monitor, "check_all", None)
+    if check_all is not None:
+        return list(await check_all())
+    notice = await monitor.check()
+    return [] if notice is None else [notice]
 
 
 async def build_and_run(config: DaemonConfig) -> int:

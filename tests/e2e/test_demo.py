@@ -20,6 +20,6 @@ def test_demo_succeeds_with_timeline_and_identical_result() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert "bitwise identical to the uninterrupted run: yes" in out
-    for stage in ("daemon received it", "trainer told", "committed locally", "committed in bucket"):
+    for stage in ("daemon saw it", "trainer told", "committed locally", "committed in bucket"):
         assert re.search(rf"{stage}.*\d+\.\d ms", out), stage
     assert elapsed < 120
