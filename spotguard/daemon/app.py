@@ -21,6 +21,7 @@ from typing import Any
 
 from spotguard import __version__, protocol
 from spotguard.config import DaemonConfig, with_overrides
+from spotguard.daemon.notify import SystemdNotifier, watchdog_loop
 from spotguard.daemon.server import Peer, Reply, SocketServer
 from spotguard.daemon.uploader import Uploader
 from spotguard.manifest import Manifest, atomic_file, load_manifest, prune_local
@@ -90,8 +91,10 @@ class Daemon:
         provider: str,
         monitors: Sequence[Monitor] = (),
         storage: Storage | None = None,
+        notifier: SystemdNotifier | None = None,
     ) -> None:
         self.config = config
+        self.notifier = notifier or SystemdNotifier({})
         self.provider = provider
         self.monitors = list(monitors)
         self.storage = storage
@@ -316,23 +319,25 @@ class Daemon:
 
     # --- lifetime ----------------------------------------------------------------------
 
+    async def _check_once(self, monitor: Monitor) -> None:
+        try:
+            notices = await _check_all(monitor)
+        except MonitorError as exc:
+            self.monitor_errors[monitor.name] = str(exc)
+            logger.warning("%s", exc)
+            return
+        except Exception as exc:  # a monitor bug must not stop the others or the daemon
+            self.monitor_errors[monitor.name] = repr(exc)
+            logger.exception("%s monitor failed", monitor.name)
+            return
+        self.monitor_errors.pop(monitor.name, None)
+        for notice in notices:
+            await self.on_notice(notice)
+
     async def _watch(self, monitor: Monitor) -> None:
         while not self._stopping.is_set():
             started = asyncio.get_running_loop().time()
-            try:
-                notices = await _check_all(monitor)
-            except MonitorError as exc:
-                self.monitor_errors[monitor.name] = str(exc)
-                logger.warning("%s", exc)
-                notices = []
-            except Exception as exc:  # a monitor bug must not stop the others or the daemon
-                self.monitor_errors[monitor.name] = repr(exc)
-                logger.exception("%s monitor failed", monitor.name)
-                notices = []
-            else:
-                self.monitor_errors.pop(monitor.name, None)
-            for notice in notices:
-                await self.on_notice(notice)
+            await self._check_once(monitor)
             spent = asyncio.get_running_loop().time() - started
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), max(0.0, monitor.interval - spent))
@@ -347,16 +352,24 @@ class Daemon:
                 logger.warning("a %s notice (%s) is still pending from before a restart", notice.kind, notice.event_id)
                 self._make_pending(notice, action)
         await self.server.start()
+        # Restarted in the middle of an incident? Ask every source once before declaring READY.
+        first_checks = asyncio.gather(*(self._check_once(m) for m in self.monitors))
+        try:
+            await asyncio.wait_for(first_checks, self.config.http_timeout * 2 + 1)
+        except TimeoutError:
+            logger.warning("the first metadata check took longer than %.0f s", self.config.http_timeout * 2 + 1)
         self._tasks = [asyncio.create_task(self.uploader.run(), name="uploader")]
         self._tasks += [asyncio.create_task(self._watch(m), name=f"monitor-{m.name}") for m in self.monitors]
+        self._tasks.append(asyncio.create_task(watchdog_loop(self.notifier, self.notifier.watchdog_interval())))
 
     def request_stop(self) -> None:
         self._stopping.set()
 
-    async def serve_until_stopped(self, ready: Callable[[], None] | None = None) -> int:
+    async def serve_until_stopped(self) -> int:
         await self.start()
-        if ready:
-            ready()
+        monitors = ", ".join(m.name for m in self.monitors) or "drills and SIGTERM only"
+        logger.info("spotguard %s ready (provider %s: %s)", __version__, self.provider, monitors)
+        self.notifier.ready(f"watching {self.provider} ({monitors}); bucket {self.config.bucket or 'none'}")
         await self._stopping.wait()
         return await self.shutdown()
 
@@ -369,6 +382,8 @@ class Daemon:
         if pending is not None:
             budget = max(0.0, min(budget, pending[0].seconds_left()))
         logger.info("shutting down: finishing uploads for up to %.0f s", budget)
+        self.notifier.stopping(f"finishing uploads for up to {budget:.0f} s")
+        self.notifier.extend_timeout(int((budget + 10) * 1e6))
         drained = await self.uploader.drain(budget)
         if not drained:
             logger.error(
@@ -404,14 +419,12 @@ async def build_and_run(config: DaemonConfig) -> int:
         # Credentials and connections now, not at notice time.
         await asyncio.to_thread(storage.warm)
     provider, monitors, session = await _build_monitors(config)
-    daemon = Daemon(config, provider=provider, monitors=monitors, storage=storage)
+    daemon = Daemon(config, provider=provider, monitors=monitors, storage=storage, notifier=SystemdNotifier(os.environ))
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, daemon.request_stop)
     try:
-        return await daemon.serve_until_stopped(
-            ready=lambda: logger.info("spotguard %s ready (provider %s)", __version__, provider)
-        )
+        return await daemon.serve_until_stopped()
     finally:
         if session is not None:
             await session.close()

@@ -27,6 +27,21 @@ _PEERCRED = struct.Struct("3i")  # struct ucred { pid_t pid; uid_t uid; gid_t gi
 _WRITE_TIMEOUT = 2.0  # a client that does not read its replies must not stall the others
 
 
+def _groups_of(pid: int, primary_gid: int) -> set[int]:
+    """The peer's primary and supplementary groups: a trainer is often in the spotguard group
+    only as a supplementary one. SO_PEERCRED carries the primary gid; /proc has the rest."""
+    groups = {primary_gid}
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("Groups:"):
+                    groups.update(int(g) for g in line.split()[1:])
+                    break
+    except (OSError, ValueError):
+        pass  # the peer exited, or no /proc: the primary gid still counts
+    return groups
+
+
 @dataclass
 class Peer:
     id: int
@@ -73,7 +88,7 @@ class SocketServer:
         self.path = path
         self._handler = handler
         self._allowed_uids = allowed_uids
-        self._allowed_gids = allowed_gids
+        self._allowed_gids = frozenset(allowed_gids)
         self._limit = max_message_bytes
         self._max_connections = max_connections
         self._on_disconnect = on_disconnect
@@ -133,7 +148,7 @@ class SocketServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         pid, uid, gid = self._credentials(writer)
         peer = Peer(next(self._ids), pid, uid, gid, writer)
-        if uid not in self._allowed_uids and gid not in self._allowed_gids:
+        if uid not in self._allowed_uids and not self._allowed_gids.intersection(_groups_of(pid, gid)):
             logger.warning("refused pid %d: uid %d / gid %d not in allowed_uids/allowed_gids", pid, uid, gid)
             await self._refuse(peer, "forbidden", f"uid {uid} may not use this socket; see allowed_uids")
             return

@@ -127,3 +127,27 @@ while step < 10**9:
     finally:
         again.kill()
         again.wait()
+
+
+def test_daemon_speaks_sd_notify_ready_watchdog_stopping(vm_factory: Callable[..., Vm], tmp_path: Path) -> None:
+    import socket as sockets
+
+    notify = sockets.socket(sockets.AF_UNIX, sockets.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "notify.sock"))
+    notify.settimeout(20)
+    vm = vm_factory("sd", start=False)
+    try:
+        # WATCHDOG_USEC without WATCHDOG_PID: pings every half period, i.e. every 0.1 s.
+        vm.start_daemon(env={"NOTIFY_SOCKET": str(tmp_path / "notify.sock"), "WATCHDOG_USEC": "200000"})
+        messages: list[str] = []
+        while not any(m.startswith("WATCHDOG=1") for m in messages):
+            messages.append(notify.recv(4096).decode())
+        assert messages[0].startswith("READY=1") and "STATUS=watching none" in messages[0]
+        assert vm.process is not None
+        vm.process.send_signal(signal.SIGTERM)
+        while not any("STOPPING=1" in m for m in messages):
+            messages.append(notify.recv(4096).decode())
+        assert vm.process.wait(timeout=30) == 0
+        vm.process = None
+    finally:
+        notify.close()

@@ -1,0 +1,415 @@
+"""What the three metadata emulators share: fault injection, request recording, the control API
+plumbing, and running an emulator in a background thread (tests, the demo) or in the foreground
+(``spotguard emulate``).
+
+Each emulator is an :class:`Emulator` subclass that adds its cloud's routes to an aiohttp app.
+Everything under ``/_emulator/`` is the control API (JSON in, JSON out); every other request is
+"the instance talking to its metadata service", is recorded, and goes through the fault injector.
+
+Control API, common to all providers::
+
+    POST   /_emulator/notice    {...}          provider-specific: make a notice appear
+    POST   /_emulator/clear                    back to "no notice"
+    POST   /_emulator/faults    {"faults": [{"kind": "status", "status": 503, "count": 2}, ...]}
+    DELETE /_emulator/faults                   remove all faults
+    GET    /_emulator/requests                 what the instance side asked, oldest first
+    GET    /_emulator/state                    provider-specific snapshot
+
+Fault kinds: ``status`` (answer ``status``, default 500), ``garbage`` (200 with a junk body),
+``drop`` (close the connection without an answer), ``latency`` (wait ``seconds`` first; combines
+with the others), plus provider-specific ones (GCP ``no_flavor``). ``count`` limits how many
+requests a fault hits (``null`` = until removed); ``path`` limits it to paths containing that text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import sys
+import threading
+import urllib.request
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+logger = logging.getLogger(__name__)
+
+CONTROL_PREFIX = "/_emulator/"
+GARBAGE_BODY = b"\x00\xff<html>not what you asked for{"
+MAX_RECORDED_REQUESTS = 2000
+# The control API is on loopback: an http_proxy in the environment must not take it elsewhere.
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass
+class Fault:
+    kind: str  # status | garbage | drop | latency | no_flavor (GCP)
+    count: int | None = None  # requests left to hit; None = until cleared
+    status: int = 500
+    seconds: float = 0.0
+    path: str | None = None
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Fault:
+        kind = str(data["kind"])
+        if kind not in ("status", "garbage", "drop", "latency", "no_flavor"):
+            raise ValueError(f"unknown fault kind {kind!r}")
+        count = data.get("count")
+        return cls(
+            kind=kind,
+            count=None if count is None else int(count),
+            status=int(data.get("status", 500)),
+            seconds=float(data.get("seconds", 0.0)),
+            path=data.get("path"),
+        )
+
+    def matches(self, path: str) -> bool:
+        return (self.count is None or self.count > 0) and (self.path is None or self.path in path)
+
+    def consume(self) -> None:
+        if self.count is not None:
+            self.count -= 1
+
+
+class Emulator:
+    """Base class: one metadata service, its faults and its control API."""
+
+    provider = "none"
+
+    def __init__(self, notice_after: float | None = None, action: str | None = None) -> None:
+        self.notice_after = notice_after
+        self.action = action
+        self.faults: list[Fault] = []
+        self.requests: list[dict[str, Any]] = []
+        self._changed = asyncio.Condition()
+        self._timers: list[asyncio.TimerHandle] = []
+        self.closing = False
+
+    # --- to be extended by providers --------------------------------------------------------
+
+    def add_routes(self, app: web.Application) -> None:
+        raise NotImplementedError
+
+    def trigger(self, spec: dict[str, Any]) -> dict[str, Any]:
+        """Make a notice appear; returns what was created (ids, times)."""
+        raise NotImplementedError
+
+    def clear(self) -> None:
+        raise NotImplementedError
+
+    def state(self) -> dict[str, Any]:
+        return {}
+
+    def answer_headers(self) -> dict[str, str]:
+        """Headers every real answer carries (GCP: ``Metadata-Flavor``); faults keep them."""
+        return {}
+
+    def default_notice(self) -> dict[str, Any]:
+        """The notice ``notice_after`` triggers."""
+        return {"action": self.action} if self.action else {}
+
+    # --- shared machinery --------------------------------------------------------------------
+
+    def build_app(self) -> web.Application:
+        app = web.Application(middlewares=[self._middleware])
+        app.router.add_post("/_emulator/notice", self._control_notice)
+        app.router.add_post("/_emulator/clear", self._control_clear)
+        app.router.add_post("/_emulator/faults", self._control_add_faults)
+        app.router.add_delete("/_emulator/faults", self._control_clear_faults)
+        app.router.add_get("/_emulator/requests", self._control_requests)
+        app.router.add_get("/_emulator/state", self._control_state)
+        self.add_routes(app)
+        app.on_startup.append(self._schedule_notice)
+        app.on_shutdown.append(self._release_waiters)
+        app.on_cleanup.append(self._cancel_timers)
+        return app
+
+    async def changed(self) -> None:
+        """Wake long-polls (GCP ``wait_for_change``) after a state change."""
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def wait_changed(self, timeout: float) -> None:
+        async with self._changed:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), timeout)
+
+    def later(self, delay: float, callback: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        loop = asyncio.get_running_loop()
+        self._timers.append(loop.call_later(delay, lambda: loop.create_task(callback())))
+
+    async def _schedule_notice(self, _app: web.Application) -> None:
+        if self.notice_after is not None:
+
+            async def fire() -> None:
+                logger.info("%s emulator: notice_after elapsed, triggering a notice", self.provider)
+                self.trigger(self.default_notice())
+                await self.changed()
+
+            self.later(self.notice_after, fire)
+
+    async def _release_waiters(self, _app: web.Application) -> None:
+        # Answer pending long-polls now rather than make shutdown wait for their timeout.
+        self.closing = True
+        await self.changed()
+
+    async def _cancel_timers(self, _app: web.Application) -> None:
+        for timer in self._timers:
+            timer.cancel()
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path.startswith(CONTROL_PREFIX):
+            return await handler(request)
+        self._record(request)
+        active = [f for f in self.faults if f.matches(request.path)]
+        for fault in active:
+            if fault.kind == "latency":
+                fault.consume()
+                await asyncio.sleep(fault.seconds)
+        for fault in active:
+            if fault.kind == "latency":
+                continue
+            fault.consume()
+            return await self.apply_fault(fault, request, handler)
+        return await handler(request)
+
+    async def apply_fault(self, fault: Fault, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if fault.kind == "status":
+            return web.Response(status=fault.status, text=f"emulated error {fault.status}\n")
+        if fault.kind == "garbage":
+            # Answered at once (no long-poll), with the headers a real answer has: only the body is wrong.
+            return web.Response(status=200, body=GARBAGE_BODY, headers=self.answer_headers())
+        if fault.kind == "drop":
+            if request.transport is not None:
+                request.transport.abort()
+            # The client sees a dropped connection; aiohttp needs *some* response object.
+            raise asyncio.CancelledError
+        raise ValueError(f"fault {fault.kind!r} is not handled by the {self.provider} emulator")
+
+    def _record(self, request: web.Request) -> None:
+        self.requests.append(
+            {
+                "method": request.method,
+                "path": request.path,
+                "query": dict(request.query),
+                "headers": {k: v for k, v in request.headers.items() if k.lower() not in ("host",)},
+            }
+        )
+        del self.requests[:-MAX_RECORDED_REQUESTS]
+
+    async def _control_notice(self, request: web.Request) -> web.Response:
+        spec = await _json_body(request)
+        try:
+            created = self.trigger(spec)
+        except (KeyError, ValueError, TypeError) as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        await self.changed()
+        return web.json_response(created)
+
+    async def _control_clear(self, _request: web.Request) -> web.Response:
+        self.clear()
+        await self.changed()
+        return web.json_response({"cleared": True})
+
+    async def _control_add_faults(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        try:
+            faults = [Fault.from_json(item) for item in body.get("faults", [body])]
+        except (KeyError, ValueError, TypeError) as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        self.faults.extend(faults)
+        return web.json_response({"faults": len(self.faults)})
+
+    async def _control_clear_faults(self, _request: web.Request) -> web.Response:
+        self.faults.clear()
+        return web.json_response({"faults": 0})
+
+    async def _control_requests(self, _request: web.Request) -> web.Response:
+        return web.json_response(self.requests)
+
+    async def _control_state(self, _request: web.Request) -> web.Response:
+        return web.json_response(self.state())
+
+
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    if not request.can_read_body:
+        return {}
+    try:
+        data = await request.json()
+    except ValueError as exc:
+        raise web.HTTPBadRequest(text=f"not JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise web.HTTPBadRequest(text="expected a JSON object")
+    return data
+
+
+def make_emulator(
+    provider: str, notice_after: float | None = None, action: str | None = None, **options: Any
+) -> Emulator:
+    """The emulator for ``provider`` ("aws", "gcp" or "azure")."""
+    # Imported here because each provider module imports this one.
+    if provider == "aws":
+        from spotguard.emulate.aws import AwsEmulator
+
+        return AwsEmulator(notice_after=notice_after, action=action, **options)
+    if provider == "gcp":
+        from spotguard.emulate.gcp import GcpEmulator
+
+        return GcpEmulator(notice_after=notice_after, action=action, **options)
+    if provider == "azure":
+        from spotguard.emulate.azure import AzureEmulator
+
+        return AzureEmulator(notice_after=notice_after, action=action, **options)
+    raise ValueError(f"no emulator for provider {provider!r} (aws, gcp or azure)")
+
+
+async def _start_site(emulator: Emulator, host: str, port: int) -> tuple[web.AppRunner, str]:
+    # No access log: tests poll the emulators hundreds of times a second. A client that hangs up
+    # ends its long-poll (handler_cancellation), and stopping does not wait out long-polls.
+    runner = web.AppRunner(
+        emulator.build_app(),
+        access_log=None,
+        handle_signals=False,
+        handler_cancellation=True,
+        shutdown_timeout=1.0,
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound_port = runner.addresses[0][1]  # the real port when 0 (random) was asked for
+    return runner, f"http://{host}:{bound_port}"
+
+
+class RunningEmulator:
+    """An emulator serving on 127.0.0.1 from a background thread. Use :func:`start_emulator`.
+
+    ``url`` is the base URL a monitor takes (``metadata_url``); ``control`` talks to the
+    control API with blocking HTTP (fine from tests: the emulator has its own thread and loop).
+    """
+
+    def __init__(self, emulator: Emulator, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.emulator = emulator
+        self.url = ""
+        self._host = host
+        self._port = port
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._runner: web.AppRunner | None = None
+        self._thread = threading.Thread(target=self._run, name=f"emulator-{emulator.provider}", daemon=True)
+
+    def start(self) -> RunningEmulator:
+        self._thread.start()
+        if not self._ready.wait(timeout=10):
+            raise RuntimeError(f"{self.emulator.provider} emulator did not start within 10 s")
+        if self._error is not None:
+            raise RuntimeError(f"{self.emulator.provider} emulator failed to start") from self._error
+        return self
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._runner, self.url = self._loop.run_until_complete(_start_site(self.emulator, self._host, self._port))
+        except BaseException as exc:  # reported to start() in the caller's thread
+            self._error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        self._loop.run_forever()
+        self._loop.run_until_complete(self._runner.cleanup())
+        self._loop.close()
+
+    def control(self, method: str, path: str, payload: dict[str, Any] | None = None) -> Any:
+        """Call ``/_emulator/<path>``; returns the decoded JSON answer."""
+        data = None if payload is None else json.dumps(payload).encode()
+        request = urllib.request.Request(
+            f"{self.url}{CONTROL_PREFIX}{path.lstrip('/')}",
+            data=data,
+            method=method,
+            headers={"Content-Type": "application/json"},
+        )
+        with _NO_PROXY.open(request, timeout=10) as response:
+            return json.loads(response.read() or b"null")
+
+    def trigger(self, **spec: Any) -> dict[str, Any]:
+        result: dict[str, Any] = self.control("POST", "notice", spec)
+        return result
+
+    def clear(self) -> None:
+        self.control("POST", "clear", {})
+
+    def inject(self, *faults: dict[str, Any]) -> None:
+        self.control("POST", "faults", {"faults": list(faults)})
+
+    def clear_faults(self) -> None:
+        self.control("DELETE", "faults")
+
+    def requests(self) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = self.control("GET", "requests")
+        return result
+
+    def state(self) -> dict[str, Any]:
+        result: dict[str, Any] = self.control("GET", "state")
+        return result
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+
+    def __enter__(self) -> RunningEmulator:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop()
+
+
+def start_emulator(
+    provider: str, notice_after: float | None = None, action: str | None = None, **options: Any
+) -> RunningEmulator:
+    """Start an emulator on 127.0.0.1 with a random port, in a background thread.
+
+    >>> emu = start_emulator("aws", notice_after=5, action="stop")
+    >>> emu.url                                   # e.g. http://127.0.0.1:41235
+    >>> emu.inject({"kind": "status", "status": 500, "count": 2})
+    >>> emu.stop()
+    """
+    return RunningEmulator(make_emulator(provider, notice_after, action, **options)).start()
+
+
+async def serve(
+    provider: str, host: str, port: int, notice_after: float | None = None, action: str | None = None
+) -> None:
+    """Serve an emulator until cancelled."""
+    emulator = make_emulator(provider, notice_after, action)
+    runner, url = await _start_site(emulator, host, port)
+    print(f"spotguard {provider} metadata emulator on {url}", flush=True)
+    print(f"  e.g. spotguard run --provider {provider} --metadata-url {url}", flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+
+
+def run_emulator_forever(provider: str, host: str, port: int, notice_after: float | None, action: str | None) -> None:
+    """``spotguard emulate``: serve until SIGINT/SIGTERM, printing the URL on stdout."""
+
+    async def main() -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, task.cancel)
+        with contextlib.suppress(asyncio.CancelledError):
+            await serve(provider, host, port, notice_after, action)
+        print("emulator stopped", file=sys.stderr, flush=True)
+
+    asyncio.run(main())

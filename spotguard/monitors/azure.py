@@ -1,0 +1,197 @@
+"""Azure notices from Scheduled Events (Instance Metadata Service).
+
+``GET /metadata/scheduledevents?api-version=2020-07-01`` with ``Metadata: true`` lists the events of
+every VM in the availability set / scale-set placement group; only those whose ``Resources`` name
+this VM count. The VM's name is ``vm_name`` or, when not given, read once from IMDS
+(``/metadata/instance/compute/name``).
+
+=========================  =====================  ==========================================
+``EventType``              kind                   deadline
+=========================  =====================  ==========================================
+``Preempt``, ``Terminate``  terminate (hard)       ``NotBefore``; once ``Started`` (blank),
+``Reboot``, ``Redeploy``,   maintenance (soft)     the moment it was first seen blank
+``Freeze`` (and unknown)
+=========================  =====================  ==========================================
+
+The event id comes from ``EventId``. :meth:`AzureMonitor.acknowledge` approves an event
+(``StartRequests``) so Azure may go ahead before ``NotBefore``: the daemon calls it only once the
+checkpoint is committed remotely. ``check_all`` returns every event for this VM, most urgent first.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
+from typing import Any
+
+import aiohttp
+
+from spotguard.monitors.base import MonitorError
+from spotguard.notice import Kind, Notice, event_id_for, utcnow
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BASE_URL = "http://169.254.169.254"
+EVENTS_PATH = "/metadata/scheduledevents"
+EVENTS_API_VERSION = "2020-07-01"
+NAME_PATH = "/metadata/instance/compute/name"
+NAME_API_VERSION = "2021-02-01"
+HARD_TYPES = ("Preempt", "Terminate")
+FINISHED_STATUSES = ("Completed", "Canceled")
+
+
+def parse_not_before(text: str) -> datetime:
+    """``Mon, 19 Sep 2016 18:29:47 GMT`` -> UTC datetime."""
+    try:
+        value = parsedate_to_datetime(text)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"not a NotBefore time: {text!r}") from exc
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def kind_for(event_type: str) -> Kind:
+    return Kind.TERMINATE if event_type in HARD_TYPES else Kind.MAINTENANCE
+
+
+def events_for_vm(text: str, vm_name: str) -> tuple[int, list[dict[str, Any]]]:
+    """The Scheduled Events document -> (DocumentIncarnation, this VM's pending events)."""
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"not JSON: {text[:80]!r}") from exc
+    if not isinstance(doc, dict) or not isinstance(doc.get("Events"), list):
+        raise ValueError(f"not a Scheduled Events document: {text[:80]!r}")
+    mine = []
+    for event in doc["Events"]:
+        if not isinstance(event, dict) or not isinstance(event.get("EventId"), str):
+            raise ValueError(f"unexpected event: {event!r}")
+        resources = event.get("Resources") or []
+        # Azure VM names are case-insensitive.
+        if not any(str(r).casefold() == vm_name.casefold() for r in resources):
+            continue
+        if event.get("EventStatus") in FINISHED_STATUSES:
+            continue
+        mine.append(event)
+    return int(doc.get("DocumentIncarnation", 0)), mine
+
+
+class AzureMonitor:
+    """Watches Azure Scheduled Events for this VM; also an :class:`~spotguard.monitors.base.Acknowledger`.
+
+    >>> monitor = AzureMonitor(session, base_url="http://127.0.0.1:8082", vm_name="train-0")
+    >>> notice = await monitor.check()
+    >>> await monitor.acknowledge(notice)    # after the checkpoint is committed in the bucket
+    """
+
+    name = "azure"
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        base_url: str = DEFAULT_BASE_URL,
+        interval: float = 1.0,
+        timeout: float = 2.0,
+        *,
+        vm_name: str | None = None,
+        clock: Callable[[], datetime] = utcnow,
+    ) -> None:
+        self.interval = interval
+        self._session = session
+        self._base = base_url.rstrip("/")
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._vm_name = vm_name
+        self._clock = clock
+        self._incarnation: int | None = None
+        self._started_seen: dict[str, datetime] = {}
+
+    async def check(self) -> Notice | None:
+        notices = await self.check_all()
+        return notices[0] if notices else None
+
+    async def check_all(self) -> list[Notice]:
+        vm_name = await self.vm_name()
+        status, body = await self._request("GET", EVENTS_PATH, EVENTS_API_VERSION, what="scheduledevents")
+        if status != 200:
+            raise MonitorError(f"azure: reading scheduledevents: HTTP {status}")
+        try:
+            incarnation, events = events_for_vm(body, vm_name)
+            notices = [self._notice(event) for event in events]
+        except (ValueError, TypeError) as exc:
+            raise MonitorError(f"azure: reading scheduledevents: {exc}") from exc
+        if incarnation != self._incarnation:
+            logger.info("azure: DocumentIncarnation %s, %d event(s) for %s", incarnation, len(events), vm_name)
+            self._incarnation = incarnation
+        return sorted(notices, key=lambda n: (not n.is_hard, n.deadline))
+
+    async def acknowledge(self, notice: Notice) -> None:
+        """Approve the event (``StartRequests``) so Azure may proceed now. Raises MonitorError on failure."""
+        event_id = notice.raw.get("EventId")
+        if notice.provider != "azure" or not isinstance(event_id, str):
+            logger.debug("azure: nothing to acknowledge for %s", notice.event_id)
+            return
+        payload = json.dumps({"StartRequests": [{"EventId": event_id}]})
+        status, _ = await self._request("POST", EVENTS_PATH, EVENTS_API_VERSION, what="StartRequests", data=payload)
+        if not 200 <= status < 300:
+            raise MonitorError(f"azure: posting StartRequests for {event_id}: HTTP {status}")
+        logger.info("azure: acknowledged event %s", event_id)
+
+    async def vm_name(self) -> str:
+        """This VM's name, from ``vm_name`` or IMDS (asked once, then remembered)."""
+        if self._vm_name is None:
+            status, body = await self._request(
+                "GET", NAME_PATH, NAME_API_VERSION, what="compute/name", params={"format": "text"}
+            )
+            name = body.strip()
+            if status != 200 or not name or len(name) > 128 or any(c.isspace() for c in name):
+                raise MonitorError(f"azure: reading compute/name: HTTP {status}, {body[:40]!r}")
+            self._vm_name = name
+        return self._vm_name
+
+    async def close(self) -> None:
+        self._incarnation = None
+
+    def _notice(self, event: dict[str, Any]) -> Notice:
+        kind = kind_for(str(event.get("EventType")))
+        event_id = event_id_for("azure", kind, event["EventId"])
+        not_before = str(event.get("NotBefore") or "").strip()
+        if not_before:
+            deadline = parse_not_before(not_before)
+        else:
+            # Blank NotBefore: the event has started. "Now" must not move between polls.
+            deadline = self._started_seen.setdefault(event_id, self._clock())
+        return Notice(provider="azure", kind=kind, deadline=deadline, event_id=event_id, raw=dict(event))
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        api_version: str,
+        *,
+        what: str,
+        params: dict[str, str] | None = None,
+        data: str | None = None,
+    ) -> tuple[int, str]:
+        headers = {"Metadata": "true"}
+        if data is not None:
+            headers["Content-Type"] = "application/json"
+        try:
+            async with self._session.request(
+                method,
+                self._base + path,
+                params={"api-version": api_version, **(params or {})},
+                headers=headers,
+                data=data,
+                timeout=self._timeout,
+                allow_redirects=False,
+            ) as response:
+                status = response.status
+                body = await response.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise MonitorError(f"azure: {'posting' if method == 'POST' else 'reading'} {what}") from exc
+        try:
+            return status, body.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise MonitorError(f"azure: reading {what}: body is not UTF-8") from exc

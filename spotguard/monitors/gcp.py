@@ -1,0 +1,212 @@
+"""GCE notices from the metadata server, by long-poll.
+
+One request watches both values: ``GET /computeMetadata/v1/instance/?recursive=true`` answers the
+instance directory as JSON (``preempted``, ``maintenanceEvent``, ...) and, with
+``wait_for_change=true&last_etag=E&timeout_sec=T``, blocks until anything in it differs from ETag
+``E``. GCP documents wait-for-change on directories with ``recursive=true``; one long-poll instead
+of one per value means one connection, one ETag and no race between two watchers. Because
+``last_etag`` is sent, a change that happens between two long-polls is answered at once.
+
+* ``preempted`` ``TRUE`` -> kind ``terminate`` (hard), deadline 30 s after it was first seen
+  (GCP's Spot/preemptible notice).
+* ``maintenanceEvent`` other than ``NONE`` -> kind ``maintenance`` (soft), deadline 60 s after it
+  was first seen (GCP's host-maintenance notice). ``TERMINATE_ON_HOST_MAINTENANCE`` stays soft here
+  on purpose: every kind maps to an action in one place, the daemon's policy (``on_maintenance``);
+  the notice's ``raw["terminates"]`` is True for it so a policy can treat it as hard (GPU VMs
+  cannot live-migrate, so for them it means the VM stops).
+
+``check`` answers immediately the first time (a restarted daemon learns about a pending notice at
+once) and long-polls afterwards, so it may block up to ``long_poll_timeout`` seconds; ``interval``
+is therefore 0 (call again right away). After an error, the next ``check`` first waits
+``poll_interval`` so a dead server is not hammered. 503 (the server during its own maintenance) is
+retried after ``retry_delay`` seconds, ``max_retries`` times.
+
+Every answer must carry ``Metadata-Flavor: Google``; one without it did not come from the metadata
+server (a proxy, a captive portal) and is a :class:`MonitorError`.
+
+Event ids: the preemption is keyed by instance id + boot id (a VM is preempted at most once per
+boot); a maintenance event by instance id + boot id + value + its count in this monitor's life.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from spotguard.monitors.base import MonitorError
+from spotguard.notice import Kind, Notice, event_id_for, utcnow
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BASE_URL = "http://metadata.google.internal"
+INSTANCE_PATH = "/computeMetadata/v1/instance/"
+FLAVOR = "Metadata-Flavor"
+PREEMPT_NOTICE = timedelta(seconds=30)
+MAINTENANCE_NOTICE = timedelta(seconds=60)
+BOOT_ID_FILE = Path("/proc/sys/kernel/random/boot_id")
+
+
+def read_boot_id(path: Path = BOOT_ID_FILE) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return "unknown-boot"
+
+
+def parse_instance(text: str) -> tuple[str, bool, str]:
+    """The recursive instance document -> (instance id, preempted, maintenance event)."""
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"not JSON: {text[:80]!r}") from exc
+    if not isinstance(doc, dict):
+        raise ValueError(f"not an instance document: {text[:80]!r}")
+    preempted = doc.get("preempted")
+    maintenance = doc.get("maintenanceEvent")
+    if preempted not in ("TRUE", "FALSE") or not isinstance(maintenance, str) or not maintenance:
+        raise ValueError(f"unexpected preempted={preempted!r} maintenanceEvent={maintenance!r}")
+    return str(doc.get("id", "unknown-instance")), preempted == "TRUE", maintenance
+
+
+class GcpMonitor:
+    """Watches the GCE metadata server for preemption and host maintenance.
+
+    >>> monitor = GcpMonitor(session, base_url="http://127.0.0.1:8081", long_poll_timeout=30)
+    >>> notice = await monitor.check()    # may block up to long_poll_timeout after the first call
+
+    ``check_all`` returns both notices when both are current (preemption first).
+    """
+
+    name = "gcp"
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        base_url: str = DEFAULT_BASE_URL,
+        interval: float = 1.0,
+        timeout: float = 2.0,
+        *,
+        long_poll: bool = True,
+        long_poll_timeout: float = 60.0,
+        retry_delay: float = 1.0,
+        max_retries: int = 3,
+        clock: Callable[[], datetime] = utcnow,
+        boot_id: str | None = None,
+    ) -> None:
+        self.poll_interval = interval
+        self.interval = 0.0 if long_poll else interval
+        self._session = session
+        self._url = base_url.rstrip("/") + INSTANCE_PATH
+        self._timeout = timeout
+        self._long_poll = long_poll
+        self._long_poll_timeout = max(1, round(long_poll_timeout))
+        self._retry_delay = retry_delay
+        self._max_retries = max_retries
+        self._clock = clock
+        self._boot_id = boot_id if boot_id is not None else read_boot_id()
+        self._etag: str | None = None
+        self._pause = 0.0
+        self._first_seen: dict[str, datetime] = {}
+        self._maintenance_value = "NONE"
+        self._maintenance_count = 0
+
+    async def check(self) -> Notice | None:
+        notices = await self.check_all()
+        return notices[0] if notices else None
+
+    async def check_all(self) -> list[Notice]:
+        if self._pause:
+            pause, self._pause = self._pause, 0.0
+            await asyncio.sleep(pause)
+        try:
+            text = await self._fetch()
+            instance_id, preempted, maintenance = parse_instance(text)
+        except ValueError as exc:
+            self._pause = self.poll_interval
+            raise MonitorError(f"gcp: reading instance/: {exc}") from exc
+        except MonitorError:
+            self._pause = self.poll_interval
+            raise
+        if self._long_poll and not self._etag:
+            # No ETag, no long-poll: the next check is a plain read, so pace it here (interval is 0).
+            self._pause = self.poll_interval
+        return self._notices(instance_id, preempted, maintenance)
+
+    async def close(self) -> None:
+        self._etag = None
+
+    def _notices(self, instance_id: str, preempted: bool, maintenance: str) -> list[Notice]:
+        notices = []
+        identity = f"{instance_id}/{self._boot_id}"
+        if preempted:
+            notices.append(self._notice(Kind.TERMINATE, identity, PREEMPT_NOTICE, {"preempted": "TRUE"}))
+        if maintenance != self._maintenance_value:
+            self._maintenance_value = maintenance
+            if maintenance != "NONE":
+                self._maintenance_count += 1
+        if maintenance != "NONE":
+            raw_fields = {
+                "maintenance_event": maintenance,
+                "terminates": maintenance.startswith("TERMINATE"),
+            }
+            notices.append(
+                self._notice(
+                    Kind.MAINTENANCE,
+                    f"{identity}/{maintenance}/{self._maintenance_count}",
+                    MAINTENANCE_NOTICE,
+                    raw_fields,
+                )
+            )
+        return notices
+
+    def _notice(self, kind: Kind, identity: str, notice: timedelta, raw: dict[str, Any]) -> Notice:
+        event_id = event_id_for("gcp", kind, identity)
+        # GCP gives no deadline, only "N seconds from now": fix it when first seen so every poll agrees.
+        first_seen = self._first_seen.setdefault(event_id, self._clock())
+        return Notice(provider="gcp", kind=kind, deadline=first_seen + notice, event_id=event_id, raw=raw)
+
+    async def _fetch(self) -> str:
+        for attempt in range(self._max_retries + 1):
+            status, body, etag = await self._request()
+            if status == 503 and attempt < self._max_retries:
+                logger.info("gcp: metadata server answered 503; retrying in %.1f s", self._retry_delay)
+                await asyncio.sleep(self._retry_delay)
+                continue
+            if status != 200:
+                raise MonitorError(f"gcp: reading instance/: HTTP {status}")
+            try:
+                text = body.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise MonitorError("gcp: reading instance/: body is not UTF-8") from exc
+            self._etag = etag
+            return text
+        raise AssertionError("unreachable")
+
+    async def _request(self) -> tuple[int, bytes, str | None]:
+        params = {"recursive": "true"}
+        timeout = self._timeout
+        if self._long_poll and self._etag:
+            params.update(wait_for_change="true", last_etag=self._etag, timeout_sec=str(self._long_poll_timeout))
+            timeout += self._long_poll_timeout
+        try:
+            async with self._session.get(
+                self._url,
+                params=params,
+                headers={FLAVOR: "Google"},
+                timeout=aiohttp.ClientTimeout(total=timeout),
+                allow_redirects=False,
+            ) as response:
+                if response.status == 200 and response.headers.get(FLAVOR) != "Google":
+                    raise MonitorError(
+                        f"gcp: reading instance/: answer without {FLAVOR}: Google (not the metadata server)"
+                    )
+                return response.status, await response.read(), response.headers.get("ETag")
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise MonitorError("gcp: reading instance/") from exc

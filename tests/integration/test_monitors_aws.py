@@ -1,0 +1,305 @@
+"""AwsMonitor against the real IMDS emulator on 127.0.0.1, with faults."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+
+from spotguard.monitors.aws import AwsMonitor
+from spotguard.monitors.base import Monitor, MonitorError
+from spotguard.notice import Kind
+from tests.emulators import (
+    FakeClock,
+    FakeMonotonic,
+    count_requests,
+    emulator,
+    http_session,
+    poll_outcomes,
+    raw_http,
+    run,
+)
+
+
+def http(method: str, url: str, headers: dict[str, str] | None = None) -> tuple[int, str]:
+    status, _, body = raw_http(method, url, headers)
+    return status, body
+
+
+@pytest.mark.parametrize("ttl", [None, "0", "21601", "abc"])
+def test_aws_emulator_rejects_bad_token_ttl(ttl: str | None) -> None:
+    with emulator("aws") as emu:
+        headers = {} if ttl is None else {"X-aws-ec2-metadata-token-ttl-seconds": ttl}
+        status, _ = http("PUT", emu.url + "/latest/api/token", headers)
+        assert status == 400
+
+
+def test_aws_emulator_is_imdsv2_only_unless_told() -> None:
+    path = "/latest/meta-data/spot/instance-action"
+    with emulator("aws") as emu:
+        assert http("GET", emu.url + path)[0] == 401
+        assert http("GET", emu.url + path, {"X-aws-ec2-metadata-token": "forged"})[0] == 401
+        status, token = http("PUT", emu.url + "/latest/api/token", {"X-aws-ec2-metadata-token-ttl-seconds": "60"})
+        assert status == 200
+        assert http("GET", emu.url + path, {"X-aws-ec2-metadata-token": token})[0] == 404
+    with emulator("aws", imds_v1=True) as emu:
+        assert http("GET", emu.url + path)[0] == 404
+
+
+def test_aws_monitor_is_a_monitor_and_sees_nothing_before_a_notice() -> None:
+    async def scenario() -> None:
+        with emulator("aws") as emu:
+            async with http_session() as session:
+                monitor = AwsMonitor(session, emu.url, interval=0.5, timeout=1.0)
+                assert isinstance(monitor, Monitor)
+                assert await monitor.check() is None
+                assert await monitor.check_all() == []
+                puts = [r for r in emu.requests() if r["method"] == "PUT"]
+                gets = [r for r in emu.requests() if r["method"] == "GET"]
+                assert len(puts) == 1
+                assert puts[0]["headers"]["X-aws-ec2-metadata-token-ttl-seconds"] == "21600"
+                assert len(gets) == 8
+                assert all(g["headers"].get("X-aws-ec2-metadata-token") for g in gets)
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(("action", "kind"), [("terminate", Kind.TERMINATE), ("stop", Kind.STOP)])
+def test_aws_spot_notice_has_announced_deadline_and_stable_id(action: str, kind: Kind) -> None:
+    async def scenario() -> None:
+        with emulator("aws") as emu:
+            async with http_session() as session:
+                monitor = AwsMonitor(session, emu.url)
+                emu.trigger(kind="spot", action=action, time="2030-01-02T03:04:05Z")
+                notices = [await monitor.check() for _ in range(3)]
+                assert all(n is not None and n.kind is kind for n in notices)
+                assert {n.event_id for n in notices if n} == {notices[0].event_id if notices[0] else ""}
+                assert notices[0] is not None
+                assert notices[0].deadline == datetime(2030, 1, 2, 3, 4, 5, tzinfo=UTC)
+                assert notices[0].is_hard
+
+    run(scenario())
+
+
+def test_aws_hibernate_deadline_is_first_seen_and_does_not_drift() -> None:
+    async def scenario() -> None:
+        clock = FakeClock()
+        with emulator("aws") as emu:
+            async with http_session() as session:
+                monitor = AwsMonitor(session, emu.url, clock=clock)
+                emu.trigger(kind="spot", action="hibernate", time="2099-01-01T00:00:00Z")
+                first = await monitor.check()
+                clock.advance(7)
+                second = await monitor.check()
+                assert first is not None and second is not None
+                assert first.kind is Kind.HIBERNATE
+                assert first.deadline == second.deadline == datetime(2026, 11, 22, 4, 0, tzinfo=UTC)
+                assert first.event_id == second.event_id
+
+    run(scenario())
+
+
+def test_aws_check_returns_hard_before_soft_and_check_all_lists_all() -> None:
+    async def scenario() -> None:
+        with emulator("aws") as emu:
+            async with http_session() as session:
+                monitor = AwsMonitor(session, emu.url)
+                emu.trigger(kind="rebalance", time="2030-01-01T00:00:00Z")
+                emu.trigger(kind="maintenance", event_id="instance-event-0d59937288b749b32", **{"in": 60})
+                soft = await monitor.check_all()
+                # Both soft: the earlier deadline first (maintenance in 60 s, the rebalance years away).
+                assert [n.kind for n in soft] == [Kind.MAINTENANCE, Kind.REBALANCE]
+                assert not any(n.is_hard for n in soft)
+                emu.trigger(kind="spot", action="terminate", time="2031-01-01T00:00:00Z")
+                emu.trigger(kind="lifecycle", state="Terminated")
+                every = await monitor.check_all()
+                assert len(every) == 4
+                assert [n.is_hard for n in every] == [True, True, False, False]
+                top = await monitor.check()
+                assert top is not None and top.event_id == every[0].event_id
+
+    run(scenario())
+
+
+def test_aws_rebalance_and_maintenance_ids_come_from_the_event() -> None:
+    async def scenario() -> None:
+        with emulator("aws") as emu:
+            async with http_session() as session:
+                monitor = AwsMonitor(session, emu.url)
+                emu.trigger(kind="maintenance", event_id="instance-event-1", **{"in": 3600})
+                first = await monitor.check()
+                # The same event re-announced with another time keeps its id (it is the same event).
+                emu.trigger(kind="maintenance", event_id="instance-event-1", **{"in": 7200})
+                moved = await monitor.check()
+                assert first is not None and moved is not None
+                assert first.kind is Kind.MAINTENANCE
+                assert first.event_id == moved.event_id
+                assert moved.deadline > first.deadline
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("state", ["completed", "canceled"])
+def test_aws_ignores_finished_maintenance(state: str) -> None:
+    async def scenario() -> None:
+        with emulator("aws") as emu:
+            async with http_session() as session:
+                monitor = AwsMonitor(session, emu.url)
+                emu.trigger(kind="maintenance", event_id="instance-event-2", state=state)
+                assert await monitor.check() is None
+
+    run(scenario())
+
+
+def test_aws_lifecycle_inservice_is_nothing_terminated_is_hard() -> None:
+    async def scenario() -> None:
+        with emulator("aws") as emu:
+            async with http_session() as session:
+                monitor = AwsMonitor(session, emu.url)
+                emu.trigger(kind="lifecycle", state="Warmed:Stopped")
+                assert await monitor.check() is None
+                emu.trigger(kind="lifecycle", state="Terminated")
+                notice = await monitor.check()
+                assert notice is not None and notice.kind is Kind.TERMINATE
+
+    run(scenario())
+
+
+def test_aws_monitor_refreshes_token_on_401() -> None:
+    async def scenario() -> None:
+        with emulator("aws") as emu:
+            async with http_session() as session:
+                monitor = AwsMonitor(session, emu.url)
+                assert await monitor.check() is None
+                emu.control("POST", "expire-tokens", {})
+                emu.trigger(kind="spot", action="terminate")
+                notice = await monitor.check()
+                assert notice is not None and notice.kind is Kind.TERMINATE
+                assert count_requests(emu, "PUT", "/latest/api/token") == 2
+
+    run(scenario())
+
+
+def test_aws_monitor_refreshes_token_before_it_expires() -> None:
+    async def scenario() -> None:
+        monotonic = FakeMonotonic()
+        with emulator("aws") as emu:
+            async with http_session() as session:
+                monitor = AwsMonitor(session, emu.url, token_ttl=600, monotonic=monotonic)
+                await monitor.check()
+                monotonic.now += 500  # 100 s left: still more than the 60 s margin
+                await monitor.check()
+                assert count_requests(emu, "PUT", "token") == 1
+                monotonic.now += 50  # 50 s left: renew now rather than risk a 401 mid-incident
+                await monitor.check()
+                assert count_requests(emu, "PUT", "token") == 2
+                # Renewed ahead of time: no request was refused and retried (3 polls x 4 paths).
+                assert count_requests(emu, "GET", "/latest/meta-data/") == 12
+
+    run(scenario())
+
+
+def test_aws_no_silent_imdsv1_fallback() -> None:
+    async def scenario() -> None:
+        with emulator("aws", imds_v1=True) as emu:
+            emu.inject({"kind": "status", "status": 403, "path": "/latest/api/token"})
+            emu.trigger(kind="spot", action="terminate")
+            async with http_session() as session:
+                strict = AwsMonitor(session, emu.url)
+                with pytest.raises(MonitorError, match="IMDSv2 token"):
+                    await strict.check()
+                assert count_requests(emu, "GET", "/latest/meta-data/") == 0
+                lenient = AwsMonitor(session, emu.url, imds_v1_fallback=True)
+                notice = await lenient.check()
+                assert notice is not None and notice.kind is Kind.TERMINATE
+                gets = [r for r in emu.requests() if r["method"] == "GET"]
+                assert gets and not any("X-aws-ec2-metadata-token" in r["headers"] for r in gets)
+
+    run(scenario())
+
+
+def test_aws_monitor_garbage_body_is_error_not_notice() -> None:
+    async def scenario() -> None:
+        with emulator("aws") as emu:
+            async with http_session() as session:
+                monitor = AwsMonitor(session, emu.url)
+                for path in ("instance-action", "rebalance", "maintenance/scheduled", "target-lifecycle-state"):
+                    emu.inject({"kind": "garbage", "count": 1, "path": path})
+                    with pytest.raises(MonitorError, match="aws: reading"):
+                        await monitor.check()
+                emu.inject({"kind": "garbage", "count": 1, "path": "/latest/api/token"})
+                emu.control("POST", "expire-tokens", {})
+                with pytest.raises(MonitorError, match="token"):
+                    await monitor.check()
+                assert await monitor.check() is None
+
+    run(scenario())
+
+
+def test_aws_timeouts_5xx_and_dropped_connections_are_errors() -> None:
+    async def scenario() -> None:
+        with emulator("aws") as emu:
+            async with http_session() as session:
+                monitor = AwsMonitor(session, emu.url, timeout=0.2)
+                await monitor.check()  # token in hand
+                emu.inject({"kind": "latency", "seconds": 0.5, "count": 1, "path": "instance-action"})
+                with pytest.raises(MonitorError, match="spot/instance-action") as timed_out:
+                    await monitor.check()
+                assert isinstance(timed_out.value.__cause__, TimeoutError)
+                emu.inject({"kind": "status", "status": 500, "count": 1, "path": "rebalance"})
+                with pytest.raises(MonitorError, match="HTTP 500"):
+                    await monitor.check()
+                # aiohttp retries an idempotent request once on a dropped keep-alive connection, so drop two.
+                emu.inject({"kind": "drop", "count": 2, "path": "scheduled"})
+                with pytest.raises(MonitorError, match="maintenance/scheduled"):
+                    await monitor.check()
+                assert await monitor.check() is None
+
+    run(scenario())
+
+
+def test_aws_error_on_one_path_does_not_hide_a_notice_on_another() -> None:
+    async def scenario() -> None:
+        with emulator("aws") as emu:
+            async with http_session() as session:
+                monitor = AwsMonitor(session, emu.url)
+                emu.trigger(kind="spot", action="terminate")
+                emu.inject({"kind": "status", "status": 500, "path": "rebalance"})
+                notice = await monitor.check()
+                assert notice is not None and notice.kind is Kind.TERMINATE
+
+    run(scenario())
+
+
+def test_aws_fault_mix_no_notice_before_same_id_after() -> None:
+    faults = [
+        {"kind": "status", "status": 500, "count": 3},
+        {"kind": "status", "status": 503, "count": 2, "path": "instance-action"},
+        {"kind": "garbage", "count": 3, "path": "instance-action"},
+        {"kind": "drop", "count": 2, "path": "instance-action"},
+        {"kind": "latency", "seconds": 0.4, "count": 2, "path": "instance-action"},
+    ]
+
+    async def scenario() -> None:
+        with emulator("aws") as emu:
+            async with http_session() as session:
+                monitor = AwsMonitor(session, emu.url, timeout=0.2)
+                emu.inject(*faults)
+                before = await poll_outcomes(monitor.check, 8)
+                emu.control("POST", "expire-tokens", {})
+                before += await poll_outcomes(monitor.check, 4)
+                assert "error" in before
+                assert not [o for o in before if o not in (None, "error")]
+
+                emu.trigger(kind="spot", action="terminate")
+                emu.inject(*faults)
+                after = await poll_outcomes(monitor.check, 8)
+                emu.control("POST", "expire-tokens", {})
+                after += await poll_outcomes(monitor.check, 4)
+                notices = [o for o in after if o not in (None, "error")]
+                assert "error" in after
+                assert None not in after
+                assert len(notices) >= 3
+                assert len({n.event_id for n in notices if not isinstance(n, str) and n}) == 1
+
+    run(scenario())

@@ -1,0 +1,215 @@
+"""AzureMonitor against the real Scheduled Events emulator on 127.0.0.1, with faults."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+
+import pytest
+
+from spotguard.monitors.azure import AzureMonitor
+from spotguard.monitors.base import Acknowledger, Monitor, MonitorError
+from spotguard.notice import Kind, Notice
+from tests.emulators import (
+    FakeClock,
+    count_requests,
+    emulator,
+    eventually,
+    http_session,
+    poll_outcomes,
+    raw_http,
+    run,
+)
+
+EVENTS = "/metadata/scheduledevents?api-version=2020-07-01"
+
+
+def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, str]:
+    status, _, body = raw_http("GET", url, headers)
+    return status, body
+
+
+def test_azure_emulator_requires_metadata_header_and_bumps_incarnation() -> None:
+    with emulator("azure") as emu:
+        assert get(emu.url + EVENTS)[0] == 400
+        assert get(emu.url + "/metadata/scheduledevents", {"Metadata": "true"})[0] == 400
+        status, body = get(emu.url + EVENTS, {"Metadata": "true"})
+        assert status == 200
+        first = json.loads(body)
+        assert first["Events"] == []
+        emu.trigger(type="Reboot")
+        second = json.loads(get(emu.url + EVENTS, {"Metadata": "true"})[1])
+        assert second["DocumentIncarnation"] == first["DocumentIncarnation"] + 1
+        assert second["Events"][0]["EventType"] == "Reboot"
+
+
+def test_azure_preempt_is_hard_with_not_before_deadline_and_stable_id() -> None:
+    async def scenario() -> None:
+        with emulator("azure") as emu:
+            async with http_session() as session:
+                monitor = AzureMonitor(session, emu.url, vm_name="spotguard-vm")
+                assert isinstance(monitor, Monitor)
+                assert await monitor.check() is None
+                event = emu.trigger(type="Preempt", event_id="F0E1D2C3-0000-4000-8000-000000000001", **{"in": 30})
+                notices = [await monitor.check() for _ in range(3)]
+                assert all(n is not None and n.kind is Kind.TERMINATE for n in notices)
+                assert len({n.event_id for n in notices if n}) == 1
+                first = notices[0]
+                assert first is not None
+                assert first.deadline.strftime("%a, %d %b %Y %H:%M:%S GMT") == event["NotBefore"]
+                assert first.raw["EventId"] == "F0E1D2C3-0000-4000-8000-000000000001"
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("event_type", "kind"),
+    [
+        ("Terminate", Kind.TERMINATE),
+        ("Reboot", Kind.MAINTENANCE),
+        ("Redeploy", Kind.MAINTENANCE),
+        ("Freeze", Kind.MAINTENANCE),
+    ],
+)
+def test_azure_event_types_map_to_kinds(event_type: str, kind: Kind) -> None:
+    async def scenario() -> None:
+        with emulator("azure") as emu:
+            emu.trigger(type=event_type)
+            async with http_session() as session:
+                notice = await AzureMonitor(session, emu.url, vm_name="spotguard-vm").check()
+                assert notice is not None and notice.kind is kind
+
+    run(scenario())
+
+
+def test_azure_check_prefers_hard_events_and_check_all_lists_all() -> None:
+    async def scenario() -> None:
+        with emulator("azure") as emu:
+            emu.trigger(type="Freeze", **{"in": 5})
+            emu.trigger(type="Preempt", **{"in": 60})
+            async with http_session() as session:
+                monitor = AzureMonitor(session, emu.url, vm_name="spotguard-vm")
+                every = await monitor.check_all()
+                assert [n.kind for n in every] == [Kind.TERMINATE, Kind.MAINTENANCE]
+                top = await monitor.check()
+                assert top is not None and top.kind is Kind.TERMINATE
+
+    run(scenario())
+
+
+def test_azure_ignores_events_for_other_vms() -> None:
+    async def scenario() -> None:
+        with emulator("azure", vm_name="train-0") as emu:
+            emu.trigger(type="Preempt", resources=["train-1", "train-2"])
+            async with http_session() as session:
+                monitor = AzureMonitor(session, emu.url)
+                assert await monitor.check() is None
+                assert await monitor.vm_name() == "train-0"
+                emu.trigger(type="Preempt", resources=["train-1", "TRAIN-0"])
+                notice = await monitor.check()
+                assert notice is not None and notice.kind is Kind.TERMINATE
+                assert count_requests(emu, "GET", "/metadata/instance/compute/name") == 1
+
+    run(scenario())
+
+
+def test_azure_acknowledge_posts_start_requests() -> None:
+    async def scenario() -> None:
+        clock = FakeClock()
+        with emulator("azure") as emu:
+            async with http_session() as session:
+                monitor = AzureMonitor(session, emu.url, vm_name="spotguard-vm", clock=clock)
+                assert isinstance(monitor, Acknowledger)
+                emu.trigger(type="Preempt", event_id="A1B2C3D4-0000-4000-8000-000000000002")
+                notice = await monitor.check()
+                assert notice is not None
+                await monitor.acknowledge(notice)
+                assert emu.control("GET", "acks") == [
+                    {"StartRequests": [{"EventId": "A1B2C3D4-0000-4000-8000-000000000002"}]}
+                ]
+                posts = [r for r in emu.requests() if r["method"] == "POST"]
+                assert posts[0]["headers"]["Metadata"] == "true"
+                started = await monitor.check()
+                clock.advance(3)
+                later = await monitor.check()
+                assert started is not None and later is not None
+                assert started.raw["EventStatus"] == "Started"
+                assert started.event_id == later.event_id == notice.event_id
+                # Blank NotBefore: the deadline is when it was first seen started, and it stays put.
+                assert started.deadline == later.deadline == datetime(2026, 11, 22, 4, 0, tzinfo=UTC)
+
+    run(scenario())
+
+
+def test_azure_started_event_disappears_after_it_is_done() -> None:
+    async def scenario() -> None:
+        with emulator("azure", remove_started_after=0.05) as emu:
+            emu.trigger(type="Reboot")
+            async with http_session() as session:
+                monitor = AzureMonitor(session, emu.url, vm_name="spotguard-vm")
+                notice = await monitor.check()
+                assert notice is not None
+                await monitor.acknowledge(notice)
+                await eventually(lambda: emu.state()["Events"] == [])
+                assert await monitor.check() is None
+
+    run(scenario())
+
+
+def test_azure_acknowledge_failure_is_an_error() -> None:
+    async def scenario() -> None:
+        with emulator("azure") as emu:
+            emu.trigger(type="Preempt")
+            async with http_session() as session:
+                monitor = AzureMonitor(session, emu.url, vm_name="spotguard-vm")
+                notice = await monitor.check()
+                assert notice is not None
+                emu.inject({"kind": "status", "status": 500, "count": 1})
+                with pytest.raises(MonitorError, match="StartRequests"):
+                    await monitor.acknowledge(notice)
+                assert emu.control("GET", "acks") == []
+
+    run(scenario())
+
+
+def test_azure_vm_name_lookup_failure_is_an_error() -> None:
+    async def scenario() -> None:
+        with emulator("azure") as emu:
+            emu.inject({"kind": "garbage", "count": 1, "path": "compute/name"})
+            emu.trigger(type="Preempt")
+            async with http_session() as session:
+                monitor = AzureMonitor(session, emu.url)
+                with pytest.raises(MonitorError, match="compute/name"):
+                    await monitor.check()
+                notice = await monitor.check()
+                assert notice is not None and notice.kind is Kind.TERMINATE
+
+    run(scenario())
+
+
+def test_azure_fault_mix_no_notice_before_same_id_after() -> None:
+    faults = [
+        {"kind": "status", "status": 500, "count": 2},
+        {"kind": "garbage", "count": 2},
+        {"kind": "drop", "count": 2},
+        {"kind": "latency", "seconds": 0.4, "count": 1},
+        {"kind": "status", "status": 503, "count": 1},
+    ]
+
+    async def scenario() -> None:
+        with emulator("azure") as emu:
+            async with http_session() as session:
+                monitor = AzureMonitor(session, emu.url, vm_name="spotguard-vm", timeout=0.2)
+                emu.inject(*faults)
+                before = await poll_outcomes(monitor.check, 10)
+                assert before.count("error") >= 5
+                assert not [o for o in before if o not in (None, "error")]
+                emu.trigger(type="Preempt")
+                emu.inject(*faults)
+                after = await poll_outcomes(monitor.check, 10)
+                notices = [o for o in after if isinstance(o, Notice)]
+                assert after.count("error") >= 5 and None not in after
+                assert len(notices) >= 3
+                assert len({n.event_id for n in notices}) == 1
+
+    run(scenario())
