@@ -5,6 +5,8 @@ Newline-delimited JSON objects, each ``{"v": 1, "type": ..., ...}``, at most
 
 Client -> daemon:
   hello   {rank, world_size, pid, checkpoint_dir}    a trainer introduces itself
+  file    {path, name, size, crc32c}                 one file of a checkpoint being written is complete
+                                                     (uploading starts before the commit; no reply)
   saved   {path, step, reason, event_id?}           a checkpoint is committed locally
   drill   {deadline_s}                               inject a simulated hard notice
   status  {}                                         what the daemon sees
@@ -37,6 +39,7 @@ class ProtocolError(ValueError):
 # Required fields and their types, per message type.
 _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "hello": {"rank": int, "world_size": int, "pid": int},
+    "file": {"path": str, "name": str, "size": int, "crc32c": str},
     "saved": {"path": str, "step": int, "reason": str},
     "drill": {"deadline_s": (int, float)},
     "status": {},
@@ -45,7 +48,7 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "ok": {},
     "error": {"code": str, "message": str},
 }
-CLIENT_TYPES = frozenset({"hello", "saved", "drill", "status"})
+CLIENT_TYPES = frozenset({"hello", "file", "saved", "drill", "status"})
 DAEMON_TYPES = frozenset({"welcome", "checkpoint-now", "ok", "status", "error"})
 
 

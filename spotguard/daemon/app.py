@@ -24,7 +24,16 @@ from spotguard.config import DaemonConfig, with_overrides
 from spotguard.daemon.notify import SystemdNotifier, watchdog_loop
 from spotguard.daemon.server import Peer, Reply, SocketServer
 from spotguard.daemon.uploader import Uploader
-from spotguard.manifest import Manifest, atomic_file, load_manifest, prune_local
+from spotguard.manifest import (
+    FileEntry,
+    Manifest,
+    ManifestError,
+    atomic_file,
+    check_relpath,
+    load_manifest,
+    parse_step_dir,
+    prune_local,
+)
 from spotguard.monitors.base import Acknowledger, Monitor, MonitorError
 from spotguard.notice import Action, Kind, Notice, utcnow
 from spotguard.storage.base import Storage
@@ -201,6 +210,9 @@ class Daemon:
         kind = message["type"]
         if kind == "hello":
             return self._hello(peer, message)
+        if kind == "file":
+            self._file(message)
+            return []  # fire and forget: the trainer is busy writing the next file
         if kind == "saved":
             return [await self._saved(peer, message)]
         if kind == "drill":
@@ -229,14 +241,27 @@ class Daemon:
             replies.append(self._checkpoint_now(*pending))
         return replies
 
-    async def _saved(self, peer: Peer, message: dict[str, Any]) -> Reply:
-        path = Path(message["path"])
+    def _step_dir(self, path: Path) -> Path:
+        """A reported checkpoint directory, resolved; it must be a direct child of the checkpoint root."""
         try:
             resolved = path.resolve(strict=True)
         except (OSError, RuntimeError):
             raise protocol.ProtocolError("bad-path", f"{path} does not exist") from None
-        if not resolved.is_relative_to(self.root.resolve()) or resolved.parent != self.root.resolve():
+        if resolved.parent != self.root.resolve() or parse_step_dir(resolved.name) is None:
             raise protocol.ProtocolError("bad-path", f"{path} is not a checkpoint directory inside {self.root}")
+        return resolved
+
+    def _file(self, message: dict[str, Any]) -> None:
+        step_dir = self._step_dir(Path(message["path"]))
+        try:
+            name = check_relpath(message["name"])
+        except ManifestError as exc:
+            raise protocol.ProtocolError("bad-path", str(exc)) from None
+        entry = FileEntry(size=message["size"], crc32c=message["crc32c"])
+        self.uploader.file_ready(step_dir, name, entry, urgent=self._pending_if_live() is not None)
+
+    async def _saved(self, peer: Peer, message: dict[str, Any]) -> Reply:
+        resolved = self._step_dir(Path(message["path"]))
         try:
             manifest = await asyncio.to_thread(load_manifest, resolved)
         except (OSError, ValueError) as exc:

@@ -21,9 +21,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from spotguard.manifest import Manifest, load_manifest, prune_local, scan_local
+from spotguard.manifest import FileEntry, Manifest, load_manifest, prune_local, scan_local
 from spotguard.notice import utcnow
-from spotguard.storage.base import Storage, StorageError
+from spotguard.storage.base import Storage, StorageError, retry
 from spotguard.storage.checkpoints import Throughput, UploadCancelled, list_remote, prune_remote, upload_checkpoint
 
 logger = logging.getLogger("spotguard.uploader")
@@ -78,6 +78,9 @@ class Uploader:
         self._current: _Current | None = None
         self._deadline: datetime | None = None  # the pending notice's, if any
         self._not_before: dict[str, float] = {}  # backoff after a failed attempt
+        # Files of checkpoints still being written, uploading ahead of the commit.
+        self._early: dict[str, list[asyncio.Task[None]]] = {}
+        self._early_slots = asyncio.Semaphore(concurrency)
 
     # --- what to upload --------------------------------------------------------------------
 
@@ -97,6 +100,35 @@ class Uploader:
         self._idle.clear()
         self._wake.set()
 
+    def file_ready(self, step_dir: Path, rel: str, entry: FileEntry, *, urgent: bool) -> None:
+        """Start uploading one finished file of a checkpoint that is still being written.
+
+        Only the data file goes now; the manifest waits for the commit (``submit``), and the
+        checkpoint's upload job first waits for these early uploads, then skips what they sent.
+        """
+        if self.storage is None or step_dir.name in self.committed:
+            return
+        task = asyncio.create_task(self._early_upload(step_dir, rel, entry), name=f"early-{step_dir.name}/{rel}")
+        self._early.setdefault(step_dir.name, []).append(task)
+        if urgent:
+            self._urgent.add(step_dir.name)
+
+    async def _early_upload(self, step_dir: Path, rel: str, entry: FileEntry) -> None:
+        assert self.storage is not None
+        storage = self.storage
+        key = f"{step_dir.name}/{rel}"
+        async with self._early_slots:
+            try:
+                await asyncio.to_thread(
+                    retry,
+                    lambda: storage.put_file(step_dir / rel, key, crc32c=entry.crc32c),
+                    is_transient=storage.is_transient,
+                    what=f"uploading {key} ahead of its commit",
+                )
+            except (StorageError, OSError) as exc:
+                # Not fatal: the checkpoint's own upload job sends whatever is missing.
+                logger.info("early upload of %s failed (%s); it goes with the checkpoint", key, exc)
+
     def set_deadline(self, deadline: datetime | None) -> None:
         self._deadline = deadline
 
@@ -105,6 +137,8 @@ class Uploader:
         if self.storage is None:
             return
         storage = self.storage
+        self._early = {name: [t for t in tasks if not t.done()] for name, tasks in self._early.items()}
+        self._early = {name: tasks for name, tasks in self._early.items() if tasks}
         remote = await asyncio.to_thread(list_remote, storage)
         self.committed = {info.name for info in remote if info.status == "complete"}
         for info in await asyncio.to_thread(scan_local, self.root):
@@ -155,6 +189,9 @@ class Uploader:
     async def _upload(self, job: _Job) -> None:
         assert self.storage is not None
         step_dir = self.root / job.name
+        early = self._early.pop(job.name, [])
+        if early:
+            await asyncio.gather(*early, return_exceptions=True)
         try:
             manifest = load_manifest(step_dir)
         except (OSError, ValueError) as exc:

@@ -219,7 +219,12 @@ class Guard:
             exists = dist.agree_any([exists])[0]
         if exists:
             raise CheckpointExists(str(writer.dir))
-        write_state(writer, state, rank=self.rank if per_rank else None)
+        def announce(name: str) -> None:
+            # The daemon can start uploading this file while the next one is written.
+            entry = writer.files[name]
+            self.client.send("file", path=str(writer.dir), name=name, size=entry.size, crc32c=entry.crc32c)
+
+        write_state(writer, state, rank=self.rank if per_rank else None, on_file=announce)
         if per_rank:
             dist.barrier()  # every rank's files are renamed into place
             if self.rank == 0:

@@ -151,3 +151,42 @@ def test_daemon_speaks_sd_notify_ready_watchdog_stopping(vm_factory: Callable[..
         vm.process = None
     finally:
         notify.close()
+
+
+class Gate:
+    """A state entry whose state_dict() waits until the test opens it: holds a save mid-way."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.open = threading.Event()
+
+    def state_dict(self) -> dict[str, int]:
+        assert self.open.wait(30)
+        return {"x": 1}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        pass
+
+
+def test_finished_files_upload_while_the_rest_is_still_being_written(vm: Vm, bucket: str) -> None:
+    import threading
+
+    storage = FileStorage(bucket)
+    guard = Guard(checkpoint_dir=vm.root, socket=vm.socket, handle_sigterm=False)
+    gate = Gate()
+    try:
+        wait_for(guard.client.connected.is_set, 10, "the hook to connect")
+        saver = threading.Thread(target=guard.save, args=({"weights": torch.arange(1e5), "gate": gate}, 7))
+        saver.start()
+        # weights.pt is finished, gate.pt is not: the first must reach the bucket before any commit.
+        wait_for(lambda: storage.stat("step-000000007/weights.pt") is not None, 20, "weights.pt uploaded early")
+        assert not (vm.root / "step-000000007" / "manifest.json").exists()
+        assert storage.stat("step-000000007/manifest.json") is None
+        assert [i.status for i in list_remote(storage)] == ["incomplete"]
+        gate.open.set()
+        saver.join(30)
+        wait_for(lambda: committed(bucket) == [7], 20, "the commit in the bucket")
+    finally:
+        gate.open.set()
+        guard.close()
