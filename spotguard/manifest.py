@@ -21,6 +21,7 @@ import json
 import os
 import re
 import shutil
+import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -41,6 +42,10 @@ Status = Literal["complete", "incomplete"]
 
 class ManifestError(ValueError):
     """A manifest that is missing, malformed, or does not match the files beside it."""
+
+
+class SaveCancelled(Exception):
+    """A save was abandoned half-way (an urgent save pre-empts a periodic one); nothing was committed."""
 
 
 class CheckpointExists(FileExistsError):
@@ -181,12 +186,15 @@ def fsync_dir(path: Path) -> None:
 class _ChecksummingWriter:
     """A write-only file wrapper that computes size and CRC32C as bytes go by (no second read)."""
 
-    def __init__(self, raw: IO[bytes]) -> None:
+    def __init__(self, raw: IO[bytes], cancel: threading.Event | None = None) -> None:
         self._raw = raw
+        self._cancel = cancel
         self._crc = google_crc32c.Checksum()
         self.size = 0
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
+        if self._cancel is not None and self._cancel.is_set():
+            raise SaveCancelled("save cancelled")
         view = memoryview(data).cast("B")
         written = self._raw.write(view)
         # google-crc32c's C extension accepts only bytes, so feed it bounded copies (memcpy speed).
@@ -207,12 +215,12 @@ class _ChecksummingWriter:
 
 
 @contextlib.contextmanager
-def atomic_file(path: Path) -> Iterator[_ChecksummingWriter]:
-    """Write ``path`` durably: temp name, fsync, rename. On error the temp file is removed."""
+def atomic_file(path: Path, cancel: threading.Event | None = None) -> Iterator[_ChecksummingWriter]:
+    """Write ``path`` durably: temp name, fsync, rename. On error (or ``cancel``) the temp file is removed."""
     tmp = path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}")
     try:
         with tmp.open("wb", buffering=_CHUNK) as raw:
-            writer = _ChecksummingWriter(raw)
+            writer = _ChecksummingWriter(raw, cancel)
             yield writer
             raw.flush()
             os.fsync(raw.fileno())
@@ -239,6 +247,7 @@ class CheckpointWriter:
         reason: str,
         world_size: int = 1,
         meta: Mapping[str, Any] | None = None,
+        cancel: threading.Event | None = None,
     ) -> None:
         if reason not in REASONS:
             raise ValueError(f"reason must be one of {REASONS}, got {reason!r}")
@@ -249,6 +258,7 @@ class CheckpointWriter:
         self.meta = dict(meta or {})
         self.dir = root / step_dir_name(step)
         self.files: dict[str, FileEntry] = {}
+        self.cancel = cancel
 
     def prepare(self) -> None:
         """Create the step directory; clear a leftover of a killed writer at the same step."""
@@ -263,7 +273,7 @@ class CheckpointWriter:
     def create(self, relpath: str) -> Iterator[_ChecksummingWriter]:
         target = self.dir / check_relpath(relpath)
         target.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_file(target) as writer:
+        with atomic_file(target, self.cancel) as writer:
             yield writer
         self.files[relpath] = FileEntry(size=writer.size, crc32c=writer.crc32c)
 
@@ -280,6 +290,8 @@ class CheckpointWriter:
         return entry
 
     def commit(self) -> Manifest:
+        if self.cancel is not None and self.cancel.is_set():
+            raise SaveCancelled(f"{self.dir.name}: cancelled before its commit")
         manifest = Manifest(
             step=self.step, reason=self.reason, world_size=self.world_size, files=dict(self.files), meta=self.meta
         )

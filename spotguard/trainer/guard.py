@@ -7,7 +7,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from datetime import datetime
 from pathlib import Path
 from types import FrameType
@@ -18,17 +18,25 @@ from spotguard.manifest import (
     CheckpointExists,
     CheckpointWriter,
     ManifestError,
+    SaveCancelled,
     load_manifest,
     prune_local,
     remove_incomplete,
     scan_local,
-    step_dir_name,
     verify_dir,
 )
 from spotguard.notice import parse_iso
 from spotguard.trainer import dist
 from spotguard.trainer.client import DaemonClient
-from spotguard.trainer.state import RNG_KEY, StateError, check_state, entry_file, read_state, write_state
+from spotguard.trainer.state import (
+    Payloads,
+    Stager,
+    StateError,
+    check_state,
+    entry_file,
+    read_state,
+    write_payloads,
+)
 
 logger = logging.getLogger("spotguard.trainer")
 
@@ -85,6 +93,9 @@ class Guard:
         self._last_save_step: int | None = None
         self._last_save_time = time.monotonic()
         self.timeline: dict[str, float] = {}  # wall-clock times of the last urgent save, for reports
+        self._stager = Stager()
+        self._background: tuple[threading.Thread, threading.Event] | None = None
+        self._background_error: Exception | None = None
 
         root = settings.checkpoint_dir
         hello = {
@@ -140,10 +151,12 @@ class Guard:
 
     @property
     def stop_requested(self) -> bool:
-        """True once a hard notice (or SIGTERM) means the VM is going away: save, then leave the loop."""
-        if dist.active():
-            return self._stop_agreed
-        return self._stop_agreed or self._local_flags()[1]
+        """True once a hard notice (or SIGTERM) means the VM is going away: save, then leave the loop.
+
+        It changes only inside :meth:`should_checkpoint`, never on its own: a signal landing between
+        the two calls must not end the loop before the checkpoint it asked for is taken.
+        """
+        return self._stop_agreed
 
     @property
     def deadline(self) -> datetime | None:
@@ -177,10 +190,14 @@ class Guard:
     # --- save ----------------------------------------------------------------------------
 
     def save(self, state: MutableMapping[str, Any], step: int, *, reason: str | None = None) -> Path:
-        """Write and commit a checkpoint of ``state`` at ``step``; returns once it is committed locally.
+        """Checkpoint ``state`` at ``step`` and return its directory.
 
-        The daemon (if any) is told, and uploads it. Saving a step that is already committed
-        returns the existing checkpoint: checkpoints are never overwritten.
+        Urgent saves (a notice, SIGTERM) return once the checkpoint is committed locally, and
+        first cancel a periodic save still being written. Periodic saves return as soon as the
+        state is copied to host memory; a background thread writes and commits it (at most one
+        in flight: a new periodic save first waits for the previous one; :meth:`wait` waits too).
+        The daemon (if any) is told of each commit and uploads it. A step that is already
+        committed is not written again: checkpoints are never overwritten.
         """
         check_state(state)
         with self._lock:
@@ -193,16 +210,75 @@ class Guard:
         meta: dict[str, Any] = {"keys": sorted(state), "rank_files": self.world_size > 1}
         if notice is not None:
             meta["event_id"] = notice["notice"]["event_id"]
-        writer = CheckpointWriter(self.checkpoint_dir, step, reason=reason, world_size=self.world_size, meta=meta)
-        target = self.checkpoint_dir / step_dir_name(step)
-        try:
-            self._write(writer, state)
-        except CheckpointExists:
-            logger.info("spotguard: %s is already committed; not writing it again", target.name)
-        self._after_save(step, target, reason, notice)
-        return target
+        in_background = reason == "periodic" and self.world_size == 1
+        if in_background:
+            self.wait(raise_error=False)
+        else:
+            self._cancel_background()
+        cancel = threading.Event()
+        writer = CheckpointWriter(
+            self.checkpoint_dir, step, reason=reason, world_size=self.world_size, meta=meta, cancel=cancel
+        )
+        self._mark_saved(step, notice)
+        if in_background:
+            # The only part that stalls training: copying the state into reused host buffers.
+            staged = self._stager.stage(Payloads(state))
+            self._background = (
+                threading.Thread(
+                    target=self._write_and_report,
+                    args=(writer, staged, notice),
+                    name=f"spotguard-save-{step}",
+                    daemon=True,
+                ),
+                cancel,
+            )
+            self._background[0].start()
+        else:
+            self._write_and_report(writer, Payloads(state), notice, raise_error=True)
+        return writer.dir
 
-    def _write(self, writer: CheckpointWriter, state: MutableMapping[str, Any]) -> None:
+    def wait(self, *, raise_error: bool = True) -> None:
+        """Wait for the periodic save running in the background, if any; re-raise its error."""
+        if self._background is not None:
+            self._background[0].join()
+            self._background = None
+        error, self._background_error = self._background_error, None
+        if error is not None:
+            if raise_error:
+                raise error
+            logger.error("spotguard: the previous periodic save failed: %s", error)
+
+    def _cancel_background(self) -> None:
+        if self._background is not None:
+            thread, cancel = self._background
+            if thread.is_alive():
+                logger.info("spotguard: an urgent save pre-empts the periodic one being written")
+                cancel.set()
+        self.wait(raise_error=False)
+
+    def _write_and_report(
+        self,
+        writer: CheckpointWriter,
+        payloads: Mapping[str, Any],
+        notice: dict[str, Any] | None,
+        raise_error: bool = False,
+    ) -> None:
+        try:
+            self._write(writer, payloads)
+        except CheckpointExists:
+            logger.info("spotguard: %s is already committed; not writing it again", writer.dir.name)
+        except SaveCancelled:
+            return  # the directory stays incomplete; the next writer removes it
+        except Exception as exc:
+            if raise_error:
+                raise
+            self._background_error = exc
+            return
+        with self._lock:
+            self.timeline["committed_local"] = time.time()
+        self._report(writer.dir, writer.step, writer.reason, notice)
+
+    def _write(self, writer: CheckpointWriter, payloads: Mapping[str, Any]) -> None:
         per_rank = self.world_size > 1
         exists = False
         if self.rank == 0:
@@ -219,24 +295,26 @@ class Guard:
             exists = dist.agree_any([exists])[0]
         if exists:
             raise CheckpointExists(str(writer.dir))
+
         def announce(name: str) -> None:
             # The daemon can start uploading this file while the next one is written.
             entry = writer.files[name]
             self.client.send("file", path=str(writer.dir), name=name, size=entry.size, crc32c=entry.crc32c)
 
-        write_state(writer, state, rank=self.rank if per_rank else None, on_file=announce)
+        write_payloads(writer, payloads, rank=self.rank if per_rank else None, on_file=announce)
         if per_rank:
             dist.barrier()  # every rank's files are renamed into place
             if self.rank == 0:
                 for other in range(1, self.world_size):
-                    for key in [*state, RNG_KEY]:
+                    for key in payloads:
                         writer.add_existing(entry_file(key, other))
         if self.rank == 0:
             writer.commit()
         if per_rank:
             dist.barrier()  # nobody goes on (or exits) before the commit
 
-    def _after_save(self, step: int, target: Path, reason: str, notice: dict[str, Any] | None) -> None:
+    def _mark_saved(self, step: int, notice: dict[str, Any] | None) -> None:
+        """Bookkeeping at the step the save is taken: the notice is handled, the periodic clock restarts."""
         self._last_save_step = step
         self._last_save_time = time.monotonic()
         with self._lock:
@@ -244,12 +322,20 @@ class Guard:
                 self._handled_events.add(str(notice["notice"]["event_id"]))
                 if self._notice is notice:
                     self._notice = None
-            self.timeline["committed_local"] = time.time()
         self._urgent_agreed = False
-        if notice is not None and notice["stop"]:
+        if (notice is not None and notice["stop"]) or self._sigterm:
             self._stop_agreed = True
-        if self._sigterm:
-            self._stop_agreed = True
+
+    def _after_save(self, step: int, target: Path, reason: str, notice: dict[str, Any] | None) -> None:
+        """For integrations that write and commit a checkpoint themselves (Lightning, HF): the same
+        bookkeeping and daemon report as :meth:`save` does after its own commit."""
+        with self._lock:
+            self.timeline["committed_local"] = time.time()
+        self._mark_saved(step, notice)
+        self._report(target, step, reason, notice)
+
+    def _report(self, target: Path, step: int, reason: str, notice: dict[str, Any] | None) -> None:
+        """After a commit: tell the daemon (rank 0 speaks for the job) and keep the disk in bounds."""
         if self.rank != 0:
             return
         self.client.send(
@@ -272,6 +358,7 @@ class Guard:
         skipped for the previous complete one.
         """
         check_state(state)
+        self.wait(raise_error=False)  # a periodic save still being written may be the newest
         rank_arg = self.rank if self.world_size > 1 else None
         candidates = [info for info in reversed(scan_local(self.checkpoint_dir)) if info.status == "complete"]
         for info in candidates:
@@ -318,6 +405,8 @@ class Guard:
     # --- lifetime ------------------------------------------------------------------------
 
     def close(self) -> None:
+        """Finish a periodic save still being written, then disconnect from the daemon."""
+        self.wait(raise_error=False)
         self.client.close()
         if self._previous_handler is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._previous_handler)

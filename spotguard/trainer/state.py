@@ -8,10 +8,11 @@ loads with ``torch.load(weights_only=True)``: tensors and primitives only.
 
 from __future__ import annotations
 
+import copy
 import random
 import re
 import warnings
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -120,18 +121,76 @@ def _payload(value: Any) -> Any:
     return value.state_dict() if hasattr(value, "state_dict") else value
 
 
-def write_state(
+class Payloads(Mapping[str, Any]):
+    """What goes into the files: every entry's ``state_dict()`` (or the value itself), then the RNG
+    states, each produced only when it is read. An urgent save writes entry by entry, so the first
+    file is complete (and uploading) before the next ``state_dict()`` is even taken. Tensors are the
+    live ones; :class:`Stager` copies them when training must go on meanwhile."""
+
+    def __init__(self, state: Mapping[str, Any]) -> None:
+        self._state = state
+
+    def __getitem__(self, key: str) -> Any:
+        return capture_rng() if key == RNG_KEY else _payload(self._state[key])
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._state
+        yield RNG_KEY
+
+    def __len__(self) -> int:
+        return len(self._state) + 1
+
+
+class Stager:
+    """Copies payloads into host buffers that are reused from one save to the next.
+
+    Only this copy blocks training during a periodic save; the files are written from the
+    copy in the background. Buffers for CUDA tensors are pinned, so the device-to-host copy
+    runs at full bandwidth; reusing them avoids allocating (and pinning) gigabytes per save.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._used: set[tuple[Any, ...]] = set()
+
+    def stage(self, payloads: Mapping[str, Any]) -> dict[str, Any]:
+        self._used = set()
+        staged = {key: self._copy(value, (key,)) for key, value in payloads.items()}
+        if any(buffer.is_pinned() for buffer in self._buffers.values()):
+            torch.cuda.synchronize()  # the non-blocking copies must land before training goes on
+        for path in set(self._buffers) - self._used:
+            del self._buffers[path]  # the state changed shape: drop buffers nobody uses now
+        return staged
+
+    def _copy(self, value: Any, path: tuple[Any, ...]) -> Any:
+        if isinstance(value, torch.Tensor):
+            buffer = self._buffers.get(path)
+            if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
+                pin = value.is_cuda and torch.cuda.is_available()
+                buffer = torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=pin)
+                self._buffers[path] = buffer
+            self._used.add(path)
+            buffer.copy_(value.detach(), non_blocking=value.is_cuda)
+            return buffer
+        if isinstance(value, dict):
+            return type(value)((k, self._copy(v, (*path, k))) for k, v in value.items())
+        if isinstance(value, list | tuple):
+            copied = [self._copy(v, (*path, i)) for i, v in enumerate(value)]
+            return copied if isinstance(value, list) else tuple(copied)
+        return copy.deepcopy(value)
+
+
+def write_payloads(
     writer: CheckpointWriter,
-    state: Mapping[str, Any],
+    payloads: Mapping[str, Any],
     *,
     rank: int | None = None,
     on_file: Callable[[str], None] | None = None,
 ) -> list[str]:
-    """Write every entry of ``state`` plus the RNG states; returns the file names written."""
+    """One file per entry (``<key>.pt``, or ``<key>.rank<R>.pt``); returns the names written."""
     names = []
-    for key, value in [*state.items(), (RNG_KEY, None)]:
+    for key, payload in payloads.items():
         name = entry_file(key, rank)
-        payload = capture_rng() if key == RNG_KEY else _payload(value)
         with writer.create(name) as out:
             torch.save(payload, out)  # type: ignore[arg-type]  # a write-only file object is enough
         names.append(name)

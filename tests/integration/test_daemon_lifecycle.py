@@ -177,7 +177,8 @@ def test_finished_files_upload_while_the_rest_is_still_being_written(vm: Vm, buc
     gate = Gate()
     try:
         wait_for(guard.client.connected.is_set, 10, "the hook to connect")
-        saver = threading.Thread(target=guard.save, args=({"weights": torch.arange(1e5), "gate": gate}, 7))
+        state = {"weights": torch.arange(1e5), "gate": gate}
+        saver = threading.Thread(target=guard.save, args=(state, 7), kwargs={"reason": "urgent"})
         saver.start()
         # weights.pt is finished, gate.pt is not: the first must reach the bucket before any commit.
         wait_for(lambda: storage.stat("step-000000007/weights.pt") is not None, 20, "weights.pt uploaded early")

@@ -63,6 +63,7 @@ def test_resume_with_nothing_saved_returns_zero(guard: Guard) -> None:
 def test_resume_skips_a_corrupt_newest_checkpoint(guard: Guard) -> None:
     guard.save({"x": torch.full((1000,), 1.0)}, 1)
     newest = guard.save({"x": torch.full((1000,), 2.0)}, 2)
+    guard.wait()
     payload = newest / "x.pt"
     data = bytearray(payload.read_bytes())
     data[-100] ^= 0xFF
@@ -130,3 +131,46 @@ def test_guard_without_directory_or_daemon_explains(tmp_path: Path, monkeypatch:
     monkeypatch.delenv("SPOTGUARD_CHECKPOINT_DIR", raising=False)
     with pytest.raises(ValueError, match="SPOTGUARD_CHECKPOINT_DIR"):
         Guard(socket=tmp_path / "none.sock", daemon_wait=0.1, handle_sigterm=False)
+
+
+def test_periodic_save_returns_after_staging_and_commits_in_background(guard: Guard) -> None:
+    live = torch.zeros(1 << 16)
+    target = guard.save({"w": live}, 1)  # no notice: periodic, written in the background
+    live += 1  # training goes on and changes the tensor right away
+    guard.wait()
+    state = {"w": torch.empty(1 << 16)}
+    assert guard.resume(state) == 1
+    assert torch.equal(state["w"], torch.zeros(1 << 16))  # the staged copy, not the live tensor
+    assert (target / "manifest.json").exists()
+
+
+def test_urgent_save_cancels_a_periodic_save_in_flight(tmp_path: Path) -> None:
+    import threading
+
+    class HeldGuard(Guard):
+        """Holds its background writer until a cancel arrives, like a big state on a slow disk."""
+
+        started = threading.Event()
+
+        def _write(self, writer, payloads):  # type: ignore[no-untyped-def]
+            if writer.reason == "periodic":
+                self.started.set()
+                assert writer.cancel is not None and writer.cancel.wait(20)
+            super()._write(writer, payloads)
+
+    guard = HeldGuard(checkpoint_dir=tmp_path / "c", socket=tmp_path / "none.sock", handle_sigterm=False)
+    try:
+        guard.save({"w": torch.zeros(1 << 20)}, 1)  # periodic, in the background
+        assert HeldGuard.started.wait(20)
+        urgent = guard.save({"w": torch.ones(1 << 20)}, 2, reason="urgent")
+        assert (urgent / "manifest.json").exists()
+        assert [(i.step, i.status) for i in scan_local(tmp_path / "c")] == [(2, "complete")]
+    finally:
+        guard.close()
+
+
+def test_sigterm_between_the_checks_never_stops_without_a_save(guard: Guard) -> None:
+    guard._on_sigterm(15, None)  # the signal lands after should_checkpoint() was asked
+    assert not guard.stop_requested  # ... so the loop must not leave yet
+    assert guard.should_checkpoint(1)  # the next step boundary takes the checkpoint
+    assert guard.stop_requested
