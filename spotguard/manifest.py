@@ -34,7 +34,7 @@ FORMAT = "spotguard/1"
 MANIFEST = "manifest.json"
 REASONS = ("urgent", "periodic", "soft", "final")
 _STEP_DIR = re.compile(r"^step-(\d{9,})$")
-_TMP_MARK = ".tmp-"
+_TMP_MARK = ".tmp-"  # in the names of files being written (atomic_file)
 _CHUNK = 8 * 1024 * 1024
 
 Status = Literal["complete", "incomplete"]

@@ -41,6 +41,8 @@ from spotguard.storage.base import Storage
 logger = logging.getLogger("spotguard.daemon")
 
 NoticeListener = Callable[[Notice, Action], Awaitable[None]]
+SavedListener = Callable[[str, Manifest], None]  # a trainer committed this checkpoint locally
+MonitorErrorListener = Callable[[str, BaseException], None]  # monitor name, what failed
 
 
 class EventLog:
@@ -129,7 +131,10 @@ class Daemon:
         )
         self.pending: tuple[Notice, Action] | None = None  # the notice trainers must act on
         self.last_notice: dict[str, Any] | None = None  # its timeline, for status and reports
-        self.notice_listeners: list[NoticeListener] = []
+        self.notice_listeners: list[NoticeListener] = []  # every new event id, ignored ones included
+        self.saved_listeners: list[SavedListener] = []
+        self.monitor_error_listeners: list[MonitorErrorListener] = []
+        self.metrics_url: str | None = None  # set by build_and_run when metrics are served
         self.monitor_errors: dict[str, str] = {}
         self._stopping = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -150,6 +155,7 @@ class Daemon:
         self.events.record(notice, action=str(action))
         if action is Action.IGNORE:
             logger.info("ignoring %s notice %s (policy)", notice.kind, notice.event_id)
+            await self._tell_listeners(notice, action)
             return True
         logger.warning(
             "%s %s notice %s: deadline %s (%.0f s); telling %d trainer(s) to %s",
@@ -167,10 +173,15 @@ class Daemon:
         if self.last_notice is not None:
             self.last_notice["told_at"] = utcnow().isoformat()
             self.last_notice["trainers_told"] = told
-        for listener in self.notice_listeners:
-            with contextlib.suppress(Exception):
-                await listener(notice, action)
+        await self._tell_listeners(notice, action)
         return True
+
+    async def _tell_listeners(self, notice: Notice, action: Action) -> None:
+        for listener in self.notice_listeners:
+            try:
+                await listener(notice, action)
+            except Exception:
+                logger.exception("a notice listener failed for %s", notice.event_id)
 
     def _make_pending(self, notice: Notice, action: Action) -> None:
         current = self.pending
@@ -270,6 +281,7 @@ class Daemon:
         logger.info(
             "trainer pid %d committed %s (%s, %d bytes)", peer.pid, resolved.name, manifest.reason, manifest.total_bytes
         )
+        self._tell_saved(resolved.name, manifest)
         event_id = message.get("event_id")
         if isinstance(event_id, str) and event_id in self.events:
             self.events.record(Notice.from_dict(self.events.events[event_id]["notice"]), saved_step=manifest.step)
@@ -282,6 +294,13 @@ class Daemon:
         else:
             self.uploader.submit(resolved, urgent=urgent)
         return "ok", {"queued": self.storage is not None, "name": resolved.name}
+
+    def _tell_saved(self, name: str, manifest: Manifest) -> None:
+        for listener in self.saved_listeners:
+            try:
+                listener(name, manifest)
+            except Exception:
+                logger.exception("a saved listener failed for %s", name)
 
     def _prune_without_bucket(self) -> None:
         prune_local(self.root, self.config.keep_local)
@@ -340,19 +359,29 @@ class Daemon:
             "last_notice": self.last_notice,
             "uploads": self.uploader.status(),
             "stopping": self._stopping.is_set(),
+            "metrics_url": self.metrics_url,
         }
 
     # --- lifetime ----------------------------------------------------------------------
+
+    def _tell_monitor_error(self, name: str, exc: BaseException) -> None:
+        for listener in self.monitor_error_listeners:
+            try:
+                listener(name, exc)
+            except Exception:
+                logger.exception("a monitor-error listener failed for %s", name)
 
     async def _check_once(self, monitor: Monitor) -> None:
         try:
             notices = await _check_all(monitor)
         except MonitorError as exc:
             self.monitor_errors[monitor.name] = str(exc)
+            self._tell_monitor_error(monitor.name, exc)
             logger.warning("%s", exc)
             return
         except Exception as exc:  # a monitor bug must not stop the others or the daemon
             self.monitor_errors[monitor.name] = repr(exc)
+            self._tell_monitor_error(monitor.name, exc)
             logger.exception("%s monitor failed", monitor.name)
             return
         self.monitor_errors.pop(monitor.name, None)
@@ -443,16 +472,61 @@ async def build_and_run(config: DaemonConfig) -> int:
     if storage is not None and hasattr(storage, "warm"):
         # Credentials and connections now, not at notice time.
         await asyncio.to_thread(storage.warm)
+    if storage is not None and hasattr(storage, "abort_stale_multipart_uploads"):
+        # A daemon killed mid-upload leaves multipart uploads open (and billed); nobody resumes them.
+        aborted = await asyncio.to_thread(storage.abort_stale_multipart_uploads)
+        if aborted:
+            logger.info("aborted %d unfinished multipart upload(s) left by an earlier run", aborted)
     provider, monitors, session = await _build_monitors(config)
     daemon = Daemon(config, provider=provider, monitors=monitors, storage=storage, notifier=SystemdNotifier(os.environ))
+    closers = await _build_metrics_and_webhook(config, daemon)
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, daemon.request_stop)
     try:
         return await daemon.serve_until_stopped()
     finally:
+        # After the shutdown drain, so the outcome of an upload finished there still goes out.
+        for close in closers:
+            await close()
         if session is not None:
             await session.close()
+
+
+async def _build_metrics_and_webhook(config: DaemonConfig, daemon: Daemon) -> list[Callable[[], Awaitable[None]]]:
+    """Metrics (``metrics_port``) and webhook (``webhook_url``), each only when configured."""
+    closers: list[Callable[[], Awaitable[None]]] = []
+    if config.metrics_port is not None:
+        from prometheus_client import CollectorRegistry
+
+        from spotguard.daemon.metrics import DaemonMetrics, MetricsServer
+
+        registry = CollectorRegistry()
+        DaemonMetrics(registry).attach(daemon)
+        metrics_server = MetricsServer(registry, config.metrics_host, config.metrics_port)
+        daemon.metrics_url = await metrics_server.start()
+        closers.append(metrics_server.close)
+    if config.webhook_url is not None:
+        import socket
+
+        import aiohttp
+
+        from spotguard.config import parse_webhook_template
+        from spotguard.daemon.webhook import WebhookNotifier
+
+        webhook_session = aiohttp.ClientSession()
+        template = parse_webhook_template(config.webhook_template) if config.webhook_template else None
+        webhook = WebhookNotifier(
+            config.webhook_url, session=webhook_session, host=config.vm_name or socket.gethostname(), template=template
+        )
+        webhook.attach(daemon)
+
+        async def close_webhook() -> None:
+            await webhook.close()
+            await webhook_session.close()
+
+        closers.append(close_webhook)
+    return closers
 
 
 async def _build_monitors(config: DaemonConfig) -> tuple[str, list[Monitor], Any]:

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from urllib.parse import urlparse
 
-from spotguard.manifest import atomic_file, fsync_dir
+from spotguard.manifest import _TMP_MARK, atomic_file, fsync_dir
 from spotguard.storage.base import ObjectInfo, ObjectNotFound, StorageError
 
 _COPY_CHUNK = 8 * 1024 * 1024
@@ -69,7 +69,7 @@ class FileStorage:
             return
         for dirpath, _dirs, names in os.walk(self.root):
             for name in names:
-                if name.startswith("."):  # temporary files of writes in progress
+                if _TMP_MARK in name:  # a write in progress (DCP's own ".metadata" is a real file)
                     continue
                 full = Path(dirpath) / name
                 key = full.relative_to(self.root).as_posix()

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any, TypeVar
+
 import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 
 def active() -> bool:
@@ -37,3 +41,12 @@ def agree_any(flags: list[bool]) -> list[bool]:
     tensor = torch.tensor([int(flag) for flag in flags], dtype=torch.int32, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return [bool(value) for value in tensor.tolist()]
+
+
+def broadcast_object(value: T) -> T:
+    """Rank 0's ``value`` on every rank (a no-op without ``torch.distributed``)."""
+    if not active():
+        return value
+    holder: list[Any] = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]

@@ -17,9 +17,10 @@ from spotguard.config import trainer_settings
 from spotguard.manifest import (
     CheckpointExists,
     CheckpointWriter,
-    ManifestError,
+    FileEntry,
     SaveCancelled,
     load_manifest,
+    parse_step_dir,
     prune_local,
     remove_incomplete,
     scan_local,
@@ -28,12 +29,12 @@ from spotguard.manifest import (
 from spotguard.notice import parse_iso
 from spotguard.trainer import dist
 from spotguard.trainer.client import DaemonClient
+from spotguard.trainer.sharded import LAYOUT, load_sharded, save_sharded
 from spotguard.trainer.state import (
     Payloads,
     Stager,
     StateError,
     check_state,
-    entry_file,
     read_state,
     write_payloads,
 )
@@ -296,18 +297,15 @@ class Guard:
         if exists:
             raise CheckpointExists(str(writer.dir))
 
-        def announce(name: str) -> None:
+        def announce(name: str, entry: FileEntry) -> None:
             # The daemon can start uploading this file while the next one is written.
-            entry = writer.files[name]
             self.client.send("file", path=str(writer.dir), name=name, size=entry.size, crc32c=entry.crc32c)
 
-        write_payloads(writer, payloads, rank=self.rank if per_rank else None, on_file=announce)
         if per_rank:
-            dist.barrier()  # every rank's files are renamed into place
-            if self.rank == 0:
-                for other in range(1, self.world_size):
-                    for key in payloads:
-                        writer.add_existing(entry_file(key, other))
+            assert isinstance(payloads, Payloads), "distributed saves are written from the live state"
+            save_sharded(writer, payloads.state, announce=announce)
+        else:
+            write_payloads(writer, payloads, on_file=lambda name: announce(name, writer.files[name]))
         if self.rank == 0:
             writer.commit()
         if per_rank:
@@ -355,52 +353,51 @@ class Guard:
         """Load the newest complete checkpoint into ``state``; returns the step to run next (0 if none).
 
         Looks in the local root first, then in the bucket. A checkpoint that fails verification is
-        skipped for the previous complete one.
+        skipped for the previous complete one. Under ``torch.distributed`` rank 0 chooses and every
+        rank loads the same checkpoint; one saved by another number of ranks is resharded.
         """
         check_state(state)
         self.wait(raise_error=False)  # a periodic save still being written may be the newest
-        rank_arg = self.rank if self.world_size > 1 else None
-        candidates = [info for info in reversed(scan_local(self.checkpoint_dir)) if info.status == "complete"]
-        for info in candidates:
-            if self._try_load(self.checkpoint_dir / info.name, state, rank_arg):
-                return info.step
-        if self.bucket is not None:
-            step_dir = self._restore_from_bucket()
-            if step_dir is not None and self._try_load(step_dir, state, rank_arg):
-                return load_manifest(step_dir).step
-        return 0
-
-    def _try_load(self, step_dir: Path, state: MutableMapping[str, Any], rank: int | None) -> bool:
-        problems = verify_dir(step_dir)
-        if problems:
-            logger.warning("spotguard: skipping %s: %s", step_dir.name, "; ".join(problems))
-            return False
-        try:
-            manifest = load_manifest(step_dir)
-        except ManifestError as exc:
-            logger.warning("spotguard: skipping %s: %s", step_dir.name, exc)
-            return False
-        read_state(step_dir, manifest, state, rank=rank)
+        chosen = self._choose_checkpoint() if self.rank == 0 else None
+        chosen = dist.broadcast_object(chosen)
+        if chosen is None:
+            return 0
+        step_dir = self.checkpoint_dir / chosen
+        if not step_dir.is_dir():  # another node: fetch the checkpoint rank 0 chose
+            step_dir = self._restore_from_bucket(step=parse_step_dir(chosen)) or step_dir
+        manifest = load_manifest(step_dir)
+        if manifest.meta.get("layout") == LAYOUT:
+            load_sharded(step_dir, manifest, state)
+        else:
+            read_state(step_dir, manifest, state)
         self._last_save_step = manifest.step
         logger.info("spotguard: resumed from %s (%s)", step_dir, manifest.reason)
-        return True
+        return manifest.step
 
-    def _restore_from_bucket(self) -> Path | None:
+    def _choose_checkpoint(self) -> str | None:
+        for info in reversed(scan_local(self.checkpoint_dir)):
+            if info.status != "complete":
+                continue
+            problems = verify_dir(self.checkpoint_dir / info.name)
+            if not problems:
+                return info.name
+            logger.warning("spotguard: skipping %s: %s", info.name, "; ".join(problems))
+        if self.bucket is not None:
+            step_dir = self._restore_from_bucket()
+            if step_dir is not None:
+                return step_dir.name
+        return None
+
+    def _restore_from_bucket(self, step: int | None = None) -> Path | None:
         from spotguard.storage import open_storage  # imports a storage SDK only now, if at all
         from spotguard.storage.checkpoints import restore
 
         assert self.bucket is not None
         storage = open_storage(self.bucket)
         try:
-            if self.rank == 0:
-                step_dir = restore(storage, self.checkpoint_dir, log=logger.warning)
-            dist.barrier()
-            if self.rank != 0:
-                # Other ranks on other nodes have their own root; on one node this finds rank 0's copy.
-                step_dir = restore(storage, self.checkpoint_dir, log=logger.warning)
+            return restore(storage, self.checkpoint_dir, step=step, log=logger.warning)
         finally:
             storage.close()
-        return step_dir
 
     # --- lifetime ------------------------------------------------------------------------
 

@@ -128,17 +128,17 @@ class Payloads(Mapping[str, Any]):
     live ones; :class:`Stager` copies them when training must go on meanwhile."""
 
     def __init__(self, state: Mapping[str, Any]) -> None:
-        self._state = state
+        self.state = state
 
     def __getitem__(self, key: str) -> Any:
-        return capture_rng() if key == RNG_KEY else _payload(self._state[key])
+        return capture_rng() if key == RNG_KEY else _payload(self.state[key])
 
     def __iter__(self) -> Iterator[str]:
-        yield from self._state
+        yield from self.state
         yield RNG_KEY
 
     def __len__(self) -> int:
-        return len(self._state) + 1
+        return len(self.state) + 1
 
 
 class Stager:

@@ -1,0 +1,479 @@
+"""``gs://bucket/prefix`` on google-cloud-storage.
+
+Integrity: the manifest's CRC32C is set on the object's metadata before the
+upload, so GCS itself rejects an upload whose bytes do not match (400); the
+client also checks the CRC32C of the bytes it sent (``checksum="crc32c"``);
+and after the upload the CRC32C GCS reports must equal ours, or the object is
+deleted and the upload fails.
+
+Parallelism for one large file: GCS's XML multipart API (what
+``transfer_manager.upload_chunks_concurrently`` uses) is not implemented by
+gcp-storage-emulator, so files of at least ``parallel_threshold`` bytes are
+uploaded as up to 32 parts in parallel, each a temporary object under
+``<prefix>.spotguard-parts/<upload id>/`` with its own CRC32C, then joined by
+one ``compose`` call (which GCS and the emulator both implement; GCS computes
+the composite's CRC32C, so it is still checked against the manifest), and the
+parts deleted. Parts left by a killed process are removed by
+``abort_stale_multipart_uploads()`` and are never listed by ``list()``.
+Smaller files go up in one resumable (or, up to 8 MiB, multipart) upload;
+across files, callers parallelise.
+
+Emulator: when ``STORAGE_EMULATOR_HOST`` is set the client talks to it with
+anonymous credentials and a placeholder project.
+
+Retries: google-cloud-storage retries each request with a
+``google.api_core.retry.Retry`` whose predicate is our ``is_transient``
+(429, 5xx, resets, timeouts); uploads are retried too, since our objects are
+written once under fresh names.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import builtins
+import concurrent.futures as cf
+import contextlib
+import datetime as dt
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import google.api_core.exceptions as gexc
+import google.auth.exceptions
+import google_crc32c
+import requests
+import requests.adapters
+from google.api_core.retry import Retry
+from google.auth.credentials import AnonymousCredentials
+from google.cloud import storage as gcs
+from google.cloud.storage import transfer_manager
+
+from spotguard.storage.base import (
+    ObjectInfo,
+    ObjectNotFound,
+    StorageError,
+    TransientStorageError,
+)
+
+try:  # the class moved between google-cloud-storage 2.x (resumable_media) and 3.x
+    from google.cloud.storage.exceptions import DataCorruption, InvalidResponse
+except ImportError:  # pragma: no cover - depends on the installed version
+    from google.resumable_media import DataCorruption, InvalidResponse  # type: ignore[no-redef,unused-ignore]
+
+log = logging.getLogger(__name__)
+
+MiB = 1024 * 1024
+_CHUNK_QUANTUM = 256 * 1024  # resumable chunk sizes must be multiples of 256 KiB
+_MAX_COMPOSE = 32  # sources per compose call
+PARTS_DIR = ".spotguard-parts"
+_TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+
+
+def _hex_to_int(crc32c: str) -> int:
+    try:
+        value = int(crc32c, 16)
+    except ValueError:
+        raise ValueError(f"crc32c must be 8 hex characters, got {crc32c!r}") from None
+    if len(crc32c) != 8 or value >> 32:
+        raise ValueError(f"crc32c must be 8 hex characters, got {crc32c!r}")
+    return value
+
+
+def _int_to_b64(value: int) -> str:
+    return base64.b64encode(value.to_bytes(4, "big")).decode("ascii")
+
+
+def gcs_crc_to_hex(value: str | None) -> str | None:
+    """GCS's ``crc32c`` (base64 of the big-endian value) → our 8 hex chars."""
+    if not value:
+        return None
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    return raw.hex() if len(raw) == 4 else None
+
+
+def parse_gs_url(url: str) -> tuple[str, str]:
+    """``gs://bucket/some/prefix`` → ``("bucket", "some/prefix/")``; the prefix is "" or ends in "/"."""
+    parts = urlsplit(url)
+    if parts.scheme != "gs" or not parts.netloc:
+        raise ValueError(f"not a gs:// URL with a bucket: {url!r}")
+    prefix = parts.path.strip("/")
+    return parts.netloc, f"{prefix}/" if prefix else ""
+
+
+def _round_up(n: int, quantum: int) -> int:
+    return -(-n // quantum) * quantum
+
+
+class GcsStorage:
+    """The ``Storage`` backend for ``gs://bucket/prefix``.
+
+    Example::
+
+        storage = GcsStorage("gs://my-bucket/run1", max_concurrency=8)
+        storage.warm()
+        storage.abort_stale_multipart_uploads()
+        storage.put_file(Path("/nvme/ckpt/step-1/model.pt"), "step-1/model.pt", crc32c="1a2b3c4d")
+
+    Options (all have defaults):
+        chunk_size: resumable upload chunk (a multiple of 256 KiB); a lost chunk is all a retry resends.
+        max_concurrency: parts in flight for one large file (upload and ranged download).
+        parallel_threshold: files at least this big are uploaded as parallel parts + compose,
+            and downloaded with parallel ranged reads.
+        part_size: size of those parts (raised so that one file needs at most 32).
+        client: a ready ``google.cloud.storage.Client`` (not closed by ``close()``).
+        project: the client's project (default: from the environment; a placeholder for the emulator).
+        timeout: seconds for each HTTP request (connect and read).
+        retry_deadline: seconds one operation keeps retrying transient errors.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        chunk_size: int = 8 * MiB,
+        max_concurrency: int = 8,
+        parallel_threshold: int = 64 * MiB,
+        part_size: int = 32 * MiB,
+        client: Any = None,
+        project: str | None = None,
+        timeout: float = 60.0,
+        retry_deadline: float = 120.0,
+    ) -> None:
+        if chunk_size <= 0 or chunk_size % _CHUNK_QUANTUM:
+            raise ValueError(f"chunk_size must be a positive multiple of {_CHUNK_QUANTUM}")
+        if max_concurrency < 1:
+            raise ValueError("max_concurrency must be at least 1")
+        if part_size <= 0:
+            raise ValueError("part_size must be positive")
+        self.url = url
+        self.bucket_name, self.prefix = parse_gs_url(url)
+        self.chunk_size = chunk_size
+        self.max_concurrency = max_concurrency
+        self.parallel_threshold = parallel_threshold
+        self.part_size = part_size
+        self.timeout = timeout
+        self._project = project
+        self._owns_client = client is None
+        self._client = client
+        self._client_lock = threading.Lock()
+        self.retry = Retry(
+            predicate=self.is_transient, initial=0.2, maximum=5.0, multiplier=2.0, timeout=retry_deadline
+        )
+
+    # -- plumbing -------------------------------------------------------------------
+
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            with self._client_lock:
+                if self._client is None:
+                    self._client = self._make_client()
+        return self._client
+
+    def _make_client(self) -> Any:
+        if os.environ.get("STORAGE_EMULATOR_HOST"):
+            # The emulator checks no credentials; without these the client would
+            # search for real ones (and a project) and fail or hang on a metadata server.
+            client = gcs.Client(project=self._project or "spotguard-emulator", credentials=AnonymousCredentials())
+        else:
+            client = gcs.Client(project=self._project)
+        # requests' pool keeps 10 connections per host: more parallel parts than
+        # that would queue for a socket, so size it to our concurrency.
+        adapter = requests.adapters.HTTPAdapter(
+            pool_connections=4, pool_maxsize=max(10, self.max_concurrency + 4), max_retries=0
+        )
+        session = client._http
+        session.mount("https://", adapter)
+        session.mount("http://", adapter)
+        return client
+
+    @property
+    def bucket(self) -> Any:
+        return self.client.bucket(self.bucket_name)
+
+    def _key(self, key: str) -> str:
+        if not key or key.startswith("/"):
+            raise ValueError(f"key must be relative and non-empty: {key!r}")
+        return self.prefix + key
+
+    def _wrap(self, what: str, exc: BaseException, *, reading: bool = False) -> StorageError:
+        if isinstance(exc, StorageError):
+            return exc
+        # A 404 while reading means the object; while writing, the bucket (fatal config error).
+        if reading and isinstance(exc, gexc.NotFound):
+            return ObjectNotFound(f"gcs: {what}: not found")
+        cls = TransientStorageError if self.is_transient(exc) else StorageError
+        return cls(f"gcs: {what}: {exc}")
+
+    def is_transient(self, exc: BaseException) -> bool:
+        """429, 5xx, resets, timeouts, corruption in transit: yes. 400/401/403/404/409/412: no."""
+        if isinstance(exc, TransientStorageError):
+            return True
+        if isinstance(exc, StorageError):
+            return False
+        if isinstance(exc, gexc.RetryError):
+            return exc.cause is not None and self.is_transient(exc.cause)
+        if isinstance(exc, gexc.GoogleAPICallError):
+            return exc.code in _TRANSIENT_STATUS or isinstance(exc, gexc.TooManyRequests | gexc.ServerError)
+        if isinstance(exc, InvalidResponse):
+            status = getattr(exc.response, "status_code", None)
+            return status in _TRANSIENT_STATUS
+        if isinstance(exc, DataCorruption):
+            # The client and the server disagree about bytes that crossed the wire:
+            # the library has deleted the object; sending it again may well work.
+            return True
+        if isinstance(
+            exc,
+            requests.exceptions.ConnectionError
+            | requests.exceptions.Timeout
+            | requests.exceptions.ChunkedEncodingError,
+        ):
+            return True
+        if isinstance(exc, google.auth.exceptions.TransportError):
+            return True
+        return isinstance(exc, ConnectionError | TimeoutError)
+
+    def warm(self) -> None:
+        """Create the client, resolve credentials and reach the bucket now, not at notice time."""
+        try:
+            # Listing one object needs storage.objects.list, which the uploader needs anyway;
+            # get_bucket would need storage.buckets.get, which objectAdmin roles lack.
+            for _ in self.client.list_blobs(
+                self.bucket_name, prefix=self.prefix, max_results=1, retry=self.retry, timeout=self.timeout
+            ):
+                pass
+        except Exception as exc:
+            raise self._wrap(f"list gs://{self.bucket_name}/{self.prefix}", exc) from exc
+
+    def close(self) -> None:
+        if self._owns_client and self._client is not None:
+            self._client.close()
+            self._client = None
+
+    # -- uploads --------------------------------------------------------------------
+
+    def put_file(self, local: Path, key: str, *, crc32c: str) -> None:
+        expected = _hex_to_int(crc32c)
+        full = self._key(key)
+        size = os.path.getsize(local)
+        if size >= self.parallel_threshold and self.max_concurrency > 1 and size > self.part_size:
+            blob = self._put_composed(Path(local), full, size, expected)
+        else:
+            blob = self._put_one(Path(local), full, expected)
+        self._verify(blob, full, size, expected)
+
+    def _new_blob(self, name: str, crc: int) -> Any:
+        blob = self.bucket.blob(name, chunk_size=self.chunk_size)
+        # Declaring the CRC32C up front makes GCS refuse bytes that do not match it.
+        blob.crc32c = _int_to_b64(crc)
+        return blob
+
+    def _put_one(self, local: Path, full: str, expected: int) -> Any:
+        blob = self._new_blob(full, expected)
+        try:
+            blob.upload_from_filename(
+                str(local),
+                content_type="application/octet-stream",
+                checksum="crc32c",
+                retry=self.retry,
+                timeout=self.timeout,
+            )
+        except Exception as exc:
+            raise self._wrap(f"upload {full}", exc) from exc
+        return blob
+
+    def _part_plan(self, size: int) -> list[tuple[int, int, int]]:
+        part = max(self.part_size, _round_up(-(-size // _MAX_COMPOSE), _CHUNK_QUANTUM))
+        return [(i, off, min(part, size - off)) for i, off in enumerate(range(0, size, part))]
+
+    def _put_composed(self, local: Path, full: str, size: int, expected: int) -> Any:
+        parts_prefix = f"{self.prefix}{PARTS_DIR}/{uuid.uuid4().hex}/"
+        plan = self._part_plan(size)
+        uploaded: list[Any] = []
+        fd = os.open(local, os.O_RDONLY)
+        try:
+
+            def one(index: int, offset: int, length: int) -> Any:
+                data = os.pread(fd, length, offset)
+                if len(data) != length:
+                    raise StorageError(f"gcs: {local} shrank while uploading (part {index})")
+                blob = self._new_blob(f"{parts_prefix}{index:05d}", int(google_crc32c.value(data)))
+                blob.upload_from_string(
+                    data,
+                    content_type="application/octet-stream",
+                    checksum="crc32c",
+                    retry=self.retry,
+                    timeout=self.timeout,
+                )
+                return blob
+
+            workers = min(self.max_concurrency, len(plan))
+            with cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gcs-part") as pool:
+                futures = [pool.submit(one, *p) for p in plan]
+                try:
+                    for fut in cf.as_completed(futures):
+                        uploaded.append(fut.result())
+                except BaseException:
+                    for f in futures:
+                        f.cancel()
+                    # Parts that finished after the failure must be deleted too.
+                    cf.wait(futures)
+                    uploaded.extend(
+                        f.result() for f in futures if f.done() and not f.cancelled() and f.exception() is None
+                    )
+                    raise
+            sources = [f.result() for f in futures]
+            dest = self._new_blob(full, expected)
+            dest.content_type = "application/octet-stream"
+            dest.compose(sources, retry=self.retry, timeout=self.timeout)
+            return dest
+        except Exception as exc:
+            raise self._wrap(f"upload {full} in {len(plan)} parts", exc) from exc
+        finally:
+            os.close(fd)
+            self._delete_blobs({b.name for b in uploaded})
+
+    def _verify(self, blob: Any, full: str, size: int, expected: int) -> None:
+        stored = gcs_crc_to_hex(blob.crc32c)
+        problem = None
+        if blob.size is not None and int(blob.size) != size:
+            problem = f"size {blob.size} != {size}"
+        elif stored is None:
+            problem = "the store reported no CRC32C"
+        elif stored != f"{expected:08x}":
+            problem = f"stored CRC32C {stored} != expected {expected:08x}"
+        if problem:
+            self._delete_blobs({full})
+            raise StorageError(f"gcs: {full}: {problem}; object deleted")
+
+    def abort_stale_multipart_uploads(self, older_than: dt.timedelta | None = None) -> int:
+        """Delete parts left under ``<prefix>.spotguard-parts/`` by an interrupted upload;
+        returns how many. Same name as the S3 backend's so the daemon calls either at start."""
+        cutoff = dt.datetime.now(dt.UTC) - older_than if older_than is not None else None
+        try:
+            stale = [
+                b.name
+                for b in self.client.list_blobs(
+                    self.bucket_name, prefix=f"{self.prefix}{PARTS_DIR}/", retry=self.retry, timeout=self.timeout
+                )
+                if cutoff is None or b.time_created is None or b.time_created <= cutoff
+            ]
+        except Exception as exc:
+            raise self._wrap("list stale parts", exc) from exc
+        self._delete_blobs(set(stale))
+        if stale:
+            log.info("gcs: deleted %d stale upload parts under %s", len(stale), self.url)
+        return len(stale)
+
+    # -- downloads and metadata -------------------------------------------------------
+
+    def _get_blob(self, full: str) -> Any:
+        try:
+            blob = self.bucket.get_blob(full, retry=self.retry, timeout=self.timeout)
+        except Exception as exc:
+            raise self._wrap(f"get {full}", exc, reading=True) from exc
+        if blob is None:
+            raise ObjectNotFound(f"gcs: {self.url}/{full[len(self.prefix) :]}: not found")
+        return blob
+
+    def get_file(self, key: str, local: Path) -> None:
+        full = self._key(key)
+        blob = self._get_blob(full)
+        local = Path(local)
+        local.parent.mkdir(parents=True, exist_ok=True)
+        tmp = local.with_name(f".{local.name}.{uuid.uuid4().hex[:8]}.part")
+        try:
+            if int(blob.size or 0) >= self.parallel_threshold and self.max_concurrency > 1:
+                # Ranged reads in threads; the transfer manager checks the whole file's CRC32C.
+                transfer_manager.download_chunks_concurrently(
+                    blob,
+                    str(tmp),
+                    chunk_size=self.part_size,
+                    download_kwargs={"retry": self.retry, "timeout": self.timeout},
+                    worker_type=transfer_manager.THREAD,
+                    max_workers=self.max_concurrency,
+                    crc32c_checksum=True,
+                )
+            else:
+                blob.download_to_filename(str(tmp), checksum="crc32c", retry=self.retry, timeout=self.timeout)
+            expected = gcs_crc_to_hex(blob.crc32c)
+            if expected is not None and f"{_file_crc(tmp):08x}" != expected:
+                raise TransientStorageError(f"gcs: {full}: downloaded bytes do not match CRC32C {expected}")
+            os.replace(tmp, local)
+        except StorageError:
+            raise
+        except Exception as exc:
+            raise self._wrap(f"download {full}", exc, reading=True) from exc
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+
+    def read_bytes(self, key: str) -> bytes:
+        full = self._key(key)
+        try:
+            return bytes(
+                self.bucket.blob(full).download_as_bytes(checksum="crc32c", retry=self.retry, timeout=self.timeout)
+            )
+        except Exception as exc:
+            raise self._wrap(f"read {full}", exc, reading=True) from exc
+
+    def stat(self, key: str) -> ObjectInfo | None:
+        try:
+            blob = self._get_blob(self._key(key))
+        except ObjectNotFound:
+            return None
+        return ObjectInfo(key, int(blob.size or 0), gcs_crc_to_hex(blob.crc32c))
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Every object under ``prefix`` (paginated), with its CRC32C; upload parts are hidden."""
+        try:
+            for blob in self.client.list_blobs(
+                self.bucket_name, prefix=self.prefix + prefix, retry=self.retry, timeout=self.timeout
+            ):
+                key = blob.name[len(self.prefix) :]
+                if key.startswith(PARTS_DIR + "/"):
+                    continue
+                yield ObjectInfo(key, int(blob.size or 0), gcs_crc_to_hex(blob.crc32c))
+        except StorageError:
+            raise
+        except Exception as exc:
+            raise self._wrap(f"list {self.prefix + prefix}", exc) from exc
+
+    def delete(self, keys: Iterable[str]) -> None:
+        """Delete ``keys``; missing keys are not an error."""
+        self._delete_blobs({self._key(k) for k in keys}, strict=True)
+
+    def _delete_blobs(self, names: builtins.set[str], *, strict: bool = False) -> None:
+        if not names:
+            return
+
+        def one(name: str) -> None:
+            with contextlib.suppress(gexc.NotFound):  # also when a retried delete already won
+                self.bucket.delete_blob(name, retry=self.retry, timeout=self.timeout)
+
+        with cf.ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(names))) as pool:
+            futures = {pool.submit(one, n): n for n in sorted(names)}
+            errors = [(futures[f], f.exception()) for f in futures if f.exception() is not None]
+        if errors:
+            name, exc = errors[0]
+            if strict:
+                assert exc is not None
+                raise self._wrap(f"delete {len(errors)} objects, first {name}", exc) from exc
+            log.warning("gcs: could not delete %d objects, first %s: %s", len(errors), name, exc)
+
+
+def _file_crc(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(8 * MiB):
+            crc = int(google_crc32c.extend(crc, chunk))
+    return crc

@@ -1,0 +1,662 @@
+"""``s3://bucket/prefix`` on boto3.
+
+Uploads are parallel multipart with a CRC32C per part and a full-object CRC32C
+(``ChecksumType="FULL_OBJECT"``) checked three times over:
+
+1. client side, before anything is committed: the per-part CRC32Cs of the bytes
+   actually sent are combined and must equal the manifest's ``crc32c`` (a file
+   that changed under us, or a wrong manifest, never becomes an object);
+2. server side: S3 verifies every part's ``x-amz-checksum-crc32c`` and, at
+   CompleteMultipartUpload, the full-object CRC32C we send (BadDigest otherwise);
+3. after completion, HeadObject with ``ChecksumMode=ENABLED``: a store that
+   reports a different full-object CRC32C (or size) gets the object deleted and
+   the upload fails. Stores that report no checksum pass this step.
+
+Why our own multipart loop instead of ``upload_file`` + ``TransferConfig``:
+s3transfer asks botocore to *compute* CRC32C per part (``ChecksumAlgorithm``),
+which needs ``awscrt`` (``botocore[crt]``; without it: MissingDependencyException),
+and it gives us no hook to combine the part checksums nor to abort on our terms.
+Computing the part CRC32C with google-crc32c (already a spotguard dependency)
+and sending it as ``ChecksumCRC32C`` keeps botocore from computing anything.
+Downloads do use s3transfer (``TransferConfig``) for parallel ranged GETs.
+
+Endpoint: ``endpoint_url=`` if given, else boto3 resolves it itself from
+``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` (and the shared config file).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import builtins
+import concurrent.futures as cf
+import contextlib
+import datetime as dt
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import boto3
+import boto3.exceptions
+import botocore.exceptions
+import google_crc32c
+from boto3.s3.transfer import TransferConfig
+from botocore.config import Config
+
+from spotguard.storage.base import (
+    ObjectInfo,
+    ObjectNotFound,
+    StorageError,
+    TransientStorageError,
+    retry,
+)
+
+log = logging.getLogger(__name__)
+
+MiB = 1024 * 1024
+_MIN_PART = 5 * MiB  # S3's floor for every part but the last
+_MAX_PARTS = 10_000
+_DELETE_BATCH = 1000  # DeleteObjects' limit
+
+_TRANSIENT_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "ThrottledException",
+        "RequestThrottled",
+        "RequestThrottledException",
+        "TooManyRequestsException",
+        "ProvisionedThroughputExceededException",
+        "RequestLimitExceeded",
+        "BandwidthLimitExceeded",
+        "RequestTimeout",
+        "RequestTimeoutException",
+        "InternalError",
+        "ServiceUnavailable",
+        "PriorRequestNotComplete",
+        "EC2ThrottledException",
+        "IDPCommunicationError",
+    }
+)
+_FATAL_CODES = frozenset(
+    {
+        "AccessDenied",
+        "AllAccessDisabled",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "ExpiredToken",
+        "InvalidToken",
+        "NoSuchBucket",
+        "NoSuchKey",
+        "NoSuchUpload",
+        "InvalidBucketName",
+        "BadDigest",
+        "InvalidDigest",
+        "InvalidRequest",
+        "InvalidArgument",
+        "EntityTooSmall",
+        "EntityTooLarge",
+        "InvalidPart",
+        "InvalidPartOrder",
+        "PermanentRedirect",
+        "AuthorizationHeaderMalformed",
+    }
+)
+_TRANSIENT_SDK = (
+    botocore.exceptions.ConnectionError,  # EndpointConnectionError, ConnectionClosedError, timeouts
+    botocore.exceptions.HTTPClientError,
+    botocore.exceptions.ResponseStreamingError,
+    botocore.exceptions.IncompleteReadError,
+    botocore.exceptions.ReadTimeoutError,
+    botocore.exceptions.ConnectTimeoutError,
+    boto3.exceptions.RetriesExceededError,  # download_file gave up re-reading a stream
+)
+
+
+# -- CRC32C helpers ---------------------------------------------------------------------
+
+_CRC32C_POLY = 0x82F63B78  # reflected Castagnoli polynomial
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a*b modulo the CRC polynomial (zlib's multmodp, Castagnoli polynomial)."""
+    m = 1 << 31
+    p = 0
+    while True:
+        if a & m:
+            p ^= b
+            if (a & (m - 1)) == 0:
+                break
+        m >>= 1
+        b = (b >> 1) ^ _CRC32C_POLY if b & 1 else b >> 1
+    return p
+
+
+def _build_x2n_table() -> list[int]:
+    table = [1 << 30]  # x^1
+    for _ in range(31):
+        table.append(_multmodp(table[-1], table[-1]))
+    return table
+
+
+_X2N = _build_x2n_table()
+
+
+def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC32C of ``A + B`` from ``crc(A)``, ``crc(B)`` and ``len(B)``, without the data."""
+    p = 1 << 31  # x^0
+    n, k = len2, 3  # x^(8 * len2): one factor per bit of the byte count
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return _multmodp(p, crc1) ^ crc2
+
+
+def _hex_to_int(crc32c: str) -> int:
+    try:
+        value = int(crc32c, 16)
+    except ValueError:
+        raise ValueError(f"crc32c must be 8 hex characters, got {crc32c!r}") from None
+    if len(crc32c) != 8 or value >> 32:
+        raise ValueError(f"crc32c must be 8 hex characters, got {crc32c!r}")
+    return value
+
+
+def _int_to_b64(value: int) -> str:
+    return base64.b64encode(value.to_bytes(4, "big")).decode("ascii")
+
+
+def _b64_to_hex(value: str) -> str | None:
+    """S3's base64 big-endian checksum as our hex; None for composite (``…-N``) or junk."""
+    if "-" in value:
+        return None
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    return raw.hex() if len(raw) == 4 else None
+
+
+def _crc_of(data: bytes | memoryview) -> int:
+    return int(google_crc32c.value(bytes(data)))
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+
+def _error_code(exc: BaseException) -> str:
+    if isinstance(exc, botocore.exceptions.ClientError):
+        return str(exc.response.get("Error", {}).get("Code", ""))
+    return ""
+
+
+def _http_status(exc: BaseException) -> int:
+    if isinstance(exc, botocore.exceptions.ClientError):
+        return int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+    return 0
+
+
+def _is_not_found(exc: BaseException) -> bool:
+    # By code, not status: NoSuchBucket is a 404 too, and a fatal configuration error.
+    return _error_code(exc) in ("404", "NoSuchKey", "NotFound")
+
+
+def parse_s3_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/some/prefix`` → ``("bucket", "some/prefix/")``; the prefix is "" or ends in "/"."""
+    parts = urlsplit(url)
+    if parts.scheme != "s3" or not parts.netloc:
+        raise ValueError(f"not an s3:// URL with a bucket: {url!r}")
+    prefix = parts.path.strip("/")
+    return parts.netloc, f"{prefix}/" if prefix else ""
+
+
+class S3Storage:
+    """The ``Storage`` backend for ``s3://bucket/prefix``.
+
+    Example::
+
+        storage = S3Storage("s3://my-bucket/run1", part_size=16 * MiB, max_concurrency=16)
+        storage.warm()                                  # at daemon start, not at notice time
+        storage.abort_stale_multipart_uploads()
+        storage.put_file(Path("/nvme/ckpt/step-1/__0_0.distcp"), "step-1/__0_0.distcp", crc32c="1a2b3c4d")
+
+    Options (all have defaults):
+        part_size: multipart part size in bytes (≥ 5 MiB; raised for files over 10,000 parts).
+        max_concurrency: parts in flight per file, for uploads and ranged downloads.
+        multipart_threshold: files at least this big go multipart (default: ``part_size``).
+        client: a ready boto3 S3 client (tests, custom sessions); not closed by ``close()``.
+        endpoint_url: overrides ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``.
+        region: the client's region (default: boto3's resolution).
+        retry_mode / max_attempts: botocore's retry strategy (``standard`` or ``adaptive``)
+            and its attempts per HTTP request, the first one included; ``attempts``
+            bounds our own retry (``is_transient`` + jittered backoff) on top of that.
+        connect_timeout / read_timeout: seconds; a stalled connection is a transient error.
+        verify_after_upload: HeadObject after each upload and compare size and CRC32C.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        part_size: int = 8 * MiB,
+        max_concurrency: int = 16,
+        multipart_threshold: int | None = None,
+        client: Any = None,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        retry_mode: str = "standard",
+        max_attempts: int = 5,
+        attempts: int = 4,
+        connect_timeout: float = 5.0,
+        read_timeout: float = 60.0,
+        verify_after_upload: bool = True,
+    ) -> None:
+        if part_size < _MIN_PART:
+            raise ValueError(f"part_size must be at least {_MIN_PART} bytes (S3's minimum)")
+        if max_concurrency < 1:
+            raise ValueError("max_concurrency must be at least 1")
+        if retry_mode not in ("standard", "adaptive", "legacy"):
+            raise ValueError(f"retry_mode must be standard, adaptive or legacy, not {retry_mode!r}")
+        self.url = url
+        self.bucket, self.prefix = parse_s3_url(url)
+        self.part_size = part_size
+        self.max_concurrency = max_concurrency
+        self.multipart_threshold = multipart_threshold if multipart_threshold is not None else part_size
+        self.attempts = attempts
+        self.verify_after_upload = verify_after_upload
+        self._endpoint_url = endpoint_url
+        self._region = region
+        self._owns_client = client is None
+        self._client = client
+        self._client_lock = threading.Lock()
+        self._session: Any = None
+        # botocore's pool defaults to 10 connections: more parts in flight than that
+        # silently queue for a connection, so the pool must cover our concurrency.
+        self._config = Config(
+            max_pool_connections=max(10, max_concurrency + 4),
+            retries={"mode": retry_mode, "total_max_attempts": max_attempts},
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            # We send CRC32C ourselves; don't let botocore add a CRC32 to every PUT (and
+            # never ask it to validate algorithms it can only do with awscrt).
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
+        self.transfer_config = TransferConfig(
+            multipart_threshold=self.multipart_threshold,
+            multipart_chunksize=part_size,
+            max_concurrency=max_concurrency,
+            use_threads=True,
+        )
+
+    # -- plumbing -------------------------------------------------------------------
+
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            with self._client_lock:
+                if self._client is None:
+                    self._session = boto3.session.Session()
+                    self._client = self._session.client(
+                        "s3", endpoint_url=self._endpoint_url, region_name=self._region, config=self._config
+                    )
+        return self._client
+
+    def _key(self, key: str) -> str:
+        if not key or key.startswith("/"):
+            raise ValueError(f"key must be relative and non-empty: {key!r}")
+        return self.prefix + key
+
+    def _call(self, what: str, fn: Any, /, **kwargs: Any) -> Any:
+        """One API call with our retry on top of botocore's; errors become StorageErrors."""
+        try:
+            return retry(lambda: fn(**kwargs), is_transient=self.is_transient, attempts=self.attempts, what=what)
+        except StorageError:
+            raise
+        except Exception as exc:
+            raise self._wrap(what, exc) from exc
+
+    def _wrap(self, what: str, exc: BaseException) -> StorageError:
+        if _is_not_found(exc):
+            return ObjectNotFound(f"s3: {what}: not found")
+        cls = TransientStorageError if self.is_transient(exc) else StorageError
+        return cls(f"s3: {what}: {exc}")
+
+    def is_transient(self, exc: BaseException) -> bool:
+        """503 SlowDown, 500, throttling, resets and timeouts: yes. 403/404, bad keys, bad digests: no."""
+        if isinstance(exc, TransientStorageError):
+            return True
+        if isinstance(exc, StorageError):
+            return False
+        if isinstance(exc, botocore.exceptions.ClientError):
+            code = _error_code(exc)
+            if code in _FATAL_CODES:
+                return False
+            if code in _TRANSIENT_CODES:
+                return True
+            status = _http_status(exc)
+            return status == 429 or status >= 500
+        if isinstance(exc, _TRANSIENT_SDK):
+            return True
+        if isinstance(exc, botocore.exceptions.BotoCoreError):
+            return False  # NoCredentialsError, ParamValidationError, …: retrying changes nothing
+        return isinstance(exc, ConnectionError | TimeoutError)
+
+    def warm(self) -> None:
+        """Create the client, resolve credentials and open a connection to the bucket now,
+        so that nothing slow (credential chains, DNS, TLS) happens at notice time."""
+        client = self.client
+        if self._owns_client:
+            # Resolving the frozen credentials runs the whole provider chain (IMDS, SSO, …) now.
+            creds = self._session.get_credentials()
+            if creds is None:
+                raise StorageError("s3: no AWS credentials found")
+            creds.get_frozen_credentials()
+        try:
+            self._call(f"head_bucket {self.bucket}", client.head_bucket, Bucket=self.bucket)
+        except ObjectNotFound:
+            raise StorageError(f"s3: bucket {self.bucket} does not exist") from None
+
+    def close(self) -> None:
+        if self._owns_client and self._client is not None:
+            self._client.close()
+            self._client = None
+
+    # -- uploads --------------------------------------------------------------------
+
+    def put_file(self, local: Path, key: str, *, crc32c: str) -> None:
+        expected = _hex_to_int(crc32c)
+        full = self._key(key)
+        size = os.path.getsize(local)
+        if size >= self.multipart_threshold and size > 0:
+            self._put_multipart(local, full, size, expected)
+        else:
+            self._put_single(local, full, expected)
+        if self.verify_after_upload:
+            self._verify_remote(full, size, expected)
+
+    def _put_single(self, local: Path, full: str, expected: int) -> None:
+        data = Path(local).read_bytes()
+        actual = _crc_of(data)
+        if actual != expected:
+            raise StorageError(f"s3: {local}: local CRC32C {actual:08x} != expected {expected:08x}; not uploaded")
+        self._call(
+            f"put_object {full}",
+            self.client.put_object,
+            Bucket=self.bucket,
+            Key=full,
+            Body=data,
+            ChecksumAlgorithm="CRC32C",
+            ChecksumCRC32C=_int_to_b64(expected),
+        )
+
+    def _part_plan(self, size: int) -> list[tuple[int, int, int]]:
+        part = self.part_size
+        while -(-size // part) > _MAX_PARTS:
+            part *= 2
+        return [(i + 1, off, min(part, size - off)) for i, off in enumerate(range(0, size, part))]
+
+    def _put_multipart(self, local: Path, full: str, size: int, expected: int) -> None:
+        created = self._call(
+            f"create_multipart_upload {full}",
+            self.client.create_multipart_upload,
+            Bucket=self.bucket,
+            Key=full,
+            ChecksumAlgorithm="CRC32C",
+            ChecksumType="FULL_OBJECT",
+        )
+        upload_id = created["UploadId"]
+        try:
+            parts = self._upload_parts(local, full, upload_id, self._part_plan(size))
+            combined = parts[0][2]
+            for _, _, crc, length in parts[1:]:
+                combined = crc32c_combine(combined, crc, length)
+            if combined != expected:
+                raise StorageError(
+                    f"s3: {local}: CRC32C of the bytes sent {combined:08x} != expected {expected:08x}; upload aborted"
+                )
+            self._complete(full, upload_id, parts, expected, size)
+        except BaseException:
+            # Also on KeyboardInterrupt/cancel: unfinished parts cost money and are never visible.
+            self._abort(full, upload_id)
+            raise
+
+    def _upload_parts(
+        self, local: Path, full: str, upload_id: str, plan: list[tuple[int, int, int]]
+    ) -> list[tuple[int, str, int, int]]:
+        fd = os.open(local, os.O_RDONLY)
+        try:
+
+            def one(number: int, offset: int, length: int) -> tuple[int, str, int, int]:
+                # pread: no shared file position between threads.
+                data = os.pread(fd, length, offset)
+                if len(data) != length:
+                    raise StorageError(f"s3: {local} shrank while uploading (part {number})")
+                crc = _crc_of(data)
+                resp = self._call(
+                    f"upload_part {full} #{number}",
+                    self.client.upload_part,
+                    Bucket=self.bucket,
+                    Key=full,
+                    UploadId=upload_id,
+                    PartNumber=number,
+                    Body=data,
+                    ChecksumAlgorithm="CRC32C",
+                    ChecksumCRC32C=_int_to_b64(crc),
+                )
+                return number, resp["ETag"], crc, length
+
+            workers = min(self.max_concurrency, len(plan))
+            with cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="s3-part") as pool:
+                futures = [pool.submit(one, *p) for p in plan]
+                try:
+                    for fut in cf.as_completed(futures):
+                        fut.result()  # first failure stops the file
+                except BaseException:
+                    for f in futures:
+                        f.cancel()
+                    raise
+                return sorted(f.result() for f in futures)
+        finally:
+            os.close(fd)
+
+    def _complete(
+        self, full: str, upload_id: str, parts: list[tuple[int, str, int, int]], expected: int, size: int
+    ) -> None:
+        try:
+            self._call(
+                f"complete_multipart_upload {full}",
+                self.client.complete_multipart_upload,
+                Bucket=self.bucket,
+                Key=full,
+                UploadId=upload_id,
+                MultipartUpload={
+                    "Parts": [
+                        {"PartNumber": n, "ETag": etag, "ChecksumCRC32C": _int_to_b64(crc)} for n, etag, crc, _ in parts
+                    ]
+                },
+                ChecksumCRC32C=_int_to_b64(expected),
+                ChecksumType="FULL_OBJECT",
+            )
+        except StorageError as exc:
+            # A completion retried after a lost response finds the upload gone: if the
+            # object is there with our size, the first attempt won.
+            if "NoSuchUpload" in str(exc):
+                info = self._stat_full(full)
+                if info is not None and info.size == size:
+                    log.info("s3: %s completed by an earlier attempt", full)
+                    return
+            raise
+
+    def _abort(self, full: str, upload_id: str) -> None:
+        try:
+            self._call(
+                f"abort_multipart_upload {full}",
+                self.client.abort_multipart_upload,
+                Bucket=self.bucket,
+                Key=full,
+                UploadId=upload_id,
+            )
+        except ObjectNotFound:
+            pass
+        except Exception:
+            # abort_stale_multipart_uploads() at the next start cleans up what this misses.
+            log.warning("s3: could not abort multipart upload %s of %s", upload_id, full, exc_info=True)
+
+    def _verify_remote(self, full: str, size: int, expected: int) -> None:
+        info = self._stat_full(full)
+        problem = None
+        if info is None:
+            problem = "object missing after upload"
+        elif info.size != size:
+            problem = f"size {info.size} != {size}"
+        elif info.crc32c is not None and info.crc32c != f"{expected:08x}":
+            problem = f"stored CRC32C {info.crc32c} != expected {expected:08x}"
+        if problem:
+            with contextlib.suppress(StorageError):
+                self._call(f"delete_object {full}", self.client.delete_object, Bucket=self.bucket, Key=full)
+            raise StorageError(f"s3: {full}: {problem}; object deleted")
+
+    def abort_stale_multipart_uploads(self, older_than: dt.timedelta | None = None) -> int:
+        """Abort unfinished multipart uploads under our prefix; returns how many.
+
+        Call at daemon start (nothing of ours is in flight then). ``older_than``
+        spares uploads initiated more recently, for when another writer may be live.
+        """
+        cutoff = dt.datetime.now(dt.UTC) - older_than if older_than is not None else None
+        aborted = 0
+        paginator = self.client.get_paginator("list_multipart_uploads")
+        try:
+            pages = list(paginator.paginate(Bucket=self.bucket, Prefix=self.prefix))
+        except Exception as exc:
+            raise self._wrap("list_multipart_uploads", exc) from exc
+        for page in pages:
+            for upload in page.get("Uploads", []):
+                initiated = upload.get("Initiated")
+                if cutoff is not None and initiated is not None and initiated > cutoff:
+                    continue
+                self._abort(upload["Key"], upload["UploadId"])
+                aborted += 1
+        if aborted:
+            log.info("s3: aborted %d stale multipart uploads under %s", aborted, self.url)
+        return aborted
+
+    # -- downloads and metadata -------------------------------------------------------
+
+    def get_file(self, key: str, local: Path) -> None:
+        full = self._key(key)
+        info = self._stat_full(full)
+        if info is None:
+            raise ObjectNotFound(f"s3: {self.url}/{key}: not found")
+        local = Path(local)
+        local.parent.mkdir(parents=True, exist_ok=True)
+        tmp = local.with_name(f".{local.name}.{uuid.uuid4().hex[:8]}.part")
+        try:
+            self._call(
+                f"download {full}",
+                self.client.download_file,
+                Bucket=self.bucket,
+                Key=full,
+                Filename=str(tmp),
+                Config=self.transfer_config,
+            )
+            if tmp.stat().st_size != info.size:
+                raise StorageError(f"s3: {full}: downloaded {tmp.stat().st_size} bytes, expected {info.size}")
+            if info.crc32c is not None:
+                actual = _file_crc(tmp)
+                if f"{actual:08x}" != info.crc32c:
+                    raise TransientStorageError(f"s3: {full}: downloaded CRC32C {actual:08x} != stored {info.crc32c}")
+            os.replace(tmp, local)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+
+    def read_bytes(self, key: str) -> bytes:
+        full = self._key(key)
+
+        def read() -> bytes:
+            body = self.client.get_object(Bucket=self.bucket, Key=full)["Body"]
+            try:
+                return bytes(body.read())
+            finally:
+                body.close()
+
+        return bytes(self._call(f"get_object {full}", read))
+
+    def stat(self, key: str) -> ObjectInfo | None:
+        info = self._stat_full(self._key(key))
+        return None if info is None else ObjectInfo(key, info.size, info.crc32c)
+
+    def _stat_full(self, full: str) -> ObjectInfo | None:
+        try:
+            head = self._call(
+                f"head_object {full}",
+                self.client.head_object,
+                Bucket=self.bucket,
+                Key=full,
+                ChecksumMode="ENABLED",
+            )
+        except ObjectNotFound:
+            return None
+        crc = None
+        # Only a full-object CRC32C is comparable with the manifest; a composite one
+        # ("…-N", ChecksumType COMPOSITE) is a checksum of part checksums.
+        if head.get("ChecksumCRC32C") and head.get("ChecksumType", "FULL_OBJECT") == "FULL_OBJECT":
+            crc = _b64_to_hex(head["ChecksumCRC32C"])
+        return ObjectInfo(full[len(self.prefix) :], int(head["ContentLength"]), crc)
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Every object under ``prefix`` (ListObjectsV2, paginated; crc32c is not listed: None)."""
+        paginator = self.client.get_paginator("list_objects_v2")
+        pages = paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + prefix)
+        try:
+            for page in pages:
+                for obj in page.get("Contents", []):
+                    yield ObjectInfo(obj["Key"][len(self.prefix) :], int(obj["Size"]), None)
+        except Exception as exc:
+            if isinstance(exc, StorageError):
+                raise
+            raise self._wrap(f"list {self.prefix + prefix}", exc) from exc
+
+    def delete(self, keys: Iterable[str]) -> None:
+        """Delete ``keys`` in batches of 1000 (DeleteObjects); missing keys are not an error."""
+        batch: builtins.list[str] = []
+        for key in keys:
+            batch.append(self._key(key))
+            if len(batch) == _DELETE_BATCH:
+                self._delete_batch(batch)
+                batch = []
+        if batch:
+            self._delete_batch(batch)
+
+    def _delete_batch(self, fulls: builtins.list[str]) -> None:
+        resp = self._call(
+            f"delete_objects ({len(fulls)} keys)",
+            self.client.delete_objects,
+            Bucket=self.bucket,
+            Delete={"Objects": [{"Key": k} for k in fulls], "Quiet": True},
+        )
+        errors = [e for e in resp.get("Errors", []) if e.get("Code") != "NoSuchKey"]
+        if errors:
+            first = errors[0]
+            cls = TransientStorageError if first.get("Code") in _TRANSIENT_CODES else StorageError
+            raise cls(
+                f"s3: delete_objects: {len(errors)} keys failed, first {first.get('Key')}: "
+                f"{first.get('Code')} {first.get('Message')}"
+            )
+
+
+def _file_crc(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(8 * MiB):
+            crc = int(google_crc32c.extend(crc, chunk))
+    return crc

@@ -1,0 +1,155 @@
+"""Sharded checkpoints under ``torch.distributed`` with ``torch.distributed.checkpoint`` (DCP).
+
+The model and its optimizers go through DCP: each rank writes its own shards
+(``__<rank>_0.distcp``) into the step directory and rank 0 writes DCP's
+``.metadata``. ``get_state_dict``/``set_state_dict`` make this work for DDP,
+FSDP and DTensor state alike, and let a checkpoint saved by N ranks load into
+M ranks (DCP reshards on load). Everything else in ``state`` (data loaders,
+schedulers, plain values) and the RNG states are per-rank files
+(``<key>.rank<R>.pt``), because they differ between ranks.
+
+Every rank reports size and CRC32C of the files it wrote; rank 0 gathers them
+and commits one manifest for the whole job.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable, Mapping, MutableMapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from spotguard.manifest import CheckpointWriter, FileEntry, Manifest, crc32c_of_file
+from spotguard.trainer import dist
+from spotguard.trainer.state import RNG_KEY, Payloads, StateError, entry_file, restore_rng, write_payloads
+
+logger = logging.getLogger("spotguard.trainer")
+
+LAYOUT = "dcp"
+OPTIMIZERS_KEY = "__optimizers__"
+
+
+def _parts(state: Mapping[str, Any]) -> tuple[str | None, list[str], list[str]]:
+    """(the model's key, the optimizers' keys, the keys saved per rank)."""
+    models = [key for key, value in state.items() if isinstance(value, torch.nn.Module)]
+    optimizers = [key for key, value in state.items() if isinstance(value, torch.optim.Optimizer)]
+    if len(models) > 1:
+        raise StateError(
+            f"distributed checkpoints take one model in state (found {', '.join(models)}): "
+            "wrap them in one nn.Module or nn.ModuleDict"
+        )
+    model = models[0] if models else None
+    if model is None:
+        optimizers = []
+    rest = [key for key in state if key != model and key not in optimizers]
+    return model, optimizers, rest
+
+
+def _tree(state: Mapping[str, Any], model: str | None, optimizers: list[str]) -> dict[str, Any]:
+    if model is None:
+        return {}
+    model_state, optim_state = get_state_dict(state[model], [state[key] for key in optimizers])
+    tree: dict[str, Any] = {model: model_state}
+    if optimizers:
+        tree[OPTIMIZERS_KEY] = optim_state
+    return tree
+
+
+def save_sharded(
+    writer: CheckpointWriter,
+    state: Mapping[str, Any],
+    *,
+    announce: Callable[[str, FileEntry], None],
+) -> None:
+    """Write this rank's part of a sharded checkpoint; rank 0 then commits the manifest.
+
+    Collective: every rank must call it for the same step.
+    """
+    rank = dist.rank()
+    model, optimizers, rest = _parts(state)
+    tree = _tree(state, model, optimizers)
+    if tree:
+        dcp.save(tree, storage_writer=dcp.FileSystemWriter(writer.dir, sync_files=True, overwrite=False))
+    mine: dict[str, FileEntry] = {}
+    for path in sorted(writer.dir.iterdir()):
+        if path.name.startswith(f"__{rank}_") or (rank == 0 and path.name == ".metadata"):
+            mine[path.name] = FileEntry(size=path.stat().st_size, crc32c=crc32c_of_file(path))
+            announce(path.name, mine[path.name])
+    per_rank = Payloads({key: state[key] for key in rest})
+    write_payloads(writer, per_rank, rank=rank, on_file=lambda name: announce(name, writer.files[name]))
+    mine.update(writer.files)
+    gathered: list[dict[str, FileEntry] | None] = [None] * dist.world_size()
+    torch_dist.all_gather_object(gathered, mine)
+    if rank == 0:
+        for entries in gathered:
+            writer.files.update(entries or {})
+        writer.meta.update(
+            layout=LAYOUT, model=model, optimizers=optimizers, per_rank=rest, world_size=dist.world_size()
+        )
+
+
+def load_sharded(step_dir: Path, manifest: Manifest, state: MutableMapping[str, Any]) -> None:
+    """Load a sharded checkpoint into this rank's ``state``, resharding if the world size changed."""
+    rank = dist.rank()
+    model, optimizers, rest = _parts(state)
+    if model != manifest.meta.get("model") or optimizers != manifest.meta.get("optimizers"):
+        raise StateError(
+            f"{step_dir.name} holds model {manifest.meta.get('model')!r} with optimizers "
+            f"{manifest.meta.get('optimizers')}; state has {model!r} with {optimizers}"
+        )
+    tree = _tree(state, model, optimizers)
+    if tree:
+        with warnings.catch_warnings():
+            # Loading a sharded checkpoint into one process is a feature here, not an accident.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(tree, storage_reader=dcp.FileSystemReader(step_dir))
+        set_state_dict(
+            state[model],  # type: ignore[index]
+            [state[key] for key in optimizers],
+            model_state_dict=tree[model],  # type: ignore[index]
+            optim_state_dict=tree.get(OPTIMIZERS_KEY, {}),
+        )
+    for key in [*rest, RNG_KEY]:
+        name = entry_file(key, rank)
+        if name not in manifest.files:
+            _per_rank_fallback(step_dir, manifest, state, key)
+            continue
+        _load_entry(step_dir / name, state, key)
+
+
+def _per_rank_fallback(step_dir: Path, manifest: Manifest, state: MutableMapping[str, Any], key: str) -> None:
+    """This rank did not exist in the saving job (resharded to more ranks)."""
+    rank = dist.rank()
+    if key == RNG_KEY:
+        logger.warning("spotguard: rank %d has no RNG state in %s; keeping its own", rank, step_dir.name)
+        return
+    if hasattr(state.get(key), "sampler"):
+        logger.warning(
+            "spotguard: rank %d has no %r state in %s: the loader starts its epoch afresh", rank, key, step_dir.name
+        )
+        return
+    source = entry_file(key, 0)
+    if source not in manifest.files:
+        raise StateError(f"{step_dir.name} has no entry {key!r}; resume with the state keys the run saved")
+    _load_entry(step_dir / source, state, key)  # schedulers and plain values are the same on every rank
+
+
+def _load_entry(path: Path, state: MutableMapping[str, Any], key: str) -> None:
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    if key == RNG_KEY:
+        restore_rng(saved)
+        return
+    value = state[key]
+    if hasattr(value, "load_state_dict"):
+        value.load_state_dict(saved)
+    elif isinstance(value, torch.Tensor) and isinstance(saved, torch.Tensor) and value.shape == saved.shape:
+        with torch.no_grad():
+            value.copy_(saved)
+    else:
+        state[key] = saved

@@ -1,0 +1,124 @@
+"""A DDP training loop for the distributed tests: one process per rank, gloo on 127.0.0.1.
+
+    RANK=r WORLD_SIZE=n MASTER_ADDR=127.0.0.1 MASTER_PORT=p python -m tests.e2e.dist_trainer ...
+
+Rank r talks to the daemon at ``--sockets[r % len]`` (one daemon per simulated VM). Prints JSON
+lines (rank 0 only). ``--notice-at k`` holds every rank at step k, asking ``should_checkpoint`` each
+time round, until some rank's daemon delivers a notice: the ranks that got none learn it through the
+all-reduce, which is the behaviour under test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+
+from spotguard import Guard
+
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+
+
+def emit(event: str, **fields: object) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps({"event": event, **fields}), flush=True)
+
+
+def snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, object]:
+    """Model and optimizer state keyed by parameter name: comparable across world sizes."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optim_state}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--root", type=Path, required=True)
+    parser.add_argument("--bucket")
+    parser.add_argument("--sockets", default="")
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--notice-at", type=int)
+    parser.add_argument("--every-steps", type=int)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--dump-loaded", type=Path, help="after resume, write the loaded state here (rank 0)")
+    parser.add_argument("--dump-saved", type=Path, help="at the urgent save, write the saved state here (rank 0)")
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if world > 1 else 0
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+    net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 1))
+    model = torch.nn.parallel.DistributedDataParallel(net) if world > 1 else net
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.9)
+    sampler = StatefulDistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=7)
+    loader = StatefulDataLoader(data, batch_size=4, sampler=sampler, generator=torch.Generator().manual_seed(3))
+    torch.manual_seed(100 + rank)  # each rank its own dropout stream, as in real jobs
+    sockets = [s for s in args.sockets.split(",") if s] or [str(args.root / "none.sock")]
+    guard = Guard(
+        checkpoint_dir=args.root,
+        bucket=args.bucket,
+        socket=sockets[rank % len(sockets)],
+        every_steps=args.every_steps,
+        handle_sigterm=False,
+    )
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader}
+    step = guard.resume(state)
+    emit("resumed", step=step)
+    if args.dump_loaded and rank == 0:
+        torch.save(snapshot(model, optimizer), args.dump_loaded)
+    epoch = step // len(loader)
+    while step < args.steps:
+        sampler.set_epoch(epoch)
+        for inputs, targets in loader:
+            loss = torch.nn.functional.mse_loss(model(inputs), targets)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            emit("step", step=step)
+            if step == args.notice_at:
+                deadline = time.monotonic() + 60
+                while not guard.should_checkpoint(step):  # collective: every rank goes round together
+                    assert time.monotonic() < deadline, "no notice arrived"
+                    time.sleep(0.01)
+                checkpoint = True
+            else:
+                checkpoint = guard.should_checkpoint(step)
+            if checkpoint:
+                path = guard.save(state, step)
+                if args.dump_saved and rank == 0:
+                    torch.save(snapshot(model, optimizer), args.dump_saved)
+                emit("saved", step=step, path=str(path), stop=guard.stop_requested)
+            if guard.stop_requested or step >= args.steps:
+                break
+        else:
+            epoch += 1
+            continue
+        break
+    guard.close()
+    if guard.stop_requested:
+        emit("stopped", step=step)
+    else:
+        if args.out and rank == 0:
+            torch.save(snapshot(model, optimizer), args.out)
+        emit("finished", step=step)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

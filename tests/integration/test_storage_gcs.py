@@ -1,0 +1,285 @@
+"""GcsStorage against gcp-storage-emulator over real HTTP, with and without injected faults."""
+
+from __future__ import annotations
+
+import base64
+import os
+import random
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import google.api_core.exceptions as gexc
+import google_crc32c
+import pytest
+import requests
+
+from spotguard.storage.base import ObjectNotFound, Storage, StorageError, TransientStorageError
+from spotguard.storage.gcs import PARTS_DIR, GcsStorage, gcs_crc_to_hex
+from tests.faultproxy import FaultProxy
+from tests.servers import GcsServer, gcs_emulator
+
+MiB = 1024 * 1024
+
+
+def crc_hex(data: bytes) -> str:
+    return f"{google_crc32c.value(data):08x}"
+
+
+def write(path: Path, size: int, seed: int) -> tuple[bytes, str]:
+    data = random.Random(seed).randbytes(size)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return data, crc_hex(data)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[GcsServer]:
+    with gcs_emulator() as srv:
+        yield srv
+
+
+@pytest.fixture
+def env(server: GcsServer, monkeypatch: pytest.MonkeyPatch) -> GcsServer:
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", server.endpoint_url)
+    return server
+
+
+@pytest.fixture
+def url(env: GcsServer) -> str:
+    return f"gs://{env.bucket}/run-{uuid.uuid4().hex[:8]}"
+
+
+def all_names(storage: GcsStorage) -> list[str]:
+    """Every object under the storage's prefix, upload parts included (list() hides those)."""
+    return sorted(
+        b.name[len(storage.prefix) :] for b in storage.client.list_blobs(storage.bucket_name, prefix=storage.prefix)
+    )
+
+
+def test_gcs_crc_to_hex_is_big_endian_hex() -> None:
+    data = b"123456789"
+    b64 = base64.b64encode(google_crc32c.Checksum(data).digest()).decode()
+    assert gcs_crc_to_hex(b64) == "e3069283"  # the CRC32C check value
+    assert gcs_crc_to_hex(None) is None
+    assert gcs_crc_to_hex("not base64!") is None
+
+
+def test_gcs_storage_satisfies_protocol(url: str) -> None:
+    assert isinstance(GcsStorage(url), Storage)
+
+
+def test_gcs_connection_pool_covers_concurrency(url: str) -> None:
+    # requests' default pool of 10 per host would silently cap 32 parts in flight at 10.
+    storage = GcsStorage(url, max_concurrency=32)
+    adapter = storage.client._http.get_adapter("http://127.0.0.1/")
+    assert adapter._pool_maxsize >= 32
+
+
+def test_gcs_round_trip_small_files_and_40mib_resumable(url: str, tmp_path: Path) -> None:
+    files = {"step-1/model.pt": 40 * MiB, "step-1/.metadata": 1234, "step-1/empty": 0, "step-1/manifest.json": 300}
+    storage = GcsStorage(url, chunk_size=8 * MiB, parallel_threshold=1 << 40)  # no compose here
+    storage.warm()
+    sent = {}
+    for i, (key, size) in enumerate(files.items()):
+        sent[key] = write(tmp_path / "src" / key, size, seed=i)
+        storage.put_file(tmp_path / "src" / key, key, crc32c=sent[key][1])
+    for key, (data, crc) in sent.items():
+        info = storage.stat(key)
+        assert info is not None
+        assert (info.key, info.size, info.crc32c) == (key, len(data), crc)
+        storage.get_file(key, tmp_path / "dst" / key)
+        assert (tmp_path / "dst" / key).read_bytes() == data
+    assert storage.read_bytes("step-1/manifest.json") == sent["step-1/manifest.json"][0]
+    listed = {o.key: o for o in storage.list()}
+    assert sorted(listed) == sorted(files)
+    assert all(listed[k].crc32c == sent[k][1] for k in files)  # GCS lists CRC32C too
+    assert [o.key for o in storage.list("step-1/.")] == ["step-1/.metadata"]
+    assert not list((tmp_path / "dst" / "step-1").glob(".*.part"))
+
+
+def test_gcs_large_file_goes_up_as_parallel_parts_then_compose(
+    env: GcsServer, url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    data, crc = write(tmp_path / "big", 40 * MiB, seed=9)
+    with FaultProxy(env.endpoint_url, fault_rate=0.0, flavor="gcs") as recorder:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", recorder.url)
+        storage = GcsStorage(url, parallel_threshold=16 * MiB, part_size=8 * MiB, max_concurrency=4)
+        storage.put_file(tmp_path / "big", "step-1/big", crc32c=crc)
+        composes = [t for m, t in recorder.seen if m == "POST" and "/compose" in t]
+        uploads = [t for m, t in recorder.seen if m == "POST" and "uploadType=" in t]
+        assert len(composes) == 1
+        assert len(uploads) == 5  # five 8 MiB parts, one request each
+        info = storage.stat("step-1/big")
+        assert info is not None and (info.size, info.crc32c) == (len(data), crc)
+        assert all_names(storage) == ["step-1/big"]  # parts deleted
+        storage.get_file("step-1/big", tmp_path / "back")  # >= parallel_threshold: ranged reads
+        assert (tmp_path / "back").read_bytes() == data
+        ranged = [t for m, t in recorder.seen if m == "GET" and "alt=media" in t]
+        assert len(ranged) >= 5
+
+
+@pytest.mark.parametrize("size", [1000, 20 * MiB, 40 * MiB], ids=["multipart", "resumable", "composed"])
+def test_gcs_put_file_rejects_crc32c_mismatch_and_leaves_nothing(url: str, tmp_path: Path, size: int) -> None:
+    storage = GcsStorage(url, parallel_threshold=32 * MiB, part_size=8 * MiB)
+    _, crc = write(tmp_path / "f", size, seed=5)
+    wrong = f"{int(crc, 16) ^ 1:08x}"
+    with pytest.raises(StorageError) as excinfo:
+        storage.put_file(tmp_path / "f", "step-2/f", crc32c=wrong)
+    assert not storage.is_transient(excinfo.value)
+    assert storage.stat("step-2/f") is None
+    assert all_names(storage) == []  # no object, no parts
+
+
+def test_gcs_stat_missing_is_none_and_get_missing_raises_not_found(url: str, tmp_path: Path) -> None:
+    storage = GcsStorage(url)
+    assert storage.stat("nope") is None
+    with pytest.raises(ObjectNotFound):
+        storage.get_file("nope", tmp_path / "x")
+    with pytest.raises(ObjectNotFound):
+        storage.read_bytes("nope")
+    assert not (tmp_path / "x").exists()
+
+
+def test_gcs_delete_removes_keys_and_ignores_missing(url: str, tmp_path: Path) -> None:
+    storage = GcsStorage(url)
+    for i in range(5):
+        _, crc = write(tmp_path / f"f{i}", 10 + i, seed=i)
+        storage.put_file(tmp_path / f"f{i}", f"step-1/f{i}", crc32c=crc)
+    storage.delete(["step-1/f0", "step-1/f1", "step-1/f2", "never-existed"])
+    assert [o.key for o in storage.list()] == ["step-1/f3", "step-1/f4"]
+
+
+def test_gcs_list_stays_inside_prefix(url: str) -> None:
+    # (The emulator ignores maxResults, so paging itself, which google-api-core's
+    # HTTPIterator does by nextPageToken, cannot be exercised here.)
+    storage = GcsStorage(url)
+    sibling = GcsStorage(url + "2")  # "run-x2/" must not show up under "run-x/"
+    for i in range(3):
+        storage.bucket.blob(f"{storage.prefix}p/{i}").upload_from_string(b"x")
+        sibling.bucket.blob(f"{sibling.prefix}p/{i}").upload_from_string(b"y")
+    assert [o.key for o in storage.list("p/")] == ["p/0", "p/1", "p/2"]
+    assert [(o.size, o.crc32c) for o in storage.list("p/0")] == [(1, crc_hex(b"x"))]
+
+
+@pytest.mark.parametrize(
+    ("exc", "transient"),
+    [
+        (gexc.TooManyRequests("slow down"), True),
+        (gexc.InternalServerError("boom"), True),
+        (gexc.ServiceUnavailable("busy"), True),
+        (gexc.BadGateway("bad"), True),
+        (gexc.GatewayTimeout("slow"), True),
+        (requests.exceptions.ConnectionError("reset"), True),
+        (requests.exceptions.ReadTimeout("timeout"), True),
+        (ConnectionResetError(), True),
+        (TransientStorageError("x"), True),
+        (gexc.Forbidden("no"), False),
+        (gexc.Unauthorized("no"), False),
+        (gexc.NotFound("no"), False),
+        (gexc.BadRequest("crc mismatch"), False),
+        (gexc.PreconditionFailed("gen"), False),
+        (StorageError("x"), False),
+        (ValueError("x"), False),
+    ],
+    ids=lambda v: type(v).__name__ if isinstance(v, BaseException) else str(v),
+)
+def test_gcs_is_transient_classification(exc: BaseException, transient: bool) -> None:
+    assert GcsStorage("gs://b/p").is_transient(exc) is transient
+
+
+def test_gcs_missing_bucket_is_fatal_and_unreachable_emulator_is_transient(
+    env: GcsServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _, crc = write(tmp_path / "f", 10, seed=7)
+    with pytest.raises(StorageError) as excinfo:
+        GcsStorage("gs://no-such-bucket-sg/p").warm()
+    assert not GcsStorage("gs://b").is_transient(excinfo.value)
+    with pytest.raises(StorageError) as excinfo:
+        GcsStorage("gs://no-such-bucket-sg/p").put_file(tmp_path / "f", "f", crc32c=crc)
+    assert not GcsStorage("gs://b").is_transient(excinfo.value)
+    assert not isinstance(excinfo.value, ObjectNotFound)  # a missing bucket is not a missing object
+
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))  # bound, not listening: connections are refused
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{sock.getsockname()[1]}")
+        storage = GcsStorage(f"gs://{env.bucket}/p", retry_deadline=0.5)
+        with pytest.raises(TransientStorageError):
+            storage.put_file(tmp_path / "f", "f", crc32c=crc)
+
+
+def test_gcs_abort_stale_multipart_uploads_deletes_leftover_parts(url: str, tmp_path: Path) -> None:
+    storage = GcsStorage(url)
+    _, crc = write(tmp_path / "f", 10, seed=1)
+    storage.put_file(tmp_path / "f", "step-1/f", crc32c=crc)
+    for name in ("abc/00000", "abc/00001", "def/00000"):
+        storage.bucket.blob(f"{storage.prefix}{PARTS_DIR}/{name}").upload_from_string(b"part")
+    assert [o.key for o in storage.list()] == ["step-1/f"]  # parts are never listed
+    assert storage.abort_stale_multipart_uploads() == 3
+    assert all_names(storage) == ["step-1/f"]
+
+
+def test_gcs_put_file_survives_10pct_503_500_reset_stall(
+    env: GcsServer, url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    seed = int(os.environ.get("SG_FAULT_SEED", "5"))
+    with FaultProxy(env.endpoint_url, fault_rate=0.1, seed=seed, stall_seconds=1.0, flavor="gcs") as proxy:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+        # One part at a time: the emulator serves one request at a time, so parallel parts
+        # would queue behind each other and time out on their own, hiding injected stalls.
+        storage = GcsStorage(
+            url, timeout=0.5, chunk_size=1 * MiB, parallel_threshold=8 * MiB, part_size=4 * MiB, max_concurrency=1
+        )
+        sent: dict[str, bytes] = {}
+        deadline = time.monotonic() + 120
+        i = 0
+        # Keep uploading until every kind of fault has hit at least twice (bounded).
+        kinds = ("503", "500", "reset", "stall")
+        while min(proxy.injected[k] for k in kinds) < 2 and time.monotonic() < deadline and i < 60:
+            # resumable in 1 MiB chunks, single-request uploads, and 3 parts + compose
+            size = (3 * MiB, 1000 + i, 10 * MiB)[i % 3]
+            data, crc = write(tmp_path / f"f{i}", size, seed=100 + i)
+            storage.put_file(tmp_path / f"f{i}", f"step-1/f{i}", crc32c=crc)
+            sent[f"step-1/f{i}"] = data
+            i += 1
+        assert min(proxy.injected[k] for k in kinds) >= 2, proxy.injected
+        for key, data in sent.items():
+            info = storage.stat(key)
+            assert info is not None and info.crc32c == crc_hex(data)
+            storage.get_file(key, tmp_path / "back" / key)
+            assert (tmp_path / "back" / key).read_bytes() == data
+
+
+@pytest.mark.slow
+def test_gcs_256mib_upload_downloads_identical_bytes(url: str, tmp_path: Path) -> None:
+    storage = GcsStorage(url)
+    storage.warm()
+    sizes = {"big": 192 * MiB, "mid": 48 * MiB, "small": 16 * MiB}
+    sent = {}
+    for i, (name, size) in enumerate(sizes.items()):
+        sent[name] = write(tmp_path / name, size, seed=200 + i)
+    start = time.perf_counter()
+    for name, (_, crc) in sent.items():
+        storage.put_file(tmp_path / name, name, crc32c=crc)
+    elapsed = time.perf_counter() - start
+    total = sum(sizes.values())
+    print(f"gcs (emulator) upload: {total / MiB:.0f} MiB in {elapsed:.2f}s = {total / 1e6 / elapsed:.1f} MB/s")
+    for name, (data, _) in sent.items():
+        storage.get_file(name, tmp_path / "back" / name)
+        assert (tmp_path / "back" / name).read_bytes() == data
+
+
+@pytest.mark.parametrize("fault", ["503", "500", "reset", "stall"])
+def test_gcs_each_real_injected_fault_surfaces_as_transient(
+    env: GcsServer, fault: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _, crc = write(tmp_path / "f", 10, seed=8)
+    with FaultProxy(env.endpoint_url, fault_rate=1.0, faults=(fault,), stall_seconds=1.0, flavor="gcs") as proxy:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+        storage = GcsStorage(f"gs://{env.bucket}/p", timeout=0.3, retry_deadline=0.5)
+        with pytest.raises(TransientStorageError):
+            storage.put_file(tmp_path / "f", "f", crc32c=crc)
+        assert proxy.injected[fault] >= 2  # retried while the deadline allowed

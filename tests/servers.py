@@ -1,0 +1,121 @@
+"""Real local object stores for tests: moto (S3) and gcp-storage-emulator (GCS).
+
+Each context manager starts a server on 127.0.0.1 with a random port, creates
+a uniquely named bucket and yields where to reach it. Nothing global is set:
+tests point clients at the server themselves, e.g. with pytest's monkeypatch::
+
+    with moto_s3() as s3:
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3.endpoint_url)
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")  # see FAKE_AWS_ENV
+        storage = S3Storage(f"s3://{s3.bucket}/run1")
+
+One exception, explained in ``_make_moto_crc32c_faithful``: moto needs a
+CRC32C implementation to compute CRC32C checksums correctly.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import sys
+import types
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+FAKE_AWS_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_SESSION_TOKEN": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
+@dataclass(frozen=True)
+class S3Server:
+    endpoint_url: str  # http://127.0.0.1:PORT
+    bucket: str
+
+
+@dataclass(frozen=True)
+class GcsServer:
+    endpoint_url: str  # http://127.0.0.1:PORT, the value for STORAGE_EMULATOR_HOST
+    bucket: str
+    project: str = "test-project"
+
+
+def unique_bucket(prefix: str = "sg-test") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+def _make_moto_crc32c_faithful() -> None:
+    """moto computes CRC32C with the optional ``crc32c`` package and silently falls
+    back to plain CRC32 without it (``moto[s3crc32c]``), which makes every full-object
+    CRC32C of a multipart upload wrong. If that package is missing, give moto the
+    same function backed by google-crc32c (a spotguard dependency). Installing
+    ``crc32c`` makes this a no-op."""
+    if "crc32c" in sys.modules or importlib.util.find_spec("crc32c") is not None:
+        return
+    import google_crc32c
+
+    shim = types.ModuleType("crc32c")
+    # moto probes with importlib.util.find_spec, which insists on a spec.
+    shim.__spec__ = importlib.machinery.ModuleSpec("crc32c", None)
+
+    def crc32c(data: bytes, value: int = 0) -> int:
+        return int(google_crc32c.extend(value, bytes(data)))
+
+    shim.crc32c = crc32c  # type: ignore[attr-defined]
+    sys.modules["crc32c"] = shim
+
+
+@contextmanager
+def moto_s3(bucket: str | None = None, region: str = "us-east-1") -> Iterator[S3Server]:
+    """moto in server mode, reached over real HTTP by real boto3.
+
+    moto keeps its state in process-wide backends, so servers started in one
+    process share buckets; the unique bucket name keeps tests apart.
+    """
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    _make_moto_crc32c_faithful()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        name = bucket or unique_bucket()
+        client = boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            region_name=region,
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+        )
+        client.create_bucket(Bucket=name)
+        client.close()
+        yield S3Server(endpoint_url=endpoint, bucket=name)
+    finally:
+        server.stop()
+
+
+@contextmanager
+def gcs_emulator(bucket: str | None = None) -> Iterator[GcsServer]:
+    """gcp-storage-emulator, in memory, reached by google-cloud-storage over HTTP.
+
+    Its API server is a single-threaded ``http.server.HTTPServer``: requests are
+    served one at a time, so it checks behaviour, not parallel throughput.
+    """
+    from gcp_storage_emulator.server import create_server
+
+    name = bucket or unique_bucket()
+    server = create_server("127.0.0.1", 0, in_memory=True, default_bucket=name)
+    server.start()
+    try:
+        # port 0 lets the OS pick; the emulator has no public accessor for the bound port.
+        port = server._api._httpd.server_address[1]
+        yield GcsServer(endpoint_url=f"http://127.0.0.1:{port}", bucket=name)
+    finally:
+        server.stop()
