@@ -287,6 +287,22 @@ def cmd_emulate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from spotguard.doctor import run_doctor
+
+    if not args.checkpoint_gb > 0:
+        raise ConfigError("--checkpoint-gb", f"must be > 0, got {args.checkpoint_gb}")
+    flags = {
+        "provider": args.provider,
+        "metadata_url": args.metadata_url,
+        "socket": args.socket,
+        "checkpoint_dir": args.checkpoint_dir,
+        "bucket": args.bucket,
+    }
+    config = load_config(flags, config_file=Path(args.config) if args.config else None)
+    return run_doctor(config, checkpoint_gb=args.checkpoint_gb)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from spotguard.demo import run_demo
 
@@ -355,6 +371,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--notice-at", type=int, default=100)
     demo.add_argument("--keep-dir", help="keep the demo's files here instead of a temporary directory")
     demo.set_defaults(func=cmd_demo)
+
+    doctor = sub.add_parser("doctor", help="check that this VM is ready: metadata, socket, disk, bucket, timing")
+    doctor.add_argument("--config", help="TOML file (default /etc/spotguard/spotguard.toml if present)")
+    doctor.add_argument("--provider", help="auto|aws|gcp|azure|none")
+    doctor.add_argument("--metadata-url", help="metadata service base URL (scheme://host:port)")
+    doctor.add_argument("--socket", help="Unix socket path")
+    doctor.add_argument("--checkpoint-dir", help="local checkpoint root")
+    doctor.add_argument("--bucket", help="s3://bucket/prefix, gs://bucket/prefix or file:///dir")
+    doctor.add_argument("--checkpoint-gb", type=float, default=10.0, help="checkpoint size for the estimate (10)")
+    doctor.set_defaults(func=cmd_doctor)
     return parser
 
 

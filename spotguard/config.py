@@ -7,7 +7,9 @@ frozen, validated :class:`DaemonConfig`; any bad value raises
 
 from __future__ import annotations
 
+import json
 import os
+import string
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -23,6 +25,11 @@ DEFAULT_CHECKPOINT_DIR = Path("/var/lib/spotguard/checkpoints")
 DEFAULT_STATE_DIR = Path("/var/lib/spotguard/state")
 PROVIDERS = ("auto", "aws", "gcp", "azure", "none")
 BUCKET_SCHEMES = ("s3", "gs", "file")
+#: What a ``webhook_template`` may name (``${name}``); see spotguard/daemon/webhook.py.
+WEBHOOK_FIELDS = (
+    "type", "event_id", "provider", "kind", "action", "deadline", "seconds_left", "host", "message",
+    "outcome", "checkpoint", "step", "bytes", "seconds", "upload_seconds", "margin_s", "error",
+)  # fmt: skip
 
 
 class ConfigError(ValueError):
@@ -65,6 +72,10 @@ class DaemonConfig:
     imds_v1_fallback: bool = False  # AWS: fall back to IMDSv1 if no token can be had
     vm_name: str | None = None  # Azure: this VM's name in Scheduled Events `Resources`; None = ask IMDS
     log_level: str = "info"
+    metrics_port: int | None = None  # Prometheus /metrics on this port; None = off, 0 = any free port
+    metrics_host: str = "127.0.0.1"
+    webhook_url: str | None = None  # POST JSON here on each notice and its outcome; None = off
+    webhook_template: str | None = None  # a JSON document with ${field} placeholders; None = the full event
 
     def __post_init__(self) -> None:
         if self.provider not in PROVIDERS:
@@ -85,6 +96,16 @@ class DaemonConfig:
             raise ConfigError("max_message_bytes", f"must be >= 1024, got {self.max_message_bytes}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ConfigError("log_level", f"{self.log_level!r} is not debug, info, warning or error")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError("metrics_port", f"must be 0..65535 (0 = any free port), got {self.metrics_port}")
+        if not self.metrics_host.strip():
+            raise ConfigError("metrics_host", "must be an address to listen on, e.g. 127.0.0.1")
+        if self.webhook_url is not None:
+            parsed = urlparse(self.webhook_url)
+            if parsed.scheme not in ("http", "https") or not parsed.netloc:
+                raise ConfigError("webhook_url", f"{self.webhook_url!r} is not an http:// or https:// URL")
+        if self.webhook_template is not None:
+            parse_webhook_template(self.webhook_template)
 
     def action_for_soft(self, kind: str) -> Action:
         return self.on_rebalance if kind == "rebalance" else self.on_maintenance
@@ -99,6 +120,38 @@ def check_bucket_url(url: str, *, key: str = "bucket") -> str:
     if parsed.scheme == "file" and (parsed.netloc or not parsed.path.startswith("/")):
         raise ConfigError(key, f"{url!r} must be file:///absolute/path")
     return url
+
+
+def parse_webhook_template(text: str, *, key: str = "webhook_template") -> Any:
+    """Parse and check a webhook template: a JSON document whose strings may hold ``${field}``
+    placeholders (:class:`string.Template` syntax, ``$$`` for a literal ``$``). A string that is
+    exactly one placeholder becomes the field's JSON value (a number stays a number).
+
+    >>> parse_webhook_template('{"text": "spotguard on ${host}: ${message}"}')
+    {'text': 'spotguard on ${host}: ${message}'}
+    """
+    try:
+        document = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(key, f"is not valid JSON: {exc}") from None
+
+    def strings(value: Any) -> list[str]:
+        if isinstance(value, str):
+            return [value]
+        if isinstance(value, dict):
+            return [s for k, v in value.items() for s in (*strings(k), *strings(v))]
+        if isinstance(value, list):
+            return [s for item in value for s in strings(item)]
+        return []
+
+    for text_value in strings(document):
+        template = string.Template(text_value)
+        if not template.is_valid():
+            raise ConfigError(key, f"{text_value!r} has a bad placeholder; write ${{name}}, and $$ for a literal $")
+        unknown = sorted(set(template.get_identifiers()) - set(WEBHOOK_FIELDS))
+        if unknown:
+            raise ConfigError(key, f"unknown placeholder ${{{unknown[0]}}}; known: {', '.join(WEBHOOK_FIELDS)}")
+    return document
 
 
 # --- parsing -------------------------------------------------------------------------------
@@ -134,12 +187,20 @@ def _as_optional_str(value: Any) -> str | None:
     return text or None
 
 
+def _as_optional_int(value: Any) -> int | None:
+    if isinstance(value, str) and not value.strip():
+        return None
+    parsed: int = _as_number(int)(value)
+    return parsed
+
+
 _PARSERS: dict[str, Callable[[Any], Any]] = {
     "str": str,
     "str | None": _as_optional_str,
     "Path": lambda v: Path(str(v)).expanduser(),
     "float": _as_number(float),
     "int": _as_number(int),
+    "int | None": _as_optional_int,
     "bool": _as_bool,
     "tuple[int, ...]": _as_int_tuple,
     "Action": Action,

@@ -303,6 +303,49 @@ class CheckpointWriter:
         return manifest
 
 
+# --- node parts (multi-node jobs) ------------------------------------------------------------
+#
+# With one local disk per VM, no VM holds a whole checkpoint. Each node's leader commits its own
+# share locally with ``part-<node>.json`` (written last, like a manifest); its daemon uploads those
+# files. The global ``manifest.json`` (on node 0) lists every node's files and is uploaded only once
+# all of them are in the bucket. A step directory with a part marker but no complete manifest is a
+# *node commit*: never loaded locally, but kept until it is safe in the bucket.
+
+PART_PREFIX = "part-"
+
+
+def part_name(node: int) -> str:
+    return f"{PART_PREFIX}{node}.json"
+
+
+def write_part(step_dir: Path, node: int, nodes: int, files: Mapping[str, FileEntry]) -> None:
+    document = {
+        "format": FORMAT,
+        "node": node,
+        "nodes": nodes,
+        "files": {name: {"size": e.size, "crc32c": e.crc32c} for name, e in sorted(files.items())},
+    }
+    with atomic_file(step_dir / part_name(node)) as out:
+        out.write(json.dumps(document, indent=1).encode())
+    fsync_dir(step_dir)
+
+
+def load_part(step_dir: Path) -> dict[str, FileEntry] | None:
+    """This node's committed share of a multi-node checkpoint, if its marker is valid and its files present."""
+    for marker in step_dir.glob(f"{PART_PREFIX}*.json"):
+        try:
+            document = json.loads(marker.read_bytes())
+            files = {
+                check_relpath(name): FileEntry(size=_int(entry["size"]), crc32c=_crc(entry["crc32c"]))
+                for name, entry in document["files"].items()
+            }
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, ManifestError):
+            continue
+        if all((step_dir / name).is_file() and (step_dir / name).stat().st_size == e.size for name, e in files.items()):
+            return files
+    return None
+
+
 # --- reading and checking -------------------------------------------------------------------
 
 
@@ -353,6 +396,7 @@ class CheckpointInfo:
     bytes: int
     created: str | None
     manifest: Manifest | None = field(default=None, compare=False, repr=False)
+    node_files: Mapping[str, FileEntry] | None = field(default=None, compare=False, repr=False)  # a node commit
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -381,15 +425,15 @@ def scan_local(root: Path) -> list[CheckpointInfo]:
             infos.append(CheckpointInfo(entry.name, step, "complete", manifest.total_bytes, manifest.created, manifest))
         else:
             size = sum(p.stat().st_size for p in entry.rglob("*") if p.is_file())
-            infos.append(CheckpointInfo(entry.name, step, "incomplete", size, None))
+            infos.append(CheckpointInfo(entry.name, step, "incomplete", size, None, manifest, load_part(entry)))
     return sorted(infos, key=lambda info: info.step)
 
 
 def remove_incomplete(root: Path, *, except_names: frozenset[str] = frozenset()) -> list[str]:
-    """Remove leftovers of killed writers (step directories with no valid manifest)."""
+    """Remove leftovers of killed writers (step directories with no valid manifest and no node commit)."""
     removed = []
     for info in scan_local(root):
-        if info.status == "incomplete" and info.name not in except_names:
+        if info.status == "incomplete" and info.node_files is None and info.name not in except_names:
             shutil.rmtree(root / info.name, ignore_errors=True)
             removed.append(info.name)
     return removed
@@ -398,7 +442,7 @@ def remove_incomplete(root: Path, *, except_names: frozenset[str] = frozenset())
 def prune_local(root: Path, keep: int, *, protected: frozenset[str] = frozenset()) -> list[str]:
     """Keep the newest ``keep`` complete checkpoints (and every name in ``protected``); delete older
     complete ones. Incomplete directories are left alone: a writer may be filling one."""
-    complete = [info for info in scan_local(root) if info.status == "complete"]
+    complete = [info for info in scan_local(root) if info.status == "complete" or info.node_files is not None]
     doomed = [info.name for info in complete[:-keep] if info.name not in protected] if keep > 0 else []
     for name in doomed:
         shutil.rmtree(root / name, ignore_errors=True)

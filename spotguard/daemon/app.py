@@ -31,6 +31,7 @@ from spotguard.manifest import (
     atomic_file,
     check_relpath,
     load_manifest,
+    load_part,
     parse_step_dir,
     prune_local,
 )
@@ -273,27 +274,35 @@ class Daemon:
 
     async def _saved(self, peer: Peer, message: dict[str, Any]) -> Reply:
         resolved = self._step_dir(Path(message["path"]))
+        urgent = message["reason"] in ("urgent", "soft", "final")
         try:
             manifest = await asyncio.to_thread(load_manifest, resolved)
         except (OSError, ValueError) as exc:
-            raise protocol.ProtocolError("not-committed", f"{resolved.name}: {exc}") from None
-        urgent = message["reason"] in ("urgent", "soft", "final")
+            # Multi-node jobs: this disk may hold only this node's committed share.
+            if await asyncio.to_thread(load_part, resolved) is None:
+                raise protocol.ProtocolError("not-committed", f"{resolved.name}: {exc}") from None
+            logger.info("trainer pid %d committed this node's share of %s", peer.pid, resolved.name)
+            self._record_saved(message.get("event_id"), resolved.name, parse_step_dir(resolved.name) or 0)
+            if self.storage is not None:
+                self.uploader.submit(resolved, urgent=urgent)
+            return "ok", {"queued": self.storage is not None, "name": resolved.name}
         logger.info(
             "trainer pid %d committed %s (%s, %d bytes)", peer.pid, resolved.name, manifest.reason, manifest.total_bytes
         )
         self._tell_saved(resolved.name, manifest)
-        event_id = message.get("event_id")
-        if isinstance(event_id, str) and event_id in self.events:
-            self.events.record(Notice.from_dict(self.events.events[event_id]["notice"]), saved_step=manifest.step)
-            if self.last_notice and self.last_notice.get("event_id") == event_id:
-                self.last_notice.update(
-                    saved_at=utcnow().isoformat(), saved_step=manifest.step, checkpoint=resolved.name
-                )
+        self._record_saved(message.get("event_id"), resolved.name, manifest.step)
         if self.storage is None:
             await asyncio.to_thread(self._prune_without_bucket)
         else:
             self.uploader.submit(resolved, urgent=urgent)
         return "ok", {"queued": self.storage is not None, "name": resolved.name}
+
+    def _record_saved(self, event_id: object, name: str, step: int) -> None:
+        """The trainer saved for a notice: remember it (across restarts) and for the timeline."""
+        if isinstance(event_id, str) and event_id in self.events:
+            self.events.record(Notice.from_dict(self.events.events[event_id]["notice"]), saved_step=step)
+            if self.last_notice and self.last_notice.get("event_id") == event_id:
+                self.last_notice.update(saved_at=utcnow().isoformat(), saved_step=step, checkpoint=name)
 
     def _tell_saved(self, name: str, manifest: Manifest) -> None:
         for listener in self.saved_listeners:

@@ -15,20 +15,38 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from spotguard.manifest import FileEntry, Manifest, load_manifest, prune_local, scan_local
+from spotguard.manifest import (
+    FileEntry,
+    Manifest,
+    load_manifest_or_none,
+    load_part,
+    parse_step_dir,
+    prune_local,
+    scan_local,
+    verify_dir,
+)
 from spotguard.notice import utcnow
 from spotguard.storage.base import Storage, StorageError, retry
-from spotguard.storage.checkpoints import Throughput, UploadCancelled, list_remote, prune_remote, upload_checkpoint
+from spotguard.storage.checkpoints import (
+    Throughput,
+    UploadCancelled,
+    commit_remote,
+    list_remote,
+    prune_remote,
+    upload_files,
+    wait_for_other_nodes,
+)
 
 logger = logging.getLogger("spotguard.uploader")
 
 OnCommitted = Callable[[str, Manifest, float], Awaitable[None]]
+OnFailure = Callable[[str, BaseException], None]  # checkpoint name, what went wrong; must not block
 
 
 @dataclass(order=True)
@@ -68,7 +86,10 @@ class Uploader:
         self.scan_interval = scan_interval
         self.retry_after = retry_after
         self.committed: set[str] = set()  # complete in the bucket
+        self.shares_uploaded: set[str] = set()  # multi-node: this node's share is in the bucket
+        self.other_nodes_timeout = 600.0  # how long node 0 waits for the others' shares (without a notice)
         self.on_committed: list[OnCommitted] = []
+        self.on_failure: list[OnFailure] = []
         self.last_committed: dict[str, Any] | None = None
         self.failures: list[dict[str, Any]] = []
         self._queued: dict[str, _Job] = {}
@@ -88,7 +109,9 @@ class Uploader:
         name = step_dir.name
         if self.storage is None or name in self.committed:
             return
-        step = load_manifest(step_dir).step
+        step = parse_step_dir(name)
+        if step is None:
+            return
         if urgent:
             self._urgent.add(name)
         job = _Job(0 if name in self._urgent else 1, -step, name)
@@ -143,7 +166,10 @@ class Uploader:
         self.committed = {info.name for info in remote if info.status == "complete"}
         for info in await asyncio.to_thread(scan_local, self.root):
             uploading = self._current is not None and self._current.name == info.name
-            if info.status == "complete" and info.name not in self.committed | set(self._queued) and not uploading:
+            committed_here = info.status == "complete" or (
+                info.node_files is not None and info.name not in self.shares_uploaded
+            )
+            if committed_here and info.name not in self.committed | set(self._queued) and not uploading:
                 self.submit(self.root / info.name, urgent=False)
 
     # --- the loop ----------------------------------------------------------------------------
@@ -192,29 +218,23 @@ class Uploader:
         early = self._early.pop(job.name, [])
         if early:
             await asyncio.gather(*early, return_exceptions=True)
-        try:
-            manifest = load_manifest(step_dir)
-        except (OSError, ValueError) as exc:
-            logger.warning("not uploading %s: %s", job.name, exc)
+        manifest = load_manifest_or_none(step_dir)
+        share = None if manifest is not None and not verify_dir(step_dir, checksums=False) else load_part(step_dir)
+        if manifest is None and share is None:
+            logger.warning("not uploading %s: neither a complete checkpoint nor a node's committed share", job.name)
             return
-        current = _Current(job.name, job.priority == 0, manifest.total_bytes, Throughput(), threading.Event(), utcnow())
+        files = share if share is not None else manifest.files if manifest is not None else {}
+        total = sum(entry.size for entry in files.values())
+        current = _Current(job.name, job.priority == 0, total, Throughput(), threading.Event(), utcnow())
         self._current = current
         deadline = None
         if self._deadline is not None:
             deadline = time.monotonic() + (self._deadline - utcnow()).total_seconds()
         started = time.monotonic()
-        logger.info(
-            "uploading %s (%d bytes, %s)", job.name, manifest.total_bytes, "urgent" if current.urgent else "periodic"
-        )
+        logger.info("uploading %s (%d bytes, %s)", job.name, total, "urgent" if current.urgent else "periodic")
         try:
             await asyncio.to_thread(
-                upload_checkpoint,
-                self.storage,
-                step_dir,
-                concurrency=self.concurrency,
-                deadline=deadline,
-                cancel=current.cancel,
-                progress=current.progress.add,
+                self._send, step_dir, files, manifest, multi_node=share is not None, deadline=deadline, current=current
             )
         except UploadCancelled:
             self._queued.setdefault(job.name, _Job(1, job.neg_step, job.name))
@@ -224,13 +244,51 @@ class Uploader:
             return
         finally:
             self._current = None
-        elapsed = time.monotonic() - started
-        await self._committed(job.name, manifest, elapsed)
+        if manifest is None:
+            self.shares_uploaded.add(job.name)  # node 0's daemon commits once every node's share is there
+            logger.info("%s: this node's share is in the bucket (%d bytes)", job.name, total)
+            return
+        await self._committed(job.name, manifest, time.monotonic() - started)
+
+    def _send(
+        self,
+        step_dir: Path,
+        files: Mapping[str, FileEntry],
+        manifest: Manifest | None,
+        *,
+        multi_node: bool,
+        deadline: float | None,
+        current: _Current,
+    ) -> None:
+        """Blocking, in a thread: this disk's files, then (if this node holds it) the manifest."""
+        assert self.storage is not None
+        upload_files(
+            self.storage,
+            step_dir,
+            files,
+            concurrency=self.concurrency,
+            deadline=deadline,
+            cancel=current.cancel,
+            progress=current.progress.add,
+        )
+        if manifest is None:
+            return
+        if multi_node:
+            wait = deadline if deadline is not None else time.monotonic() + self.other_nodes_timeout
+            wait_for_other_nodes(self.storage, manifest, step_dir.name, deadline=wait, cancel=current.cancel)
+        if current.cancel.is_set():
+            raise UploadCancelled(f"{step_dir.name}: upload cancelled before commit")
+        commit_remote(self.storage, step_dir, deadline=deadline)
 
     def _record_failure(self, job: _Job, exc: BaseException) -> None:
         logger.error("upload of %s failed: %s; retrying in %.0f s", job.name, exc, self.retry_after)
         self.failures.append({"name": job.name, "error": str(exc), "at": utcnow().isoformat()})
         del self.failures[:-20]
+        for callback in self.on_failure:
+            try:
+                callback(job.name, exc)
+            except Exception:
+                logger.exception("a failure listener failed for %s", job.name)
         self._not_before[job.name] = time.monotonic() + self.retry_after
         self._queued.setdefault(job.name, job)
 

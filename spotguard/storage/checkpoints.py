@@ -12,13 +12,14 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from spotguard.manifest import (
     MANIFEST,
     CheckpointInfo,
+    FileEntry,
     Manifest,
     ManifestError,
     crc32c_of_file,
@@ -110,26 +111,26 @@ def is_committed(storage: Storage, name: str) -> bool:
     return any(info.name == name and info.status == "complete" for info in list_remote(storage))
 
 
-def upload_checkpoint(
+def upload_files(
     storage: Storage,
     step_dir: Path,
+    files: Mapping[str, FileEntry],
     *,
     concurrency: int = 8,
     deadline: float | None = None,
     cancel: threading.Event | None = None,
     progress: Progress | None = None,
-) -> Manifest:
-    """Upload a locally committed checkpoint: data files in parallel, then the manifest.
+) -> None:
+    """Upload data files of a checkpoint in parallel (never its manifest).
 
     Restart-safe: a file already in the bucket with the same size (and checksum, where the store
     reports it) is not sent again. ``deadline`` is a ``time.monotonic()`` value bounding retries.
     """
-    manifest = load_manifest(step_dir)
     name = step_dir.name
     existing = {o.key.partition("/")[2]: o for o in storage.list(f"{name}/")}
 
     def send(rel: str) -> None:
-        entry = manifest.files[rel]
+        entry = files[rel]
         have = existing.get(rel)
         if have and have.size == entry.size and have.crc32c in (None, entry.crc32c):
             if progress:
@@ -147,20 +148,65 @@ def upload_checkpoint(
             progress(entry.size)
 
     # Largest first: the long transfers start early and small files fill the gaps.
-    order = sorted(manifest.files, key=lambda rel: -manifest.files[rel].size)
+    order = sorted(files, key=lambda rel: -files[rel].size)
     with ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(order) or 1))) as pool:
         for future in [pool.submit(send, rel) for rel in order]:
             future.result()
-    if cancel is not None and cancel.is_set():
-        raise UploadCancelled(f"{name}: upload cancelled before commit")
-    # The manifest goes last: only now does the checkpoint exist in the bucket.
+
+
+def commit_remote(storage: Storage, step_dir: Path, *, deadline: float | None = None) -> None:
+    """Upload the manifest: only now does the checkpoint exist in the bucket."""
     manifest_crc = crc32c_of_file(step_dir / MANIFEST)
     retry(
-        lambda: storage.put_file(step_dir / MANIFEST, f"{name}/{MANIFEST}", crc32c=manifest_crc),
+        lambda: storage.put_file(step_dir / MANIFEST, f"{step_dir.name}/{MANIFEST}", crc32c=manifest_crc),
         is_transient=storage.is_transient,
         deadline=deadline,
-        what=f"committing {name}",
+        what=f"committing {step_dir.name}",
     )
+
+
+def wait_for_other_nodes(
+    storage: Storage,
+    manifest: Manifest,
+    name: str,
+    *,
+    deadline: float,
+    cancel: threading.Event | None = None,
+    poll: float = 1.0,
+) -> None:
+    """Block until every file the global manifest lists is in the bucket (the other nodes' shares)."""
+    while True:
+        objects = {o.key.partition("/")[2]: o for o in storage.list(f"{name}/")}
+        missing = _problems_against(manifest, objects, name)
+        if not missing:
+            return
+        if time.monotonic() + poll > deadline:
+            raise StorageError(
+                f"{name}: other nodes' files never reached the bucket: {missing[0]} (and {len(missing) - 1} more)"
+            )
+        if cancel is not None and cancel.wait(poll):
+            raise UploadCancelled(f"{name}: upload cancelled")
+        if cancel is None:
+            time.sleep(poll)
+
+
+def upload_checkpoint(
+    storage: Storage,
+    step_dir: Path,
+    *,
+    concurrency: int = 8,
+    deadline: float | None = None,
+    cancel: threading.Event | None = None,
+    progress: Progress | None = None,
+) -> Manifest:
+    """Upload a locally committed checkpoint: data files in parallel, then the manifest."""
+    manifest = load_manifest(step_dir)
+    upload_files(
+        storage, step_dir, manifest.files, concurrency=concurrency, deadline=deadline, cancel=cancel, progress=progress
+    )
+    if cancel is not None and cancel.is_set():
+        raise UploadCancelled(f"{step_dir.name}: upload cancelled before commit")
+    commit_remote(storage, step_dir, deadline=deadline)
     return manifest
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -50,3 +52,13 @@ def broadcast_object(value: T) -> T:
     holder: list[Any] = [value]
     dist.broadcast_object_list(holder, src=0)
     return holder[0]
+
+
+def is_node_leader(root: Path) -> bool:
+    """Whether this rank is the lowest of those writing to the same local disk (host and root)."""
+    if not active():
+        return True
+    key = (socket.gethostname(), str(root.resolve()))
+    keys: list[Any] = [None] * world_size()
+    dist.all_gather_object(keys, key)
+    return keys.index(key) == rank()

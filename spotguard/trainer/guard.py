@@ -97,6 +97,7 @@ class Guard:
         self._stager = Stager()
         self._background: tuple[threading.Thread, threading.Event] | None = None
         self._background_error: Exception | None = None
+        self._node_leader = self.rank == 0  # the rank that tells this node's daemon about commits
 
         root = settings.checkpoint_dir
         hello = {
@@ -303,7 +304,7 @@ class Guard:
 
         if per_rank:
             assert isinstance(payloads, Payloads), "distributed saves are written from the live state"
-            save_sharded(writer, payloads.state, announce=announce)
+            self._node_leader = save_sharded(writer, payloads.state, announce=announce)
         else:
             write_payloads(writer, payloads, on_file=lambda name: announce(name, writer.files[name]))
         if self.rank == 0:
@@ -333,8 +334,8 @@ class Guard:
         self._report(target, step, reason, notice)
 
     def _report(self, target: Path, step: int, reason: str, notice: dict[str, Any] | None) -> None:
-        """After a commit: tell the daemon (rank 0 speaks for the job) and keep the disk in bounds."""
-        if self.rank != 0:
+        """After a commit: tell the daemon (each node's leader speaks for its disk) and keep the disk in bounds."""
+        if not self._node_leader:
             return
         self.client.send(
             "saved",
@@ -363,8 +364,10 @@ class Guard:
         if chosen is None:
             return 0
         step_dir = self.checkpoint_dir / chosen
-        if not step_dir.is_dir():  # another node: fetch the checkpoint rank 0 chose
-            step_dir = self._restore_from_bucket(step=parse_step_dir(chosen)) or step_dir
+        if dist.is_node_leader(self.checkpoint_dir) and verify_dir(step_dir, checksums=False):
+            # Not whole on this disk (another node, or only this node's share): fetch what rank 0 chose.
+            self._restore_from_bucket(step=parse_step_dir(chosen))
+        dist.barrier()  # the node's leader has fetched it for everyone on this disk
         manifest = load_manifest(step_dir)
         if manifest.meta.get("layout") == LAYOUT:
             load_sharded(step_dir, manifest, state)

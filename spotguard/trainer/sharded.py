@@ -15,6 +15,7 @@ and commits one manifest for the whole job.
 from __future__ import annotations
 
 import logging
+import socket
 import warnings
 from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
@@ -25,7 +26,7 @@ import torch.distributed as torch_dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from spotguard.manifest import CheckpointWriter, FileEntry, Manifest, crc32c_of_file
+from spotguard.manifest import CheckpointWriter, FileEntry, Manifest, crc32c_of_file, write_part
 from spotguard.trainer import dist
 from spotguard.trainer.state import RNG_KEY, Payloads, StateError, entry_file, restore_rng, write_payloads
 
@@ -66,10 +67,12 @@ def save_sharded(
     state: Mapping[str, Any],
     *,
     announce: Callable[[str, FileEntry], None],
-) -> None:
+) -> bool:
     """Write this rank's part of a sharded checkpoint; rank 0 then commits the manifest.
 
-    Collective: every rank must call it for the same step.
+    Collective: every rank must call it for the same step. Returns whether this rank leads its
+    node (the lowest rank writing to this disk): the leader tells the node's daemon. With several
+    nodes the leader first commits the node's share locally (``part-<node>.json``).
     """
     rank = dist.rank()
     model, optimizers, rest = _parts(state)
@@ -84,14 +87,29 @@ def save_sharded(
     per_rank = Payloads({key: state[key] for key in rest})
     write_payloads(writer, per_rank, rank=rank, on_file=lambda name: announce(name, writer.files[name]))
     mine.update(writer.files)
-    gathered: list[dict[str, FileEntry] | None] = [None] * dist.world_size()
-    torch_dist.all_gather_object(gathered, mine)
+    # A node is the set of ranks writing to one local disk: same host, same checkpoint root.
+    node_key = (socket.gethostname(), str(writer.root.resolve()))
+    gathered: list[tuple[tuple[str, str], dict[str, FileEntry]] | None] = [None] * dist.world_size()
+    torch_dist.all_gather_object(gathered, (node_key, mine))
+    shares = [share for share in gathered if share is not None]
+    nodes = list(dict.fromkeys(key for key, _ in shares))  # in order of their lowest rank
+    node = nodes.index(node_key)
+    leader = [key for key, _ in shares].index(node_key)
+    if len(nodes) > 1 and rank == leader:
+        node_files = {name: entry for key, entries in shares if key == node_key for name, entry in entries.items()}
+        write_part(writer.dir, node, len(nodes), node_files)
     if rank == 0:
-        for entries in gathered:
-            writer.files.update(entries or {})
+        for _, entries in shares:
+            writer.files.update(entries)
         writer.meta.update(
-            layout=LAYOUT, model=model, optimizers=optimizers, per_rank=rest, world_size=dist.world_size()
+            layout=LAYOUT,
+            model=model,
+            optimizers=optimizers,
+            per_rank=rest,
+            world_size=dist.world_size(),
+            nodes=len(nodes),
         )
+    return rank == leader
 
 
 def load_sharded(step_dir: Path, manifest: Manifest, state: MutableMapping[str, Any]) -> None:

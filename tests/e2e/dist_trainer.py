@@ -41,7 +41,8 @@ def snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[s
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--root", type=Path, required=True)
+    parser.add_argument("--root", type=Path, help="the checkpoint root of every rank")
+    parser.add_argument("--roots", default="", help="rank r uses roots[r %% len]: one local disk per VM")
     parser.add_argument("--bucket")
     parser.add_argument("--sockets", default="")
     parser.add_argument("--steps", type=int, required=True)
@@ -66,9 +67,11 @@ def main() -> None:
     sampler = StatefulDistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=7)
     loader = StatefulDataLoader(data, batch_size=4, sampler=sampler, generator=torch.Generator().manual_seed(3))
     torch.manual_seed(100 + rank)  # each rank its own dropout stream, as in real jobs
-    sockets = [s for s in args.sockets.split(",") if s] or [str(args.root / "none.sock")]
+    roots = [Path(r) for r in args.roots.split(",") if r] or [args.root]
+    root = roots[rank % len(roots)]
+    sockets = [s for s in args.sockets.split(",") if s] or [str(root / "none.sock")]
     guard = Guard(
-        checkpoint_dir=args.root,
+        checkpoint_dir=root,
         bucket=args.bucket,
         socket=sockets[rank % len(sockets)],
         every_steps=args.every_steps,

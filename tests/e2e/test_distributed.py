@@ -102,3 +102,108 @@ def test_checkpoint_saved_by_two_ranks_reshards(world: int, tmp_path: Path) -> N
     assert events[-1] == {"event": "finished", "step": 14}  # and training goes on
     assert compare_final(saved, loaded) == []  # every parameter and optimizer tensor as saved
     assert torch.load(loaded, weights_only=True)["model"]
+
+
+def two_node_job(
+    vm_factory: Callable[..., Vm], tmp_path: Path, env: dict[str, str], bucket: str
+) -> tuple[Vm, Vm, list[str]]:
+    """Two simulated VMs, each with its own daemon and local disk, one rank each."""
+    vm_a = vm_factory("node-a", start=False)
+    vm_b = vm_factory("node-b", start=False)
+    for vm in (vm_a, vm_b):
+        vm.bucket = bucket
+        vm.start_daemon(env=env)
+    args = ["--roots", f"{vm_a.root},{vm_b.root}", "--sockets", f"{vm_a.socket},{vm_b.socket}", "--bucket", bucket]
+    return vm_a, vm_b, args
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("store", ["file", "moto"])
+def test_two_nodes_commit_in_the_bucket_only_when_both_shares_are_there(
+    store: str, vm_factory: Callable[..., Vm], bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from contextlib import ExitStack
+
+    from tests.servers import FAKE_AWS_ENV, moto_s3
+
+    with ExitStack() as stack:
+        env: dict[str, str] = {}
+        if store == "moto":
+            server = stack.enter_context(moto_s3())
+            env = {**FAKE_AWS_ENV, "AWS_ENDPOINT_URL_S3": server.endpoint_url}
+            for key, value in env.items():
+                monkeypatch.setenv(key, value)  # the trainers read the bucket on resume too
+            bucket = f"s3://{server.bucket}/run1"
+        reference = tmp_path / "reference.pt"
+        launch(2, "--root", str(tmp_path / "ref"), "--steps", str(STEPS), "--out", str(reference))
+
+        vm_a, vm_b, args = two_node_job(vm_factory, tmp_path, env, bucket)
+        k = 6
+
+        def drill_node_b(event: dict) -> None:
+            if event["event"] == "step" and event["step"] == k:
+                request(vm_b.socket, "drill", deadline_s=120)
+
+        events = launch(2, *args, "--steps", str(STEPS), "--notice-at", str(k), on_event=drill_node_b)
+        assert [e["step"] for e in events if e["event"] == "saved"] == [k]
+        name = f"step-{k:09d}"
+        # Neither disk holds the whole checkpoint; each holds its node's committed share.
+        assert (vm_a.root / name / "part-0.json").exists() and (vm_b.root / name / "part-1.json").exists()
+        assert [(i.name, i.status) for i in scan_local(vm_b.root)] == [(name, "incomplete")]
+        wait_for(lambda: remote_status(bucket, name) == "complete", 60, "the two-node commit in the bucket")
+        for vm in (vm_a, vm_b):
+            vm.stop_daemon()
+
+        resumed = tmp_path / "resumed.pt"
+        fresh = f"{tmp_path / 'fresh-a'},{tmp_path / 'fresh-b'}"
+        events = launch(2, "--roots", fresh, "--bucket", bucket, "--steps", str(STEPS), "--out", str(resumed))
+        assert events[0] == {"event": "resumed", "step": k}
+        assert compare_final(reference, resumed) == []
+
+
+@pytest.mark.slow
+def test_a_node_that_dies_before_uploading_leaves_the_checkpoint_incomplete(
+    vm_factory: Callable[..., Vm], bucket: str, tmp_path: Path
+) -> None:
+    vm_a, vm_b, args = two_node_job(vm_factory, tmp_path, {}, bucket)
+    first, second = 4, 6
+
+    def lose_node_b_then_notice(event: dict) -> None:
+        if event["event"] == "step" and event["step"] == second:
+            wait_for(lambda: remote_status(bucket, f"step-{first:09d}") == "complete", 60, "the periodic checkpoint")
+            vm_b.kill_daemon()  # VM B goes away with its share of the next checkpoint
+            request(vm_a.socket, "drill", deadline_s=120)
+
+    events = launch(
+        2,
+        *args,
+        "--steps",
+        str(STEPS),
+        "--every-steps",
+        str(first),
+        "--notice-at",
+        str(second),
+        on_event=lose_node_b_then_notice,
+    )
+    assert [e["step"] for e in events if e["event"] == "saved"] == [first, second]
+    # Node A's share reaches the bucket, but without node B's the manifest must never appear.
+    name = f"step-{second:09d}"
+    wait_for(lambda: remote_status(bucket, name) == "incomplete", 30, "node A's share in the bucket")
+    assert (vm_a.status()["uploads"]["current"] or {}).get("name") == name  # still waiting for node B
+    assert remote_status(bucket, name) == "incomplete"
+
+    events = launch(
+        2, "--roots", f"{tmp_path / 'fresh-a'},{tmp_path / 'fresh-b'}", "--bucket", bucket, "--steps", str(first + 1)
+    )
+    assert events[0] == {"event": "resumed", "step": first}
+
+
+def remote_status(bucket: str, name: str) -> str | None:
+    from spotguard.storage import open_storage
+    from spotguard.storage.checkpoints import list_remote
+
+    storage = open_storage(bucket)
+    try:
+        return next((i.status for i in list_remote(storage) if i.name == name), None)
+    finally:
+        storage.close()

@@ -1,0 +1,211 @@
+"""Prometheus metrics for the daemon (off unless ``metrics_port`` is set).
+
+Every metric lives in the registry passed in (tests build a fresh ``CollectorRegistry()``);
+only :func:`spotguard.daemon.app.build_and_run` builds the real one.
+
+``/metrics`` is served by an aiohttp handler on the daemon's own event loop, not by
+``prometheus_client.start_http_server``:
+
+* two values (trainers connected, seconds left on the pending notice) are read from the
+  daemon's state when scraped; on the loop thread that needs no locks, whereas the client
+  library's server thread would read the daemon's dicts while the loop changes them;
+* the server starts and stops with the daemon and no extra thread is left behind;
+* aiohttp is already the daemon's HTTP stack. (A scrape does wait for a busy loop, but the
+  loop must never be busy for long anyway: blocking work runs in threads.)
+
+A port that cannot be bound is logged and the daemon runs on without metrics: losing a
+checkpoint over a monitoring port would be the wrong trade.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
+
+from spotguard.manifest import Manifest
+from spotguard.notice import Action, Notice
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from spotguard.daemon.app import Daemon
+
+logger = logging.getLogger("spotguard.metrics")
+
+MiB = 1024 * 1024
+# 1 MiB .. 1 TiB in steps of 4x: a toy model to a large sharded one.
+SIZE_BUCKETS = tuple(float(MiB * 4**k) for k in range(11))
+# Around the notice windows: GCP/Azure 30 s, AWS 120 s.
+SECONDS_BUCKETS = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 300.0, 600.0)
+
+
+class _LiveCollector:
+    """Values read from the daemon at scrape time rather than pushed on every change."""
+
+    def __init__(self) -> None:
+        self.trainers: Callable[[], int] = lambda: 0
+        self.pending_seconds: Callable[[], float | None] = lambda: None
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "spotguard_trainers_connected", "Trainer hooks connected to the daemon's socket", value=self.trainers()
+        )
+        pending = GaugeMetricFamily(
+            "spotguard_pending_notice_seconds_left",
+            "Seconds until the deadline of the notice trainers must act on (negative once passed); "
+            "absent when no notice is pending",
+        )
+        seconds = self.pending_seconds()
+        if seconds is not None:
+            pending.add_metric([], seconds)
+        yield pending
+
+
+class DaemonMetrics:
+    """The daemon's metrics, registered in ``registry``; :meth:`attach` feeds them from a daemon.
+
+    >>> registry = CollectorRegistry()
+    >>> metrics = DaemonMetrics(registry)
+    >>> metrics.attach(daemon)                      # listeners on the daemon and its uploader
+    >>> server = MetricsServer(registry, "127.0.0.1", 9464)
+    >>> url = await server.start()                  # http://127.0.0.1:9464/metrics
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.notices = Counter(
+            "spotguard_notices",
+            "Notices seen (once per event id), by provider, kind and the action taken",
+            ["provider", "kind", "action"],
+            registry=registry,
+        )
+        self.checkpoints_saved = Counter(
+            "spotguard_checkpoints_saved",
+            "Checkpoints trainers committed locally, by reason (urgent, periodic, soft, final)",
+            ["reason"],
+            registry=registry,
+        )
+        self.checkpoint_bytes = Gauge(
+            "spotguard_checkpoint_bytes", "Size of the last checkpoint a trainer committed locally", registry=registry
+        )
+        self.upload_bytes = Histogram(
+            "spotguard_upload_bytes",
+            "Size of each checkpoint committed in the bucket",
+            buckets=SIZE_BUCKETS,
+            registry=registry,
+        )
+        self.upload_seconds = Histogram(
+            "spotguard_upload_duration_seconds",
+            "Time from the start of a checkpoint's upload to its manifest being committed in the bucket",
+            buckets=SECONDS_BUCKETS,
+            registry=registry,
+        )
+        self.deadline_margin = Gauge(
+            "spotguard_deadline_margin_seconds",
+            "Seconds to spare at the deadline for the last checkpoint committed while a notice was pending "
+            "(negative: committed after the deadline)",
+            registry=registry,
+        )
+        self.upload_failures = Counter(
+            "spotguard_upload_failures", "Failed upload attempts (each is retried)", registry=registry
+        )
+        self.monitor_errors = Counter(
+            "spotguard_monitor_errors", "Failed metadata checks, by monitor", ["monitor"], registry=registry
+        )
+        self._live = _LiveCollector()
+        registry.register(self._live)
+
+    def attach(self, daemon: Daemon) -> None:
+        daemon.notice_listeners.append(self.on_notice)
+        daemon.saved_listeners.append(self.on_saved)
+        daemon.monitor_error_listeners.append(self.on_monitor_error)
+        daemon.uploader.on_failure.append(self.on_upload_failure)
+        uploader = daemon.uploader
+
+        async def on_committed(name: str, manifest: Manifest, seconds: float) -> None:
+            self.on_committed(manifest, seconds, (uploader.last_committed or {}).get("deadline_margin_s"))
+
+        uploader.on_committed.append(on_committed)
+
+        def pending_seconds() -> float | None:
+            pending = daemon.pending
+            if pending is None:
+                return None
+            left = pending[0].seconds_left()
+            # A soft notice is over once its time has passed; a hard one holds (the daemon keeps it).
+            return left if left > 0 or pending[1] is Action.STOP else None
+
+        self._live.trainers = lambda: len(daemon.server.trainers())
+        self._live.pending_seconds = pending_seconds
+
+    # --- listeners (all on the daemon's loop; none blocks) --------------------------------
+
+    async def on_notice(self, notice: Notice, action: Action) -> None:
+        self.notices.labels(notice.provider, str(notice.kind), str(action)).inc()
+
+    def on_saved(self, name: str, manifest: Manifest) -> None:
+        self.checkpoints_saved.labels(manifest.reason).inc()
+        self.checkpoint_bytes.set(manifest.total_bytes)
+
+    def on_committed(self, manifest: Manifest, seconds: float, margin: float | None) -> None:
+        self.upload_bytes.observe(manifest.total_bytes)
+        self.upload_seconds.observe(seconds)
+        if margin is not None:
+            self.deadline_margin.set(margin)
+
+    def on_upload_failure(self, name: str, exc: BaseException) -> None:
+        self.upload_failures.inc()
+
+    def on_monitor_error(self, monitor: str, exc: BaseException) -> None:
+        self.monitor_errors.labels(monitor).inc()
+
+
+class MetricsServer:
+    """``GET /metrics`` for one registry, on the running event loop (see the module docstring)."""
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
+        self.registry = registry
+        self.host = host
+        self.port = port
+        self.url: str | None = None
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> str | None:
+        """Start serving; returns the URL, or None (logged) when the address cannot be bound."""
+        from aiohttp import web
+
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, self.host, self.port).start()
+        except OSError as exc:
+            logger.error("metrics: cannot listen on %s port %d: %s; running without metrics", self.host, self.port, exc)
+            await runner.cleanup()
+            return None
+        self._runner = runner
+        port = runner.addresses[0][1]  # the real one when 0 was asked for
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        self.url = f"http://{host}:{port}/metrics"
+        logger.info("metrics on %s", self.url)
+        return self.url
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        from aiohttp import web
+
+        encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
+        return web.Response(body=encoder(self.registry), headers={"Content-Type": content_type})
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+
+__all__ = ["DaemonMetrics", "MetricsServer"]

@@ -1,0 +1,301 @@
+"""Webhook notifications: one message when a notice arrives, one with its outcome.
+
+Off unless ``webhook_url`` is set. Each event (a notice the daemon acts on, once per event id)
+gets exactly two POSTs:
+
+* ``"type": "notice"`` as soon as the trainers have been told;
+* ``"type": "outcome"`` at the first commit in the bucket of a checkpoint whose manifest
+  ``meta.event_id`` is the event's (``"outcome": "committed"``, or ``"missed"`` when it landed
+  after the deadline), or when the deadline passes without one (``"missed"``, or
+  ``"upload-failed"`` when an upload of the event's checkpoint failed). Without a bucket the
+  outcome is ``"local-only"`` once a trainer has committed the checkpoint locally.
+
+Never on the urgent path: the daemon's listeners only put a message on a queue; one worker task
+on the daemon's loop POSTs them in order (an outcome never overtakes its notice), each with a
+5 s timeout and a few jittered retries on connection errors, timeouts, 429 and 5xx. Failures are
+logged and dropped.
+
+The body is, by default, every field (see ``spotguard.config.WEBHOOK_FIELDS``) as a JSON
+object, with ``text`` repeating ``message`` so that Slack-style webhooks show it. With
+``webhook_template``, it is that JSON document with ``${field}`` placeholders filled in inside
+its strings (``string.Template`` syntax, ``$$`` for a literal ``$``); a string that is only a
+placeholder takes the field's JSON value. E.g. ``{"text": "spotguard on ${host}: ${message}"}``
+or ``{"content": "${message}", "margin": "${margin_s}"}`` (margin stays a number).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import re
+import string
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from spotguard.config import WEBHOOK_FIELDS
+from spotguard.manifest import Manifest
+from spotguard.notice import Action, Notice, utcnow
+
+if TYPE_CHECKING:
+    import aiohttp
+
+    from spotguard.daemon.app import Daemon
+
+logger = logging.getLogger("spotguard.webhook")
+
+_WHOLE_PLACEHOLDER = re.compile(r"\$(?:\{(\w+)\}|(\w+))")
+_MAX_QUEUED = 256  # a dead endpoint must not make the daemon hoard messages
+_REMEMBERED = 1024  # resolved event ids kept to ignore late commits
+
+
+def render(template: Any, fields: dict[str, Any]) -> Any:
+    """Fill ``${field}`` placeholders in the strings of a parsed JSON template."""
+    if isinstance(template, str):
+        whole = _WHOLE_PLACEHOLDER.fullmatch(template)
+        if whole:
+            return fields.get(whole.group(1) or whole.group(2))
+        as_text = {k: "" if v is None else str(v) for k, v in fields.items()}
+        return string.Template(template).safe_substitute(as_text)
+    if isinstance(template, dict):
+        return {str(render(k, fields) if isinstance(k, str) else k): render(v, fields) for k, v in template.items()}
+    if isinstance(template, list):
+        return [render(item, fields) for item in template]
+    return template
+
+
+@dataclass
+class _Event:
+    notice: Notice
+    action: Action
+    checkpoint: str | None = None
+    step: int | None = None
+    bytes: int | None = None
+    failure: str | None = None
+    timer: asyncio.TimerHandle | None = None
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.1f}"
+
+
+class WebhookNotifier:
+    """POSTs notice and outcome messages to ``url``; :meth:`attach` hooks it into a daemon.
+
+    >>> async with aiohttp.ClientSession() as session:
+    ...     webhook = WebhookNotifier("https://hooks.example.com/x", session=session, host="vm-1")
+    ...     webhook.attach(daemon)
+    ...     ...
+    ...     await webhook.close()
+
+    ``session`` is the caller's (not closed here); ``template`` is a parsed template
+    (``spotguard.config.parse_webhook_template``) or None for the full event object.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        session: aiohttp.ClientSession,
+        host: str,
+        template: Any = None,
+        bucket: str | None = None,
+        timeout: float = 5.0,
+        attempts: int = 3,
+        backoff: float = 0.5,
+        clock: Callable[[], datetime] = utcnow,
+    ) -> None:
+        self.url = url
+        self.host = host
+        self.template = template
+        self.bucket = bucket
+        self.timeout = timeout
+        self.attempts = attempts
+        self.backoff = backoff
+        self.sent = 0
+        self.dropped = 0
+        self._session = session
+        self._clock = clock
+        self._events: dict[str, _Event] = {}
+        self._resolved: dict[str, None] = {}  # insertion-ordered set
+        self._queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(_MAX_QUEUED)
+        self._worker: asyncio.Task[None] | None = None
+
+    def attach(self, daemon: Daemon) -> None:
+        self.bucket = daemon.storage.url if daemon.storage is not None else None
+        daemon.notice_listeners.append(self.on_notice)
+        daemon.saved_listeners.append(self.on_saved)
+        daemon.uploader.on_committed.append(self.on_committed)
+        daemon.uploader.on_failure.append(self.on_upload_failure)
+
+    # --- the event's story --------------------------------------------------------------
+
+    async def on_notice(self, notice: Notice, action: Action) -> None:
+        if action is Action.IGNORE or notice.event_id in self._events or notice.event_id in self._resolved:
+            return
+        event = _Event(notice, action)
+        self._events[notice.event_id] = event
+        left = notice.seconds_left(self._clock())
+        what = "checkpoint and stop" if action is Action.STOP else "checkpoint, training goes on"
+        self._enqueue(
+            event,
+            "notice",
+            f"{notice.provider} {notice.kind} notice on {self.host}: {what}; "
+            f"deadline {notice.deadline.strftime('%H:%M:%S')} UTC ({_seconds(left)} s left)",
+        )
+        loop = asyncio.get_running_loop()
+        event.timer = loop.call_later(max(0.0, left), self._deadline_passed, notice.event_id)
+
+    def on_saved(self, name: str, manifest: Manifest) -> None:
+        event = self._event_of(manifest)
+        if event is None:
+            return
+        if event.checkpoint is None or manifest.step >= (event.step or 0):
+            event.checkpoint, event.step, event.bytes = name, manifest.step, manifest.total_bytes
+        if self.bucket is None:
+            self._resolve(
+                event,
+                "local-only",
+                f"{name} committed locally on {self.host}; no bucket is configured, so it dies with the VM",
+            )
+
+    def on_upload_failure(self, name: str, exc: BaseException) -> None:
+        for event in self._events.values():
+            if event.checkpoint == name:
+                event.failure = str(exc)
+
+    async def on_committed(self, name: str, manifest: Manifest, upload_seconds: float) -> None:
+        event = self._event_of(manifest)
+        if event is None:
+            return
+        event.checkpoint, event.step, event.bytes = name, manifest.step, manifest.total_bytes
+        now = self._clock()
+        margin = event.notice.seconds_left(now)
+        took = (now - event.notice.received).total_seconds()
+        extra = {"seconds": round(took, 3), "upload_seconds": round(upload_seconds, 3), "margin_s": round(margin, 3)}
+        where = f"{name} committed in {self.bucket}"
+        if margin >= 0:
+            message = f"{where} in {_seconds(took)} s with {_seconds(margin)} s to spare"
+            self._resolve(event, "committed", message, **extra)
+        else:
+            message = f"missed the deadline by {_seconds(-margin)} s: {where} {_seconds(took)} s after the notice"
+            self._resolve(event, "missed", message, **extra)
+
+    def _deadline_passed(self, event_id: str) -> None:
+        event = self._events.get(event_id)
+        if event is None:
+            return
+        event.timer = None
+        if event.failure is not None:
+            message = f"upload failed, the deadline passed: {event.checkpoint}: {event.failure}"
+            self._resolve(event, "upload-failed", message, error=event.failure)
+        elif event.checkpoint is None:
+            self._resolve(event, "missed", "missed the deadline: no trainer committed a checkpoint for this notice")
+        else:
+            self._resolve(event, "missed", f"missed the deadline: {event.checkpoint} was still uploading")
+
+    def _event_of(self, manifest: Manifest) -> _Event | None:
+        event_id = manifest.meta.get("event_id")
+        if not isinstance(event_id, str):
+            return None
+        if event_id in self._resolved:
+            logger.debug("webhook: %s already has its outcome", event_id)
+        return self._events.get(event_id)
+
+    def _resolve(self, event: _Event, outcome: str, message: str, **extra: Any) -> None:
+        event_id = event.notice.event_id
+        self._events.pop(event_id, None)
+        if event.timer is not None:
+            event.timer.cancel()
+        self._resolved[event_id] = None
+        while len(self._resolved) > _REMEMBERED:
+            del self._resolved[next(iter(self._resolved))]
+        self._enqueue(event, "outcome", message, outcome=outcome, **extra)
+
+    # --- sending --------------------------------------------------------------------------
+
+    def fields(self, event: _Event, kind: str, message: str, **extra: Any) -> dict[str, Any]:
+        notice = event.notice
+        values: dict[str, Any] = dict.fromkeys(WEBHOOK_FIELDS)
+        values.update(
+            type=kind,
+            event_id=notice.event_id,
+            provider=notice.provider,
+            kind=str(notice.kind),
+            action=str(event.action),
+            deadline=notice.deadline.isoformat(),
+            seconds_left=round(notice.seconds_left(self._clock()), 3),
+            host=self.host,
+            message=message,
+            checkpoint=event.checkpoint,
+            step=event.step,
+            bytes=event.bytes,
+        )
+        values.update(extra)
+        return values
+
+    def _enqueue(self, event: _Event, kind: str, message: str, **extra: Any) -> None:
+        values = self.fields(event, kind, message, **extra)
+        body = {**values, "text": message} if self.template is None else render(self.template, values)
+        log = logger.info if kind == "notice" or extra.get("outcome") == "committed" else logger.warning
+        log("webhook %s: %s", kind, message)
+        try:
+            self._queue.put_nowait(body)
+        except asyncio.QueueFull:
+            self.dropped += 1
+            logger.error("webhook: %d messages waiting for %s; dropping this one", self._queue.qsize(), self.url)
+            return
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.get_running_loop().create_task(self._work(), name="webhook")
+
+    async def _work(self) -> None:
+        while True:
+            body = await self._queue.get()
+            try:
+                await self._post(body)
+            finally:
+                self._queue.task_done()
+
+    async def _post(self, body: Any) -> None:
+        import aiohttp
+
+        for attempt in range(1, self.attempts + 1):
+            problem: str
+            try:
+                async with self._session.post(
+                    self.url, json=body, timeout=aiohttp.ClientTimeout(total=self.timeout), allow_redirects=False
+                ) as response:
+                    if 200 <= response.status < 300:
+                        self.sent += 1
+                        return
+                    problem = f"HTTP {response.status}"
+                    if response.status != 429 and response.status < 500:
+                        logger.error("webhook: %s refused the message: %s", self.url, problem)
+                        return
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                problem = repr(exc)
+            if attempt < self.attempts:
+                delay = random.uniform(0.5, 1.0) * self.backoff * 2 ** (attempt - 1)
+                logger.warning("webhook: POST to %s failed (%s); retrying in %.1f s", self.url, problem, delay)
+                await asyncio.sleep(delay)
+            else:
+                logger.error("webhook: POST to %s failed %d times (%s); message dropped", self.url, attempt, problem)
+
+    async def close(self, timeout: float = 5.0) -> None:
+        """Send what is queued (for at most ``timeout``), then stop. Pending deadlines are dropped."""
+        for event in self._events.values():
+            if event.timer is not None:
+                event.timer.cancel()
+        if self._worker is None:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._queue.join(), timeout)
+        self._worker.cancel("webhook closing")
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._worker
+
+
+__all__ = ["WebhookNotifier", "render"]

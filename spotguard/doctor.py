@@ -1,0 +1,594 @@
+"""``spotguard doctor``: is this VM ready to survive a spot interruption?
+
+One line per check, ``ok``, ``warn`` or ``FAIL``, each saying what was found and, when it is not
+ok, what to do. The exit status is 1 when any check FAILs, else 0. Checks, in order:
+
+* **provider**: which cloud, and how it was decided (the config, or which DMI field said so);
+* **metadata**: the notice source answers (AWS: an IMDSv2 token can be had; a token PUT that
+  times out while a plain GET answers is the container hop-limit trap: hop limit 2);
+* **socket directory** and **daemon**: where trainers connect, and whether a daemon answers there;
+* **checkpoint root**: exists, free space for a few checkpoints, write + fsync speed;
+* **bucket**: credentials, then put / stat / list / delete of a probe object
+  ``<prefix>/.spotguard-doctor-<random>`` through the same storage backend the daemon uses;
+* **estimate**: from the probe's upload throughput and the local write speed, how long a
+  checkpoint of ``--checkpoint-gb`` GB takes to reach the bucket, against this cloud's notice
+  window (AWS 120 s, GCP and Azure 30 s).
+
+The probe is one object sent in one stream; the daemon's uploads run several parts in
+parallel, so the estimate errs on the slow side.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from spotguard.config import DaemonConfig
+from spotguard.manifest import crc32c_of_file
+
+MiB = 1024 * 1024
+GB = 1_000_000_000
+#: Seconds between the notice and the VM going away.
+NOTICE_WINDOWS = {"aws": 120.0, "gcp": 30.0, "azure": 30.0}
+SHORTEST_WINDOW = min(NOTICE_WINDOWS.values())
+
+OK, WARN, FAIL = "ok", "warn", "FAIL"
+
+# The metadata service is link-local: an http_proxy in the environment must not take it elsewhere.
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+_PERMISSION_HINTS = {
+    "s3": {
+        "put": "allow s3:PutObject (and multipart: s3:AbortMultipartUpload) on the bucket's objects",
+        "stat": "allow s3:GetObject on the bucket's objects",
+        "list": "allow s3:ListBucket on the bucket (and s3:ListBucketMultipartUploads)",
+        "delete": "allow s3:DeleteObject on the bucket's objects (retention deletes old checkpoints)",
+    },
+    "gs": {
+        "put": "grant storage.objects.create (roles/storage.objectUser) on the bucket",
+        "stat": "grant storage.objects.get on the bucket",
+        "list": "grant storage.objects.list on the bucket",
+        "delete": "grant storage.objects.delete on the bucket (retention deletes old checkpoints)",
+    },
+    "file": {
+        "put": "make the directory writable by the daemon's user",
+        "stat": "make the directory readable by the daemon's user",
+        "list": "make the directory readable by the daemon's user",
+        "delete": "make the directory writable by the daemon's user",
+    },
+}
+
+
+@dataclass
+class Check:
+    status: str  # ok | warn | FAIL
+    name: str
+    found: str
+    fix: str = ""
+
+    def line(self) -> str:
+        text = f"{self.status:<4}  {self.name}: {self.found}"
+        return f"{text}\n      -> {self.fix}" if self.fix and self.status != OK else text
+
+
+@dataclass
+class Findings:
+    checks: list[Check] = field(default_factory=list)
+    provider: str = "none"
+    write_bytes_s: float | None = None
+    upload_bytes_s: float | None = None
+
+
+def _secs(seconds: float) -> str:
+    return f"{seconds:.1f}" if seconds < 10 else f"{seconds:.0f}"
+
+
+def _human_rate(rate: float) -> str:
+    return f"{rate / 1e6:.0f} MB/s" if rate >= 1e6 else f"{rate / 1e3:.0f} kB/s"
+
+
+def run_doctor(
+    config: DaemonConfig,
+    *,
+    out: TextIO | None = None,
+    checkpoint_gb: float = 10.0,
+    dmi_root: Path | None = None,
+    write_probe_bytes: int = 64 * MiB,
+    upload_probe_bytes: int = 16 * MiB,
+    open_storage: Callable[[str], Any] | None = None,
+) -> int:
+    """Run every check, print one line each to ``out`` (default stdout); 1 if any FAILed, else 0.
+
+    >>> run_doctor(load_config({"bucket": "s3://b/run1"}), checkpoint_gb=40)
+    """
+    out = sys.stdout if out is None else out  # looked up now: sys.stdout may have been replaced
+    findings = Findings()
+
+    def report(check: Check) -> None:
+        findings.checks.append(check)
+        print(check.line(), file=out, flush=True)
+
+    _check_provider(config, findings, report, dmi_root)
+    _check_metadata(config, findings, report)
+    _check_socket(config, report)
+    _check_checkpoint_root(config, findings, report, checkpoint_gb, write_probe_bytes)
+    _check_bucket(config, findings, report, upload_probe_bytes, open_storage)
+    _estimate(findings, report, checkpoint_gb)
+    failed = sum(check.status == FAIL for check in findings.checks)
+    warned = sum(check.status == WARN for check in findings.checks)
+    print(
+        f"{len(findings.checks)} checks: {failed} failed, {warned} warnings"
+        + ("" if failed else " - ready" if not warned else " - usable, see the warnings"),
+        file=out,
+    )
+    return 1 if failed else 0
+
+
+# --- provider and metadata ----------------------------------------------------------------------
+
+
+def _check_provider(
+    config: DaemonConfig, findings: Findings, report: Callable[[Check], None], dmi: Path | None
+) -> None:
+    from spotguard.monitors import detect
+
+    dmi_root = dmi or detect.DMI_ROOT
+    if config.provider != "auto":
+        findings.provider = config.provider
+        if config.provider == "none":
+            report(
+                Check(
+                    WARN,
+                    "provider",
+                    "none (set in the config): no metadata is watched, only drills and SIGTERM",
+                    "set provider = aws|gcp|azure (or auto) on a cloud VM",
+                )
+            )
+        else:
+            report(Check(OK, "provider", f"{config.provider} (set in the config or by --provider)"))
+        return
+    provider = detect.detect_provider(dmi_root)
+    findings.provider = provider
+    evidence = ", ".join(f"{name}={value!r}" for name in detect.DMI_FIELDS if (value := detect._read(dmi_root, name)))
+    if provider == "none":
+        report(
+            Check(
+                WARN,
+                "provider",
+                f"auto: no cloud recognised in DMI ({evidence or f'nothing readable in {dmi_root}'})",
+                "on a cloud VM, set --provider aws|gcp|azure; elsewhere only drills and SIGTERM trigger checkpoints",
+            )
+        )
+    else:
+        report(Check(OK, "provider", f"{provider}, auto-detected from DMI ({evidence})"))
+
+
+def _http(method: str, url: str, headers: dict[str, str], timeout: float) -> tuple[int, dict[str, str], bytes]:
+    """(status, headers, body); HTTP errors are answers too. Raises OSError when nothing answers."""
+    request = urllib.request.Request(url, method=method, headers=headers)
+    try:
+        with _NO_PROXY.open(request, timeout=timeout) as response:
+            return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers or {}), exc.read() if exc.fp else b""
+
+
+def _timed_out(exc: BaseException) -> bool:
+    reason = getattr(exc, "reason", exc)
+    return isinstance(exc, TimeoutError) or isinstance(reason, TimeoutError) or "timed out" in str(reason)
+
+
+def _check_metadata(config: DaemonConfig, findings: Findings, report: Callable[[Check], None]) -> None:
+    provider = findings.provider
+    if provider == "none":
+        report(Check(OK, "metadata", "skipped (no provider)"))
+        return
+    from spotguard.monitors import aws, azure, gcp
+
+    timeout = config.http_timeout
+    if provider == "aws":
+        _check_imds(config.metadata_url or aws.DEFAULT_BASE_URL, timeout, config.imds_v1_fallback, report)
+    elif provider == "gcp":
+        base = (config.metadata_url or gcp.DEFAULT_BASE_URL).rstrip("/")
+        url = base + "/computeMetadata/v1/instance/preempted"
+        try:
+            status, headers, body = _http("GET", url, {"Metadata-Flavor": "Google"}, timeout)
+        except OSError as exc:
+            report(Check(FAIL, "metadata", f"GCE metadata at {base} does not answer: {exc}", _unreachable_fix(base)))
+            return
+        flavor = {k.lower(): v for k, v in headers.items()}.get("metadata-flavor")
+        if status != 200 or flavor != "Google":
+            report(
+                Check(
+                    FAIL,
+                    "metadata",
+                    f"{url} answered HTTP {status} (Metadata-Flavor {flavor!r}), not the GCE metadata server",
+                    "check --metadata-url; a proxy may be answering instead of the metadata server",
+                )
+            )
+            return
+        preempted = body.decode(errors="replace").strip()
+        status_word = WARN if preempted == "TRUE" else OK
+        report(Check(status_word, "metadata", f"GCE metadata answers at {base}; preempted={preempted}"))
+    elif provider == "azure":
+        base = (config.metadata_url or azure.DEFAULT_BASE_URL).rstrip("/")
+        url = base + "/metadata/scheduledevents?api-version=2020-07-01"
+        try:
+            status, _headers, _body = _http("GET", url, {"Metadata": "true"}, timeout)
+        except OSError as exc:
+            report(Check(FAIL, "metadata", f"Azure IMDS at {base} does not answer: {exc}", _unreachable_fix(base)))
+            return
+        if status != 200:
+            report(Check(FAIL, "metadata", f"Scheduled Events answered HTTP {status}", "check --metadata-url"))
+            return
+        report(Check(OK, "metadata", f"Azure Scheduled Events answer at {base}"))
+
+
+def _unreachable_fix(base: str) -> str:
+    return f"is this a VM of that cloud? check --metadata-url ({base}) and that no firewall blocks it"
+
+
+def _check_imds(base: str, timeout: float, v1_fallback: bool, report: Callable[[Check], None]) -> None:
+    from spotguard.monitors import aws
+
+    base = base.rstrip("/")
+    started = time.monotonic()
+    try:
+        status, _headers, body = _http("PUT", base + aws.TOKEN_PATH, {aws.TTL_HEADER: "60"}, timeout)
+    except OSError as exc:
+        token_problem, token_timed_out = f"the IMDSv2 token PUT failed: {exc}", _timed_out(exc)
+    else:
+        if status == 200 and body.strip():
+            took = (time.monotonic() - started) * 1000
+            token = body.decode(errors="replace").strip()
+            detail = _imds_spot_state(base, token, timeout)
+            report(Check(OK, "metadata", f"IMDSv2 token obtained from {base} in {took:.0f} ms; {detail}"))
+            return
+        token_problem, token_timed_out = f"the IMDSv2 token PUT answered HTTP {status}", False
+    # No token. Does a plain GET get through? (401 means "answered, wants a token".)
+    try:
+        get_status, _h, _b = _http("GET", base + aws.META + "instance-id", {}, timeout)
+    except OSError:
+        get_status = None
+    if get_status is None:
+        report(Check(FAIL, "metadata", f"{token_problem}; a plain GET gets no answer either", _unreachable_fix(base)))
+    elif token_timed_out:
+        report(
+            Check(
+                FAIL,
+                "metadata",
+                f"{token_problem} but a plain GET answers (HTTP {get_status})",
+                "the token's reply is dropped one hop short: in a container, raise the instance's metadata hop "
+                "limit to 2 (aws ec2 modify-instance-metadata-options --http-put-response-hop-limit 2 "
+                "--http-tokens required --instance-id ...; Terraform: metadata_options "
+                "http_put_response_hop_limit = 2)",
+            )
+        )
+    elif get_status == 200:
+        check = WARN if v1_fallback else FAIL
+        fix = "" if v1_fallback else "enable IMDSv2 on the instance, or set imds_v1_fallback = true (not recommended)"
+        report(Check(check, "metadata", f"{token_problem}; only IMDSv1 answers", fix or "prefer IMDSv2"))
+    else:
+        report(
+            Check(FAIL, "metadata", f"{token_problem}; a plain GET answers HTTP {get_status}", "check --metadata-url")
+        )
+
+
+def _imds_spot_state(base: str, token: str, timeout: float) -> str:
+    from spotguard.monitors import aws
+
+    try:
+        status, _h, body = _http("GET", base + aws.META + aws.SPOT_PATH, {aws.TOKEN_HEADER: token}, timeout)
+    except OSError as exc:
+        return f"reading {aws.SPOT_PATH} failed: {exc}"
+    if status == 404:
+        return "no spot interruption pending"
+    if status == 200:
+        return f"a spot interruption is PENDING: {body.decode(errors='replace').strip()}"
+    return f"{aws.SPOT_PATH} answered HTTP {status}"
+
+
+# --- socket and daemon ----------------------------------------------------------------------------
+
+
+def _check_socket(config: DaemonConfig, report: Callable[[Check], None]) -> None:
+    from spotguard.cli import CommandError, request
+
+    directory = config.socket.parent
+    if not directory.exists():
+        report(
+            Check(
+                WARN,
+                "socket directory",
+                f"{directory} does not exist (the daemon creates it; systemd's RuntimeDirectory= does too)",
+                "start the daemon: systemctl start spotguard",
+            )
+        )
+    elif not directory.is_dir():
+        report(Check(FAIL, "socket directory", f"{directory} is not a directory", "point --socket elsewhere"))
+    elif not os.access(directory, os.W_OK | os.X_OK):
+        report(
+            Check(
+                FAIL,
+                "socket directory",
+                f"{directory} is not writable by uid {os.getuid()}",
+                "run the daemon as the directory's owner, or fix its permissions",
+            )
+        )
+    else:
+        report(Check(OK, "socket directory", f"{directory} exists and is writable"))
+    try:
+        reply = request(config.socket, "status", timeout=2.0)
+    except (CommandError, OSError, ValueError) as exc:
+        report(
+            Check(
+                WARN,
+                "daemon",
+                f"no daemon answers at {config.socket} ({exc})",
+                "start it (systemctl start spotguard, or spotguard run); without it no notice reaches the trainers",
+            )
+        )
+        return
+    trainers = len(reply.get("trainers", []))
+    report(
+        Check(
+            OK,
+            "daemon",
+            f"spotguard {reply.get('version')} pid {reply.get('pid')} answers at {config.socket}: "
+            f"provider {reply.get('provider')}, {trainers} trainer(s) connected",
+        )
+    )
+
+
+# --- checkpoint root ------------------------------------------------------------------------------
+
+
+def _check_checkpoint_root(
+    config: DaemonConfig, findings: Findings, report: Callable[[Check], None], checkpoint_gb: float, probe_bytes: int
+) -> None:
+    root = config.checkpoint_dir.absolute()
+    if not root.is_dir():
+        parent = next((p for p in root.parents if p.exists()), Path("/"))
+        if os.access(parent, os.W_OK | os.X_OK):
+            report(
+                Check(
+                    WARN,
+                    "checkpoint root",
+                    f"{root} does not exist yet (the daemon creates it under {parent})",
+                    "create it on local NVMe if there is one; trainers must use the same directory",
+                )
+            )
+        else:
+            report(
+                Check(
+                    FAIL,
+                    "checkpoint root",
+                    f"{root} does not exist and {parent} is not writable",
+                    "create it, owned by the daemon's user, on local NVMe if there is one",
+                )
+            )
+        return
+    if not os.access(root, os.W_OK | os.X_OK):
+        report(Check(FAIL, "checkpoint root", f"{root} is not writable by uid {os.getuid()}", "fix its owner/mode"))
+        return
+    free = shutil.disk_usage(root).free
+    need = checkpoint_gb * GB
+    keep = config.keep_local + 1  # the ones kept, plus the one being written
+    free_text = f"{root}: {free / GB:.1f} GB free"
+    if free < need:
+        report(
+            Check(
+                FAIL,
+                "checkpoint space",
+                f"{free_text}, less than one {checkpoint_gb:g} GB checkpoint",
+                "free space or use a bigger disk",
+            )
+        )
+    elif free < need * keep:
+        report(
+            Check(
+                WARN,
+                "checkpoint space",
+                f"{free_text}, room for fewer than keep_local + 1 = {keep} checkpoints of {checkpoint_gb:g} GB",
+                "free space, or lower keep_local",
+            )
+        )
+    else:
+        report(Check(OK, "checkpoint space", f"{free_text}, room for {int(free // need)} checkpoints"))
+    try:
+        rate = _write_speed(root, probe_bytes)
+    except OSError as exc:
+        report(Check(FAIL, "checkpoint write", f"writing a probe file in {root} failed: {exc}", "check the disk"))
+        return
+    findings.write_bytes_s = rate
+    seconds = need / rate
+    report(
+        Check(
+            OK,
+            "checkpoint write",
+            f"{probe_bytes // MiB} MiB written + fsynced at {_human_rate(rate)}: "
+            f"~{_secs(seconds)} s to save {checkpoint_gb:g} GB locally",
+        )
+    )
+
+
+def _write_speed(root: Path, size: int) -> float:
+    chunk = os.urandom(min(size, 4 * MiB))
+    handle, name = tempfile.mkstemp(prefix=".spotguard-doctor-", dir=root)
+    try:
+        started = time.monotonic()
+        written = 0
+        while written < size:
+            written += os.write(handle, chunk[: size - written])
+        os.fsync(handle)
+        return written / max(time.monotonic() - started, 1e-6)
+    finally:
+        os.close(handle)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name)
+
+
+# --- bucket ---------------------------------------------------------------------------------------
+
+
+def _check_bucket(
+    config: DaemonConfig,
+    findings: Findings,
+    report: Callable[[Check], None],
+    probe_bytes: int,
+    opener: Callable[[str], Any] | None,
+) -> None:
+    if config.bucket is None:
+        report(
+            Check(
+                WARN,
+                "bucket",
+                "none configured: checkpoints stay on local disk, which dies with a spot VM",
+                "set --bucket s3://... | gs://... | file:///shared/dir",
+            )
+        )
+        return
+    from spotguard.storage import StorageError, open_storage
+
+    scheme = config.bucket.split(":", 1)[0]
+    hints = _PERMISSION_HINTS.get(scheme, _PERMISSION_HINTS["file"])
+    try:
+        storage = (opener or open_storage)(config.bucket)
+    except (ImportError, ValueError, StorageError) as exc:
+        extra = f"pip install 'spotguard[{'aws' if scheme == 's3' else 'gcp'}]'" if isinstance(exc, ImportError) else ""
+        report(Check(FAIL, "bucket", f"cannot open {config.bucket}: {exc}", extra or "check the bucket URL"))
+        return
+    try:
+        warm = getattr(storage, "warm", None)
+        if warm is not None:
+            try:
+                warm()
+            except Exception as exc:
+                report(
+                    Check(
+                        FAIL,
+                        "bucket credentials",
+                        f"{config.bucket}: {exc}",
+                        "check the credentials (instance role / service account) and that the bucket exists",
+                    )
+                )
+                return
+            report(Check(OK, "bucket credentials", f"credentials resolved and {config.bucket} reachable"))
+        _probe(storage, bucket=config.bucket, findings=findings, report=report, size=probe_bytes, hints=hints)
+    finally:
+        with contextlib.suppress(Exception):
+            storage.close()
+
+
+def _probe(
+    storage: Any,
+    *,
+    bucket: str,
+    findings: Findings,
+    report: Callable[[Check], None],
+    size: int,
+    hints: dict[str, str],
+) -> None:
+    key = f".spotguard-doctor-{secrets.token_hex(8)}"
+    where = f"{bucket.rstrip('/')}/{key}"
+    with tempfile.TemporaryDirectory(prefix="spotguard-doctor-") as scratch:
+        local = Path(scratch) / "probe"
+        local.write_bytes(os.urandom(size))
+        crc = crc32c_of_file(local)
+        step = "put"
+        done: list[str] = []
+        try:
+            started = time.monotonic()
+            storage.put_file(local, key, crc32c=crc)
+            elapsed = max(time.monotonic() - started, 1e-6)
+            done.append("put")
+            step = "stat"
+            info = storage.stat(key)
+            if info is None or info.size != size:
+                raise RuntimeError(f"stat after put says {info!r}, expected {size} bytes")
+            done.append("stat")
+            step = "list"
+            # Listing must be allowed (the uploader lists the bucket); the file:// backend hides
+            # dot-files (writes in progress), so the probe itself need not show up.
+            for _ in storage.list(key):
+                pass
+            done.append("list")
+            step = "delete"
+            storage.delete([key])
+            if storage.stat(key) is not None:
+                raise RuntimeError("the probe object is still there after delete")
+            done.append("delete")
+        except Exception as exc:
+            report(
+                Check(
+                    FAIL,
+                    "bucket permissions",
+                    f"{step} of the probe {where} failed ({', '.join(done) or 'nothing'} worked): {exc}",
+                    hints[step],
+                )
+            )
+            if "put" in done and "delete" not in done:
+                with contextlib.suppress(Exception):
+                    storage.delete([key])
+            return
+    rate = size / elapsed
+    findings.upload_bytes_s = rate
+    report(
+        Check(
+            OK,
+            "bucket permissions",
+            f"put, stat, list and delete of a {size // MiB} MiB probe under {bucket} work; "
+            f"uploaded at {_human_rate(rate)}",
+        )
+    )
+
+
+# --- the estimate ---------------------------------------------------------------------------------
+
+
+def _estimate(findings: Findings, report: Callable[[Check], None], checkpoint_gb: float) -> None:
+    if findings.upload_bytes_s is None:
+        report(Check(WARN, "estimate", "no upload throughput measured (see the bucket checks)", "fix those first"))
+        return
+    known = NOTICE_WINDOWS.get(findings.provider)
+    if known is None:
+        window = SHORTEST_WINDOW
+        window_text = f"the shortest notice window ({window:.0f} s, GCP/Azure; no cloud detected)"
+    else:
+        window = known
+        window_text = f"{findings.provider.upper()}'s {window:.0f} s notice window"
+    size = checkpoint_gb * GB
+    upload = size / findings.upload_bytes_s
+    save = size / findings.write_bytes_s if findings.write_bytes_s else 0.0
+    total = upload + save
+    found = (
+        f"a {checkpoint_gb:g} GB checkpoint reaches the bucket in ~{_secs(total)} s "
+        f"(~{_secs(save)} s to write locally + ~{_secs(upload)} s to upload): "
+        f"{'inside' if total <= window else 'OUTSIDE'} {window_text}"
+    )
+    if total <= window * 0.8:
+        report(Check(OK, "estimate", found))
+    else:
+        report(
+            Check(
+                WARN,
+                "estimate",
+                found,
+                "shrink the urgent checkpoint (shard it, drop what can be rebuilt), use faster storage or a "
+                "closer bucket, and save periodically (every_steps=) so less is lost when the notice is too short",
+            )
+        )
+
+
+__all__ = ["Check", "run_doctor"]
