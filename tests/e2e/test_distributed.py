@@ -21,6 +21,14 @@ from spotguard.manifest import load_manifest, scan_local
 STEPS = 20  # 8 steps per epoch per rank with 2 ranks
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted 2-rank run every interrupted one must match."""
+    base = tmp_path_factory.mktemp("reference")
+    launch(2, "--root", str(base / "nvme"), "--steps", str(STEPS), "--out", str(base / "reference.pt"))
+    return base / "reference.pt"
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -44,18 +52,15 @@ def launch(world: int, *args: str, on_event: Callable[[dict], None] | None = Non
         events.append(event)
         if on_event:
             on_event(event)
-    codes = [proc.wait(timeout=120) for proc in procs]
+    codes = [proc.wait(timeout=300) for proc in procs]
     assert codes == [0] * world
     return events
 
 
 @pytest.mark.slow
 def test_ddp_notice_on_one_rank_saves_same_step_everywhere_and_resumes_bitwise(
-    vm_factory: Callable[..., Vm], bucket: str, tmp_path: Path
+    reference: Path, vm_factory: Callable[..., Vm], bucket: str, tmp_path: Path
 ) -> None:
-    reference = tmp_path / "reference.pt"
-    launch(2, "--root", str(tmp_path / "ref"), "--steps", str(STEPS), "--out", str(reference))
-
     # Two daemons, as on two VMs; both ranks write to one shared checkpoint root (a shared disk).
     vm_a, vm_b = vm_factory("vm-a"), vm_factory("vm-b", start=False)
     vm_b.root = vm_a.root
@@ -120,7 +125,12 @@ def two_node_job(
 @pytest.mark.slow
 @pytest.mark.parametrize("store", ["file", "moto"])
 def test_two_nodes_commit_in_the_bucket_only_when_both_shares_are_there(
-    store: str, vm_factory: Callable[..., Vm], bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    store: str,
+    reference: Path,
+    vm_factory: Callable[..., Vm],
+    bucket: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from contextlib import ExitStack
 
@@ -134,8 +144,6 @@ def test_two_nodes_commit_in_the_bucket_only_when_both_shares_are_there(
             for key, value in env.items():
                 monkeypatch.setenv(key, value)  # the trainers read the bucket on resume too
             bucket = f"s3://{server.bucket}/run1"
-        reference = tmp_path / "reference.pt"
-        launch(2, "--root", str(tmp_path / "ref"), "--steps", str(STEPS), "--out", str(reference))
 
         vm_a, vm_b, args = two_node_job(vm_factory, tmp_path, env, bucket)
         k = 6

@@ -1,0 +1,202 @@
+"""``SpotguardCallback`` for Lightning: one line in an existing ``Trainer`` survives a spot interruption.
+
+>>> from spotguard.integrations.lightning import SpotguardCallback
+>>> cb = SpotguardCallback(checkpoint_dir="/nvme/ckpt", bucket="s3://b/run1")   # Guard's keyword arguments
+>>> trainer = lightning.Trainer(callbacks=[cb], ...)
+>>> trainer.fit(model, datamodule=dm, ckpt_path=cb.resume_path())             # None: start from scratch
+
+At an optimizer-step boundary (``on_train_batch_end``) where a notice arrived (daemon ``checkpoint-now``,
+SIGTERM) or a periodic save is due (``every_steps``/``every_seconds``), every rank calls
+``trainer.save_checkpoint`` into a fresh ``<root>/step-NNNNNNNNN/lightning.ckpt``; rank 0 records the
+files in ``manifest.json``, commits it last, and the daemon uploads it. A hard notice then sets
+``trainer.should_stop``. ``resume_path()`` returns the ``lightning.ckpt`` of the newest *complete*
+checkpoint (manifest valid, CRC32C checked), downloading it from the bucket when the local root has none.
+
+Exact resume. Lightning checkpoints hold no RNG states, so the callback adds them (Python, NumPy,
+torch CPU and CUDA) to its own checkpoint entry and restores them just before the first training
+batch after the resume, when nothing else draws from them any more. Mid-epoch, Lightning restores
+the position only for a resumable loader: use torchdata's ``StatefulDataLoader`` with generators of
+its own for the loader and its sampler (README, "Exact resume and DataLoaders"). A SIGTERM makes
+Lightning raise its own ``SIGTERMException`` after the batch; the urgent checkpoint is committed by then.
+
+Not covered by the tests: validation inside the epoch (its loaders must not draw from the global
+RNG either), iterable loaders without a length (Lightning prefetches a batch ahead there, and the
+saved loader position may count it), gradient accumulation (the callback checks only where an
+optimizer step just happened, so it never saves in the middle of one), and callbacks listed after
+this one that change state in ``on_train_batch_end`` (their change misses the checkpoint: list
+``SpotguardCallback`` last).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+
+from spotguard.integrations._common import AlreadyCommitted, commit_external, env_local_rank, find_resumable
+
+if TYPE_CHECKING:
+    from spotguard.trainer.guard import Guard
+
+logger = logging.getLogger("spotguard.integrations")
+
+FRAMEWORK = "lightning"
+CKPT_NAME = "lightning.ckpt"
+_STATE_FORMAT = 1
+
+
+class SpotguardCallback(pl.Callback):
+    """Checkpoint a Lightning run when the VM is about to go away; resume it exactly.
+
+    >>> cb = SpotguardCallback(checkpoint_dir="/nvme/ckpt", bucket="s3://b/run1", every_steps=1000)
+    >>> trainer = lightning.Trainer(callbacks=[cb])
+    >>> trainer.fit(model, datamodule=dm, ckpt_path=cb.resume_path())
+
+    Takes the keyword arguments of :class:`spotguard.Guard`. ``handle_sigterm`` uses Lightning's
+    own SIGTERM handler (``trainer.received_sigterm``) rather than installing another.
+    """
+
+    def __init__(
+        self,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        bucket: str | None = None,
+        socket: str | os.PathLike[str] | None = None,
+        every_steps: int | None = None,
+        every_seconds: float | None = None,
+        *,
+        keep: int = 2,
+        handle_sigterm: bool = True,
+        daemon_wait: float = 2.0,
+    ) -> None:
+        if every_steps is not None and every_steps < 1:
+            raise ValueError(f"every_steps must be >= 1, got {every_steps}")
+        if every_seconds is not None and every_seconds <= 0:
+            raise ValueError(f"every_seconds must be > 0, got {every_seconds}")
+        self._guard_kwargs: dict[str, Any] = {
+            "checkpoint_dir": checkpoint_dir,
+            "bucket": bucket,
+            "socket": socket,
+            "every_steps": every_steps,
+            "every_seconds": every_seconds,
+            "keep": keep,
+            "daemon_wait": daemon_wait,
+        }
+        self.handle_sigterm = handle_sigterm
+        self.guard: Guard | None = None
+        self.last_saved: Path | None = None  # the step directory of the last committed checkpoint
+        self._checked_step: int | None = None
+        self._rng_to_restore: dict[str, Any] | None = None
+
+    # --- resume ------------------------------------------------------------------------------
+
+    def resume_path(self) -> str | None:
+        """``ckpt_path`` for ``trainer.fit``: the newest complete checkpoint's ``lightning.ckpt``, or None.
+
+        Fetches it from the bucket into the local root when the local root has none.
+        """
+        from spotguard.config import trainer_settings
+
+        settings = trainer_settings(
+            self._guard_kwargs["checkpoint_dir"], self._guard_kwargs["bucket"], self._guard_kwargs["socket"]
+        )
+        root = settings.checkpoint_dir or self._root_from_daemon()
+        found = find_resumable(root, settings.bucket, FRAMEWORK, local_rank=env_local_rank())
+        return str(found) if found is not None else None
+
+    def _root_from_daemon(self) -> Path:
+        from spotguard.trainer.guard import Guard
+
+        probe = Guard(**{**self._guard_kwargs, "every_steps": None, "every_seconds": None}, handle_sigterm=False)
+        probe.close()
+        return probe.checkpoint_dir
+
+    # --- lifetime ----------------------------------------------------------------------------
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit" or self.guard is not None:
+            return
+        from spotguard.trainer.guard import Guard
+
+        # Built here, not in __init__: torch.distributed is up now, so the Guard knows its rank.
+        self.guard = Guard(**self._guard_kwargs, handle_sigterm=False)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._close()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self.guard is not None:
+            self.guard.close()
+            self.guard = None
+
+    # --- the step boundary -------------------------------------------------------------------
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._checked_step = trainer.global_step  # a resumed run does not save its starting step again
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._rng_to_restore is not None:
+            from spotguard.trainer.state import restore_rng
+
+            # As late as possible: setting up loaders, the sanity check and the first fetch are done.
+            restore_rng(self._rng_to_restore)
+            self._rng_to_restore = None
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        guard = self.guard
+        if guard is None:
+            return
+        step = trainer.global_step
+        if step == self._checked_step:
+            return  # accumulating gradients: no optimizer step since the last boundary
+        self._checked_step = step
+        if self.handle_sigterm and getattr(trainer, "received_sigterm", False):
+            guard._sigterm = True  # what Guard's own handler would have set
+        if not guard.should_checkpoint(step):
+            return
+        try:
+            with commit_external(guard, step, {"framework": FRAMEWORK, "resume": CKPT_NAME}) as step_dir:
+                trainer.save_checkpoint(step_dir / CKPT_NAME)
+        except AlreadyCommitted as exc:
+            step_dir = exc.step_dir
+        self.last_saved = step_dir
+        if guard.stop_requested:
+            trainer.should_stop = True
+
+    # --- what goes into Lightning's checkpoint -----------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Called on every rank by ``trainer.save_checkpoint``; only rank 0's copy is written, so it
+        carries every rank's RNG states."""
+        from spotguard.trainer import dist
+        from spotguard.trainer.state import capture_rng
+
+        states = [capture_rng()]
+        if dist.active() and dist.world_size() > 1:
+            import torch.distributed
+
+            gathered: list[Any] = [None] * dist.world_size()
+            torch.distributed.all_gather_object(gathered, states[0])
+            states = gathered
+        return {"format": _STATE_FORMAT, "rng": states}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        from spotguard.trainer import dist
+
+        if state_dict.get("format") != _STATE_FORMAT:
+            logger.warning("spotguard: no RNG states of a known format in the checkpoint; not restoring them")
+            return
+        states = state_dict["rng"]
+        # Another number of ranks than the run that saved: every rank takes rank 0's states.
+        rank = dist.rank() if len(states) == dist.world_size() else 0
+        self._rng_to_restore = states[rank]

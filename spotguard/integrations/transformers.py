@@ -1,0 +1,158 @@
+"""``SpotguardCallback`` for the Hugging Face ``Trainer``: one line survives a spot interruption.
+
+>>> from spotguard.integrations.transformers import SpotguardCallback
+>>> cb = SpotguardCallback(bucket="s3://b/run1")          # checkpoints live in TrainingArguments.output_dir
+>>> trainer = transformers.Trainer(model=model, args=args, callbacks=[cb], ...)
+>>> trainer.train(resume_from_checkpoint=cb.resume_path(args.output_dir))
+
+At the end of an optimizer step (``on_step_end``) where a notice arrived (daemon ``checkpoint-now``,
+SIGTERM) or a periodic save is due (``every_steps``/``every_seconds``), the callback asks the Trainer
+to save (``control.should_save``). The Trainer writes its own ``checkpoint-N/`` (model, optimizer,
+scheduler, RNG states, ``trainer_state.json``) into ``output_dir``; in ``on_save`` the callback moves it
+into a fresh spotguard step directory, ``<output_dir>/step-NNNNNNNNN/checkpoint-N/``, records every
+file in ``manifest.json``, commits it last and tells the daemon, which uploads it. A hard notice then
+sets ``control.should_training_stop``. ``resume_path(output_dir)`` returns that ``checkpoint-N``
+folder of the newest *complete* checkpoint (manifest valid, CRC32C checked), downloading it from the
+bucket when ``output_dir`` has none. ``transformers.trainer_utils.get_last_checkpoint`` only looks
+for the newest ``checkpoint-N`` name, and picks one a killed process left half-written.
+
+The Trainer's own saves (``save_steps``) stay where the Trainer puts them and are not committed; run
+the daemon with ``--checkpoint-dir`` set to ``output_dir`` so that it uploads what the callback commits.
+
+Exact resume holds with the Trainer's defaults: ``accelerator_config.use_seedable_sampler=True``
+(the default) makes each epoch's order a function of the seed and the epoch; the Trainer skips the
+batches already trained in the interrupted epoch and restores the RNG states after fetching the
+first batch, so dropout continues where it stopped. ``ignore_data_skip=True`` or a sampler that draws
+from the global RNG without the seedable wrapper breaks it mid-epoch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import transformers
+
+from spotguard.integrations._common import AlreadyCommitted, commit_external, env_local_rank, find_resumable
+
+if TYPE_CHECKING:
+    from spotguard.trainer.guard import Guard
+
+logger = logging.getLogger("spotguard.integrations")
+
+FRAMEWORK = "transformers"
+_PREFIX = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
+
+
+class SpotguardCallback(transformers.TrainerCallback):
+    """Checkpoint a Hugging Face ``Trainer`` run when the VM is about to go away; resume it exactly.
+
+    >>> cb = SpotguardCallback(bucket="s3://b/run1", every_steps=500)
+    >>> trainer = transformers.Trainer(model=model, args=args, callbacks=[cb], train_dataset=ds)
+    >>> trainer.train(resume_from_checkpoint=cb.resume_path(args.output_dir))
+
+    Takes the keyword arguments of :class:`spotguard.Guard`; the checkpoint root is ``checkpoint_dir``
+    when given, else ``TrainingArguments.output_dir``.
+    """
+
+    def __init__(
+        self,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        bucket: str | None = None,
+        socket: str | os.PathLike[str] | None = None,
+        every_steps: int | None = None,
+        every_seconds: float | None = None,
+        *,
+        keep: int = 2,
+        handle_sigterm: bool = True,
+        daemon_wait: float = 2.0,
+    ) -> None:
+        if every_steps is not None and every_steps < 1:
+            raise ValueError(f"every_steps must be >= 1, got {every_steps}")
+        if every_seconds is not None and every_seconds <= 0:
+            raise ValueError(f"every_seconds must be > 0, got {every_seconds}")
+        self.checkpoint_dir = checkpoint_dir
+        self._guard_kwargs: dict[str, Any] = {
+            "bucket": bucket,
+            "socket": socket,
+            "every_steps": every_steps,
+            "every_seconds": every_seconds,
+            "keep": keep,
+            "handle_sigterm": handle_sigterm,
+            "daemon_wait": daemon_wait,
+        }
+        self.guard: Guard | None = None
+        self.last_saved: Path | None = None  # the step directory of the last committed checkpoint
+        self._save_step: int | None = None  # the step this callback asked the Trainer to save
+
+    # --- resume ------------------------------------------------------------------------------
+
+    def resume_path(self, output_dir: str | os.PathLike[str] | None = None) -> str | None:
+        """``resume_from_checkpoint`` for ``trainer.train``: the newest complete ``checkpoint-N`` folder, or None.
+
+        Fetches it from the bucket into the root when the root has none.
+        """
+        from spotguard.config import trainer_settings
+
+        root = self._root(output_dir)
+        settings = trainer_settings(root, self._guard_kwargs["bucket"], self._guard_kwargs["socket"])
+        assert settings.checkpoint_dir is not None
+        found = find_resumable(settings.checkpoint_dir, settings.bucket, FRAMEWORK, local_rank=env_local_rank())
+        return str(found) if found is not None else None
+
+    def _root(self, output_dir: str | os.PathLike[str] | None) -> str | os.PathLike[str]:
+        root = self.checkpoint_dir if self.checkpoint_dir is not None else output_dir
+        if root is None:
+            raise ValueError("SpotguardCallback needs a checkpoint root: pass output_dir (or checkpoint_dir=)")
+        return root
+
+    # --- lifetime ----------------------------------------------------------------------------
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if getattr(args, "save_only_model", False):
+            logger.warning(
+                "spotguard: save_only_model=True leaves the optimizer, scheduler and RNG states out of "
+                "checkpoints; a resumed run will not continue where it stopped"
+            )
+        if self.guard is None:
+            from spotguard.trainer.guard import Guard
+
+            # Built here: the Trainer has set up torch.distributed, so the Guard knows its rank.
+            self.guard = Guard(checkpoint_dir=self._root(args.output_dir), **self._guard_kwargs)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.guard is not None:
+            self.guard.close()
+            self.guard = None
+
+    # --- the step boundary -------------------------------------------------------------------
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.guard is not None and self.guard.should_checkpoint(state.global_step):
+            self._save_step = state.global_step
+            control.should_save = True  # the Trainer writes checkpoint-N, then calls on_save
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        guard = self.guard
+        step = state.global_step
+        if guard is None or self._save_step != step:
+            return  # the Trainer's own periodic save: left where the Trainer keeps it
+        self._save_step = None
+        # Where Trainer._save_checkpoint wrote it (hyperparameter search runs are not supported).
+        written = Path(args.output_dir) / f"{_PREFIX}-{step}"
+        if guard.rank == 0 and not written.is_dir():
+            raise FileNotFoundError(f"spotguard: the Trainer's checkpoint {written} is not where it should be")
+        relpath = written.name
+        try:
+            with commit_external(guard, step, {"framework": FRAMEWORK, "resume": relpath}) as step_dir:
+                if guard.rank == 0:
+                    # A rename when output_dir is the root (the usual case): nothing is copied.
+                    shutil.move(written, step_dir / relpath)
+        except AlreadyCommitted as exc:
+            step_dir = exc.step_dir
+        self.last_saved = step_dir
+        if guard.stop_requested:
+            control.should_training_stop = True

@@ -1,0 +1,232 @@
+"""Tiny Lightning and Hugging Face trainers wired with ``SpotguardCallback``, run as subprocesses by the tests.
+
+``python -m tests.e2e.integration_trainers --framework lightning|transformers --root DIR --socket PATH
+--steps N [--bucket URL] [--out FILE] [--wait-notice-at K] [--every-steps S]`` prints JSON lines
+(``resumed``, ``step``, ``waiting``, ``saved``, ``stopped``/``finished``) like ``spotguard.demo``;
+``--out`` gets the final parameters, optimizer and scheduler state of an unstopped run.
+
+Both models have dropout, AdamW and a per-step LR schedule; 96 samples in batches of 8 (12 steps an
+epoch), so a resume at k not divisible by 12 continues mid-epoch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from spotguard.demo import emit
+from spotguard.manifest import load_manifest
+
+SAMPLES = 96
+BATCH = 8
+STEPS_PER_EPOCH = SAMPLES // BATCH
+
+
+def hold(step: int, notice_arrived: Callable[[], bool], timeout: float = 60.0) -> None:
+    """Hold at ``step`` until the notice (daemon drill or SIGTERM) has reached the callback, so that the
+    checkpoint lands at exactly this step; the notice still travels the real path (like
+    ``spotguard.demo._wait_for_notice``)."""
+    emit("waiting", step=step)
+    deadline = time.monotonic() + timeout
+    while not notice_arrived():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no notice arrived within {timeout} s at step {step}")
+        time.sleep(0.005)
+
+
+def _resumed_step(path: str | None) -> int:
+    return 0 if path is None else load_manifest(Path(path).parent).step
+
+
+# --- Lightning ---------------------------------------------------------------------------------
+
+
+def run_lightning(args: argparse.Namespace) -> dict[str, Any]:
+    import lightning.pytorch as pl
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    from torchdata.stateful_dataloader.sampler import RandomSampler
+
+    from spotguard.integrations.lightning import SpotguardCallback
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(64, 1)
+            )
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            inputs, targets = batch
+            return torch.nn.functional.mse_loss(self.net(inputs), targets)
+
+        def configure_optimizers(self) -> Any:
+            optimizer = torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
+            scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=500)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    class Data(pl.LightningDataModule):
+        def __init__(self) -> None:
+            super().__init__()
+            generator = torch.Generator().manual_seed(0)
+            self.dataset = torch.utils.data.TensorDataset(
+                torch.randn(SAMPLES, 16, generator=generator), torch.randn(SAMPLES, 1, generator=generator)
+            )
+
+        def train_dataloader(self) -> Any:
+            # Own generators for the loader and its sampler: README, "Exact resume and DataLoaders".
+            return StatefulDataLoader(
+                self.dataset,
+                batch_size=BATCH,
+                sampler=RandomSampler(self.dataset, generator=torch.Generator().manual_seed(1)),
+                generator=torch.Generator().manual_seed(2),
+            )
+
+    cb = SpotguardCallback(
+        checkpoint_dir=args.root, bucket=args.bucket, socket=args.socket, every_steps=args.every_steps
+    )
+
+    class Progress(pl.Callback):
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            step = trainer.global_step
+            emit("step", step=step, loss=round(float(outputs["loss"]), 6))
+            if args.wait_notice_at == step:
+                # Lightning's own SIGTERM handler sets trainer.received_sigterm; the callback reads it.
+                hold(step, lambda: (cb.guard is not None and cb.guard._local_flags()[0]) or trainer.received_sigterm)
+
+    pl.seed_everything(0, verbose=False)
+    module, data = Module(), Data()
+    trainer = pl.Trainer(
+        max_steps=args.steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[Progress(), cb],
+    )
+    ckpt_path = cb.resume_path()
+    emit("resumed", step=_resumed_step(ckpt_path), path=ckpt_path)
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    return {
+        "step": trainer.global_step,
+        "saved": cb.last_saved,
+        "final": {
+            "step": trainer.global_step,
+            "model": module.state_dict(),
+            "optimizer": trainer.optimizers[0].state_dict(),
+            "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict(),
+        },
+    }
+
+
+# --- Hugging Face Trainer ----------------------------------------------------------------------
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    """Random token sequences with binary labels, as dicts (no ``datasets`` needed)."""
+
+    def __init__(self, samples: int = SAMPLES, length: int = 16, vocab: int = 100) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(1, vocab, (samples, length), generator=generator)
+        self.labels = torch.randint(0, 2, (samples,), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {
+            "input_ids": self.ids[index],
+            "attention_mask": torch.ones_like(self.ids[index]),
+            "labels": self.labels[index],
+        }
+
+
+def run_transformers(args: argparse.Namespace) -> dict[str, Any]:
+    import transformers
+
+    from spotguard.integrations.transformers import SpotguardCallback
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=100
+    )
+    model = transformers.BertForSequenceClassification(config)
+    training_args = transformers.TrainingArguments(
+        output_dir=str(args.root),
+        max_steps=args.steps,
+        per_device_train_batch_size=BATCH,
+        learning_rate=1e-3,
+        weight_decay=0.01,
+        warmup_steps=3,
+        save_strategy="no",
+        logging_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        seed=0,
+    )
+    cb = SpotguardCallback(bucket=args.bucket, socket=args.socket, every_steps=args.every_steps)
+
+    class Progress(transformers.TrainerCallback):
+        def on_step_end(self, hf_args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            emit("step", step=state.global_step)
+            if args.wait_notice_at == state.global_step:
+                hold(state.global_step, lambda: cb.guard is not None and cb.guard._local_flags()[0])
+
+    trainer = transformers.Trainer(
+        model=model, args=training_args, train_dataset=TokenDataset(), callbacks=[Progress(), cb]
+    )
+    resume = cb.resume_path(training_args.output_dir)
+    emit("resumed", step=_resumed_step(resume), path=resume)
+    trainer.train(resume_from_checkpoint=resume)
+    return {
+        "step": trainer.state.global_step,
+        "saved": cb.last_saved,
+        "final": {
+            "step": trainer.state.global_step,
+            "model": trainer.model.state_dict(),
+            "optimizer": trainer.optimizer.state_dict(),
+            "scheduler": trainer.lr_scheduler.state_dict(),
+        },
+    }
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.e2e.integration_trainers")
+    parser.add_argument("--framework", choices=["lightning", "transformers"], required=True)
+    parser.add_argument("--root", type=Path, required=True)
+    parser.add_argument("--socket", type=Path, required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--bucket")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--wait-notice-at", type=int)
+    parser.add_argument("--every-steps", type=int)
+    args = parser.parse_args(argv)
+
+    warnings.filterwarnings("ignore")  # framework chatter (no GPU, few workers, ...) is not the test's business
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    torch.set_num_threads(1)  # same reduction order in every process
+    result = run_lightning(args) if args.framework == "lightning" else run_transformers(args)
+    if result["saved"] is not None:
+        emit("saved", step=load_manifest(result["saved"]).step, path=str(result["saved"]))
+    stopped = result["step"] < args.steps
+    if args.out is not None and not stopped:
+        torch.save(result["final"], args.out)
+    emit("stopped" if stopped else "finished", step=result["step"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

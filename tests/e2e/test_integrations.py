@@ -1,0 +1,275 @@
+"""Acceptance for the framework callbacks: a drill at step k, the framework's own checkpoint committed
+in a spotguard step directory, a clean stop, and a fresh process on a new "VM" (new daemon, empty
+local root, same bucket) resuming through ``resume_path()`` ends bit for bit where the uninterrupted
+run ends. Plus what ``resume_path()`` must skip and HF's ``get_last_checkpoint`` does not."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from spotguard.cli import request
+from spotguard.demo import Vm, compare_final, wait_for
+from spotguard.manifest import CheckpointWriter, load_manifest, scan_local, verify_dir
+from tests.e2e.integration_trainers import STEPS_PER_EPOCH
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 30  # 12 steps an epoch: two epoch boundaries
+K = 17  # mid-epoch (epoch 1, batch 5)
+FRAMEWORKS = ["lightning", "transformers"]
+
+
+def trainer_command(framework: str, root: Path, socket: Path, out: Path | None = None, **extra: object) -> list[str]:
+    command = [sys.executable, "-m", "tests.e2e.integration_trainers", "--framework", framework]
+    command += ["--root", str(root), "--socket", str(socket), "--steps", str(STEPS)]
+    if out is not None:
+        command += ["--out", str(out)]
+    for key, value in extra.items():
+        if value is not None:
+            command += [f"--{key.replace('_', '-')}", str(value)]
+    return command
+
+
+def run_events(command: list[str], on_event: Callable[[subprocess.Popen[str], dict], None] | None = None) -> list[dict]:
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=REPO)
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:
+        if line.startswith('{"event"'):  # the Trainer prints its metrics dict on stdout too
+            event = json.loads(line)
+            seen.append(event)
+            if on_event:
+                on_event(proc, event)
+    assert proc.wait(timeout=120) == 0
+    return seen
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_drill_mid_epoch_then_fresh_vm_resumes_bitwise_identical(
+    framework: str, vm_factory: Callable[..., Vm], bucket: str, tmp_path: Path
+) -> None:
+    pytest.importorskip("lightning" if framework == "lightning" else "transformers")
+    assert K % STEPS_PER_EPOCH != 0
+    # The uninterrupted run, alongside VM A's (2 cores; each process uses one thread).
+    reference_out = tmp_path / "reference.pt"
+    reference = subprocess.Popen(
+        trainer_command(framework, tmp_path / "ref", tmp_path / "none.sock", reference_out),
+        stdout=subprocess.DEVNULL,
+        cwd=REPO,
+    )
+    try:
+        vm_a = vm_factory("vm-a")
+
+        def drill_at_k(proc: subprocess.Popen[str], event: dict) -> None:
+            if event["event"] == "waiting":
+                request(vm_a.socket, "drill", deadline_s=120)
+
+        events = run_events(
+            trainer_command(framework, vm_a.root, vm_a.socket, bucket=bucket, wait_notice_at=K), drill_at_k
+        )
+        assert [e["step"] for e in events if e["event"] == "saved"] == [K]
+        assert events[-1]["event"] == "stopped" and events[-1]["step"] == K
+        assert max(e["step"] for e in events if e["event"] == "step") == K  # a clean stop right after the save
+        step_dir = vm_a.root / f"step-{K:09d}"
+        manifest = load_manifest(step_dir)
+        assert manifest.reason == "urgent" and manifest.meta["framework"] == framework
+        assert verify_dir(step_dir) == []
+        wait_for(lambda: (s := vm_a.status()["last_notice"]) and s.get("committed_at"), 30, "the bucket commit")
+        assert vm_a.status()["last_notice"]["checkpoint"] == step_dir.name
+        vm_a.stop_daemon()
+
+        vm_b = vm_factory("vm-b")  # the replacement VM: empty local disk, same bucket
+        resumed_out = tmp_path / "resumed.pt"
+        events = run_events(trainer_command(framework, vm_b.root, vm_b.socket, resumed_out, bucket=bucket))
+        assert events[0]["event"] == "resumed" and events[0]["step"] == K
+        assert events[0]["path"].startswith(str(vm_b.root / f"step-{K:09d}"))
+        assert [e["step"] for e in events if e["event"] == "step"] == list(range(K + 1, STEPS + 1))
+        assert events[-1] == {**events[-1], "event": "finished", "step": STEPS}
+        assert reference.wait(timeout=120) == 0
+    finally:
+        reference.kill()  # no-op when it finished
+    assert compare_final(reference_out, resumed_out) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_periodic_saves_go_on_and_sigterm_commits_an_urgent_one_then_stops(framework: str, tmp_path: Path) -> None:
+    pytest.importorskip("lightning" if framework == "lightning" else "transformers")
+    root = tmp_path / "nvme"
+
+    def sigterm_at_k(proc: subprocess.Popen[str], event: dict) -> None:
+        if event["event"] == "waiting":
+            proc.send_signal(signal.SIGTERM)
+
+    # No daemon: SIGTERM to the trainer is the notice. Lightning then raises its own
+    # SIGTERMException (a SystemExit with status 0) out of fit(), after the checkpoint is committed.
+    events = run_events(
+        trainer_command(framework, root, tmp_path / "none.sock", every_steps=10, wait_notice_at=K), sigterm_at_k
+    )
+    assert max(e["step"] for e in events if e["event"] == "step") == K
+    infos = scan_local(root)
+    assert [(i.name, i.status) for i in infos] == [(f"step-{s:09d}", "complete") for s in (10, K)]
+    assert [i.manifest.reason for i in infos if i.manifest] == ["periodic", "urgent"]
+    assert all(verify_dir(root / i.name) == [] for i in infos)
+    if framework == "transformers":
+        assert events[-1] == {**events[-1], "event": "stopped", "step": K}
+
+
+# --- resume_path: what it returns and what it skips ----------------------------------------------
+
+
+def fake_checkpoint(root: Path, step: int, framework: str, files: dict[str, bytes], *, commit: bool = True) -> Path:
+    writer = CheckpointWriter(
+        root, step, reason="urgent", meta={"framework": framework, "resume": _resume(framework, step)}
+    )
+    writer.prepare()
+    for relpath, data in files.items():
+        writer.write_bytes(relpath, data)
+    if commit:
+        writer.commit()
+    return writer.dir
+
+
+def _resume(framework: str, step: int) -> str:
+    return "lightning.ckpt" if framework == "lightning" else f"checkpoint-{step}"
+
+
+def hf_files(step: int) -> dict[str, bytes]:
+    return {
+        f"checkpoint-{step}/{name}": b"x" * 64 for name in ("model.safetensors", "optimizer.pt", "trainer_state.json")
+    }
+
+
+def make_callback(framework: str, root: Path, bucket: str | None) -> tuple[object, Callable[[], str | None]]:
+    if framework == "lightning":
+        pytest.importorskip("lightning")
+        from spotguard.integrations.lightning import SpotguardCallback as LightningCallback
+
+        lightning_cb = LightningCallback(checkpoint_dir=root, bucket=bucket, socket=root / "none.sock")
+        return lightning_cb, lightning_cb.resume_path
+    pytest.importorskip("transformers")
+    from spotguard.integrations.transformers import SpotguardCallback as HfCallback
+
+    hf_cb = HfCallback(bucket=bucket, socket=root / "none.sock")
+    return hf_cb, lambda: hf_cb.resume_path(root)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_resume_path_is_none_with_nothing_saved(framework: str, tmp_path: Path, bucket: str) -> None:
+    _, resume_path = make_callback(framework, tmp_path / "out", bucket)
+    assert resume_path() is None
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_resume_path_fetches_from_the_bucket_when_the_local_root_has_none(framework: str, tmp_path: Path) -> None:
+    remote = tmp_path / "bucket"
+    files = hf_files(7) if framework == "transformers" else {"lightning.ckpt": b"ckpt" * 100}
+    fake_checkpoint(remote, 7, framework, files)
+    root = tmp_path / "out"
+    _, resume_path = make_callback(framework, root, remote.as_uri())
+    assert resume_path() == str(root / "step-000000007" / _resume(framework, 7))
+    assert verify_dir(root / "step-000000007") == []
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_resume_path_skips_incomplete_and_corrupt_checkpoints(framework: str, tmp_path: Path) -> None:
+    root = tmp_path / "out"
+    root.mkdir()
+    files = hf_files if framework == "transformers" else (lambda step: {"lightning.ckpt": b"ckpt" * 100})
+    fake_checkpoint(root, 10, framework, files(10))
+    corrupt = fake_checkpoint(root, 12, framework, files(12))
+    victim = next(p for p in sorted(corrupt.rglob("*")) if p.is_file() and p.name != "manifest.json")
+    victim.write_bytes(b"y" * victim.stat().st_size)  # same size, other bytes: only the CRC32C shows it
+    fake_checkpoint(root, 15, framework, files(15), commit=False)  # killed before the manifest
+    _, resume_path = make_callback(framework, root, None)
+    assert resume_path() == str(root / "step-000000010" / _resume(framework, 10))
+
+
+def test_resume_path_ignores_a_half_written_checkpoint_that_get_last_checkpoint_picks(tmp_path: Path) -> None:
+    """HF's own resume helper goes by the folder name only: a checkpoint-N that a killed process left
+    half-written (here without optimizer.pt) is what it hands to ``trainer.train``."""
+    pytest.importorskip("transformers")
+    from transformers.trainer_utils import get_last_checkpoint
+
+    output_dir = tmp_path / "out"
+    output_dir.mkdir()
+    fake_checkpoint(output_dir, 10, "transformers", hf_files(10))
+    half = output_dir / "checkpoint-15"  # the Trainer was writing it when the VM went away
+    half.mkdir()
+    (half / "model.safetensors").write_bytes(b"x" * 10)
+    fake_checkpoint(output_dir, 14, "transformers", hf_files(14), commit=False)  # moved in, not committed
+
+    assert get_last_checkpoint(str(output_dir)) == str(half)
+    _, resume_path = make_callback("transformers", output_dir, None)
+    assert resume_path() == str(output_dir / "step-000000010" / "checkpoint-10")
+
+
+def test_lightning_resume_path_asks_the_daemon_for_the_root_when_none_is_given(
+    vm_factory: Callable[..., Vm], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("lightning")
+    from spotguard.integrations.lightning import SpotguardCallback
+
+    monkeypatch.delenv("SPOTGUARD_CHECKPOINT_DIR", raising=False)
+    vm = vm_factory("vm-a")
+    fake_checkpoint(vm.root, 3, "lightning", {"lightning.ckpt": b"ckpt"})
+    assert SpotguardCallback(socket=vm.socket).resume_path() == str(vm.root / "step-000000003" / "lightning.ckpt")
+
+
+def test_resume_path_skips_checkpoints_of_another_framework(tmp_path: Path) -> None:
+    root = tmp_path / "out"
+    root.mkdir()
+    fake_checkpoint(root, 5, "lightning", {"lightning.ckpt": b"ckpt"})
+    fake_checkpoint(root, 9, "transformers", hf_files(9))
+    _, resume_path = make_callback("lightning", root, None)
+    assert resume_path() == str(root / "step-000000005" / "lightning.ckpt")
+
+
+def test_lightning_callback_restores_rng_states_right_before_the_first_resumed_batch() -> None:
+    pytest.importorskip("lightning")
+    import torch
+
+    from spotguard.integrations.lightning import SpotguardCallback
+
+    torch.manual_seed(3)
+    saved = SpotguardCallback(checkpoint_dir="/nonexistent").state_dict()  # what goes into lightning.ckpt
+    expected = torch.rand(4)
+    cb = SpotguardCallback(checkpoint_dir="/nonexistent")
+    cb.load_state_dict(saved)
+    torch.rand(100)  # whatever the framework draws while setting up
+    cb.on_train_batch_start(None, None, None, 0)
+    assert torch.equal(torch.rand(4), expected)
+    torch.rand(1)
+    cb.on_train_batch_start(None, None, None, 1)  # only once
+    assert not torch.equal(torch.rand(4), expected)
+
+
+@pytest.mark.parametrize(
+    ("module", "framework_import"),
+    [
+        ("spotguard.integrations.lightning", "lightning.pytorch"),
+        # accelerate (under transformers.TrainerCallback) imports boto3 itself when it is installed.
+        ("spotguard.integrations.transformers", "transformers.trainer_callback"),
+    ],
+)
+def test_importing_an_integration_adds_no_daemon_or_storage_sdk(module: str, framework_import: str) -> None:
+    pytest.importorskip(framework_import.split(".", maxsplit=1)[0])
+    code = (
+        "import sys\n"
+        "def sdks(): return {m for m in sys.modules if m.split('.')[0] in ('aiohttp', 'boto3', 'botocore')"
+        " or m.startswith('google.cloud')}\n"
+        f"import {framework_import}\n"
+        "before = sdks()\n"
+        f"import {module}\n"
+        "added = sorted(sdks() - before)\n"
+        "print(added); sys.exit(1 if added else 0)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
