@@ -31,7 +31,6 @@ from spotguard.manifest import (
     CheckpointExists,
     CheckpointWriter,
     load_manifest_or_none,
-    remove_incomplete,
     scan_local,
     verify_dir,
 )
@@ -77,22 +76,12 @@ def commit_external(guard: Guard, step: int, meta: Mapping[str, Any]) -> Iterato
     if notice is not None:
         full_meta["event_id"] = notice["notice"]["event_id"]
     writer = CheckpointWriter(guard.checkpoint_dir, step, reason=reason, world_size=guard.world_size, meta=full_meta)
-    exists = False
-    if guard.rank == 0:
-        # Leftovers of a writer killed mid-save; never loaded or uploaded.
-        removed = remove_incomplete(guard.checkpoint_dir, except_names=frozenset({writer.dir.name}))
-        if removed:
-            logger.info("spotguard: removed incomplete checkpoints %s", ", ".join(removed))
-        try:
-            writer.prepare()
-        except CheckpointExists:
-            exists = True
-    # Also a barrier: no rank writes before rank 0 made the directory.
-    exists = dist.agree_any([exists])[0]
-    if exists:
+    try:
+        guard._open_step_dir(writer)
+    except CheckpointExists:
         logger.info("spotguard: %s is already committed; not writing it again", writer.dir.name)
         guard._after_save(step, writer.dir, reason, notice)
-        raise AlreadyCommitted(writer.dir)
+        raise AlreadyCommitted(writer.dir) from None
     yield writer.dir
     dist.barrier()  # every rank's files are in place
     if guard.rank == 0:

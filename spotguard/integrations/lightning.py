@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import lightning.pytorch as pl
 
 from spotguard.integrations._common import AlreadyCommitted, commit_external, env_local_rank, find_resumable
+from spotguard.trainer.guard import check_periodic
 
 if TYPE_CHECKING:
     from spotguard.trainer.guard import Guard
@@ -71,10 +72,7 @@ class SpotguardCallback(pl.Callback):
         handle_sigterm: bool = True,
         daemon_wait: float = 2.0,
     ) -> None:
-        if every_steps is not None and every_steps < 1:
-            raise ValueError(f"every_steps must be >= 1, got {every_steps}")
-        if every_seconds is not None and every_seconds <= 0:
-            raise ValueError(f"every_seconds must be > 0, got {every_seconds}")
+        check_periodic(every_steps, every_seconds)
         self._guard_kwargs: dict[str, Any] = {
             "checkpoint_dir": checkpoint_dir,
             "bucket": bucket,

@@ -42,6 +42,13 @@ from spotguard.trainer.state import (
 logger = logging.getLogger("spotguard.trainer")
 
 
+def check_periodic(every_steps: int | None, every_seconds: float | None) -> None:
+    if every_steps is not None and every_steps < 1:
+        raise ValueError(f"every_steps must be >= 1, got {every_steps}")
+    if every_seconds is not None and every_seconds <= 0:
+        raise ValueError(f"every_seconds must be > 0, got {every_seconds}")
+
+
 class Guard:
     """Checkpoint when the VM is about to go away, and resume exactly where training stopped.
 
@@ -72,10 +79,7 @@ class Guard:
         handle_sigterm: bool = True,
         daemon_wait: float = 2.0,
     ) -> None:
-        if every_steps is not None and every_steps < 1:
-            raise ValueError(f"every_steps must be >= 1, got {every_steps}")
-        if every_seconds is not None and every_seconds <= 0:
-            raise ValueError(f"every_seconds must be > 0, got {every_seconds}")
+        check_periodic(every_steps, every_seconds)
         settings = trainer_settings(checkpoint_dir, bucket, socket)
         self.bucket = settings.bucket
         self.every_steps = every_steps
@@ -280,8 +284,9 @@ class Guard:
             self.timeline["committed_local"] = time.time()
         self._report(writer.dir, writer.step, writer.reason, notice)
 
-    def _write(self, writer: CheckpointWriter, payloads: Mapping[str, Any]) -> None:
-        per_rank = self.world_size > 1
+    def _open_step_dir(self, writer: CheckpointWriter) -> None:
+        """Rank 0 clears leftovers and makes the fresh step directory; every rank learns whether the step
+        is already committed (raises :class:`CheckpointExists` on all ranks alike). Collective."""
         exists = False
         if self.rank == 0:
             # Leftovers of a writer killed mid-save; the daemon never loads or uploads them.
@@ -292,11 +297,13 @@ class Guard:
                 writer.prepare()
             except CheckpointExists:
                 exists = True
-        if per_rank:
-            # Also keeps the other ranks from writing before rank 0 has made the directory.
-            exists = dist.agree_any([exists])[0]
-        if exists:
+        # Also keeps the other ranks from writing before rank 0 has made the directory.
+        if dist.agree_any([exists])[0]:
             raise CheckpointExists(str(writer.dir))
+
+    def _write(self, writer: CheckpointWriter, payloads: Mapping[str, Any]) -> None:
+        per_rank = self.world_size > 1
+        self._open_step_dir(writer)
 
         def announce(name: str, entry: FileEntry) -> None:
             # The daemon can start uploading this file while the next one is written.

@@ -28,7 +28,15 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from spotguard.manifest import CheckpointWriter, FileEntry, Manifest, crc32c_of_file, write_part
 from spotguard.trainer import dist
-from spotguard.trainer.state import RNG_KEY, Payloads, StateError, entry_file, restore_rng, write_payloads
+from spotguard.trainer.state import (
+    RNG_KEY,
+    Payloads,
+    StateError,
+    apply_saved,
+    entry_file,
+    restore_rng,
+    write_payloads,
+)
 
 logger = logging.getLogger("spotguard.trainer")
 
@@ -163,11 +171,4 @@ def _load_entry(path: Path, state: MutableMapping[str, Any], key: str) -> None:
     if key == RNG_KEY:
         restore_rng(saved)
         return
-    value = state[key]
-    if hasattr(value, "load_state_dict"):
-        value.load_state_dict(saved)
-    elif isinstance(value, torch.Tensor) and isinstance(saved, torch.Tensor) and value.shape == saved.shape:
-        with torch.no_grad():
-            value.copy_(saved)
-    else:
-        state[key] = saved
+    apply_saved(state, key, saved)

@@ -217,13 +217,18 @@ def read_state(step_dir: Path, manifest: Manifest, state: MutableMapping[str, An
                 f"{step_dir.name}/{name} cannot be loaded with weights_only=True ({exc}); keep state to "
                 "tensors, primitives and objects with state_dict()/load_state_dict()"
             ) from exc
-    for key, value in state.items():
-        saved = loaded[key]
-        if hasattr(value, "load_state_dict"):
-            value.load_state_dict(saved)
-        elif isinstance(value, torch.Tensor) and isinstance(saved, torch.Tensor) and value.shape == saved.shape:
-            with torch.no_grad():
-                value.copy_(saved)
-        else:
-            state[key] = saved
+    for key in state:
+        apply_saved(state, key, loaded[key])
     restore_rng(loaded[RNG_KEY])
+
+
+def apply_saved(state: MutableMapping[str, Any], key: str, saved: Any) -> None:
+    """Put one loaded entry back: through ``load_state_dict``, into a same-shaped tensor in place, or as is."""
+    value = state[key]
+    if hasattr(value, "load_state_dict"):
+        value.load_state_dict(saved)
+    elif isinstance(value, torch.Tensor) and isinstance(saved, torch.Tensor) and value.shape == saved.shape:
+        with torch.no_grad():
+            value.copy_(saved)
+    else:
+        state[key] = saved
