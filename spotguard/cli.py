@@ -221,11 +221,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
     failed = 0
     for name in names:
         if is_url(root):
-            from spotguard.storage.checkpoints import verify_remote
+            from spotguard.storage.checkpoints import list_remote, verify_remote
 
             storage = _open(root)
             try:
-                problems = verify_remote(storage, name)
+                info = next((i for i in list_remote(storage) if i.name == name), None)
+                progress = Progress(info.bytes if info else 0, f"verifying {name}")
+                problems = verify_remote(storage, name, progress=progress)
+                progress.finish()
             finally:
                 storage.close()
         else:
