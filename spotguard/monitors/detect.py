@@ -23,6 +23,7 @@ from spotguard.monitors.base import Monitor
 
 logger = logging.getLogger(__name__)
 
+GCP_LONG_POLL_S = 10.0
 DMI_ROOT = Path("/sys/class/dmi/id")
 AZURE_ASSET_TAG = "7783-7084-3265-9085-8269-3286-77"
 DMI_FIELDS = ("sys_vendor", "board_vendor", "product_name", "product_version", "bios_vendor", "bios_version")
@@ -68,7 +69,9 @@ def build_monitors(config: DaemonConfig, session: aiohttp.ClientSession, *, dmi_
         return [aws.AwsMonitor(session, base, interval, timeout, imds_v1_fallback=config.imds_v1_fallback)]
     if provider == "gcp":
         base = config.metadata_url or gcp.DEFAULT_BASE_URL
-        return [gcp.GcpMonitor(session, base, interval, timeout)]
+        # A short long-poll: a metadata server that accepts and then hangs must show up well within
+        # GCP's 30 s notice, not after a 60 s wait; six requests a minute cost nothing.
+        return [gcp.GcpMonitor(session, base, interval, timeout, long_poll_timeout=GCP_LONG_POLL_S)]
     if provider == "azure":
         base = config.metadata_url or azure.DEFAULT_BASE_URL
         return [azure.AzureMonitor(session, base, interval, timeout, vm_name=config.vm_name)]
