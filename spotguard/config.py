@@ -66,7 +66,7 @@ class DaemonConfig:
     drill_deadline: float = 120.0  # seconds a drill gives, unless `spotguard drill --deadline` says
     scan_interval: float = 2.0  # how often the uploader rescans the checkpoint root
     shutdown_grace: float = 110.0  # on SIGTERM, upload for at most this long (or the notice deadline)
-    upload_concurrency: int = 8
+    upload_concurrency: int = 16  # upload streams in flight at once (S3 gives each connection tens of MB/s)
     on_rebalance: Action = Action.CHECKPOINT
     on_maintenance: Action = Action.CHECKPOINT
     imds_v1_fallback: bool = False  # AWS: fall back to IMDSv1 if no token can be had

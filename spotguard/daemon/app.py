@@ -477,7 +477,12 @@ async def build_and_run(config: DaemonConfig) -> int:
     """Build the real parts from ``config`` and run until SIGTERM/SIGINT."""
     from spotguard.storage import open_storage
 
-    storage = open_storage(config.bucket) if config.bucket else None
+    storage = None
+    if config.bucket:
+        scheme = config.bucket.partition("://")[0]
+        # Object stores: one budget of parallel streams for everything in flight.
+        options = {"max_concurrency": config.upload_concurrency} if scheme in ("s3", "gs") else {}
+        storage = open_storage(config.bucket, **options)
     if storage is not None and hasattr(storage, "warm"):
         # Credentials and connections now, not at notice time.
         await asyncio.to_thread(storage.warm)

@@ -230,7 +230,9 @@ class S3Storage:
 
     Options (all have defaults):
         part_size: multipart part size in bytes (≥ 5 MiB; raised for files over 10,000 parts).
-        max_concurrency: parts in flight per file, for uploads and ranged downloads.
+        max_concurrency: requests in flight at once, across every file this instance uploads (the
+            uploader sends several files in parallel; per-file pools would multiply), and per
+            file for ranged downloads.
         multipart_threshold: files at least this big go multipart (default: ``part_size``).
         client: a ready boto3 S3 client (tests, custom sessions); not closed by ``close()``.
         endpoint_url: overrides ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``.
@@ -246,7 +248,7 @@ class S3Storage:
         self,
         url: str,
         *,
-        part_size: int = 8 * MiB,
+        part_size: int = 16 * MiB,
         max_concurrency: int = 16,
         multipart_threshold: int | None = None,
         client: Any = None,
@@ -269,6 +271,8 @@ class S3Storage:
         self.bucket, self.prefix = parse_s3_url(url)
         self.part_size = part_size
         self.max_concurrency = max_concurrency
+        # One budget of upload streams for the whole instance, shared by every file in flight.
+        self._streams = threading.BoundedSemaphore(max_concurrency)
         self.multipart_threshold = multipart_threshold if multipart_threshold is not None else part_size
         self.attempts = attempts
         self.verify_after_upload = verify_after_upload
@@ -388,6 +392,10 @@ class S3Storage:
         actual = _crc_of(data)
         if actual != expected:
             raise StorageError(f"s3: {local}: local CRC32C {actual:08x} != expected {expected:08x}; not uploaded")
+        with self._streams:
+            self._put_object(full, data, expected)
+
+    def _put_object(self, full: str, data: bytes, expected: int) -> None:
         self._call(
             f"put_object {full}",
             self.client.put_object,
@@ -441,17 +449,18 @@ class S3Storage:
                 if len(data) != length:
                     raise StorageError(f"s3: {local} shrank while uploading (part {number})")
                 crc = _crc_of(data)
-                resp = self._call(
-                    f"upload_part {full} #{number}",
-                    self.client.upload_part,
-                    Bucket=self.bucket,
-                    Key=full,
-                    UploadId=upload_id,
-                    PartNumber=number,
-                    Body=data,
-                    ChecksumAlgorithm="CRC32C",
-                    ChecksumCRC32C=_int_to_b64(crc),
-                )
+                with self._streams:
+                    resp = self._call(
+                        f"upload_part {full} #{number}",
+                        self.client.upload_part,
+                        Bucket=self.bucket,
+                        Key=full,
+                        UploadId=upload_id,
+                        PartNumber=number,
+                        Body=data,
+                        ChecksumAlgorithm="CRC32C",
+                        ChecksumCRC32C=_int_to_b64(crc),
+                    )
                 return number, resp["ETag"], crc, length
 
             workers = min(self.max_concurrency, len(plan))
