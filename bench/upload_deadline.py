@@ -1,0 +1,362 @@
+"""Notice -> "committed in the bucket" for a ~1 GiB state, against moto (S3) on 127.0.0.1.
+
+Three ways, in one run, interleaved and rotated, several runs each, medians:
+
+- naive: ``torch.save`` of the state to one file, then boto3 ``upload_file`` with its defaults;
+- link limit: a pure parallel upload of the same bytes straight from memory (one object per
+  tensor, all parts of all objects in one thread pool, no checksums, no disk), with the best
+  part size and concurrency found by a sweep at the start of the run (``max_pool_connections``
+  sized to the concurrency): what the loopback link and moto can take at most;
+- spotguard: a daemon (``--provider none``) and a trainer subprocess with ``Guard``; the bench
+  sends the drill over the daemon's socket (what ``spotguard drill`` sends) at t0; the trainer
+  sees the notice at its next step, ``guard.save`` writes the urgent checkpoint (one file per
+  tensor, announced to the daemon file by file, uploaded while the next is written), the daemon
+  uploads the rest and the manifest; the end is the daemon's ``last_notice.committed_at``.
+
+Overlap saving: for each spotguard run, the same committed checkpoint is uploaded again with
+``upload_checkpoint`` alone (what the daemon would do without the early per-file uploads); "serial"
+= (notice -> committed locally) + that upload time, compared with the measured notice -> committed.
+
+    python bench/upload_deadline.py --gib 1 --tensors 8 --runs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import google_crc32c
+import torch
+from boto3.s3.transfer import TransferConfig
+from common import (
+    MiB,
+    Moto,
+    capped_link,
+    machine,
+    make_state,
+    median,
+    moto_process,
+    state_bytes,
+    table,
+    write_results,
+)
+
+from spotguard.cli import request
+from spotguard.demo import Vm, wait_for
+from spotguard.storage import open_storage
+from spotguard.storage.checkpoints import upload_checkpoint
+
+TRAINER = """
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+import torch
+from common import make_state
+from spotguard import Guard
+from spotguard.demo import wait_for
+torch.set_num_threads(1)
+state = make_state(float(sys.argv[4]), int(sys.argv[5]))
+guard = Guard(checkpoint_dir=sys.argv[2], socket=sys.argv[3], handle_sigterm=False)
+wait_for(guard.client.connected.is_set, 30, "the daemon")
+print(json.dumps({"ready": True}), flush=True)
+step = 0
+while True:
+    step += 1
+    if guard.should_checkpoint(step):
+        path = guard.save(state, step)
+        print(json.dumps({"saved": str(path), "timeline": guard.timeline}), flush=True)
+        break
+    time.sleep(0.001)  # one training step
+guard.close()
+"""
+
+NAIVE = "naive: torch.save + upload_file (defaults)"
+LINK = "link limit: parallel multipart from memory"
+LINK_CRC = "  same, with per-part + full-object CRC32C"
+SPOTGUARD = "spotguard: drill -> urgent save -> daemon upload"
+SERIAL = "  spotguard without overlap (local commit + upload)"
+
+
+def views(state: dict[str, torch.Tensor]) -> dict[str, memoryview]:
+    return {name: t.numpy().data.cast("B") for name, t in state.items()}
+
+
+def parallel_upload(
+    moto: Moto,
+    data: dict[str, memoryview],
+    prefix: str,
+    part: int,
+    concurrency: int,
+    whole_crc32c: dict[str, str] | None = None,
+) -> float:
+    """Every part of every object in one pool; returns seconds from the first request to the last completion.
+
+    ``whole_crc32c`` (base64, per object, computed beforehand): send each part's CRC32C and the
+    full-object one, as spotguard does; moto then checks and combines them, server CPU that real
+    S3 spends on its side but that here comes out of the same two cores."""
+    crc32c = whole_crc32c is not None
+    client = moto.client(
+        max_pool_connections=concurrency + 4,
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+    )
+    try:
+        started = time.perf_counter()
+        checksum: dict[str, str] = {"ChecksumAlgorithm": "CRC32C", "ChecksumType": "FULL_OBJECT"} if crc32c else {}
+        uploads = {
+            name: client.create_multipart_upload(Bucket=moto.bucket, Key=f"{prefix}/{name}", **checksum)["UploadId"]
+            for name in data
+        }
+
+        def send(name: str, number: int, offset: int) -> tuple[str, int, str]:
+            body = bytes(data[name][offset : offset + part])
+            extra = {}
+            if crc32c:
+                crc = int(google_crc32c.value(body)).to_bytes(4, "big")
+                extra = {"ChecksumAlgorithm": "CRC32C", "ChecksumCRC32C": base64.b64encode(crc).decode()}
+            resp = client.upload_part(
+                Bucket=moto.bucket,
+                Key=f"{prefix}/{name}",
+                UploadId=uploads[name],
+                PartNumber=number,
+                Body=body,
+                **extra,
+            )
+            return name, number, resp["ETag"] + "|" + resp.get("ChecksumCRC32C", "")
+
+        jobs = [(name, i + 1, off) for name, mv in data.items() for i, off in enumerate(range(0, len(mv), part))]
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:
+            done = list(pool.map(lambda job: send(*job), jobs))
+        for name, upload_id in uploads.items():
+            parts = []
+            for _, number, tag in sorted(job for job in done if job[0] == name):
+                etag, _, crc = tag.partition("|")
+                parts.append({"PartNumber": number, "ETag": etag, **({"ChecksumCRC32C": crc} if crc32c else {})})
+            whole = {"ChecksumCRC32C": whole_crc32c[name], "ChecksumType": "FULL_OBJECT"} if whole_crc32c else {}
+            client.complete_multipart_upload(
+                Bucket=moto.bucket,
+                Key=f"{prefix}/{name}",
+                UploadId=upload_id,
+                MultipartUpload={"Parts": parts},
+                **whole,
+            )
+        return time.perf_counter() - started
+    finally:
+        client.close()
+
+
+def whole_crcs(data: dict[str, memoryview]) -> dict[str, str]:
+    return {
+        name: base64.b64encode(int(google_crc32c.value(bytes(mv))).to_bytes(4, "big")).decode()
+        for name, mv in data.items()
+    }
+
+
+def sweep(
+    moto: Moto, state: dict[str, torch.Tensor], sweep_mib: int, points: list[tuple[int, int]]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Best (part size, concurrency) for the link-limit upload, on the first ``sweep_mib`` MiB of the state."""
+    budget = sweep_mib * MiB
+    data: dict[str, memoryview] = {}
+    for name, mv in views(state).items():
+        if budget <= 0:
+            break
+        data[name] = mv[: min(len(mv), budget)]
+        budget -= len(data[name])
+    nbytes = sum(len(mv) for mv in data.values())
+    results = []
+    for part_mib, concurrency in points:
+        seconds = parallel_upload(moto, data, "sweep", part_mib * MiB, concurrency)
+        moto.empty("sweep/")
+        results.append({"part_mib": part_mib, "concurrency": concurrency, "mb_s": nbytes / seconds / 1e6})
+        print(f"  sweep: part {part_mib:>2} MiB, {concurrency:>2} in flight: {results[-1]['mb_s']:6.0f} MB/s")
+    best = max(results, key=lambda r: r["mb_s"])
+    return best, results
+
+
+def naive(moto: Moto, state: dict[str, torch.Tensor], work: Path, prefix: str) -> float:
+    path = work / "model.pt"
+    client = moto.client()
+    try:
+        started = time.perf_counter()
+        torch.save(state, path)
+        client.upload_file(str(path), moto.bucket, f"{prefix}/model.pt", Config=TransferConfig())
+        return time.perf_counter() - started
+    finally:
+        client.close()
+        path.unlink(missing_ok=True)
+
+
+def spotguard_run(moto: Moto, args: argparse.Namespace, work: Path, prefix: str) -> dict[str, float]:
+    """One notice, end to end; plus the same checkpoint uploaded again without overlap."""
+    vm = Vm(work, prefix, moto.url(prefix), extra_args=["--provider", "none"])
+    vm.start_daemon(env={"SPOTGUARD_SCAN_INTERVAL": "2"})  # the default; Vm's is 0.5 for tests
+    bench_dir, size = str(Path(__file__).parent), [str(args.gib), str(args.tensors)]
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", TRAINER, bench_dir, str(vm.root), str(vm.socket), *size],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert trainer.stdout is not None
+        assert json.loads(trainer.stdout.readline()) == {"ready": True}
+        t_notice = time.time()
+        request(vm.socket, "drill", deadline_s=120)
+        status = wait_for(
+            lambda: (s := vm.status())["last_notice"] and s["last_notice"].get("committed_at") and s,
+            300,
+            "the urgent checkpoint in the bucket",
+            interval=0.01,
+        )
+        t_committed = datetime.fromisoformat(status["last_notice"]["committed_at"]).timestamp()
+        saved = json.loads(trainer.stdout.readline())
+        assert trainer.wait(timeout=60) == 0
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+        vm.stop_daemon()
+    step_dir = Path(saved["saved"])
+    timeline = saved["timeline"]
+    # The same checkpoint, uploaded by upload_checkpoint alone (daemon defaults: 8 files in flight).
+    storage = open_storage(moto.url(f"{prefix}-serial"))
+    try:
+        storage.warm()  # type: ignore[attr-defined]
+        started = time.perf_counter()
+        upload_checkpoint(storage, step_dir, concurrency=8)
+        upload_alone = time.perf_counter() - started
+    finally:
+        storage.close()
+    shutil.rmtree(vm.dir, ignore_errors=True)
+    return {
+        "notice_to_committed": t_committed - t_notice,
+        "notice_to_told": timeline["told"] - t_notice,
+        "notice_to_local_commit": timeline["committed_local"] - t_notice,
+        "upload_alone": upload_alone,
+        "serial": timeline["committed_local"] - t_notice + upload_alone,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--gib", type=float, default=1.0)
+    parser.add_argument("--tensors", type=int, default=8)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--sweep-mib", type=int, default=256, help="bytes per sweep point of the link limit")
+    parser.add_argument(
+        "--sweep", default="8x1,8x8,8x16,16x1,16x8,16x16,16x32,32x8,32x32", help="PART_MIBxCONCURRENCY,..."
+    )
+    parser.add_argument("--dir", type=Path, default=None, help="local disk for checkpoints (default: a temp dir)")
+    parser.add_argument(
+        "--per-connection-mb-s",
+        type=float,
+        default=None,
+        help="route every upload through a relay capping each connection at this many MB/s (a real link)",
+    )
+    args = parser.parse_args()
+    points = [(int(p), int(c)) for p, c in (item.split("x") for item in args.sweep.split(","))]
+
+    torch.set_num_threads(1)
+    state = make_state(args.gib, args.tensors)
+    nbytes = state_bytes(state)
+    work = Path(tempfile.mkdtemp(prefix="upload-deadline-", dir=args.dir))
+    times: dict[str, list[float]] = {NAIVE: [], LINK: [], LINK_CRC: [], SPOTGUARD: []}
+    crcs = whole_crcs(views(state))
+    details: list[dict[str, float]] = []
+    try:
+        with moto_process() as direct, contextlib.ExitStack() as stack:
+            moto = direct
+            if args.per_connection_mb_s:
+                relay = stack.enter_context(capped_link(direct.endpoint_url, args.per_connection_mb_s * 1e6))
+                moto = Moto(relay, direct.bucket)
+                os.environ["AWS_ENDPOINT_URL_S3"] = relay  # the daemon and open_storage() here
+            print(f"state: {nbytes / (1 << 30):.2f} GiB in {len(state)} tensors; uploads to {moto.endpoint_url}")
+            best, sweep_results = sweep(moto, state, args.sweep_mib, points)
+            print(f"link limit settings: part {best['part_mib']} MiB, {best['concurrency']} in flight")
+            methods = list(times)
+            for run in range(args.runs):
+                for name in methods[run % len(methods) :] + methods[: run % len(methods)]:
+                    prefix = f"r{run}-m{methods.index(name)}"
+                    if name == NAIVE:
+                        seconds = naive(moto, state, work, prefix)
+                    elif name in (LINK, LINK_CRC):
+                        seconds = parallel_upload(
+                            moto,
+                            views(state),
+                            prefix,
+                            best["part_mib"] * MiB,
+                            best["concurrency"],
+                            crcs if name == LINK_CRC else None,
+                        )
+                    else:
+                        detail = spotguard_run(moto, args, work, prefix)
+                        details.append(detail)
+                        seconds = detail["notice_to_committed"]
+                    times[name].append(seconds)
+                    direct.empty(prefix)
+                    print(f"  run {run}: {name}: {seconds:.2f} s")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    serial = [d["serial"] for d in details]
+    rows = [*times.items(), (SERIAL, serial)]
+    lines = table(rows, nbytes, reference=LINK)
+    sg, link, nv, ser = (median(times[SPOTGUARD]), median(times[LINK]), median(times[NAIVE]), median(serial))
+    parts = {k: median([d[k] for d in details]) for k in details[0]}
+    summary = {
+        "moto_loopback_ceiling_mb_s": best["mb_s"],
+        "single_connection_mb_s": max((r["mb_s"] for r in sweep_results if r["concurrency"] == 1), default=None),
+        "per_connection_cap_mb_s": args.per_connection_mb_s,
+        "spotguard_throughput_over_link_limit": link / sg,
+        "spotguard_throughput_over_link_limit_with_crc32c": median(times[LINK_CRC]) / sg,
+        "spotguard_time_over_naive": sg / nv,
+        "naive_time_over_spotguard": nv / sg,
+        "overlap_saving_s": ser - sg,
+        "overlap_saving_fraction": (ser - sg) / ser,
+        "spotguard_phases_median_s": parts,
+    }
+    print()
+    print(f"state {nbytes / 1e9:.2f} GB ({len(state)} tensors), {args.runs} runs each, interleaved and rotated")
+    print("\n".join(lines))
+    print()
+    cap = f"each connection capped at {args.per_connection_mb_s} MB/s" if args.per_connection_mb_s else "loopback"
+    print(f"link limit ({cap}, best sweep point): {best['mb_s']:.0f} MB/s; one connection: "
+          f"{summary['single_connection_mb_s'] or float('nan'):.0f} MB/s")  # fmt: skip
+    print(
+        f"spotguard throughput / link limit: {summary['spotguard_throughput_over_link_limit']:.2f} (target >= 0.9); "
+        f"/ link limit with CRC32C: {summary['spotguard_throughput_over_link_limit_with_crc32c']:.2f}"
+    )
+    print(f"spotguard time / naive time: {summary['spotguard_time_over_naive']:.2f}")
+    print(
+        f"overlap saving: {summary['overlap_saving_s']:.2f} s ({summary['overlap_saving_fraction']:.0%}) "
+        f"of {ser:.2f} s serial; phases (median s): " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items())
+    )
+    report = {
+        "bytes": nbytes,
+        "tensors": len(state),
+        "runs": args.runs,
+        "machine": machine(),
+        "link_limit_settings": best,
+        "sweep": sweep_results,
+        "samples_s": {name: samples for name, samples in rows},
+        "spotguard_runs": details,
+        "summary": summary,
+        "table": lines,
+    }
+    name = "upload_deadline" + (f"_capped{args.per_connection_mb_s:g}" if args.per_connection_mb_s else "")
+    print(f"results: {write_results(name, report)}")
+    os.environ.pop("AWS_ENDPOINT_URL_S3", None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,285 @@
+"""Acceptance: the daemon SIGKILLed at random moments while it uploads a ~256 MiB checkpoint to S3
+(moto) never lets the bucket show a manifest whose files are not all there, intact; after the last
+restart the checkpoint completes, and no multipart upload is left open.
+
+The daemon reaches moto through ``Uplink``, a relay capping the upload direction at 40 MiB/s in
+total (an instance's uplink, instead of loopback speed on a shared 2-core box), so that the upload
+takes a steady ~7 s. Kill points are random: a seeded RNG over the first 70% of the measured
+upload time of what is left (progress is per file: aborted multipart parts are not resumed, and
+with every file advancing together over the shared link, nothing completes before the end, so
+every kill lands inside the upload). Everything else is synchronised by polling with deadlines.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import random
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+import torch
+
+from spotguard import Guard
+from spotguard.demo import Vm, wait_for
+from spotguard.manifest import MANIFEST, load_manifest
+from spotguard.storage import open_storage
+from spotguard.storage.checkpoints import list_remote, verify_remote
+from tests.servers import FAKE_AWS_ENV, S3Server, moto_s3
+
+MiB = 1 << 20
+KILLS = 10
+FILES = 4
+FILE_BYTES = 64 * MiB
+UPLINK_BYTES_S = 40 * MiB
+PREFIX = "run1"
+
+
+@pytest.fixture
+def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Server]:
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto logs every request otherwise
+    with moto_s3() as server:
+        monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+        for key, value in {**FAKE_AWS_ENV, "AWS_ENDPOINT_URL_S3": server.endpoint_url}.items():
+            monkeypatch.setenv(key, value)
+        yield server
+
+
+@pytest.fixture
+def bucket(s3: S3Server) -> str:
+    """Overrides conftest's file:// bucket, so that ``vm_factory`` daemons upload to moto."""
+    return f"s3://{s3.bucket}/{PREFIX}"
+
+
+class Uplink:
+    """A TCP relay on 127.0.0.1: client-to-server bytes of all connections together are capped at
+    ``rate`` bytes/s; answers come back at loopback speed. A client killed mid-request just goes
+    away, as it would from a real link."""
+
+    def __init__(self, upstream: str, rate: float) -> None:
+        host, _, port = upstream.removeprefix("http://").partition(":")
+        self.upstream = (host, int(port))
+        self.rate = rate
+        self._next = time.monotonic()
+        self._lock = threading.Lock()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, name="uplink", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            server = socket.create_connection(self.upstream)
+            self._sockets += [client, server]
+            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, capped: bool) -> None:
+        try:
+            while data := source.recv(256 * 1024):
+                if capped:
+                    self._take(len(data))
+                sink.sendall(data)
+            sink.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        finally:
+            for sock in (source, sink):
+                sock.close()
+
+    def _take(self, count: int) -> None:
+        # A shared schedule: each chunk may leave only once the link has carried the ones before it.
+        with self._lock:
+            now = time.monotonic()
+            self._next = max(self._next, now) + count / self.rate
+            wait = self._next - now - count / self.rate
+        if wait > 0:
+            time.sleep(wait)  # pacing the link, not synchronising the test
+
+    def close(self) -> None:
+        self._listener.close()
+        for sock in self._sockets:
+            sock.close()
+
+
+class ManifestWatcher(threading.Thread):
+    """Polls the bucket until stopped; records every moment a manifest is visible while one of the
+    files it lists is missing, has another size, or (HeadObject with ChecksumMode) another CRC32C."""
+
+    def __init__(self, server: S3Server) -> None:
+        super().__init__(name="manifest-watcher", daemon=True)
+        self.server = server
+        self.client = boto3.client("s3", endpoint_url=server.endpoint_url, region_name="us-east-1")
+        self.stop = threading.Event()
+        self.polls = 0
+        self.manifests_seen = 0
+        self.crc_checked = 0
+        self.violations: list[str] = []
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            while not self.stop.is_set():
+                self._poll()
+                self.polls += 1
+                self.stop.wait(0.05)
+        except BaseException as exc:  # reported by the test: a dead watcher proves nothing
+            self.error = exc
+        finally:
+            self.client.close()
+
+    def _poll(self) -> None:
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.server.bucket, Prefix=f"{PREFIX}/")
+        keys = [obj["Key"] for page in pages for obj in page.get("Contents", [])]
+        for key in keys:
+            if not key.endswith(f"/{MANIFEST}"):
+                continue
+            body = self.client.get_object(Bucket=self.server.bucket, Key=key)["Body"]
+            manifest = json.loads(body.read())
+            body.close()
+            self.manifests_seen += 1
+            base = key[: -len(MANIFEST)]
+            for rel, entry in manifest["files"].items():
+                self._check(base + rel, entry)
+
+    def _check(self, key: str, entry: dict[str, Any]) -> None:
+        try:
+            head = self.client.head_object(Bucket=self.server.bucket, Key=key, ChecksumMode="ENABLED")
+        except self.client.exceptions.ClientError as exc:
+            if exc.response["Error"]["Code"] in ("404", "NoSuchKey", "NotFound"):
+                self.violations.append(f"{key}: listed in a visible manifest but missing")
+                return
+            raise
+        if head["ContentLength"] != entry["size"]:
+            self.violations.append(f"{key}: size {head['ContentLength']}, manifest says {entry['size']}")
+        if "ChecksumCRC32C" in head and head.get("ChecksumType", "FULL_OBJECT") == "FULL_OBJECT":
+            crc = base64.b64decode(head["ChecksumCRC32C"]).hex()
+            self.crc_checked += 1
+            if crc != entry["crc32c"]:
+                self.violations.append(f"{key}: crc32c {crc}, manifest says {entry['crc32c']}")
+
+
+def open_uploads(server: S3Server) -> list[str]:
+    client = boto3.client("s3", endpoint_url=server.endpoint_url, region_name="us-east-1")
+    try:
+        resp = client.list_multipart_uploads(Bucket=server.bucket, Prefix=f"{PREFIX}/")
+        return [upload["Key"] for upload in resp.get("Uploads", [])]
+    finally:
+        client.close()
+
+
+def status_of(bucket: str, name: str) -> str | None:
+    storage = open_storage(bucket)
+    try:
+        return next((info.status for info in list_remote(storage) if info.name == name), None)
+    finally:
+        storage.close()
+
+
+def data_bytes_in_bucket(s3: S3Server, name: str) -> int:
+    """Bytes of the checkpoint's data objects already in the bucket (what a restart need not send)."""
+    client = boto3.client("s3", endpoint_url=s3.endpoint_url, region_name="us-east-1")
+    try:
+        resp = client.list_objects_v2(Bucket=s3.bucket, Prefix=f"{PREFIX}/{name}/")
+        return sum(obj["Size"] for obj in resp.get("Contents", []) if not obj["Key"].endswith(MANIFEST))
+    finally:
+        client.close()
+
+
+def upload_started(vm: Vm, bucket: str, name: str) -> bool:
+    return vm.status()["uploads"]["current"] is not None or status_of(bucket, name) == "complete"
+
+
+def calibrate(vm_factory: Callable[..., Vm], s3: S3Server, step_dir: Path, env: dict[str, str]) -> float:
+    """Seconds the daemon takes to upload this checkpoint uninterrupted: a second daemon, same files
+    (hard links), another prefix (deleted afterwards)."""
+    scratch = f"s3://{s3.bucket}/calibration"
+    vm = vm_factory("calibration", start=False)
+    vm.bucket = scratch
+    (vm.root / step_dir.name).mkdir(parents=True)
+    for path in step_dir.iterdir():
+        os.link(path, vm.root / step_dir.name / path.name)
+    vm.start_daemon(env=env)
+    # The daemon times its own upload (status: last_committed.seconds); polling the socket loads
+    # nothing else, where polling the bucket would slow moto (same process) and skew the figure.
+    last = wait_for(lambda: vm.status()["uploads"]["last_committed"], 120, "the calibration upload")
+    assert last["name"] == step_dir.name
+    seconds = float(last["seconds"])
+    vm.kill_daemon()
+    storage = open_storage(scratch)
+    try:
+        storage.delete(obj.key for obj in list(storage.list()))
+    finally:
+        storage.close()
+    return seconds
+
+
+@pytest.mark.slow
+def test_daemon_sigkilled_mid_upload_never_exposes_a_partial_checkpoint_and_finishes_after_restart(
+    s3: S3Server, bucket: str, vm_factory: Callable[..., Vm], tmp_path: Path
+) -> None:
+    vm = vm_factory("vm", start=False)
+    generator = torch.Generator().manual_seed(5)
+    state = {f"shard{i}": torch.randn(FILE_BYTES // 4, generator=generator) for i in range(FILES)}
+    guard = Guard(checkpoint_dir=vm.root, socket=tmp_path / "none.sock", handle_sigterm=False)
+    try:
+        step_dir = guard.save(state, 7, reason="urgent")  # committed locally; no daemon yet
+    finally:
+        guard.close()
+    del state
+    manifest = load_manifest(step_dir)
+    assert manifest.total_bytes >= 256 * MiB and len(manifest.files) > FILES
+    uplink = Uplink(s3.endpoint_url, UPLINK_BYTES_S)
+    env = {"AWS_ENDPOINT_URL_S3": uplink.url}  # the daemon only; checks here go to moto directly
+    watcher = ManifestWatcher(s3)
+    try:
+        expected = calibrate(vm_factory, s3, step_dir, env)
+        watcher.start()
+        rng = random.Random(20261122)
+        kills: list[tuple[float, float, int, bool]] = []  # (fraction left, delay s, open uploads, committed)
+        for kill in range(KILLS):
+            # Files already in the bucket are not sent again: aim inside what is left to send.
+            left = 1 - data_bytes_in_bucket(s3, step_dir.name) / manifest.total_bytes
+            vm.start_daemon(env=env)  # returns once it answers: warmed, stale multipart uploads aborted
+            wait_for(lambda: upload_started(vm, bucket, step_dir.name), 30, f"restart {kill}: the upload to start")
+            delay = rng.uniform(0.0, 0.7) * expected * left
+            time.sleep(delay)  # the kill point: random, not a synchronisation
+            vm.kill_daemon()
+            kills.append(
+                (round(left, 3), round(delay, 3), len(open_uploads(s3)), status_of(bucket, step_dir.name) == "complete")
+            )
+
+        vm.start_daemon(env=env)
+        wait_for(lambda: status_of(bucket, step_dir.name) == "complete", 120, "the checkpoint to complete at last")
+        wait_for(lambda: watcher.manifests_seen > 0, 10, "the watcher to see the committed manifest")
+    finally:
+        watcher.stop.set()
+        if watcher.is_alive():
+            watcher.join(timeout=30)
+        vm.kill_daemon()
+        uplink.close()
+
+    assert watcher.error is None, repr(watcher.error)
+    assert watcher.violations == [], watcher.violations[:10]
+    assert watcher.polls > KILLS and watcher.crc_checked >= len(manifest.files)
+    # Every kill landed inside the upload (most with multipart uploads open); all were cleaned up.
+    assert not any(committed for *_, committed in kills), kills
+    assert sum(1 for _, _, opened, _ in kills if opened) >= KILLS // 2, kills
+    assert open_uploads(s3) == []
+    storage = open_storage(bucket)
+    try:
+        assert verify_remote(storage, step_dir.name) == []
+    finally:
+        storage.close()
