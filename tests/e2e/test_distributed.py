@@ -215,3 +215,27 @@ def remote_status(bucket: str, name: str) -> str | None:
         return next((i.status for i in list_remote(storage) if i.name == name), None)
     finally:
         storage.close()
+
+
+@pytest.mark.slow
+def test_fsdp_sharded_state_round_trips_and_reshards_into_one_process(tmp_path: Path) -> None:
+    root, reference = tmp_path / "ckpt", tmp_path / "full.pt"
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    command = [sys.executable, "-m", "tests.e2e.fsdp_check"]
+    ranks = [
+        subprocess.Popen(
+            [*command, "save", str(root), str(reference)],
+            env={**env, "RANK": str(r)},
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    outputs = [proc.communicate(timeout=300)[0] for proc in ranks]
+    assert [proc.returncode for proc in ranks] == [0, 0] and all("ok" in out for out in outputs)
+    manifest = load_manifest(root / "step-000000003")
+    assert manifest.meta["layout"] == "dcp" and {"__0_0.distcp", "__1_0.distcp"} <= set(manifest.files)
+    single = subprocess.run(
+        [*command, "load", str(root), str(reference)], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert single.returncode == 0, single.stderr[-2000:]
