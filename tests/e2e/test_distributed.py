@@ -3,13 +3,16 @@ and a checkpoint saved by 2 ranks loads into 1 and into 4 (resharding)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 import pytest
 import torch
@@ -36,24 +39,56 @@ def free_port() -> int:
 
 
 def launch(world: int, *args: str, on_event: Callable[[dict], None] | None = None) -> list[dict]:
-    """Run the trainer with ``world`` ranks (one process each); returns rank 0's events."""
+    """Run the trainer with ``world`` ranks (one process each); returns rank 0's events.
+
+    A rank that dies takes the others down with it (they would wait for it forever), and the
+    failure message carries every rank's stderr.
+    """
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world)}
     command = [sys.executable, "-m", "tests.e2e.dist_trainer", *args]
+    with contextlib.ExitStack() as stack:
+        logs = [stack.enter_context(tempfile.TemporaryFile(mode="w+")) for _ in range(world)]
+        return _run_ranks(command, env, logs, on_event)
+
+
+def _run_ranks(
+    command: list[str], env: dict[str, str], logs: list[IO[str]], on_event: Callable[[dict], None] | None
+) -> list[dict]:
+    world = len(logs)
     procs = [
         subprocess.Popen(
-            command, env={**env, "RANK": str(r)}, stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL, text=True
+            command,
+            env={**env, "RANK": str(r)},
+            stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
+            stderr=logs[r],
+            text=True,
         )
         for r in range(world)
     ]
     events = []
-    assert procs[0].stdout is not None
-    for line in procs[0].stdout:
-        event = json.loads(line)
-        events.append(event)
-        if on_event:
-            on_event(event)
-    codes = [proc.wait(timeout=300) for proc in procs]
-    assert codes == [0] * world
+    try:
+        assert procs[0].stdout is not None
+        for line in procs[0].stdout:
+            if not line.startswith("{"):
+                continue  # a library talking on stdout; only our JSON lines count
+            event = json.loads(line)
+            events.append(event)
+            if on_event:
+                on_event(event)
+        codes = [procs[0].wait(timeout=300)]
+        if codes[0] == 0:
+            codes += [proc.wait(timeout=300) for proc in procs[1:]]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    if codes != [0] * world:
+        tails = []
+        for rank, log in enumerate(logs):
+            log.seek(0)
+            tails.append(f"--- rank {rank} exit {procs[rank].returncode}:\n{log.read()[-3000:]}")
+        raise AssertionError("\n".join(tails))
     return events
 
 
