@@ -33,6 +33,16 @@ def emit(event: str, **fields: object) -> None:
         print(json.dumps({"event": event, **fields}), flush=True)
 
 
+def init_process_group() -> None:
+    """gloo; rendezvous through a file when the launcher names one (no TCP port to race for)."""
+    rendezvous = os.environ.get("RENDEZVOUS_FILE")
+    if rendezvous:
+        world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", world_size=world, rank=rank)
+    else:
+        dist.init_process_group("gloo")
+
+
 def snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, object]:
     """Model and optimizer state keyed by parameter name: comparable across world sizes."""
     model_state, optim_state = get_state_dict(model, optimizer)
@@ -56,7 +66,7 @@ def main() -> None:
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
-        dist.init_process_group("gloo")
+        init_process_group()
     rank = dist.get_rank() if world > 1 else 0
     torch.manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1))

@@ -47,7 +47,9 @@ def main() -> None:
     if mode == "save":
         from torch.distributed.fsdp import fully_shard
 
-        dist.init_process_group("gloo")
+        from tests.e2e.dist_trainer import init_process_group
+
+        init_process_group()
         model, optimizer = build()
         fully_shard(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,10 +31,10 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return base / "reference.pt"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def rendezvous_env(stack: contextlib.ExitStack, world: int) -> dict[str, str]:
+    """A fresh file rendezvous per job: no TCP port picked here and raced for by the time rank 0 binds it."""
+    directory = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rendezvous-")))
+    return {**os.environ, "RENDEZVOUS_FILE": str(directory / "store"), "WORLD_SIZE": str(world)}
 
 
 def launch(world: int, *args: str, on_event: Callable[[dict], None] | None = None) -> list[dict]:
@@ -44,9 +43,9 @@ def launch(world: int, *args: str, on_event: Callable[[dict], None] | None = Non
     A rank that dies takes the others down with it (they would wait for it forever), and the
     failure message carries every rank's stderr.
     """
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world)}
     command = [sys.executable, "-m", "tests.e2e.dist_trainer", *args]
     with contextlib.ExitStack() as stack:
+        env = rendezvous_env(stack, world)
         logs = [stack.enter_context(tempfile.TemporaryFile(mode="w+")) for _ in range(world)]
         return _run_ranks(command, env, logs, on_event)
 
@@ -255,7 +254,8 @@ def remote_status(bucket: str, name: str) -> str | None:
 @pytest.mark.slow
 def test_fsdp_sharded_state_round_trips_and_reshards_into_one_process(tmp_path: Path) -> None:
     root, reference = tmp_path / "ckpt", tmp_path / "full.pt"
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    stack = contextlib.ExitStack()
+    env = rendezvous_env(stack, 2)
     command = [sys.executable, "-m", "tests.e2e.fsdp_check"]
     ranks = [
         subprocess.Popen(
