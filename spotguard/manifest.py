@@ -91,6 +91,20 @@ def base64_to_hex(crc_b64: str) -> str:
     return base64.b64decode(crc_b64).hex()
 
 
+def crc32c_hex_to_int(crc_hex: str) -> int:
+    try:
+        value = int(crc_hex, 16)
+    except ValueError:
+        raise ValueError(f"crc32c must be 8 hex characters, got {crc_hex!r}") from None
+    if len(crc_hex) != 8 or value >> 32:
+        raise ValueError(f"crc32c must be 8 hex characters, got {crc_hex!r}")
+    return value
+
+
+def crc32c_int_to_base64(value: int) -> str:
+    return base64.b64encode(value.to_bytes(4, "big")).decode("ascii")
+
+
 def check_relpath(relpath: str) -> str:
     """A manifest key must stay inside its checkpoint directory."""
     path = PurePosixPath(relpath)

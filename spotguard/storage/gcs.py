@@ -54,6 +54,8 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage as gcs
 from google.cloud.storage import transfer_manager
 
+from spotguard.manifest import crc32c_hex_to_int as _hex_to_int
+from spotguard.manifest import crc32c_int_to_base64 as _int_to_b64
 from spotguard.storage.base import (
     ObjectInfo,
     ObjectNotFound,
@@ -73,20 +75,6 @@ _CHUNK_QUANTUM = 256 * 1024  # resumable chunk sizes must be multiples of 256 Ki
 _MAX_COMPOSE = 32  # sources per compose call
 PARTS_DIR = ".spotguard-parts"
 _TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
-
-
-def _hex_to_int(crc32c: str) -> int:
-    try:
-        value = int(crc32c, 16)
-    except ValueError:
-        raise ValueError(f"crc32c must be 8 hex characters, got {crc32c!r}") from None
-    if len(crc32c) != 8 or value >> 32:
-        raise ValueError(f"crc32c must be 8 hex characters, got {crc32c!r}")
-    return value
-
-
-def _int_to_b64(value: int) -> str:
-    return base64.b64encode(value.to_bytes(4, "big")).decode("ascii")
 
 
 def gcs_crc_to_hex(value: str | None) -> str | None:

@@ -48,6 +48,8 @@ import google_crc32c
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 
+from spotguard.manifest import crc32c_hex_to_int as _hex_to_int
+from spotguard.manifest import crc32c_int_to_base64 as _int_to_b64
 from spotguard.storage.base import (
     ObjectInfo,
     ObjectNotFound,
@@ -158,20 +160,6 @@ def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
         n >>= 1
         k += 1
     return _multmodp(p, crc1) ^ crc2
-
-
-def _hex_to_int(crc32c: str) -> int:
-    try:
-        value = int(crc32c, 16)
-    except ValueError:
-        raise ValueError(f"crc32c must be 8 hex characters, got {crc32c!r}") from None
-    if len(crc32c) != 8 or value >> 32:
-        raise ValueError(f"crc32c must be 8 hex characters, got {crc32c!r}")
-    return value
-
-
-def _int_to_b64(value: int) -> str:
-    return base64.b64encode(value.to_bytes(4, "big")).decode("ascii")
 
 
 def _b64_to_hex(value: str) -> str | None:
