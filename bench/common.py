@@ -158,11 +158,12 @@ def write_results(name: str, report: dict[str, Any]) -> Path:
 
 
 @contextlib.contextmanager
-def capped_link(upstream: str, per_connection_bytes_s: float) -> Iterator[str]:
+def capped_link(upstream: str, per_connection_bytes_s: float, *, downloads: bool = False) -> Iterator[str]:
     """A TCP relay in a child process: each connection's client-to-server bytes are paced at
-    ``per_connection_bytes_s`` (uploads); answers pass at full speed. Yields its ``http://`` URL."""
+    ``per_connection_bytes_s`` (uploads; ``downloads=True``: server-to-client bytes instead), the
+    other direction passes at full speed. Yields its ``http://`` URL."""
     proc = subprocess.Popen(
-        [sys.executable, __file__, "relay", upstream, str(per_connection_bytes_s)],
+        [sys.executable, __file__, "relay", upstream, str(per_connection_bytes_s), "down" if downloads else "up"],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -174,7 +175,7 @@ def capped_link(upstream: str, per_connection_bytes_s: float) -> Iterator[str]:
         proc.wait(timeout=30)
 
 
-def _relay_main(upstream: str, rate: float) -> None:
+def _relay_main(upstream: str, rate: float, direction: str) -> None:
     host, _, port = upstream.removeprefix("http://").partition(":")
     listener = socket.create_server(("127.0.0.1", 0))
     print(f"http://127.0.0.1:{listener.getsockname()[1]}", flush=True)
@@ -199,14 +200,16 @@ def _relay_main(upstream: str, rate: float) -> None:
     while True:
         client, _ = listener.accept()
         server = socket.create_connection((host, int(port)))
-        threading.Thread(target=pump, args=(client, server, True), daemon=True).start()
-        threading.Thread(target=pump, args=(server, client, False), daemon=True).start()
+        up = direction == "up"
+        threading.Thread(target=pump, args=(client, server, up), daemon=True).start()
+        threading.Thread(target=pump, args=(server, client, not up), daemon=True).start()
 
 
 if __name__ == "__main__":
     cli = argparse.ArgumentParser(description="helpers for the benchmarks")
     cli.add_argument("command", choices=["relay"])
     cli.add_argument("upstream")
-    cli.add_argument("rate", type=float, help="bytes per second per connection, client to server")
+    cli.add_argument("rate", type=float, help="bytes per second per connection")
+    cli.add_argument("direction", choices=["up", "down"], help="up: client to server is paced; down: the answers")
     parsed = cli.parse_args()
-    _relay_main(parsed.upstream, parsed.rate)
+    _relay_main(parsed.upstream, parsed.rate, parsed.direction)

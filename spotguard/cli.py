@@ -9,6 +9,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -79,19 +80,30 @@ def _open(location: str) -> Any:
     return open_storage(location if is_url(location) else Path(location).absolute().as_uri())
 
 
-def list_location(location: str) -> list[CheckpointInfo]:
+def list_location(location: str, *, progress: bool = False) -> list[CheckpointInfo]:
+    """Checkpoints at a root or bucket; ``progress``: a bar on a terminal while manifests are read."""
     if is_url(location):
-        from spotguard.storage.checkpoints import list_remote
-
         storage = _open(location)
         try:
-            return list_remote(storage)
+            return _list_remote(storage, progress)
         finally:
             storage.close()
     root = Path(location)
     if not root.is_dir():
         raise CommandError(f"{location}: no such directory")
     return scan_local(root)
+
+
+def _list_remote(storage: Any, progress: bool) -> list[CheckpointInfo]:
+    from spotguard.storage.checkpoints import list_remote
+
+    if not progress:
+        return list_remote(storage)
+    bar = Progress(0, "reading manifests", unit="checkpoints")
+    infos = list_remote(storage, progress=bar.update)
+    if bar.done:
+        bar.finish()
+    return infos
 
 
 def _human(size: float) -> str:
@@ -103,20 +115,33 @@ def _human(size: float) -> str:
 
 
 class Progress:
-    """A one-line progress bar on stderr, only when it is a terminal."""
+    """A one-line progress bar on stderr, only when it is a terminal; counts bytes, or items
+    (``unit``) such as the checkpoints whose manifests were read."""
 
-    def __init__(self, total: int, label: str) -> None:
+    def __init__(self, total: int, label: str, unit: str | None = None) -> None:
         self.total = max(total, 1)
         self.done = 0
         self.label = label
+        self.unit = unit
         self.enabled = sys.stderr.isatty()
+        self._lock = threading.Lock()  # called from download threads
 
     def __call__(self, count: int) -> None:
-        self.done += count
+        with self._lock:
+            self.done += count
+            self._draw()
+
+    def update(self, done: int, total: int) -> None:
+        with self._lock:
+            self.done, self.total = done, max(total, 1)
+            self._draw()
+
+    def _draw(self) -> None:
         if self.enabled:
             width = 30
             filled = int(width * min(self.done / self.total, 1.0))
-            sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {_human(self.done)}")
+            amount = f"{self.done}/{self.total} {self.unit}" if self.unit else _human(self.done)
+            sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {amount}")
             sys.stderr.flush()
 
     def finish(self) -> None:
@@ -185,10 +210,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         print("last notice: " + ", ".join(f"{k}={v}" for k, v in reply["last_notice"].items()))
     uploads = reply["uploads"]
     if uploads["current"]:
-        cur = uploads["current"]
-        print(
-            f"uploading {cur['name']}: {_human(cur['bytes_done'])}/{_human(cur['bytes_total'])}, eta {cur['eta_s']} s"
-        )
+        print(_upload_line(uploads["current"]))
     if uploads["last_committed"]:
         last = uploads["last_committed"]
         print(f"last committed in bucket: {last['name']} at {last['at']} ({last['seconds']} s)")
@@ -199,8 +221,19 @@ def cmd_status(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _upload_line(cur: dict[str, Any]) -> str:
+    total = _human(cur["bytes_total"]) + ("" if cur["total_known"] else "+ (still being written)")
+    line = f"uploading {cur['name']}{' (urgent)' if cur['urgent'] else ''}: {_human(cur['bytes_done'])} of {total}"
+    if cur["rate_bytes_s"]:
+        line += f" at {cur['rate_bytes_s'] / 1e6:.0f} MB/s, done in ~{cur['eta_s']} s"
+    if "deadline_s_left" in cur:
+        verdict = {True: "on track", False: "will MISS it", None: "no rate yet"}[cur["will_meet_deadline"]]
+        line += f"; deadline in {cur['deadline_s_left']:.0f} s: {verdict}"
+    return line
+
+
 def cmd_list(args: argparse.Namespace) -> int:
-    infos = list_location(args.location)
+    infos = list_location(args.location, progress=True)
     if args.json:
         print(json.dumps([info.to_json() for info in infos], indent=1))
         return EXIT_OK
@@ -219,38 +252,40 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if not names:
         raise CommandError(f"no checkpoints in {root}")
     failed = 0
-    for name in names:
-        if is_url(root):
-            from spotguard.storage.checkpoints import list_remote, verify_remote
+    storage = _open(root) if is_url(root) else None
+    try:
+        sizes = {info.name: info.bytes for info in _list_remote(storage, True)} if storage else {}
+        for name in names:
+            if storage is not None:
+                from spotguard.storage.checkpoints import verify_remote
 
-            storage = _open(root)
-            try:
-                info = next((i for i in list_remote(storage) if i.name == name), None)
-                progress = Progress(info.bytes if info else 0, f"verifying {name}")
+                progress = Progress(sizes.get(name, 0), f"verifying {name}")
                 problems = verify_remote(storage, name, progress=progress)
                 progress.finish()
-            finally:
-                storage.close()
-        else:
-            problems = verify_dir(Path(root) / name)
-        if problems:
-            failed += 1
-            print(f"{name}: FAILED")
-            for problem in problems:
-                print(f"  {problem}")
-        else:
-            print(f"{name}: ok")
+            else:
+                problems = verify_dir(Path(root) / name)
+            if problems:
+                failed += 1
+                print(f"{name}: FAILED")
+                for problem in problems:
+                    print(f"  {problem}")
+            else:
+                print(f"{name}: ok")
+    finally:
+        if storage is not None:
+            storage.close()
     if failed:
         print(f"{failed} of {len(names)} checkpoint(s) failed verification", file=sys.stderr)
     return EXIT_FAILURE if failed else EXIT_OK
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
-    from spotguard.storage.checkpoints import list_remote, restore
+    from spotguard.storage.checkpoints import restore
 
     storage = _open(args.location)
     try:
-        complete = [info for info in list_remote(storage) if info.status == "complete"]
+        listing = _list_remote(storage, True)
+        complete = [info for info in listing if info.status == "complete"]
         total = next((i.bytes for i in reversed(complete) if args.step in (None, i.step)), 0)
         progress = Progress(total, "restoring")
         target = restore(
@@ -259,6 +294,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
             step=args.step,
             progress=progress,
             log=lambda line: print(line, file=sys.stderr),
+            candidates=listing,
         )
         progress.finish()
     finally:

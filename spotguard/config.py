@@ -67,6 +67,7 @@ class DaemonConfig:
     scan_interval: float = 2.0  # how often the uploader rescans the checkpoint root
     shutdown_grace: float = 110.0  # on SIGTERM, upload for at most this long (or the notice deadline)
     upload_concurrency: int = 16  # upload streams in flight at once (S3 gives each connection tens of MB/s)
+    forecast_interval: float = 5.0  # how often an urgent upload logs whether it will beat the deadline
     on_rebalance: Action = Action.CHECKPOINT
     on_maintenance: Action = Action.CHECKPOINT
     imds_v1_fallback: bool = False  # AWS: fall back to IMDSv1 if no token can be had
@@ -86,7 +87,14 @@ class DaemonConfig:
                 raise ConfigError("metadata_url", f"{self.metadata_url!r} is not scheme://host[:port]")
         if self.bucket is not None:
             check_bucket_url(self.bucket, key="bucket")
-        for name in ("poll_interval", "http_timeout", "drill_deadline", "scan_interval", "shutdown_grace"):
+        for name in (
+            "poll_interval",
+            "http_timeout",
+            "drill_deadline",
+            "scan_interval",
+            "shutdown_grace",
+            "forecast_interval",
+        ):
             if not getattr(self, name) > 0:
                 raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")
         for name in ("keep_local", "keep_remote", "max_connections", "upload_concurrency"):

@@ -105,6 +105,46 @@ def crc32c_int_to_base64(value: int) -> str:
     return base64.b64encode(value.to_bytes(4, "big")).decode("ascii")
 
 
+_CRC32C_POLY = 0x82F63B78  # reflected Castagnoli polynomial
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a*b modulo the CRC polynomial (zlib's multmodp, Castagnoli polynomial)."""
+    m = 1 << 31
+    p = 0
+    while True:
+        if a & m:
+            p ^= b
+            if (a & (m - 1)) == 0:
+                break
+        m >>= 1
+        b = (b >> 1) ^ _CRC32C_POLY if b & 1 else b >> 1
+    return p
+
+
+def _build_x2n_table() -> list[int]:
+    table = [1 << 30]  # x^1
+    for _ in range(31):
+        table.append(_multmodp(table[-1], table[-1]))
+    return table
+
+
+_X2N = _build_x2n_table()
+
+
+def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC32C of ``A + B`` from ``crc(A)``, ``crc(B)`` and ``len(B)``, without the data (zlib's
+    crc32_combine): multipart uploads and ranged downloads check whole files from their parts."""
+    p = 1 << 31  # x^0
+    n, k = len2, 3  # x^(8 * len2): one factor per bit of the byte count
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return _multmodp(p, crc1) ^ crc2
+
+
 def check_relpath(relpath: str) -> str:
     """A manifest key must stay inside its checkpoint directory."""
     path = PurePosixPath(relpath)

@@ -119,6 +119,7 @@ class Daemon:
             keep_remote=config.keep_remote,
             concurrency=config.upload_concurrency,
             scan_interval=config.scan_interval,
+            forecast_interval=config.forecast_interval,
         )
         self.uploader.on_committed.append(self._on_committed)
         self.server = SocketServer(

@@ -32,13 +32,14 @@ from spotguard.manifest import (
     verify_dir,
 )
 from spotguard.notice import utcnow
-from spotguard.storage.base import Storage, StorageError, retry
+from spotguard.storage.base import Storage, StorageError
 from spotguard.storage.checkpoints import (
-    Throughput,
     UploadCancelled,
+    UploadProgress,
     commit_remote,
     list_remote,
     prune_remote,
+    put_with_retry,
     upload_files,
     wait_for_other_nodes,
 )
@@ -60,8 +61,7 @@ class _Job:
 class _Current:
     name: str
     urgent: bool
-    total: int
-    progress: Throughput
+    progress: UploadProgress
     cancel: threading.Event
     started_wall: datetime
 
@@ -77,6 +77,7 @@ class Uploader:
         concurrency: int = 8,
         scan_interval: float = 2.0,
         retry_after: float = 2.0,
+        forecast_interval: float = 5.0,
     ) -> None:
         self.storage = storage
         self.root = root
@@ -85,6 +86,7 @@ class Uploader:
         self.concurrency = concurrency
         self.scan_interval = scan_interval
         self.retry_after = retry_after
+        self.forecast_interval = forecast_interval
         self.committed: set[str] = set()  # complete in the bucket
         self.shares_uploaded: set[str] = set()  # multi-node: this node's share is in the bucket
         self.other_nodes_timeout = 600.0  # how long node 0 waits for the others' shares (without a notice)
@@ -102,6 +104,9 @@ class Uploader:
         # Files of checkpoints still being written, uploading ahead of the commit.
         self._early: dict[str, list[asyncio.Task[None]]] = {}
         self._early_slots = asyncio.Semaphore(concurrency)
+        # What is in the bucket of each checkpoint not yet committed there, early uploads included.
+        self._progress: dict[str, UploadProgress] = {}
+        self._late_logged: set[str] = set()  # checkpoints already reported as past the deadline
 
     # --- what to upload --------------------------------------------------------------------
 
@@ -131,6 +136,7 @@ class Uploader:
         """
         if self.storage is None or step_dir.name in self.committed:
             return
+        self._progress_of(step_dir.name).expect(rel, entry.size)
         task = asyncio.create_task(self._early_upload(step_dir, rel, entry), name=f"early-{step_dir.name}/{rel}")
         self._early.setdefault(step_dir.name, []).append(task)
         if urgent:
@@ -138,19 +144,25 @@ class Uploader:
 
     async def _early_upload(self, step_dir: Path, rel: str, entry: FileEntry) -> None:
         assert self.storage is not None
-        storage = self.storage
         key = f"{step_dir.name}/{rel}"
+        progress = self._progress_of(step_dir.name)
         async with self._early_slots:
             try:
                 await asyncio.to_thread(
-                    retry,
-                    lambda: storage.put_file(step_dir / rel, key, crc32c=entry.crc32c),
-                    is_transient=storage.is_transient,
-                    what=f"uploading {key} ahead of its commit",
+                    put_with_retry,
+                    self.storage,
+                    step_dir,
+                    rel,
+                    entry,
+                    progress=progress,
+                    what="uploading ahead of its commit",
                 )
             except (StorageError, OSError) as exc:
                 # Not fatal: the checkpoint's own upload job sends whatever is missing.
                 logger.info("early upload of %s failed (%s); it goes with the checkpoint", key, exc)
+
+    def _progress_of(self, name: str) -> UploadProgress:
+        return self._progress.setdefault(name, UploadProgress())
 
     def set_deadline(self, deadline: datetime | None) -> None:
         self._deadline = deadline
@@ -178,24 +190,28 @@ class Uploader:
         if self.storage is None:
             self._idle.set()
             return
-        await self._rescan_logged()
-        next_scan = time.monotonic() + self.scan_interval
-        while True:
-            job = self._next_job()
-            if job is None:
-                if not self._queued:
-                    self._idle.set()
-                timeout = max(0.0, next_scan - time.monotonic())
-                if self._not_before:
-                    timeout = min(timeout, max(0.0, min(self._not_before.values()) - time.monotonic()))
-                self._wake.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), timeout)
-                if time.monotonic() >= next_scan:
-                    await self._rescan_logged()
-                    next_scan = time.monotonic() + self.scan_interval
-                continue
-            await self._upload(job)
+        watcher = asyncio.create_task(self.watch_deadline(), name="upload-deadline-watch")
+        try:
+            await self._rescan_logged()
+            next_scan = time.monotonic() + self.scan_interval
+            while True:
+                job = self._next_job()
+                if job is None:
+                    if not self._queued:
+                        self._idle.set()
+                    timeout = max(0.0, next_scan - time.monotonic())
+                    if self._not_before:
+                        timeout = min(timeout, max(0.0, min(self._not_before.values()) - time.monotonic()))
+                    self._wake.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), timeout)
+                    if time.monotonic() >= next_scan:
+                        await self._rescan_logged()
+                        next_scan = time.monotonic() + self.scan_interval
+                    continue
+                await self._upload(job)
+        finally:
+            watcher.cancel()
 
     async def _rescan_logged(self) -> None:
         try:
@@ -225,7 +241,7 @@ class Uploader:
             return
         files = share if share is not None else manifest.files if manifest is not None else {}
         total = sum(entry.size for entry in files.values())
-        current = _Current(job.name, job.priority == 0, total, Throughput(), threading.Event(), utcnow())
+        current = _Current(job.name, job.priority == 0, self._progress_of(job.name), threading.Event(), utcnow())
         self._current = current
         deadline = None
         if self._deadline is not None:
@@ -245,6 +261,7 @@ class Uploader:
         finally:
             self._current = None
         if manifest is None:
+            self._progress.pop(job.name, None)
             self.shares_uploaded.add(job.name)  # node 0's daemon commits once every node's share is there
             logger.info("%s: this node's share is in the bucket (%d bytes)", job.name, total)
             return
@@ -269,7 +286,7 @@ class Uploader:
             concurrency=self.concurrency,
             deadline=deadline,
             cancel=current.cancel,
-            progress=current.progress.add,
+            progress=current.progress,
         )
         if manifest is None:
             return
@@ -295,6 +312,7 @@ class Uploader:
     async def _committed(self, name: str, manifest: Manifest, elapsed: float) -> None:
         assert self.storage is not None
         self.committed.add(name)
+        self._progress.pop(name, None)
         self._urgent.discard(name)
         self._not_before.pop(name, None)
         now = utcnow()
@@ -360,28 +378,81 @@ class Uploader:
             self._idle.clear()
             await self._idle.wait()
 
+    def forecast(self) -> dict[str, Any] | None:
+        """The checkpoint being uploaded now (an urgent one first, early uploads included): how
+        much is in the bucket, at what rate, and whether it will be in before the deadline."""
+        current = self._current
+        if current is not None:
+            name, urgent, progress = current.name, current.urgent, current.progress
+        else:
+            early = [n for n, tasks in self._early.items() if any(not t.done() for t in tasks) and n in self._progress]
+            if not early:
+                return None
+            name = max(early, key=lambda n: (n in self._urgent, n))
+            urgent, progress = name in self._urgent, self._progress[name]
+        rate, eta, total = progress.rate(), progress.eta(), progress.total
+        report: dict[str, Any] = {
+            "name": name,
+            "urgent": urgent,
+            "bytes_done": progress.done,
+            "bytes_total": total,
+            # Before the commit the trainer may still be writing files nobody has announced yet.
+            "total_known": current is not None,
+            "rate_bytes_s": None if rate is None else round(rate),
+            "eta_s": None if eta is None else round(eta, 2),
+        }
+        if self._deadline is not None and urgent:
+            left = (self._deadline - utcnow()).total_seconds()
+            report["deadline_s_left"] = round(left, 2)
+            report["will_meet_deadline"] = None if eta is None else eta <= left
+        return report
+
+    async def watch_deadline(self) -> None:
+        """Log, every ``forecast_interval`` while an urgent upload races a deadline, whether it
+        will make it at the rate so far; say once when the deadline passed with it unfinished."""
+        while True:
+            await asyncio.sleep(self.forecast_interval)
+            report = self.forecast()
+            if report is None or "deadline_s_left" not in report:
+                continue
+            name, left = report["name"], report["deadline_s_left"]
+            where = f"{name}: {_mib(report['bytes_done'])} of {_mib(report['bytes_total'])} MiB in the bucket"
+            rate = report["rate_bytes_s"]
+            if left <= 0:
+                if name not in self._late_logged:
+                    self._late_logged.add(name)
+                    logger.error("deadline passed %.1f s ago with %s still uploading (%s)", -left, name, where)
+                continue
+            if rate is None:
+                logger.info("%s; no rate yet, deadline in %.1f s", where, left)
+            elif report["will_meet_deadline"]:
+                logger.info(
+                    "%s at %.0f MB/s; done in ~%.1f s, deadline in %.1f s: on track",
+                    where,
+                    rate / 1e6,
+                    report["eta_s"],
+                    left,
+                )
+            else:
+                logger.warning(
+                    "%s at %.0f MB/s; done in ~%.1f s, deadline in %.1f s: will MISS it by ~%.1f s",
+                    where,
+                    rate / 1e6,
+                    report["eta_s"],
+                    left,
+                    report["eta_s"] - left,
+                )
+
     def status(self) -> dict[str, Any]:
-        current = None
-        if self._current is not None:
-            cur = self._current
-            rate = cur.progress.rate()
-            remaining = max(cur.total - cur.progress.bytes, 0)
-            eta = remaining / rate if rate else None
-            current = {
-                "name": cur.name,
-                "urgent": cur.urgent,
-                "bytes_done": cur.progress.bytes,
-                "bytes_total": cur.total,
-                "rate_bytes_s": None if rate is None else round(rate),
-                "eta_s": None if eta is None else round(eta, 2),
-            }
-            if self._deadline is not None and eta is not None:
-                current["will_meet_deadline"] = eta <= (self._deadline - utcnow()).total_seconds()
         return {
             "bucket": self.storage.url if self.storage else None,
-            "current": current,
+            "current": self.forecast(),
             "queued": sorted(self._queued),
             "committed": sorted(self.committed)[-5:],
             "last_committed": self.last_committed,
             "failures": self.failures[-5:],
         }
+
+
+def _mib(count: int) -> str:
+    return f"{count / (1 << 20):.0f}"

@@ -30,6 +30,13 @@ class ObjectNotFound(StorageError):
     pass
 
 
+Progress = Callable[[int], None]  # called with a number of bytes just transferred
+
+
+class Sink(Protocol):
+    def write(self, data: bytes, /) -> int: ...
+
+
 @dataclass(frozen=True)
 class ObjectInfo:
     key: str
@@ -41,12 +48,22 @@ class ObjectInfo:
 class Storage(Protocol):
     url: str
 
-    def put_file(self, local: Path, key: str, *, crc32c: str) -> None:
-        """Upload ``local`` to ``key``; visible only once complete; ``crc32c`` is verified by the store."""
+    def put_file(self, local: Path, key: str, *, crc32c: str, progress: Progress | None = None) -> None:
+        """Upload ``local`` to ``key``; visible only once complete; ``crc32c`` is verified by the store.
+
+        ``progress`` is called with byte counts as parts of the file reach the store (a retried
+        part may count twice); it must be cheap and must not raise."""
         ...
 
     def get_file(self, key: str, local: Path) -> None:
         """Download ``key`` to ``local`` (written under a temporary name, then renamed)."""
+        ...
+
+    def read_range(self, key: str, offset: int, length: int, sink: Sink) -> None:
+        """Write bytes ``[offset, offset + length)`` of ``key`` to ``sink`` as they arrive.
+
+        No retries of its own once bytes were written (the caller restarts the range with a fresh
+        sink); raises :class:`ObjectNotFound` for a missing key."""
         ...
 
     def read_bytes(self, key: str) -> bytes: ...

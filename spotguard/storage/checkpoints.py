@@ -8,7 +8,6 @@ the bucket is the local one: ``<prefix>/step-NNNNNNNNN/<files>`` with
 from __future__ import annotations
 
 import shutil
-import tempfile
 import threading
 import time
 from collections import defaultdict
@@ -28,9 +27,8 @@ from spotguard.manifest import (
     parse_step_dir,
     verify_dir,
 )
-from spotguard.storage.base import ObjectInfo, Storage, StorageError, retry
-
-Progress = Callable[[int], None]  # called with a number of bytes just transferred
+from spotguard.storage.base import ObjectInfo, Progress, Storage, StorageError, retry
+from spotguard.storage.transfer import Download, download_files
 
 
 class UploadCancelled(StorageError):
@@ -66,11 +64,16 @@ def _problems_against(manifest: Manifest, objects: dict[str, ObjectInfo], name: 
     return problems
 
 
-def list_remote(storage: Storage) -> list[CheckpointInfo]:
+def list_remote(
+    storage: Storage, *, progress: Callable[[int, int], None] | None = None, workers: int = 8
+) -> list[CheckpointInfo]:
     """Checkpoints in the bucket, oldest first. Complete: a valid manifest whose files are all there
-    with the right sizes (and checksums, where the store reports them)."""
-    infos = []
-    for name, objects in _group_by_checkpoint(storage.list()).items():
+    with the right sizes (and checksums, where the store reports them). Manifests are read
+    ``workers`` at a time; ``progress(examined, found)`` is called after each checkpoint."""
+    lock = threading.Lock()
+    examined = 0
+
+    def examine(name: str, objects: dict[str, ObjectInfo]) -> CheckpointInfo:
         step = parse_step_dir(name)
         assert step is not None
         manifest = None
@@ -79,15 +82,24 @@ def list_remote(storage: Storage) -> list[CheckpointInfo]:
                 manifest = read_remote_manifest(storage, name)
             except (ManifestError, StorageError):
                 manifest = None
+        if progress:
+            nonlocal examined
+            with lock:
+                examined += 1
+                progress(examined, len(groups))
         if manifest is not None and not _problems_against(manifest, objects, name):
-            infos.append(CheckpointInfo(name, step, "complete", manifest.total_bytes, manifest.created, manifest))
-        else:
-            infos.append(CheckpointInfo(name, step, "incomplete", sum(o.size for o in objects.values()), None))
+            return CheckpointInfo(name, step, "complete", manifest.total_bytes, manifest.created, manifest)
+        return CheckpointInfo(name, step, "incomplete", sum(o.size for o in objects.values()), None)
+
+    groups = _group_by_checkpoint(storage.list())
+    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(groups) or 1))) as pool:
+        infos = list(pool.map(lambda item: examine(*item), groups.items()))
     return sorted(infos, key=lambda info: info.step)
 
 
-def verify_remote(storage: Storage, name: str, *, progress: Progress | None = None) -> list[str]:
-    """Download every file of one checkpoint to a scratch directory and check it against the manifest."""
+def verify_remote(storage: Storage, name: str, *, streams: int = 16, progress: Progress | None = None) -> list[str]:
+    """Read every file of one checkpoint back from the bucket and check it against the manifest
+    (CRC32C computed as the bytes arrive; nothing is written locally)."""
     try:
         manifest = read_remote_manifest(storage, name)
     except (ManifestError, StorageError) as exc:
@@ -95,16 +107,8 @@ def verify_remote(storage: Storage, name: str, *, progress: Progress | None = No
     problems = _problems_against(manifest, {o.key.partition("/")[2]: o for o in storage.list(f"{name}/")}, name)
     if problems:
         return problems
-    with tempfile.TemporaryDirectory(prefix="spotguard-verify-") as scratch:
-        for rel, entry in sorted(manifest.files.items()):
-            local = Path(scratch) / "f"
-            storage.get_file(f"{name}/{rel}", local)
-            if (actual := crc32c_of_file(local)) != entry.crc32c:
-                problems.append(f"{name}/{rel}: crc32c {actual}, manifest says {entry.crc32c}")
-            if progress:
-                progress(entry.size)
-            local.unlink()
-    return problems
+    items = [Download(f"{name}/{rel}", entry.size, entry.crc32c) for rel, entry in sorted(manifest.files.items())]
+    return download_files(storage, items, streams=streams, progress=progress)
 
 
 def is_committed(storage: Storage, name: str) -> bool:
@@ -119,7 +123,7 @@ def upload_files(
     concurrency: int = 8,
     deadline: float | None = None,
     cancel: threading.Event | None = None,
-    progress: Progress | None = None,
+    progress: UploadProgress | None = None,
 ) -> None:
     """Upload data files of a checkpoint in parallel (never its manifest).
 
@@ -128,30 +132,49 @@ def upload_files(
     """
     name = step_dir.name
     existing = {o.key.partition("/")[2]: o for o in storage.list(f"{name}/")}
+    if progress is not None:
+        for rel, entry in files.items():
+            progress.expect(rel, entry.size)
 
     def send(rel: str) -> None:
         entry = files[rel]
         have = existing.get(rel)
         if have and have.size == entry.size and have.crc32c in (None, entry.crc32c):
-            if progress:
-                progress(entry.size)
+            if progress is not None:
+                progress.present(rel)
             return
         if cancel is not None and cancel.is_set():
             raise UploadCancelled(f"{name}: upload cancelled")
-        retry(
-            lambda: storage.put_file(step_dir / rel, f"{name}/{rel}", crc32c=entry.crc32c),
-            is_transient=storage.is_transient,
-            deadline=deadline,
-            what=f"uploading {name}/{rel}",
-        )
-        if progress:
-            progress(entry.size)
+        put_with_retry(storage, step_dir, rel, entry, deadline=deadline, progress=progress)
 
     # Largest first: the long transfers start early and small files fill the gaps.
     order = sorted(files, key=lambda rel: -files[rel].size)
     with ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(order) or 1))) as pool:
         for future in [pool.submit(send, rel) for rel in order]:
             future.result()
+
+
+def put_with_retry(
+    storage: Storage,
+    step_dir: Path,
+    rel: str,
+    entry: FileEntry,
+    *,
+    deadline: float | None = None,
+    progress: UploadProgress | None = None,
+    what: str = "uploading",
+) -> None:
+    """One data file of a checkpoint to the bucket, transient failures retried until ``deadline``."""
+    key = f"{step_dir.name}/{rel}"
+    sent = progress.sender(rel) if progress is not None else None
+    retry(
+        lambda: storage.put_file(step_dir / rel, key, crc32c=entry.crc32c, progress=sent),
+        is_transient=storage.is_transient,
+        deadline=deadline,
+        what=f"{what} {key}",
+    )
+    if progress is not None:
+        progress.present(rel)  # whatever the parts did not report (a file of one request)
 
 
 def commit_remote(storage: Storage, step_dir: Path, *, deadline: float | None = None) -> None:
@@ -197,7 +220,7 @@ def upload_checkpoint(
     concurrency: int = 8,
     deadline: float | None = None,
     cancel: threading.Event | None = None,
-    progress: Progress | None = None,
+    progress: UploadProgress | None = None,
 ) -> Manifest:
     """Upload a locally committed checkpoint: data files in parallel, then the manifest."""
     manifest = load_manifest(step_dir)
@@ -215,17 +238,20 @@ def restore(
     dest_root: Path,
     *,
     step: int | None = None,
-    concurrency: int = 8,
+    streams: int = 16,
     progress: Progress | None = None,
     log: Callable[[str], None] | None = None,
+    candidates: list[CheckpointInfo] | None = None,
 ) -> Path | None:
     """Download the newest complete checkpoint (or ``step``) into ``dest_root``, verified.
 
     Falls back to the previous complete checkpoint when the newest fails verification (unless a
     step was asked for). The local copy is committed the same way as a local save: data files,
     then the manifest. Returns the local step directory, or None if the bucket has none.
+    ``candidates``: a listing the caller already has (``list_remote``), to save listing again.
     """
-    candidates = [info for info in list_remote(storage) if info.status == "complete"]
+    listing = candidates if candidates is not None else list_remote(storage)
+    candidates = [info for info in listing if info.status == "complete"]
     if step is not None:
         candidates = [info for info in candidates if info.step == step]
         if not candidates:
@@ -235,7 +261,7 @@ def restore(
         try:
             if _already_restored(target):
                 return target
-            _download(storage, info, target, concurrency=concurrency, progress=progress)
+            _download(storage, info, target, streams=streams, progress=progress)
             return target
         except (StorageError, ManifestError, OSError) as exc:
             shutil.rmtree(target, ignore_errors=True)
@@ -250,30 +276,17 @@ def _already_restored(step_dir: Path) -> bool:
     return step_dir.is_dir() and not verify_dir(step_dir)
 
 
-def _download(
-    storage: Storage, info: CheckpointInfo, target: Path, *, concurrency: int, progress: Progress | None
-) -> None:
+def _download(storage: Storage, info: CheckpointInfo, target: Path, *, streams: int, progress: Progress | None) -> None:
     manifest = read_remote_manifest(storage, info.name)
     if target.exists():
         shutil.rmtree(target)
     target.mkdir(parents=True)
-
-    def fetch(rel: str) -> None:
-        local = target / rel
-        retry(
-            lambda: storage.get_file(f"{info.name}/{rel}", local),
-            is_transient=storage.is_transient,
-            what=f"downloading {info.name}/{rel}",
-        )
-        entry = manifest.files[rel]
-        if local.stat().st_size != entry.size or crc32c_of_file(local) != entry.crc32c:
-            raise ManifestError(f"{info.name}/{rel}: downloaded bytes do not match the manifest")
-        if progress:
-            progress(entry.size)
-
-    with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
-        for future in [pool.submit(fetch, rel) for rel in manifest.files]:
-            future.result()
+    items = [
+        Download(f"{info.name}/{rel}", entry.size, entry.crc32c, target / rel) for rel, entry in manifest.files.items()
+    ]
+    problems = download_files(storage, items, streams=streams, progress=progress)
+    if problems:
+        raise ManifestError(f"{problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
     for sub in {(target / rel).parent for rel in manifest.files}:
         fsync_dir(sub)
     # Written last, as in a local save: the local copy counts only once everything verified.
@@ -304,19 +317,72 @@ def prune_remote(storage: Storage, keep: int, *, protected: frozenset[str] = fro
     return [info.name for info in doomed]
 
 
-class Throughput:
-    """Bytes/second over the transfer so far, for status and deadline estimates."""
+class UploadProgress:
+    """How much of one checkpoint is in the bucket, how fast it is going, and when it will be done.
+
+    Counted per file and capped at each file's size, so bytes reported twice (a retried part, a
+    file sent ahead of the commit and then found present) count once. The rate covers only bytes
+    this process sent, from the first of them: files found already in the bucket shorten what is
+    left without making the link look faster. Thread-safe: parts report from worker threads.
+    """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._lock = threading.Lock()
-        self.started = clock()
-        self.bytes = 0
+        self._sizes: dict[str, int] = {}
+        self._done: dict[str, int] = {}
+        self._sent = 0
+        self._first_sent: float | None = None
 
-    def add(self, count: int) -> None:
+    def expect(self, rel: str, size: int) -> None:
         with self._lock:
-            self.bytes += count
+            self._sizes[rel] = size
+            self._done.setdefault(rel, 0)
+
+    def sender(self, rel: str) -> Progress:
+        """The ``progress`` callback for uploading ``rel``."""
+
+        def sent(count: int) -> None:
+            with self._lock:
+                size = self._sizes.get(rel, 0)
+                step = max(0, min(count, size - self._done.get(rel, 0)))
+                if not step:
+                    return
+                self._done[rel] = self._done.get(rel, 0) + step
+                self._sent += step
+                if self._first_sent is None:
+                    self._first_sent = self._clock() - 1e-3  # the part's bytes took time too
+
+        return sent
+
+    def present(self, rel: str) -> None:
+        """``rel`` is in the bucket, whoever sent it."""
+        with self._lock:
+            self._done[rel] = self._sizes.get(rel, 0)
+
+    @property
+    def total(self) -> int:
+        """Bytes of every file announced so far (while the trainer writes, more may come)."""
+        with self._lock:
+            return sum(self._sizes.values())
+
+    @property
+    def done(self) -> int:
+        with self._lock:
+            return sum(self._done.values())
 
     def rate(self) -> float | None:
-        elapsed = self._clock() - self.started
-        return self.bytes / elapsed if elapsed > 0.05 and self.bytes else None
+        """Bytes per second this process has sent, or None before there is anything to go on."""
+        with self._lock:
+            if self._first_sent is None:
+                return None
+            elapsed = self._clock() - self._first_sent
+            return self._sent / elapsed if elapsed > 0.05 else None
+
+    def eta(self) -> float | None:
+        """Seconds until everything announced is in the bucket, at the rate so far."""
+        rate = self.rate()
+        remaining = self.total - self.done
+        if remaining <= 0:
+            return 0.0
+        return remaining / rate if rate else None

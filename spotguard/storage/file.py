@@ -11,7 +11,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from spotguard.manifest import _TMP_MARK, atomic_file, fsync_dir
-from spotguard.storage.base import ObjectInfo, ObjectNotFound, StorageError
+from spotguard.storage.base import ObjectInfo, ObjectNotFound, Progress, Sink, StorageError
 
 _COPY_CHUNK = 8 * 1024 * 1024
 # Errors a shared filesystem (NFS) can clear up by itself.
@@ -32,12 +32,14 @@ class FileStorage:
             raise StorageError(f"key {key!r} escapes {self.url}")
         return path
 
-    def put_file(self, local: Path, key: str, *, crc32c: str) -> None:
+    def put_file(self, local: Path, key: str, *, crc32c: str, progress: Progress | None = None) -> None:
         target = self._path(key)
         target.parent.mkdir(parents=True, exist_ok=True)
         with local.open("rb") as source, atomic_file(target) as out:
             while chunk := source.read(_COPY_CHUNK):
                 out.write(chunk)
+                if progress:
+                    progress(len(chunk))
         if out.crc32c != crc32c:
             target.unlink(missing_ok=True)
             raise StorageError(f"{key}: crc32c {out.crc32c} while copying, expected {crc32c}")
@@ -49,6 +51,16 @@ class FileStorage:
         try:
             with source.open("rb") as handle, atomic_file(local) as out:
                 shutil.copyfileobj(handle, out, _COPY_CHUNK)
+        except FileNotFoundError:
+            raise ObjectNotFound(f"{self.url}/{key}") from None
+
+    def read_range(self, key: str, offset: int, length: int, sink: Sink) -> None:
+        try:
+            with self._path(key).open("rb") as handle:
+                handle.seek(offset)
+                while length > 0 and (chunk := handle.read(min(_COPY_CHUNK, length))):
+                    sink.write(chunk)
+                    length -= len(chunk)
         except FileNotFoundError:
             raise ObjectNotFound(f"{self.url}/{key}") from None
 

@@ -52,16 +52,18 @@ import requests.adapters
 from google.api_core.retry import Retry
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage as gcs
-from google.cloud.storage import transfer_manager
 
 from spotguard.manifest import crc32c_hex_to_int as _hex_to_int
 from spotguard.manifest import crc32c_int_to_base64 as _int_to_b64
 from spotguard.storage.base import (
     ObjectInfo,
     ObjectNotFound,
+    Progress,
+    Sink,
     StorageError,
     TransientStorageError,
 )
+from spotguard.storage.transfer import fetch_object
 
 try:  # the class moved between google-cloud-storage 2.x (resumable_media) and 3.x
     from google.cloud.storage.exceptions import DataCorruption, InvalidResponse
@@ -113,7 +115,9 @@ class GcsStorage:
 
     Options (all have defaults):
         chunk_size: resumable upload chunk (a multiple of 256 KiB); a lost chunk is all a retry resends.
-        max_concurrency: parts in flight for one large file (upload and ranged download).
+        max_concurrency: upload requests in flight at once, across every file this instance uploads
+            (the uploader sends several files in parallel; per-file pools would multiply), and
+            ranged reads in flight for one large file downloaded with ``get_file``.
         parallel_threshold: files at least this big are uploaded as parallel parts + compose,
             and downloaded with parallel ranged reads.
         part_size: size of those parts (raised so that one file needs at most 32).
@@ -153,6 +157,8 @@ class GcsStorage:
         self._owns_client = client is None
         self._client = client
         self._client_lock = threading.Lock()
+        # One budget of upload streams for the whole instance, shared by every file in flight.
+        self._streams = threading.BoundedSemaphore(max_concurrency)
         self.retry = Retry(
             predicate=self.is_transient, initial=0.2, maximum=5.0, multiplier=2.0, timeout=retry_deadline
         )
@@ -249,14 +255,17 @@ class GcsStorage:
 
     # -- uploads --------------------------------------------------------------------
 
-    def put_file(self, local: Path, key: str, *, crc32c: str) -> None:
+    def put_file(self, local: Path, key: str, *, crc32c: str, progress: Progress | None = None) -> None:
         expected = _hex_to_int(crc32c)
         full = self._key(key)
         size = os.path.getsize(local)
         if size >= self.parallel_threshold and self.max_concurrency > 1 and size > self.part_size:
-            blob = self._put_composed(Path(local), full, size, expected)
+            blob = self._put_composed(Path(local), full, size, expected, progress)
         else:
-            blob = self._put_one(Path(local), full, expected)
+            with self._streams:
+                blob = self._put_one(Path(local), full, expected)
+            if progress:
+                progress(size)
         self._verify(blob, full, size, expected)
 
     def _new_blob(self, name: str, crc: int) -> Any:
@@ -283,7 +292,7 @@ class GcsStorage:
         part = max(self.part_size, _round_up(-(-size // _MAX_COMPOSE), _CHUNK_QUANTUM))
         return [(i, off, min(part, size - off)) for i, off in enumerate(range(0, size, part))]
 
-    def _put_composed(self, local: Path, full: str, size: int, expected: int) -> Any:
+    def _put_composed(self, local: Path, full: str, size: int, expected: int, progress: Progress | None) -> Any:
         parts_prefix = f"{self.prefix}{PARTS_DIR}/{uuid.uuid4().hex}/"
         plan = self._part_plan(size)
         uploaded: list[Any] = []
@@ -295,13 +304,16 @@ class GcsStorage:
                 if len(data) != length:
                     raise StorageError(f"gcs: {local} shrank while uploading (part {index})")
                 blob = self._new_blob(f"{parts_prefix}{index:05d}", int(google_crc32c.value(data)))
-                blob.upload_from_string(
-                    data,
-                    content_type="application/octet-stream",
-                    checksum="crc32c",
-                    retry=self.retry,
-                    timeout=self.timeout,
-                )
+                with self._streams:
+                    blob.upload_from_string(
+                        data,
+                        content_type="application/octet-stream",
+                        checksum="crc32c",
+                        retry=self.retry,
+                        timeout=self.timeout,
+                    )
+                if progress:
+                    progress(length)
                 return blob
 
             workers = min(self.max_concurrency, len(plan))
@@ -374,36 +386,30 @@ class GcsStorage:
         return blob
 
     def get_file(self, key: str, local: Path) -> None:
+        """Parallel ranged reads for objects of ``parallel_threshold`` bytes or more, CRC32C
+        checked against the object's as the bytes arrive."""
+        info = self.stat(key)
+        if info is None:
+            raise ObjectNotFound(f"gcs: {self.url}/{key}: not found")
+        streams = self.max_concurrency if info.size >= self.parallel_threshold else 1
+        fetch_object(self, info, Path(local), streams=streams, min_range=self.part_size)
+
+    def read_range(self, key: str, offset: int, length: int, sink: Sink) -> None:
         full = self._key(key)
-        blob = self._get_blob(full)
-        local = Path(local)
-        local.parent.mkdir(parents=True, exist_ok=True)
-        tmp = local.with_name(f".{local.name}.{uuid.uuid4().hex[:8]}.part")
         try:
-            if int(blob.size or 0) >= self.parallel_threshold and self.max_concurrency > 1:
-                # Ranged reads in threads; the transfer manager checks the whole file's CRC32C.
-                transfer_manager.download_chunks_concurrently(
-                    blob,
-                    str(tmp),
-                    chunk_size=self.part_size,
-                    download_kwargs={"retry": self.retry, "timeout": self.timeout},
-                    worker_type=transfer_manager.THREAD,
-                    max_workers=self.max_concurrency,
-                    crc32c_checksum=True,
-                )
-            else:
-                blob.download_to_filename(str(tmp), checksum="crc32c", retry=self.retry, timeout=self.timeout)
-            expected = gcs_crc_to_hex(blob.crc32c)
-            if expected is not None and f"{_file_crc(tmp):08x}" != expected:
-                raise TransientStorageError(f"gcs: {full}: downloaded bytes do not match CRC32C {expected}")
-            os.replace(tmp, local)
-        except StorageError:
-            raise
+            # No library retry: a retried ranged read would write into the sink twice; the caller
+            # restarts the whole range instead. No library checksum: it covers whole objects only.
+            self.bucket.blob(full).download_to_file(
+                sink,
+                start=offset,
+                end=offset + length - 1,
+                raw_download=True,
+                checksum=None,
+                retry=None,
+                timeout=self.timeout,
+            )
         except Exception as exc:
-            raise self._wrap(f"download {full}", exc, reading=True) from exc
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
+            raise self._wrap(f"read {full} bytes={offset}-{offset + length - 1}", exc, reading=True) from exc
 
     def read_bytes(self, key: str) -> bytes:
         full = self._key(key)
@@ -457,11 +463,3 @@ class GcsStorage:
                 assert exc is not None
                 raise self._wrap(f"delete {len(errors)} objects, first {name}", exc) from exc
             log.warning("gcs: could not delete %d objects, first %s: %s", len(errors), name, exc)
-
-
-def _file_crc(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(8 * MiB):
-            crc = int(google_crc32c.extend(crc, chunk))
-    return crc

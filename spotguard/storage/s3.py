@@ -18,7 +18,9 @@ which needs ``awscrt`` (``botocore[crt]``; without it: MissingDependencyExceptio
 and it gives us no hook to combine the part checksums nor to abort on our terms.
 Computing the part CRC32C with google-crc32c (already a spotguard dependency)
 and sending it as ``ChecksumCRC32C`` keeps botocore from computing anything.
-Downloads do use s3transfer (``TransferConfig``) for parallel ranged GETs.
+Downloads are parallel ranged GETs through ``spotguard.storage.transfer`` (one pool of streams
+shared by every file of a checkpoint, CRC32C computed as the bytes arrive and combined per file):
+s3transfer's ``download_file`` runs a pool per file and leaves the checksum to a second read.
 
 Endpoint: ``endpoint_url=`` if given, else boto3 resolves it itself from
 ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` (and the shared config file).
@@ -35,7 +37,6 @@ import datetime as dt
 import logging
 import os
 import threading
-import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -45,18 +46,21 @@ import boto3
 import boto3.exceptions
 import botocore.exceptions
 import google_crc32c
-from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 
+from spotguard.manifest import crc32c_combine
 from spotguard.manifest import crc32c_hex_to_int as _hex_to_int
 from spotguard.manifest import crc32c_int_to_base64 as _int_to_b64
 from spotguard.storage.base import (
     ObjectInfo,
     ObjectNotFound,
+    Progress,
+    Sink,
     StorageError,
     TransientStorageError,
     retry,
 )
+from spotguard.storage.transfer import fetch_object
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +68,7 @@ MiB = 1024 * 1024
 _MIN_PART = 5 * MiB  # S3's floor for every part but the last
 _MAX_PARTS = 10_000
 _DELETE_BATCH = 1000  # DeleteObjects' limit
+_READ_CHUNK = 1 * MiB  # what a download stream holds in memory at once
 
 _TRANSIENT_CODES = frozenset(
     {
@@ -122,44 +127,6 @@ _TRANSIENT_SDK = (
 
 
 # -- CRC32C helpers ---------------------------------------------------------------------
-
-_CRC32C_POLY = 0x82F63B78  # reflected Castagnoli polynomial
-
-
-def _multmodp(a: int, b: int) -> int:
-    """a*b modulo the CRC polynomial (zlib's multmodp, Castagnoli polynomial)."""
-    m = 1 << 31
-    p = 0
-    while True:
-        if a & m:
-            p ^= b
-            if (a & (m - 1)) == 0:
-                break
-        m >>= 1
-        b = (b >> 1) ^ _CRC32C_POLY if b & 1 else b >> 1
-    return p
-
-
-def _build_x2n_table() -> list[int]:
-    table = [1 << 30]  # x^1
-    for _ in range(31):
-        table.append(_multmodp(table[-1], table[-1]))
-    return table
-
-
-_X2N = _build_x2n_table()
-
-
-def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
-    """CRC32C of ``A + B`` from ``crc(A)``, ``crc(B)`` and ``len(B)``, without the data."""
-    p = 1 << 31  # x^0
-    n, k = len2, 3  # x^(8 * len2): one factor per bit of the byte count
-    while n:
-        if n & 1:
-            p = _multmodp(_X2N[k & 31], p)
-        n >>= 1
-        k += 1
-    return _multmodp(p, crc1) ^ crc2
 
 
 def _b64_to_hex(value: str) -> str | None:
@@ -282,12 +249,6 @@ class S3Storage:
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
         )
-        self.transfer_config = TransferConfig(
-            multipart_threshold=self.multipart_threshold,
-            multipart_chunksize=part_size,
-            max_concurrency=max_concurrency,
-            use_threads=True,
-        )
 
     # -- plumbing -------------------------------------------------------------------
 
@@ -364,14 +325,16 @@ class S3Storage:
 
     # -- uploads --------------------------------------------------------------------
 
-    def put_file(self, local: Path, key: str, *, crc32c: str) -> None:
+    def put_file(self, local: Path, key: str, *, crc32c: str, progress: Progress | None = None) -> None:
         expected = _hex_to_int(crc32c)
         full = self._key(key)
         size = os.path.getsize(local)
         if size >= self.multipart_threshold and size > 0:
-            self._put_multipart(local, full, size, expected)
+            self._put_multipart(local, full, size, expected, progress)
         else:
             self._put_single(local, full, expected)
+            if progress:
+                progress(size)
         if self.verify_after_upload:
             self._verify_remote(full, size, expected)
 
@@ -400,7 +363,7 @@ class S3Storage:
             part *= 2
         return [(i + 1, off, min(part, size - off)) for i, off in enumerate(range(0, size, part))]
 
-    def _put_multipart(self, local: Path, full: str, size: int, expected: int) -> None:
+    def _put_multipart(self, local: Path, full: str, size: int, expected: int, progress: Progress | None) -> None:
         created = self._call(
             f"create_multipart_upload {full}",
             self.client.create_multipart_upload,
@@ -411,7 +374,7 @@ class S3Storage:
         )
         upload_id = created["UploadId"]
         try:
-            parts = self._upload_parts(local, full, upload_id, self._part_plan(size))
+            parts = self._upload_parts(local, full, upload_id, self._part_plan(size), progress)
             combined = parts[0][2]
             for _, _, crc, length in parts[1:]:
                 combined = crc32c_combine(combined, crc, length)
@@ -426,7 +389,7 @@ class S3Storage:
             raise
 
     def _upload_parts(
-        self, local: Path, full: str, upload_id: str, plan: list[tuple[int, int, int]]
+        self, local: Path, full: str, upload_id: str, plan: list[tuple[int, int, int]], progress: Progress | None
     ) -> list[tuple[int, str, int, int]]:
         fd = os.open(local, os.O_RDONLY)
         try:
@@ -449,6 +412,8 @@ class S3Storage:
                         ChecksumAlgorithm="CRC32C",
                         ChecksumCRC32C=_int_to_b64(crc),
                     )
+                if progress:
+                    progress(length)
                 return number, resp["ETag"], crc, length
 
             workers = min(self.max_concurrency, len(plan))
@@ -549,32 +514,29 @@ class S3Storage:
     # -- downloads and metadata -------------------------------------------------------
 
     def get_file(self, key: str, local: Path) -> None:
-        full = self._key(key)
-        info = self._stat_full(full)
+        """Parallel ranged GETs (``max_concurrency`` streams of ``part_size`` or more), CRC32C
+        checked against what S3 stores for the object, or the size alone where it stores none."""
+        info = self.stat(key)
         if info is None:
             raise ObjectNotFound(f"s3: {self.url}/{key}: not found")
-        local = Path(local)
-        local.parent.mkdir(parents=True, exist_ok=True)
-        tmp = local.with_name(f".{local.name}.{uuid.uuid4().hex[:8]}.part")
+        fetch_object(self, info, Path(local), streams=self.max_concurrency, min_range=self.part_size)
+
+    def read_range(self, key: str, offset: int, length: int, sink: Sink) -> None:
+        full = self._key(key)
+        what = f"get_object {full} bytes={offset}-{offset + length - 1}"
         try:
-            self._call(
-                f"download {full}",
-                self.client.download_file,
-                Bucket=self.bucket,
-                Key=full,
-                Filename=str(tmp),
-                Config=self.transfer_config,
-            )
-            if tmp.stat().st_size != info.size:
-                raise StorageError(f"s3: {full}: downloaded {tmp.stat().st_size} bytes, expected {info.size}")
-            if info.crc32c is not None:
-                actual = _file_crc(tmp)
-                if f"{actual:08x}" != info.crc32c:
-                    raise TransientStorageError(f"s3: {full}: downloaded CRC32C {actual:08x} != stored {info.crc32c}")
-            os.replace(tmp, local)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
+            # botocore retries the request itself; once the body streams, a failure is the caller's to retry.
+            resp = self.client.get_object(Bucket=self.bucket, Key=full, Range=f"bytes={offset}-{offset + length - 1}")
+            body = resp["Body"]
+            try:
+                for chunk in body.iter_chunks(_READ_CHUNK):
+                    sink.write(chunk)
+            finally:
+                body.close()
+        except StorageError:
+            raise
+        except Exception as exc:
+            raise self._wrap(what, exc) from exc
 
     def read_bytes(self, key: str) -> bytes:
         full = self._key(key)
@@ -649,11 +611,3 @@ class S3Storage:
                 f"s3: delete_objects: {len(errors)} keys failed, first {first.get('Key')}: "
                 f"{first.get('Code')} {first.get('Message')}"
             )
-
-
-def _file_crc(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(8 * MiB):
-            crc = int(google_crc32c.extend(crc, chunk))
-    return crc

@@ -22,15 +22,7 @@ from spotguard.manifest import (
     scan_local,
     verify_dir,
 )
-
-
-def write_checkpoint(root: Path, step: int, files: dict[str, bytes], reason: str = "periodic") -> Path:
-    writer = CheckpointWriter(root, step, reason=reason)
-    writer.prepare()
-    for name, data in files.items():
-        writer.write_bytes(name, data)
-    writer.commit()
-    return writer.dir
+from tests.checkpoints import write_checkpoint
 
 
 def test_commit_writes_manifest_with_sizes_and_crc32c(tmp_path: Path) -> None:

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from spotguard.manifest import MANIFEST, CheckpointWriter, crc32c_of_bytes
-from spotguard.storage.base import StorageError, TransientStorageError, retry
+from spotguard.manifest import MANIFEST, crc32c_of_bytes
+from spotguard.storage.base import Progress, StorageError, TransientStorageError, retry
 from spotguard.storage.checkpoints import (
     UploadCancelled,
     list_remote,
@@ -16,15 +16,7 @@ from spotguard.storage.checkpoints import (
     verify_remote,
 )
 from spotguard.storage.file import FileStorage
-
-
-def make_checkpoint(root: Path, step: int, files: dict[str, bytes]) -> Path:
-    writer = CheckpointWriter(root, step, reason="periodic")
-    writer.prepare()
-    for name, data in files.items():
-        writer.write_bytes(name, data)
-    writer.commit()
-    return writer.dir
+from tests.checkpoints import write_checkpoint
 
 
 @pytest.fixture
@@ -41,16 +33,16 @@ class FailingStorage(FileStorage):
         self.fail_on = fail_on
         self.puts: list[str] = []
 
-    def put_file(self, local: Path, key: str, *, crc32c: str) -> None:
+    def put_file(self, local: Path, key: str, *, crc32c: str, progress: Progress | None = None) -> None:
         self.puts.append(key)
         if key.endswith(self.fail_on):
             raise StorageError(f"injected failure for {key}")
-        super().put_file(local, key, crc32c=crc32c)
+        super().put_file(local, key, crc32c=crc32c, progress=progress)
 
 
 def test_upload_then_list_shows_complete_and_restore_is_identical(tmp_path: Path, storage: FileStorage) -> None:
     files = {"a.pt": b"a" * 1000, "b.pt": bytes(range(256)) * 64}
-    make_checkpoint(tmp_path / "local", 7, files)
+    write_checkpoint(tmp_path / "local", 7, files)
     upload_checkpoint(storage, tmp_path / "local" / "step-000000007")
     [info] = list_remote(storage)
     assert (info.name, info.status, info.bytes) == ("step-000000007", "complete", sum(map(len, files.values())))
@@ -63,7 +55,7 @@ def test_upload_then_list_shows_complete_and_restore_is_identical(tmp_path: Path
 def test_manifest_is_uploaded_last_and_not_at_all_on_failure(tmp_path: Path) -> None:
     (tmp_path / "bucket").mkdir()
     failing = FailingStorage((tmp_path / "bucket").as_uri(), fail_on="b.pt")
-    make_checkpoint(tmp_path / "local", 1, {"a.pt": b"1", "b.pt": b"2", "c.pt": b"3"})
+    write_checkpoint(tmp_path / "local", 1, {"a.pt": b"1", "b.pt": b"2", "c.pt": b"3"})
     with pytest.raises(StorageError):
         upload_checkpoint(failing, tmp_path / "local" / "step-000000001", concurrency=1)
     assert not (tmp_path / "bucket" / "step-000000001" / MANIFEST).exists()
@@ -77,7 +69,7 @@ def test_manifest_is_uploaded_last_and_not_at_all_on_failure(tmp_path: Path) -> 
 def test_upload_resumes_without_resending_finished_files(tmp_path: Path) -> None:
     (tmp_path / "bucket").mkdir()
     failing = FailingStorage((tmp_path / "bucket").as_uri(), fail_on="c.pt")
-    make_checkpoint(tmp_path / "local", 1, {"a.pt": b"1" * 100, "b.pt": b"2" * 50, "c.pt": b"3"})
+    write_checkpoint(tmp_path / "local", 1, {"a.pt": b"1" * 100, "b.pt": b"2" * 50, "c.pt": b"3"})
     with pytest.raises(StorageError):
         upload_checkpoint(failing, tmp_path / "local" / "step-000000001", concurrency=1)
     failing.fail_on = "nothing"
@@ -87,7 +79,7 @@ def test_upload_resumes_without_resending_finished_files(tmp_path: Path) -> None
 
 
 def test_cancelled_upload_does_not_commit(tmp_path: Path, storage: FileStorage) -> None:
-    make_checkpoint(tmp_path / "local", 1, {"a.pt": b"1"})
+    write_checkpoint(tmp_path / "local", 1, {"a.pt": b"1"})
     cancel = threading.Event()
     cancel.set()
     with pytest.raises(UploadCancelled):
@@ -97,7 +89,7 @@ def test_cancelled_upload_does_not_commit(tmp_path: Path, storage: FileStorage) 
 
 def test_restore_falls_back_when_newest_fails_verification(tmp_path: Path, storage: FileStorage) -> None:
     for step in (1, 2):
-        make_checkpoint(tmp_path / "local", step, {"w.pt": bytes([step]) * 4096})
+        write_checkpoint(tmp_path / "local", step, {"w.pt": bytes([step]) * 4096})
         upload_checkpoint(storage, tmp_path / "local" / f"step-00000000{step}")
     remote = storage.root / "step-000000002" / "w.pt"
     data = bytearray(remote.read_bytes())
@@ -118,7 +110,7 @@ def test_restore_of_empty_bucket_is_none(tmp_path: Path, storage: FileStorage) -
 
 def test_prune_remote_keeps_newest_and_drops_stale_leftovers(tmp_path: Path, storage: FileStorage) -> None:
     for step in (1, 2, 3, 4):
-        make_checkpoint(tmp_path / "local", step, {"w.pt": bytes([step])})
+        write_checkpoint(tmp_path / "local", step, {"w.pt": bytes([step])})
         upload_checkpoint(storage, tmp_path / "local" / f"step-00000000{step}")
     (storage.root / "step-000000002" / MANIFEST).unlink()  # an upload that never committed
     removed = prune_remote(storage, keep=2)
