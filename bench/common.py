@@ -71,16 +71,30 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def moto_process() -> Iterator[Moto]:
-    """moto in server mode in a child process, with a fresh bucket; fake credentials in os.environ."""
+def moto_process(*, pin: bool = False) -> Iterator[Moto]:
+    """moto in server mode in a child process, with a fresh bucket; fake credentials in os.environ.
+
+    moto keeps objects in RAM: by default it spills every object and part over 5 MiB to a temporary
+    file on this machine's disk (written again when parts are joined), disk I/O that a real store
+    does not do on the VM and that would compete with the checkpoint being written locally.
+
+    ``pin``: moto gets CPU 0 to itself and this process (with every child it starts after: trainer,
+    daemon, relay) the other CPUs, as a remote store would not share the VM's CPUs."""
     os.environ.update(FAKE_AWS_ENV)
     os.environ.pop("AWS_ENDPOINT_URL", None)
     port = _free_port()
+    cpus = sorted(os.sched_getaffinity(0))
+    if pin and len(cpus) < 2:
+        raise SystemExit("--pin-server needs at least 2 CPUs")
     proc = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        env={**os.environ, "MOTO_S3_DEFAULT_KEY_BUFFER_SIZE": str(1 << 40)},
+        preexec_fn=(lambda: os.sched_setaffinity(0, cpus[:1])) if pin else None,  # noqa: PLW1509
     )
+    if pin:
+        os.sched_setaffinity(0, cpus[1:])
     endpoint = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30
@@ -101,6 +115,8 @@ def moto_process() -> Iterator[Moto]:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+        if pin:
+            os.sched_setaffinity(0, cpus)
 
 
 def make_state(gib: float, tensors: int = 8, seed: int = 0) -> dict[str, torch.Tensor]:

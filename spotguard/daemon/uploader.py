@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -104,6 +106,8 @@ class Uploader:
         # Files of checkpoints still being written, uploading ahead of the commit.
         self._early: dict[str, list[asyncio.Task[None]]] = {}
         self._early_slots = asyncio.Semaphore(concurrency)
+        # Early uploads (at most `concurrency`) and the one checkpoint job; more would only wait.
+        self._executor = ThreadPoolExecutor(max_workers=concurrency + 1, thread_name_prefix="upload")
         # What is in the bucket of each checkpoint not yet committed there, early uploads included.
         self._progress: dict[str, UploadProgress] = {}
         self._late_logged: set[str] = set()  # checkpoints already reported as past the deadline
@@ -148,7 +152,7 @@ class Uploader:
         progress = self._progress_of(step_dir.name)
         async with self._early_slots:
             try:
-                await asyncio.to_thread(
+                await self._in_upload_thread(
                     put_with_retry,
                     self.storage,
                     step_dir,
@@ -160,6 +164,13 @@ class Uploader:
             except (StorageError, OSError) as exc:
                 # Not fatal: the checkpoint's own upload job sends whatever is missing.
                 logger.info("early upload of %s failed (%s); it goes with the checkpoint", key, exc)
+
+    async def _in_upload_thread(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """Run a long blocking transfer in the uploader's own threads: on the loop's default
+        executor (a handful of threads) nine files in flight would queue every short blocking
+        call of the daemon behind them, a trainer's commit included."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
 
     def _progress_of(self, name: str) -> UploadProgress:
         return self._progress.setdefault(name, UploadProgress())
@@ -246,10 +257,9 @@ class Uploader:
         deadline = None
         if self._deadline is not None:
             deadline = time.monotonic() + (self._deadline - utcnow()).total_seconds()
-        started = time.monotonic()
         logger.info("uploading %s (%d bytes, %s)", job.name, total, "urgent" if current.urgent else "periodic")
         try:
-            await asyncio.to_thread(
+            await self._in_upload_thread(
                 self._send, step_dir, files, manifest, multi_node=share is not None, deadline=deadline, current=current
             )
         except UploadCancelled:
@@ -265,7 +275,8 @@ class Uploader:
             self.shares_uploaded.add(job.name)  # node 0's daemon commits once every node's share is there
             logger.info("%s: this node's share is in the bucket (%d bytes)", job.name, total)
             return
-        await self._committed(job.name, manifest, time.monotonic() - started)
+        # From the first byte sent, files sent ahead of the commit included.
+        await self._committed(job.name, manifest, current.progress.elapsed())
 
     def _send(
         self,

@@ -328,6 +328,7 @@ class UploadProgress:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
+        self._created = clock()
         self._lock = threading.Lock()
         self._sizes: dict[str, int] = {}
         self._done: dict[str, int] = {}
@@ -370,6 +371,11 @@ class UploadProgress:
     def done(self) -> int:
         with self._lock:
             return sum(self._done.values())
+
+    def elapsed(self) -> float:
+        """Seconds since the first byte was sent (since this tracker began, if none was)."""
+        with self._lock:
+            return self._clock() - (self._first_sent if self._first_sent is not None else self._created)
 
     def rate(self) -> float | None:
         """Bytes per second this process has sent, or None before there is anything to go on."""

@@ -248,6 +248,10 @@ class S3Storage:
             # never ask it to validate algorithms it can only do with awscrt).
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
+            # Every body we send carries its CRC32C in a signed header, which S3 checks: a SHA-256
+            # of the payload for the signature (botocore's default on plain-HTTP endpoints) would
+            # only cost a core-second per GB (HTTPS with a checksum header skips it already).
+            s3={"payload_signing_enabled": False},
         )
 
     # -- plumbing -------------------------------------------------------------------
