@@ -11,6 +11,7 @@ import socket
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -308,11 +309,13 @@ def cmd_restore(args: argparse.Namespace) -> int:
 def cmd_prune(args: argparse.Namespace) -> int:
     if args.keep < 1:
         raise ConfigError("--keep", "must be >= 1")
+    if args.grace < 0:
+        raise ConfigError("--grace", f"must be >= 0, got {args.grace}")
     from spotguard.storage.checkpoints import prune_remote
 
     storage = _open(args.location)
     try:
-        removed = prune_remote(storage, args.keep)
+        removed = prune_remote(storage, args.keep, grace=timedelta(seconds=args.grace))
     finally:
         storage.close()
     print("removed: " + (", ".join(removed) if removed else "nothing"))
@@ -392,9 +395,12 @@ def build_parser() -> argparse.ArgumentParser:
     restore.add_argument("--step", type=int)
     restore.set_defaults(func=cmd_restore)
 
-    prune = sub.add_parser("prune", help="keep the newest N complete checkpoints")
+    prune = sub.add_parser(
+        "prune", help="keep the newest N complete checkpoints; remove incomplete ones untouched for --grace seconds"
+    )
     prune.add_argument("location")
     prune.add_argument("--keep", type=int, required=True)
+    prune.add_argument("--grace", type=float, default=3600.0, help="seconds (default 3600)")
     prune.set_defaults(func=cmd_prune)
 
     emulate = sub.add_parser("emulate", help="a local metadata emulator")

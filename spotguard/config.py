@@ -59,6 +59,7 @@ class DaemonConfig:
     http_timeout: float = 2.0
     keep_local: int = 2  # newest complete checkpoints kept on local disk (plus any not yet uploaded)
     keep_remote: int = 3  # newest complete checkpoints kept in the bucket
+    incomplete_grace: float = 3600.0  # seconds untouched before an incomplete checkpoint in the bucket is removed
     allowed_uids: tuple[int, ...] = field(default_factory=_own_uid_and_root)
     allowed_gids: tuple[int, ...] = ()
     max_message_bytes: int = 64 * 1024
@@ -94,6 +95,7 @@ class DaemonConfig:
             "scan_interval",
             "shutdown_grace",
             "forecast_interval",
+            "incomplete_grace",
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")

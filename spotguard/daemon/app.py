@@ -117,6 +117,7 @@ class Daemon:
             self.root,
             keep_local=config.keep_local,
             keep_remote=config.keep_remote,
+            incomplete_grace=config.incomplete_grace,
             concurrency=config.upload_concurrency,
             scan_interval=config.scan_interval,
             forecast_interval=config.forecast_interval,

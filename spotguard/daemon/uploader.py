@@ -19,7 +19,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +76,7 @@ class Uploader:
         *,
         keep_local: int = 2,
         keep_remote: int = 3,
+        incomplete_grace: float = 3600.0,
         concurrency: int = 8,
         scan_interval: float = 2.0,
         retry_after: float = 2.0,
@@ -85,6 +86,7 @@ class Uploader:
         self.root = root
         self.keep_local = keep_local
         self.keep_remote = keep_remote
+        self.incomplete_grace = timedelta(seconds=incomplete_grace)
         self.concurrency = concurrency
         self.scan_interval = scan_interval
         self.retry_after = retry_after
@@ -359,7 +361,9 @@ class Uploader:
         storage = self.storage
         in_flight = frozenset(self._queued) | ({self._current.name} if self._current else set())
         try:
-            removed = await asyncio.to_thread(prune_remote, storage, self.keep_remote, protected=in_flight)
+            removed = await asyncio.to_thread(
+                prune_remote, storage, self.keep_remote, protected=in_flight, grace=self.incomplete_grace
+            )
             if removed:
                 logger.info("bucket retention removed %s", ", ".join(removed))
         except (StorageError, OSError) as exc:

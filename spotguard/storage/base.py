@@ -12,6 +12,7 @@ import random
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Protocol, TypeVar, runtime_checkable
 
@@ -42,6 +43,7 @@ class ObjectInfo:
     key: str
     size: int
     crc32c: str | None = None  # hex, as in manifest.json; None when the store does not say
+    modified: datetime | None = None  # when the object was last written (UTC), where the store says
 
 
 @runtime_checkable

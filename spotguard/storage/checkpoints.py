@@ -13,6 +13,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from spotguard.manifest import (
@@ -295,20 +296,36 @@ def _download(storage: Storage, info: CheckpointInfo, target: Path, *, streams: 
     load_manifest(target)
 
 
-def prune_remote(storage: Storage, keep: int, *, protected: frozenset[str] = frozenset()) -> list[str]:
-    """Keep the newest ``keep`` complete checkpoints; delete older complete ones and incomplete ones
-    older than the newest complete one (leftovers no uploader will finish). Never touches the newest
-    complete checkpoint or any name in ``protected`` (uploads in flight). Manifests go first, so a
-    half-deleted checkpoint is never mistaken for a complete one."""
+DEFAULT_INCOMPLETE_GRACE = timedelta(hours=1)
+
+
+def prune_remote(
+    storage: Storage,
+    keep: int,
+    *,
+    protected: frozenset[str] = frozenset(),
+    grace: timedelta = DEFAULT_INCOMPLETE_GRACE,
+    now: datetime | None = None,
+) -> list[str]:
+    """Keep the newest ``keep`` complete checkpoints and delete the older complete ones; delete
+    incomplete ones nothing has written to for ``grace`` (leftovers of a VM that died mid-upload;
+    a younger one may be another node's share, or an upload still under way elsewhere). Never
+    touches the newest complete checkpoint or any name in ``protected`` (uploads in flight here).
+    Manifests go first, so a half-deleted checkpoint is never mistaken for a complete one."""
+    now = now or datetime.now(UTC)
     infos = list_remote(storage)
-    complete = [info for info in infos if info.status == "complete"]
-    if not complete:
-        return []
-    newest = complete[-1]
-    doomed = [info for info in complete[: -max(keep, 1)]]
-    doomed += [info for info in infos if info.status == "incomplete" and info.step < newest.step]
-    doomed = [info for info in doomed if info.name not in protected and info.name != newest.name]
     groups = _group_by_checkpoint(storage.list())
+    complete = [info for info in infos if info.status == "complete"]
+    newest = complete[-1].name if complete else None
+
+    def stale(name: str) -> bool:
+        written = [obj.modified for obj in groups.get(name, {}).values()]
+        # An object whose store gives no time counts as young: never delete what may be in use.
+        return all(when is not None and when + grace <= now for when in written)
+
+    doomed = [info for info in complete[: -max(keep, 1)]]
+    doomed += [info for info in infos if info.status == "incomplete" and stale(info.name)]
+    doomed = [info for info in doomed if info.name not in protected and info.name != newest]
     for info in doomed:
         keys = list(groups.get(info.name, {}))
         if MANIFEST in keys:

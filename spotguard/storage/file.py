@@ -7,6 +7,7 @@ import errno
 import os
 import shutil
 from collections.abc import Iterable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -72,7 +73,7 @@ class FileStorage:
 
     def stat(self, key: str) -> ObjectInfo | None:
         try:
-            return ObjectInfo(key=key, size=self._path(key).stat().st_size)
+            return _info(key, self._path(key).stat())
         except FileNotFoundError:
             return None
 
@@ -87,7 +88,7 @@ class FileStorage:
                 key = full.relative_to(self.root).as_posix()
                 if key.startswith(prefix):
                     try:
-                        yield ObjectInfo(key=key, size=full.stat().st_size)
+                        yield _info(key, full.stat())
                     except FileNotFoundError:
                         continue
 
@@ -108,3 +109,7 @@ class FileStorage:
 
     def close(self) -> None:
         pass
+
+
+def _info(key: str, stat: os.stat_result) -> ObjectInfo:
+    return ObjectInfo(key=key, size=stat.st_size, modified=datetime.fromtimestamp(stat.st_mtime, UTC))

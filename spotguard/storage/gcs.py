@@ -425,7 +425,7 @@ class GcsStorage:
             blob = self._get_blob(self._key(key))
         except ObjectNotFound:
             return None
-        return ObjectInfo(key, int(blob.size or 0), gcs_crc_to_hex(blob.crc32c))
+        return ObjectInfo(key, int(blob.size or 0), gcs_crc_to_hex(blob.crc32c), blob.updated)
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """Every object under ``prefix`` (paginated), with its CRC32C; upload parts are hidden."""
@@ -436,7 +436,7 @@ class GcsStorage:
                 key = blob.name[len(self.prefix) :]
                 if key.startswith(PARTS_DIR + "/"):
                     continue
-                yield ObjectInfo(key, int(blob.size or 0), gcs_crc_to_hex(blob.crc32c))
+                yield ObjectInfo(key, int(blob.size or 0), gcs_crc_to_hex(blob.crc32c), blob.updated)
         except StorageError:
             raise
         except Exception as exc:

@@ -556,7 +556,7 @@ class S3Storage:
 
     def stat(self, key: str) -> ObjectInfo | None:
         info = self._stat_full(self._key(key))
-        return None if info is None else ObjectInfo(key, info.size, info.crc32c)
+        return None if info is None else ObjectInfo(key, info.size, info.crc32c, info.modified)
 
     def _stat_full(self, full: str) -> ObjectInfo | None:
         try:
@@ -574,7 +574,7 @@ class S3Storage:
         # ("…-N", ChecksumType COMPOSITE) is a checksum of part checksums.
         if head.get("ChecksumCRC32C") and head.get("ChecksumType", "FULL_OBJECT") == "FULL_OBJECT":
             crc = _b64_to_hex(head["ChecksumCRC32C"])
-        return ObjectInfo(full[len(self.prefix) :], int(head["ContentLength"]), crc)
+        return ObjectInfo(full[len(self.prefix) :], int(head["ContentLength"]), crc, head.get("LastModified"))
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """Every object under ``prefix`` (ListObjectsV2, paginated; crc32c is not listed: None)."""
@@ -583,7 +583,7 @@ class S3Storage:
         try:
             for page in pages:
                 for obj in page.get("Contents", []):
-                    yield ObjectInfo(obj["Key"][len(self.prefix) :], int(obj["Size"]), None)
+                    yield ObjectInfo(obj["Key"][len(self.prefix) :], int(obj["Size"]), None, obj.get("LastModified"))
         except Exception as exc:
             if isinstance(exc, StorageError):
                 raise

@@ -1,11 +1,12 @@
 from __future__ import annotations
 
 import threading
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 
-from spotguard.manifest import MANIFEST, crc32c_of_bytes
+from spotguard.manifest import MANIFEST, crc32c_of_bytes, load_manifest
 from spotguard.storage.base import Progress, StorageError, TransientStorageError, retry
 from spotguard.storage.checkpoints import (
     UploadCancelled,
@@ -13,6 +14,7 @@ from spotguard.storage.checkpoints import (
     prune_remote,
     restore,
     upload_checkpoint,
+    upload_files,
     verify_remote,
 )
 from spotguard.storage.file import FileStorage
@@ -108,15 +110,24 @@ def test_restore_of_empty_bucket_is_none(tmp_path: Path, storage: FileStorage) -
     assert restore(storage, tmp_path / "restored") is None
 
 
-def test_prune_remote_keeps_newest_and_drops_stale_leftovers(tmp_path: Path, storage: FileStorage) -> None:
+def test_prune_remote_keeps_newest_and_drops_leftovers_past_the_grace(tmp_path: Path, storage: FileStorage) -> None:
     for step in (1, 2, 3, 4):
         write_checkpoint(tmp_path / "local", step, {"w.pt": bytes([step])})
         upload_checkpoint(storage, tmp_path / "local" / f"step-00000000{step}")
     (storage.root / "step-000000002" / MANIFEST).unlink()  # an upload that never committed
-    removed = prune_remote(storage, keep=2)
-    assert sorted(removed) == ["step-000000001", "step-000000002"]
+    newer = write_checkpoint(tmp_path / "local", 5, {"w.pt": b"5", "v.pt": b"55"})
+    upload_files(storage, newer, load_manifest(newer).files)  # a VM that died before the manifest went up
+    assert prune_remote(storage, keep=2) == ["step-000000001"]  # the leftovers are too young to tell
+    assert [i.status for i in list_remote(storage)] == ["incomplete", "complete", "complete", "incomplete"]
+
+    later = datetime.now(UTC) + timedelta(hours=1, seconds=1)
+    removed = prune_remote(storage, keep=2, now=later)
+    assert sorted(removed) == ["step-000000002", "step-000000005"]
     assert [(i.step, i.status) for i in list_remote(storage)] == [(3, "complete"), (4, "complete")]
-    assert prune_remote(storage, keep=1, protected=frozenset({"step-000000003"})) == []
+    assert not (storage.root / "step-000000005").exists()
+    assert prune_remote(storage, keep=1, protected=frozenset({"step-000000003"}), now=later) == []
+    assert prune_remote(storage, keep=1, grace=timedelta(0)) == ["step-000000003"]
+    assert [i.step for i in list_remote(storage)] == [4]  # the newest complete stays, whatever keep says
 
 
 def test_put_file_rejects_wrong_checksum(tmp_path: Path, storage: FileStorage) -> None:

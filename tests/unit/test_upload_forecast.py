@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from spotguard.cli import _upload_line
 from spotguard.daemon.uploader import Uploader
 from spotguard.manifest import FileEntry, crc32c_of_bytes
 from spotguard.notice import utcnow
@@ -114,7 +115,10 @@ def test_an_upload_too_slow_for_the_deadline_is_reported_before_it_misses(
     # 1 MiB at 400 KiB/s takes ~2.6 s; the deadline is 1 s away.
     reports, committed = asyncio.run(run_urgent_upload(tmp_path, 400 * KiB, 1.0, caplog))
     assert committed
-    assert any(r["will_meet_deadline"] is False for r in reports), reports
+    missing = [r for r in reports if r["will_meet_deadline"] is False]
+    assert missing, reports
+    line = _upload_line(missing[-1])  # what `spotguard status` prints
+    assert line.startswith("uploading step-000000007 (urgent): ") and line.endswith("will MISS it")
     assert all(r["urgent"] and r["total_known"] and r["bytes_total"] == 1024 * KiB for r in reports)
     done = [r["bytes_done"] for r in reports]
     assert done == sorted(done) and max(done) > 0  # type: ignore[type-var]
@@ -161,4 +165,5 @@ def test_files_sent_before_the_commit_show_in_the_forecast(tmp_path: Path) -> No
     assert all(r["name"] == "step-000000009" and r["total_known"] is False for r in reports)
     assert reports[-1]["bytes_total"] == 768 * KiB
     assert any(r["rate_bytes_s"] for r in reports) and any("deadline_s_left" in r for r in reports)
+    assert "(still being written)" in _upload_line(reports[-1])
     assert (tmp_path / "bucket" / "step-000000009" / "w.bin").stat().st_size == 768 * KiB
