@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -131,6 +132,13 @@ def main() -> None:
         emit("finished", step=step)
     if world > 1:
         dist.destroy_process_group()
+        # Leave without tearing down DDP: freeing its reducer drops the last reference to the gloo
+        # process group, whose destructor joins a gloo worker thread under the GIL while that thread
+        # waits for the GIL to free a finished all-reduce's tensors (torch 2.13; seen as a rank hung
+        # after rank 0 had finished). Every result is written and flushed by now.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
