@@ -71,6 +71,17 @@ def list_remote(
     """Checkpoints in the bucket, oldest first. Complete: a valid manifest whose files are all there
     with the right sizes (and checksums, where the store reports them). Manifests are read
     ``workers`` at a time; ``progress(examined, found)`` is called after each checkpoint."""
+    return _examine(storage, _group_by_checkpoint(storage.list()), progress=progress, workers=workers)
+
+
+def _examine(
+    storage: Storage,
+    groups: Mapping[str, dict[str, ObjectInfo]],
+    *,
+    progress: Callable[[int, int], None] | None = None,
+    workers: int = 8,
+) -> list[CheckpointInfo]:
+    """``list_remote`` for a listing already grouped by checkpoint."""
     lock = threading.Lock()
     examined = 0
 
@@ -92,7 +103,6 @@ def list_remote(
             return CheckpointInfo(name, step, "complete", manifest.total_bytes, manifest.created, manifest)
         return CheckpointInfo(name, step, "incomplete", sum(o.size for o in objects.values()), None)
 
-    groups = _group_by_checkpoint(storage.list())
     with ThreadPoolExecutor(max_workers=max(1, min(workers, len(groups) or 1))) as pool:
         infos = list(pool.map(lambda item: examine(*item), groups.items()))
     return sorted(infos, key=lambda info: info.step)
@@ -278,7 +288,8 @@ def _already_restored(step_dir: Path) -> bool:
 
 
 def _download(storage: Storage, info: CheckpointInfo, target: Path, *, streams: int, progress: Progress | None) -> None:
-    manifest = read_remote_manifest(storage, info.name)
+    # A complete listing entry carries the manifest it was judged by: no second GET for it.
+    manifest = info.manifest if info.manifest is not None else read_remote_manifest(storage, info.name)
     if target.exists():
         shutil.rmtree(target)
     target.mkdir(parents=True)
@@ -313,8 +324,8 @@ def prune_remote(
     touches the newest complete checkpoint or any name in ``protected`` (uploads in flight here).
     Manifests go first, so a half-deleted checkpoint is never mistaken for a complete one."""
     now = now or datetime.now(UTC)
-    infos = list_remote(storage)
-    groups = _group_by_checkpoint(storage.list())
+    groups = _group_by_checkpoint(storage.list())  # one listing serves both the status and the keys
+    infos = _examine(storage, groups)
     complete = [info for info in infos if info.status == "complete"]
     newest = complete[-1].name if complete else None
 

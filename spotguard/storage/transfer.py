@@ -137,7 +137,7 @@ def download_files(
         jobs = [(f, off, min(chunk, f.item.size - off)) for f in files for off in range(0, f.item.size, chunk)]
         with cf.ThreadPoolExecutor(max_workers=max(1, min(streams, len(jobs) or 1)), thread_name_prefix="get") as pool:
             futures = {pool.submit(fetch, *job): job[0] for job in jobs}
-            failed: set[int] = set()
+            missing: set[str] = set()  # keys of files the store no longer has
             try:
                 for future in cf.as_completed(futures):
                     exc = future.exception()
@@ -145,10 +145,10 @@ def download_files(
                         continue
                     if isinstance(exc, ObjectNotFound):
                         # One file gone is a finding about that file; the others still count.
-                        entry = futures[future]
-                        if id(entry) not in failed:
-                            failed.add(id(entry))
-                            problems.append(f"{entry.item.key}: {MISSING}")
+                        key = futures[future].item.key
+                        if key not in missing:
+                            missing.add(key)
+                            problems.append(f"{key}: {MISSING}")
                         continue
                     raise exc
             except BaseException:
@@ -156,7 +156,7 @@ def download_files(
                     f.cancel()
                 raise
         for entry in files:
-            if id(entry) in failed:
+            if entry.item.key in missing:
                 continue
             problem = _finish(entry)
             if problem:
