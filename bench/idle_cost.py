@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from spotguard.demo import Vm, wait_for
-from spotguard.emulate.common import RunningEmulator, start_emulator
+from spotguard.emulate.common import RunningEmulator
+from spotguard.emulate.registry import start_emulator
 
 PROVIDERS = ("none", "aws", "gcp", "azure")
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")

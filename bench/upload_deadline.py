@@ -53,7 +53,7 @@ from common import (
     write_results,
 )
 
-from spotguard.cli import request
+from spotguard.control import request
 from spotguard.demo import Vm, wait_for
 from spotguard.storage import open_storage
 from spotguard.storage.checkpoints import upload_checkpoint

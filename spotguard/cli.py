@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
-import os
-import socket
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -17,46 +14,11 @@ from typing import Any
 from urllib.parse import urlparse
 
 from spotguard import __version__, protocol
-from spotguard.config import DEFAULT_SOCKET, ConfigError, load_config
+from spotguard.config import ConfigError, load_config
+from spotguard.control import CommandError, daemon_socket, request
 from spotguard.manifest import CheckpointInfo, parse_step_dir, scan_local, verify_dir
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
-
-
-class CommandError(Exception):
-    """A failure with a one-line reason for the user (exit 1)."""
-
-
-# --- talking to the daemon ------------------------------------------------------------------
-
-
-def daemon_socket(explicit: str | None) -> Path:
-    return Path(explicit or os.environ.get("SPOTGUARD_SOCKET") or DEFAULT_SOCKET)
-
-
-def request(socket_path: Path, message_type: str, timeout: float = 5.0, **fields: Any) -> dict[str, Any]:
-    """One request/reply with the daemon."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(timeout)
-        try:
-            sock.connect(os.fspath(socket_path))
-        except OSError as exc:
-            raise CommandError(f"no spotguard daemon at {socket_path}: {exc.strerror or exc}") from None
-        buffer = b""
-        try:
-            # A daemon that refuses us answers with an error and hangs up, maybe before we finish sending.
-            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-                sock.sendall(protocol.encode(message_type, **fields))
-            while b"\n" not in buffer and (chunk := sock.recv(65536)):
-                buffer += chunk
-        except OSError as exc:
-            raise CommandError(f"talking to the daemon at {socket_path}: {exc}") from None
-    if b"\n" not in buffer:
-        raise CommandError("the daemon closed the connection without answering")
-    reply = protocol.decode(buffer.split(b"\n", 1)[0], allowed=protocol.DAEMON_TYPES)
-    if reply["type"] == "error":
-        raise CommandError(f"daemon: {reply['message']}")
-    return reply
 
 
 # --- locations: a local directory or a bucket URL ---------------------------------------------
@@ -323,7 +285,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def cmd_emulate(args: argparse.Namespace) -> int:
-    from spotguard.emulate import run_emulator_forever
+    from spotguard.emulate.registry import run_emulator_forever
 
     run_emulator_forever(args.provider, args.host, args.port, args.notice_after, args.action)
     return EXIT_OK

@@ -202,7 +202,7 @@ class Vm:
         wait_for(self._answers, 20, f"the daemon of {self.dir.name} to listen (log: {self.log})")
 
     def _answers(self) -> bool:
-        from spotguard.cli import CommandError, request
+        from spotguard.control import CommandError, request
 
         assert self.process is not None
         if self.process.poll() is not None:
@@ -214,7 +214,7 @@ class Vm:
         return True
 
     def status(self) -> dict[str, Any]:
-        from spotguard.cli import request
+        from spotguard.control import request
 
         return request(self.socket, "status")
 
@@ -307,7 +307,7 @@ def run_demo(steps: int = 240, notice_at: int = 100, keep_dir: str | None = None
             stdout=subprocess.DEVNULL,
         )
 
-        from spotguard.emulate import start_emulator
+        from spotguard.emulate.registry import start_emulator
 
         imds = start_emulator("aws")
         aws_args = ["--provider", "aws", "--metadata-url", imds.url, "--poll-interval", "1"]

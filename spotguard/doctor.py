@@ -303,7 +303,7 @@ def _imds_spot_state(base: str, token: str, timeout: float) -> str:
 
 
 def _check_socket(config: DaemonConfig, report: Callable[[Check], None]) -> None:
-    from spotguard.cli import CommandError, request
+    from spotguard.control import CommandError, request
 
     directory = config.socket.parent
     if not directory.exists():

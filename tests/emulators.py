@@ -13,7 +13,8 @@ from typing import Any, TypeVar
 
 import aiohttp
 
-from spotguard.emulate.common import RunningEmulator, start_emulator
+from spotguard.emulate.common import RunningEmulator
+from spotguard.emulate.registry import start_emulator
 from spotguard.monitors.base import MonitorError
 from spotguard.notice import Notice
 

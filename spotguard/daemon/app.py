@@ -21,6 +21,7 @@ from typing import Any
 
 from spotguard import __version__, protocol
 from spotguard.config import DaemonConfig, with_overrides
+from spotguard.daemon.events import MonitorErrorListener, NoticeListener, SavedListener
 from spotguard.daemon.notify import SystemdNotifier, watchdog_loop
 from spotguard.daemon.server import Peer, Reply, SocketServer
 from spotguard.daemon.uploader import Uploader
@@ -40,10 +41,6 @@ from spotguard.notice import Action, Kind, Notice, utcnow
 from spotguard.storage.base import Storage
 
 logger = logging.getLogger("spotguard.daemon")
-
-NoticeListener = Callable[[Notice, Action], Awaitable[None]]
-SavedListener = Callable[[str, Manifest], None]  # a trainer committed this checkpoint locally
-MonitorErrorListener = Callable[[str, BaseException], None]  # monitor name, what failed
 
 
 class EventLog:
@@ -141,6 +138,13 @@ class Daemon:
         self.monitor_errors: dict[str, str] = {}
         self._stopping = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def bucket_url(self) -> str | None:
+        return self.storage.url if self.storage is not None else None
+
+    def trainer_count(self) -> int:
+        return len(self.server.trainers())
 
     # --- notices -----------------------------------------------------------------------
 

@@ -27,13 +27,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 
+from spotguard.daemon.events import DaemonEvents
 from spotguard.manifest import Manifest
 from spotguard.notice import Action, Notice
 
 if TYPE_CHECKING:
     from aiohttp import web
 
-    from spotguard.daemon.app import Daemon
 
 logger = logging.getLogger("spotguard.metrics")
 
@@ -120,7 +120,7 @@ class DaemonMetrics:
         self._live = _LiveCollector()
         registry.register(self._live)
 
-    def attach(self, daemon: Daemon) -> None:
+    def attach(self, daemon: DaemonEvents) -> None:
         daemon.notice_listeners.append(self.on_notice)
         daemon.saved_listeners.append(self.on_saved)
         daemon.monitor_error_listeners.append(self.on_monitor_error)
@@ -140,7 +140,7 @@ class DaemonMetrics:
             # A soft notice is over once its time has passed; a hard one holds (the daemon keeps it).
             return left if left > 0 or pending[1] is Action.STOP else None
 
-        self._live.trainers = lambda: len(daemon.server.trainers())
+        self._live.trainers = daemon.trainer_count
         self._live.pending_seconds = pending_seconds
 
     # --- listeners (all on the daemon's loop; none blocks) --------------------------------

@@ -16,13 +16,14 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from spotguard.daemon.events import CommittedListener, UploadFailureListener
 from spotguard.manifest import (
     FileEntry,
     Manifest,
@@ -47,9 +48,6 @@ from spotguard.storage.checkpoints import (
 )
 
 logger = logging.getLogger("spotguard.uploader")
-
-OnCommitted = Callable[[str, Manifest, float], Awaitable[None]]
-OnFailure = Callable[[str, BaseException], None]  # checkpoint name, what went wrong; must not block
 
 
 @dataclass(order=True)
@@ -94,8 +92,8 @@ class Uploader:
         self.committed: set[str] = set()  # complete in the bucket
         self.shares_uploaded: set[str] = set()  # multi-node: this node's share is in the bucket
         self.other_nodes_timeout = 600.0  # how long node 0 waits for the others' shares (without a notice)
-        self.on_committed: list[OnCommitted] = []
-        self.on_failure: list[OnFailure] = []
+        self.on_committed: list[CommittedListener] = []
+        self.on_failure: list[UploadFailureListener] = []
         self.last_committed: dict[str, Any] | None = None
         self.failures: list[dict[str, Any]] = []
         self._queued: dict[str, _Job] = {}

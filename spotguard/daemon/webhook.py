@@ -37,13 +37,13 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from spotguard.config import WEBHOOK_FIELDS
+from spotguard.daemon.events import DaemonEvents
 from spotguard.manifest import Manifest
 from spotguard.notice import Action, Notice, utcnow
 
 if TYPE_CHECKING:
     import aiohttp
 
-    from spotguard.daemon.app import Daemon
 
 logger = logging.getLogger("spotguard.webhook")
 
@@ -124,8 +124,8 @@ class WebhookNotifier:
         self._queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(_MAX_QUEUED)
         self._worker: asyncio.Task[None] | None = None
 
-    def attach(self, daemon: Daemon) -> None:
-        self.bucket = daemon.storage.url if daemon.storage is not None else None
+    def attach(self, daemon: DaemonEvents) -> None:
+        self.bucket = daemon.bucket_url
         daemon.notice_listeners.append(self.on_notice)
         daemon.saved_listeners.append(self.on_saved)
         daemon.uploader.on_committed.append(self.on_committed)

@@ -27,8 +27,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import signal
-import sys
 import threading
 import urllib.request
 from collections.abc import Awaitable, Callable, Coroutine
@@ -251,27 +249,7 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
     return data
 
 
-def make_emulator(
-    provider: str, notice_after: float | None = None, action: str | None = None, **options: Any
-) -> Emulator:
-    """The emulator for ``provider`` ("aws", "gcp" or "azure")."""
-    # Imported here because each provider module imports this one.
-    if provider == "aws":
-        from spotguard.emulate.aws import AwsEmulator
-
-        return AwsEmulator(notice_after=notice_after, action=action, **options)
-    if provider == "gcp":
-        from spotguard.emulate.gcp import GcpEmulator
-
-        return GcpEmulator(notice_after=notice_after, action=action, **options)
-    if provider == "azure":
-        from spotguard.emulate.azure import AzureEmulator
-
-        return AzureEmulator(notice_after=notice_after, action=action, **options)
-    raise ValueError(f"no emulator for provider {provider!r} (aws, gcp or azure)")
-
-
-async def _start_site(emulator: Emulator, host: str, port: int) -> tuple[web.AppRunner, str]:
+async def start_site(emulator: Emulator, host: str, port: int) -> tuple[web.AppRunner, str]:
     # No access log: tests poll the emulators hundreds of times a second. A client that hangs up
     # ends its long-poll (handler_cancellation), and stopping does not wait out long-polls.
     runner = web.AppRunner(
@@ -317,7 +295,7 @@ class RunningEmulator:
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
         try:
-            self._runner, self.url = self._loop.run_until_complete(_start_site(self.emulator, self._host, self._port))
+            self._runner, self.url = self._loop.run_until_complete(start_site(self.emulator, self._host, self._port))
         except BaseException as exc:  # reported to start() in the caller's thread
             self._error = exc
             self._ready.set()
@@ -370,46 +348,3 @@ class RunningEmulator:
 
     def __exit__(self, *_exc: object) -> None:
         self.stop()
-
-
-def start_emulator(
-    provider: str, notice_after: float | None = None, action: str | None = None, **options: Any
-) -> RunningEmulator:
-    """Start an emulator on 127.0.0.1 with a random port, in a background thread.
-
-    >>> emu = start_emulator("aws", notice_after=5, action="stop")
-    >>> emu.url                                   # e.g. http://127.0.0.1:41235
-    >>> emu.inject({"kind": "status", "status": 500, "count": 2})
-    >>> emu.stop()
-    """
-    return RunningEmulator(make_emulator(provider, notice_after, action, **options)).start()
-
-
-async def serve(
-    provider: str, host: str, port: int, notice_after: float | None = None, action: str | None = None
-) -> None:
-    """Serve an emulator until cancelled."""
-    emulator = make_emulator(provider, notice_after, action)
-    runner, url = await _start_site(emulator, host, port)
-    print(f"spotguard {provider} metadata emulator on {url}", flush=True)
-    print(f"  e.g. spotguard run --provider {provider} --metadata-url {url}", flush=True)
-    try:
-        await asyncio.Event().wait()
-    finally:
-        await runner.cleanup()
-
-
-def run_emulator_forever(provider: str, host: str, port: int, notice_after: float | None, action: str | None) -> None:
-    """``spotguard emulate``: serve until SIGINT/SIGTERM, printing the URL on stdout."""
-
-    async def main() -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, task.cancel)
-        with contextlib.suppress(asyncio.CancelledError):
-            await serve(provider, host, port, notice_after, action)
-        print("emulator stopped", file=sys.stderr, flush=True)
-
-    asyncio.run(main())

@@ -16,7 +16,7 @@ from typing import IO
 import pytest
 import torch
 
-from spotguard.cli import request
+from spotguard.control import request
 from spotguard.demo import Vm, compare_final, wait_for
 from spotguard.manifest import load_manifest, scan_local
 

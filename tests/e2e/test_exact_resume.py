@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from spotguard.cli import request
+from spotguard.control import request
 from spotguard.demo import BATCH, SAMPLES, Vm, compare_final, trainer_command, wait_for
 
 STEPS = 30  # 12 steps per epoch: the run crosses two epoch boundaries

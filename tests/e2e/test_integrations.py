@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from spotguard.cli import request
+from spotguard.control import request
 from spotguard.demo import Vm, compare_final, wait_for
 from spotguard.manifest import CheckpointWriter, load_manifest, scan_local, verify_dir
 from tests.e2e.integration_trainers import STEPS_PER_EPOCH

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from spotguard import Guard
-from spotguard.cli import request
+from spotguard.control import request
 from spotguard.demo import Vm, wait_for
 from spotguard.storage.checkpoints import list_remote
 from spotguard.storage.file import FileStorage

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from spotguard import protocol
-from spotguard.cli import request
+from spotguard.control import request
 from spotguard.demo import Vm
 
 

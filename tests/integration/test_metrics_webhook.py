@@ -15,8 +15,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from spotguard import Guard
-from spotguard.cli import request
 from spotguard.config import ConfigError, DaemonConfig, parse_webhook_template
+from spotguard.control import request
 from spotguard.daemon.webhook import render
 from spotguard.demo import Vm, wait_for
 

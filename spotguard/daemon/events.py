@@ -1,0 +1,55 @@
+"""What the daemon tells its observers (metrics, webhook): listener types and the narrow view they attach to.
+
+Observers depend on this Protocol, not on :class:`spotguard.daemon.app.Daemon`, so the daemon can import
+them and they never import it back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+from spotguard.manifest import Manifest
+from spotguard.notice import Action, Notice
+
+NoticeListener = Callable[[Notice, Action], Awaitable[None]]
+SavedListener = Callable[[str, Manifest], None]  # a trainer committed this checkpoint locally
+MonitorErrorListener = Callable[[str, BaseException], None]  # monitor name, what failed
+CommittedListener = Callable[[str, Manifest, float], Awaitable[None]]  # name, manifest, upload seconds
+UploadFailureListener = Callable[[str, BaseException], None]  # checkpoint name, what went wrong; must not block
+
+
+class UploaderEvents(Protocol):
+    on_committed: list[CommittedListener]
+    on_failure: list[UploadFailureListener]
+    last_committed: dict[str, Any] | None
+
+
+class DaemonEvents(Protocol):
+    """The part of the daemon an observer sees: listener lists and a few live values."""
+
+    notice_listeners: list[NoticeListener]
+    saved_listeners: list[SavedListener]
+    monitor_error_listeners: list[MonitorErrorListener]
+
+    @property
+    def uploader(self) -> UploaderEvents: ...
+
+    @property
+    def pending(self) -> tuple[Notice, Action] | None: ...
+
+    @property
+    def bucket_url(self) -> str | None: ...
+
+    def trainer_count(self) -> int: ...
+
+
+__all__ = [
+    "CommittedListener",
+    "DaemonEvents",
+    "MonitorErrorListener",
+    "NoticeListener",
+    "SavedListener",
+    "UploadFailureListener",
+    "UploaderEvents",
+]

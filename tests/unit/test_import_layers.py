@@ -1,0 +1,68 @@
+"""Module pairs that once imported each other stay one-way.
+
+Each module is imported in a fresh interpreter (what it pulls in at import time), and its source is read for
+imports anywhere in it, function bodies and ``TYPE_CHECKING`` blocks included (what it pulls in later).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import spotguard
+
+PACKAGE = Path(spotguard.__file__).parent
+
+# (importer, modules it must never import): the second of each once imported the first back.
+ONE_WAY = [
+    ("spotguard.demo", ["spotguard.cli"]),
+    ("spotguard.doctor", ["spotguard.cli"]),
+    ("spotguard.control", ["spotguard.cli", "spotguard.demo", "spotguard.doctor"]),
+    ("spotguard.daemon.metrics", ["spotguard.daemon.app"]),
+    ("spotguard.daemon.webhook", ["spotguard.daemon.app"]),
+    ("spotguard.daemon.events", ["spotguard.daemon.app"]),
+    ("spotguard.emulate.common", ["spotguard.emulate.aws", "spotguard.emulate.gcp", "spotguard.emulate.azure"]),
+]
+
+
+def _source_of(module: str) -> Path:
+    return PACKAGE.parent / (module.replace(".", "/") + ".py")
+
+
+def _imported_names(module: str) -> set[str]:
+    """Every module named by an import statement in ``module``'s source, wherever it stands."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(_source_of(module).read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def _loaded_after_import(module: str) -> set[str]:
+    code = f"import json, sys; import {module}; print(json.dumps(sorted(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return set(json.loads(result.stdout))
+
+
+@pytest.mark.parametrize(("module", "forbidden"), ONE_WAY, ids=[module for module, _ in ONE_WAY])
+def test_module_does_not_import_its_former_partner(module: str, forbidden: list[str]) -> None:
+    loaded = _loaded_after_import(module)
+    named = _imported_names(module)
+    for other in forbidden:
+        assert other not in loaded, f"importing {module} loads {other}"
+        assert other not in named, f"{module} imports {other} somewhere in its source"
+
+
+def test_the_other_direction_still_works() -> None:
+    """The one-way arrows are real: the dispatcher reaches the commands, the daemon its observers."""
+    assert "spotguard.control" in _imported_names("spotguard.cli")
+    assert "spotguard.daemon.events" in _imported_names("spotguard.daemon.metrics")
+    assert "spotguard.emulate.aws" in _imported_names("spotguard.emulate.registry")
