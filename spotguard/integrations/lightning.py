@@ -100,16 +100,14 @@ class SpotguardCallback(pl.Callback):
         settings = trainer_settings(
             self._guard_kwargs["checkpoint_dir"], self._guard_kwargs["bucket"], self._guard_kwargs["socket"]
         )
-        root = settings.checkpoint_dir or self._root_from_daemon()
+        if settings.checkpoint_dir is not None:
+            root = settings.checkpoint_dir
+        else:
+            from spotguard.trainer.guard import ask_daemon_for_root
+
+            root = ask_daemon_for_root(settings.socket)
         found = find_resumable(root, settings.bucket, FRAMEWORK, local_rank=env_local_rank())
         return str(found) if found is not None else None
-
-    def _root_from_daemon(self) -> Path:
-        from spotguard.trainer.guard import Guard
-
-        probe = Guard(**{**self._guard_kwargs, "every_steps": None, "every_seconds": None}, handle_sigterm=False)
-        probe.close()
-        return probe.checkpoint_dir
 
     # --- lifetime ----------------------------------------------------------------------------
 

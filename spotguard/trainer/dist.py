@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 from typing import Any, TypeVar
@@ -22,6 +23,20 @@ def rank() -> int:
 
 def world_size() -> int:
     return dist.get_world_size() if active() else 1
+
+
+def check_initialised() -> None:
+    """Refuse to go on as rank 0 of 1 in a process launched as one of several (torchrun, Slurm with WORLD_SIZE).
+
+    Every such process would write the same files and commit the same step as if alone.
+    """
+    declared = os.environ.get("WORLD_SIZE", "1").strip() or "1"
+    if declared.isdigit() and int(declared) > 1 and not active():
+        raise RuntimeError(
+            f"spotguard: this process is one of WORLD_SIZE={declared}, but torch.distributed is not initialised; "
+            "create the Guard after torch.distributed.init_process_group() (otherwise every process acts as "
+            "rank 0 of 1 and they all write the same checkpoint)"
+        )
 
 
 def barrier() -> None:

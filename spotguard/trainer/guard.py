@@ -49,6 +49,26 @@ def check_periodic(every_steps: int | None, every_seconds: float | None) -> None
         raise ValueError(f"every_seconds must be > 0, got {every_seconds}")
 
 
+def root_of(client: DaemonClient, socket_path: Path, wait: float) -> Path:
+    """The checkpoint root the daemon behind ``client`` serves (its welcome says it)."""
+    if client.welcomed.wait(wait) and client.welcome:
+        return Path(client.welcome["checkpoint_dir"])
+    raise ValueError(
+        "Guard needs a checkpoint directory: pass checkpoint_dir=, set SPOTGUARD_CHECKPOINT_DIR, "
+        f"or run the spotguard daemon (no answer on {socket_path})"
+    )
+
+
+def ask_daemon_for_root(socket_path: Path, wait: float = 2.0) -> Path:
+    """The daemon's checkpoint root, asked before any Guard exists (and before torch.distributed is up)."""
+    hello = {"rank": 0, "world_size": 1, "pid": os.getpid(), "checkpoint_dir": ""}
+    client = DaemonClient(socket_path, hello, lambda _message: None).start()
+    try:
+        return root_of(client, socket_path, wait)
+    finally:
+        client.close()
+
+
 class Guard:
     """Checkpoint when the VM is about to go away, and resume exactly where training stopped.
 
@@ -80,6 +100,7 @@ class Guard:
         daemon_wait: float = 2.0,
     ) -> None:
         check_periodic(every_steps, every_seconds)
+        dist.check_initialised()
         settings = trainer_settings(checkpoint_dir, bucket, socket)
         self.bucket = settings.bucket
         self.every_steps = every_steps
@@ -112,22 +133,17 @@ class Guard:
         }
         self.client = DaemonClient(settings.socket, hello, self._on_daemon_message).start()
         if root is None:
-            root = self._root_from_daemon(settings.socket, daemon_wait)
+            try:
+                root = root_of(self.client, settings.socket, daemon_wait)
+            except ValueError:
+                self.client.close()
+                raise
         self.checkpoint_dir = root
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
 
         self._previous_handler: Any = None
         if handle_sigterm and threading.current_thread() is threading.main_thread():
             self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
-
-    def _root_from_daemon(self, socket_path: Path, wait: float) -> Path:
-        if self.client.welcomed.wait(wait) and self.client.welcome:
-            return Path(self.client.welcome["checkpoint_dir"])
-        self.client.close()
-        raise ValueError(
-            "Guard needs a checkpoint directory: pass checkpoint_dir=, set SPOTGUARD_CHECKPOINT_DIR, "
-            f"or run the spotguard daemon (no answer on {socket_path})"
-        )
 
     # --- flags, set from other threads ---------------------------------------------------
 
