@@ -82,14 +82,14 @@ def commit_external(guard: Guard, step: int, meta: Mapping[str, Any]) -> Iterato
         logger.info("spotguard: %s is already committed; not writing it again", writer.dir.name)
         guard._after_save(step, writer.dir, reason, notice)
         raise AlreadyCommitted(writer.dir) from None
-    yield writer.dir
-    dist.barrier()  # every rank's files are in place
-    if guard.rank == 0:
-        for relpath in _files_under(writer.dir):
-            _fsync_file(writer.dir / relpath)  # frameworks write without fsync; the manifest must not lie
-            writer.add_existing(relpath)
-        writer.commit()
-    dist.barrier()  # nobody goes on (or exits) before the commit
+    with dist.settled(f"writing {writer.dir.name}"):  # every rank's files are in place, or all ranks hear why not
+        yield writer.dir
+    with dist.settled(f"committing {writer.dir.name}"):  # nobody goes on (or exits) before the commit
+        if guard.rank == 0:
+            for relpath in _files_under(writer.dir):
+                _fsync_file(writer.dir / relpath)  # frameworks write without fsync; the manifest must not lie
+                writer.add_existing(relpath)
+            writer.commit()
     guard._after_save(step, writer.dir, reason, notice)
 
 

@@ -141,12 +141,15 @@ class SpotguardCallback(transformers.TrainerCallback):
         self._save_step = None
         # Where Trainer._save_checkpoint wrote it (hyperparameter search runs are not supported).
         written = Path(args.output_dir) / f"{_PREFIX}-{step}"
-        if guard.rank == 0 and not written.is_dir():
-            raise FileNotFoundError(f"spotguard: the Trainer's checkpoint {written} is not where it should be")
         relpath = written.name
         try:
             with commit_external(guard, step, {"framework": FRAMEWORK, "resume": relpath}) as step_dir:
                 if guard.rank == 0:
+                    # Raised inside the commit, so every rank hears of it instead of waiting for rank 0.
+                    if not written.is_dir():
+                        raise FileNotFoundError(
+                            f"spotguard: the Trainer's checkpoint {written} is not where it should be"
+                        )
                     # A rename when output_dir is the root (the usual case): nothing is copied.
                     shutil.move(written, step_dir / relpath)
         except AlreadyCommitted as exc:

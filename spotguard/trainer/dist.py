@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -58,6 +60,40 @@ def agree_any(flags: list[bool]) -> list[bool]:
     tensor = torch.tensor([int(flag) for flag in flags], dtype=torch.int32, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return [bool(value) for value in tensor.tolist()]
+
+
+class RankFailed(RuntimeError):
+    """One or more ranks failed a step every rank takes part in; every rank raises this, with the same text."""
+
+
+def agree_ok(what: str, error: BaseException | None) -> None:
+    """Collective: every rank reports whether its part of ``what`` succeeded, before the next collective.
+
+    Without this, a rank that raised leaves the others waiting in that collective until the process
+    group times out. If any rank failed, every rank raises the same :class:`RankFailed` naming each
+    failed rank and its error. Without ``torch.distributed`` the error is raised as it is.
+    """
+    if not active():
+        if error is not None:
+            raise error
+        return
+    if not agree_any([error is not None])[0]:
+        return
+    reports: list[Any] = [None] * world_size()
+    dist.all_gather_object(reports, None if error is None else f"{type(error).__name__}: {error}")
+    failures = "; ".join(f"rank {r}: {report}" for r, report in enumerate(reports) if report is not None)
+    raise RankFailed(f"spotguard: {what} failed on {failures}") from error
+
+
+@contextmanager
+def settled(what: str) -> Iterator[None]:
+    """Run the block on every rank, then :func:`agree_ok` on its outcome (a barrier when all went well)."""
+    error: Exception | None = None
+    try:
+        yield
+    except Exception as exc:
+        error = exc
+    agree_ok(what, error)
 
 
 def broadcast_object(value: T) -> T:

@@ -304,15 +304,16 @@ class Guard:
         """Rank 0 clears leftovers and makes the fresh step directory; every rank learns whether the step
         is already committed (raises :class:`CheckpointExists` on all ranks alike). Collective."""
         exists = False
-        if self.rank == 0:
-            # Leftovers of a writer killed mid-save; the daemon never loads or uploads them.
-            removed = remove_incomplete(self.checkpoint_dir, except_names=frozenset({writer.dir.name}))
-            if removed:
-                logger.info("spotguard: removed incomplete checkpoints %s", ", ".join(removed))
-            try:
-                writer.prepare()
-            except CheckpointExists:
-                exists = True
+        with dist.settled(f"preparing {writer.dir.name}"):
+            if self.rank == 0:
+                # Leftovers of a writer killed mid-save; the daemon never loads or uploads them.
+                removed = remove_incomplete(self.checkpoint_dir, except_names=frozenset({writer.dir.name}))
+                if removed:
+                    logger.info("spotguard: removed incomplete checkpoints %s", ", ".join(removed))
+                try:
+                    writer.prepare()
+                except CheckpointExists:
+                    exists = True
         # Also keeps the other ranks from writing before rank 0 has made the directory.
         if dist.agree_any([exists])[0]:
             raise CheckpointExists(str(writer.dir))
@@ -330,10 +331,9 @@ class Guard:
             self._node_leader = save_sharded(writer, payloads.state, announce=announce)
         else:
             write_payloads(writer, payloads, on_file=lambda name: announce(name, writer.files[name]))
-        if self.rank == 0:
-            writer.commit()
-        if per_rank:
-            dist.barrier()  # nobody goes on (or exits) before the commit
+        with dist.settled(f"committing {writer.dir.name}"):  # nobody goes on (or exits) before the commit
+            if self.rank == 0:
+                writer.commit()
 
     def _mark_saved(self, step: int, notice: dict[str, Any] | None) -> None:
         """Bookkeeping at the step the save is taken: the notice is handled, the periodic clock restarts."""
@@ -382,20 +382,24 @@ class Guard:
         """
         check_state(state)
         self.wait(raise_error=False)  # a periodic save still being written may be the newest
-        chosen = self._choose_checkpoint() if self.rank == 0 else None
+        chosen: str | None = None
+        with dist.settled("choosing a checkpoint to resume"):
+            if self.rank == 0:
+                chosen = self._choose_checkpoint()
         chosen = dist.broadcast_object(chosen)
         if chosen is None:
             return 0
         step_dir = self.checkpoint_dir / chosen
-        if dist.is_node_leader(self.checkpoint_dir) and verify_dir(step_dir, checksums=False):
-            # Not whole on this disk (another node, or only this node's share): fetch what rank 0 chose.
-            self._restore_from_bucket(step=parse_step_dir(chosen))
-        dist.barrier()  # the node's leader has fetched it for everyone on this disk
-        manifest = load_manifest(step_dir)
-        if manifest.meta.get("layout") == LAYOUT:
-            load_sharded(step_dir, manifest, state)
-        else:
-            read_state(step_dir, manifest, state)
+        with dist.settled(f"fetching {chosen}"):  # the node's leader fetches it for everyone on this disk
+            if dist.is_node_leader(self.checkpoint_dir) and verify_dir(step_dir, checksums=False):
+                # Not whole on this disk (another node, or only this node's share): fetch what rank 0 chose.
+                self._restore_from_bucket(step=parse_step_dir(chosen))
+        with dist.settled(f"loading {chosen}"):
+            manifest = load_manifest(step_dir)
+            if manifest.meta.get("layout") == LAYOUT:
+                load_sharded(step_dir, manifest, state)
+            else:
+                read_state(step_dir, manifest, state)
         self._last_save_step = manifest.step
         logger.info("spotguard: resumed from %s (%s)", step_dir, manifest.reason)
         return manifest.step

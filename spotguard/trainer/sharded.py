@@ -84,17 +84,20 @@ def save_sharded(
     """
     rank = dist.rank()
     model, optimizers, rest = _parts(state)
-    tree = _tree(state, model, optimizers)
-    if tree:
-        dcp.save(tree, storage_writer=dcp.FileSystemWriter(writer.dir, sync_files=True, overwrite=False))
     mine: dict[str, FileEntry] = {}
-    for path in sorted(writer.dir.iterdir()):
-        if path.name.startswith(f"__{rank}_") or (rank == 0 and path.name == ".metadata"):
-            mine[path.name] = FileEntry(size=path.stat().st_size, crc32c=crc32c_of_file(path))
-            announce(path.name, mine[path.name])
-    per_rank = Payloads({key: state[key] for key in rest})
-    write_payloads(writer, per_rank, rank=rank, on_file=lambda name: announce(name, writer.files[name]))
-    mine.update(writer.files)
+    # Every rank hears of a rank whose write failed, instead of waiting for it in the gather below.
+    with dist.settled(f"writing {writer.dir.name}"):
+        tree = _tree(state, model, optimizers)
+        if tree:
+            dcp.save(tree, storage_writer=dcp.FileSystemWriter(writer.dir, sync_files=True, overwrite=False))
+        # On another node's disk the directory exists only once DCP (or the first file) made it.
+        for path in sorted(writer.dir.iterdir()) if writer.dir.is_dir() else []:
+            if path.name.startswith(f"__{rank}_") or (rank == 0 and path.name == ".metadata"):
+                mine[path.name] = FileEntry(size=path.stat().st_size, crc32c=crc32c_of_file(path))
+                announce(path.name, mine[path.name])
+        per_rank = Payloads({key: state[key] for key in rest})
+        write_payloads(writer, per_rank, rank=rank, on_file=lambda name: announce(name, writer.files[name]))
+        mine.update(writer.files)
     # A node is the set of ranks writing to one local disk: same host, same checkpoint root.
     node_key = (socket.gethostname(), str(writer.root.resolve()))
     gathered: list[tuple[tuple[str, str], dict[str, FileEntry]] | None] = [None] * dist.world_size()
@@ -103,9 +106,10 @@ def save_sharded(
     nodes = list(dict.fromkeys(key for key, _ in shares))  # in order of their lowest rank
     node = nodes.index(node_key)
     leader = [key for key, _ in shares].index(node_key)
-    if len(nodes) > 1 and rank == leader:
-        node_files = {name: entry for key, entries in shares if key == node_key for name, entry in entries.items()}
-        write_part(writer.dir, node, len(nodes), node_files)
+    with dist.settled(f"committing this node's share of {writer.dir.name}"):
+        if len(nodes) > 1 and rank == leader:
+            node_files = {name: entry for key, entries in shares if key == node_key for name, entry in entries.items()}
+            write_part(writer.dir, node, len(nodes), node_files)
     if rank == 0:
         for _, entries in shares:
             writer.files.update(entries)
