@@ -72,6 +72,8 @@ class DaemonConfig:
     on_rebalance: Action = Action.CHECKPOINT
     on_maintenance: Action = Action.CHECKPOINT
     imds_v1_fallback: bool = False  # AWS: fall back to IMDSv1 if no token can be had
+    asg_lifecycle_hook: str | None = None  # AWS: complete this termination lifecycle hook after the commit
+    asg_name: str | None = None  # AWS: the Auto Scaling group; None = the instance's aws:autoscaling:groupName tag
     vm_name: str | None = None  # Azure: this VM's name in Scheduled Events `Resources`; None = ask IMDS
     log_level: str = "info"
     metrics_port: int | None = None  # Prometheus /metrics on this port; None = off, 0 = any free port

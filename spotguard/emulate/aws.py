@@ -18,6 +18,10 @@ Control API (see :mod:`spotguard.emulate.common`) extras:
   ``{"kind": "maintenance", "event_id": "...", "code": "system-reboot", "in": 3600, "state": "active"}``,
   ``{"kind": "lifecycle", "state": "Terminated"}``.
 * ``POST /_emulator/expire-tokens``: every token handed out so far becomes invalid (401).
+
+It also answers ``instance-id`` and ``placement/region`` and, at ``POST /``, the two Auto Scaling API calls
+spotguard makes (Query protocol): ``DescribeAutoScalingInstances`` (this instance is in ``ASG_NAME`` unless
+``in_asg=False``) and ``CompleteLifecycleAction``; ``GET /_emulator/lifecycle-actions`` lists the latter.
 """
 
 from __future__ import annotations
@@ -37,6 +41,10 @@ META = "/latest/meta-data/"
 TTL_HEADER = "X-aws-ec2-metadata-token-ttl-seconds"
 TOKEN_HEADER = "X-aws-ec2-metadata-token"
 MAX_TTL = 21600
+INSTANCE_ID = "i-0123456789abcdef0"
+REGION = "us-east-1"
+ASG_NAME = "spotguard-trainers"
+AUTOSCALING_XMLNS = "http://autoscaling.amazonaws.com/doc/2011-01-01/"
 SPOT_ACTIONS = ("terminate", "stop", "hibernate")
 
 
@@ -64,6 +72,7 @@ class AwsEmulator(Emulator):
         self.imds_v1 = imds_v1
         self.in_asg = in_asg
         self.tokens: dict[str, float] = {}  # token -> monotonic expiry
+        self.lifecycle_actions: list[dict[str, str]] = []  # CompleteLifecycleAction calls, as received
         self.clear()
 
     def clear(self) -> None:
@@ -124,7 +133,10 @@ class AwsEmulator(Emulator):
         app.router.add_get(META + "events/maintenance/scheduled", self._maintenance)
         app.router.add_get(META + "autoscaling/target-lifecycle-state", self._lifecycle)
         app.router.add_get(META + "instance-id", self._instance_id)
+        app.router.add_get(META + "placement/region", self._region)
+        app.router.add_post("/", self._autoscaling_api)
         app.router.add_post("/_emulator/expire-tokens", self._expire_tokens)
+        app.router.add_get("/_emulator/lifecycle-actions", self._control_lifecycle_actions)
 
     async def _put_token(self, request: web.Request) -> web.Response:
         raw = request.headers.get(TTL_HEADER)
@@ -184,4 +196,47 @@ class AwsEmulator(Emulator):
     async def _instance_id(self, request: web.Request) -> web.Response:
         if denied := self._guarded(request):
             return denied
-        return web.Response(text="i-0123456789abcdef0")
+        return web.Response(text=INSTANCE_ID)
+
+    async def _region(self, request: web.Request) -> web.Response:
+        return self._guarded(request) or web.Response(text=REGION)
+
+    async def _autoscaling_api(self, request: web.Request) -> web.Response:
+        form = {key: str(value) for key, value in (await request.post()).items()}
+        action = form.pop("Action", None)
+        form.pop("Version", None)
+        if action == "DescribeAutoScalingInstances":
+            member = (
+                f"<member><InstanceId>{INSTANCE_ID}</InstanceId><AutoScalingGroupName>{ASG_NAME}"
+                "</AutoScalingGroupName><LifecycleState>Terminating:Wait</LifecycleState></member>"
+            )
+            listed = form.get("InstanceIds.member.1") == INSTANCE_ID and self.in_asg
+            return _autoscaling_reply(
+                action, f"<AutoScalingInstances>{member if listed else ''}</AutoScalingInstances>"
+            )
+        if action != "CompleteLifecycleAction":
+            return _autoscaling_error("InvalidAction", f"not emulated: {action!r}")
+        missing = [k for k in ("LifecycleHookName", "AutoScalingGroupName", "LifecycleActionResult") if k not in form]
+        if missing or not ("InstanceId" in form or "LifecycleActionToken" in form):
+            return _autoscaling_error("ValidationError", f"missing {', '.join(missing) or 'InstanceId'}")
+        self.lifecycle_actions.append(form)
+        return _autoscaling_reply(action, "")
+
+    async def _control_lifecycle_actions(self, _request: web.Request) -> web.Response:
+        return web.json_response(self.lifecycle_actions)
+
+
+def _autoscaling_reply(action: str, result: str) -> web.Response:
+    body = (
+        f'<{action}Response xmlns="{AUTOSCALING_XMLNS}"><{action}Result>{result}</{action}Result>'
+        f"<ResponseMetadata><RequestId>{uuid.uuid4()}</RequestId></ResponseMetadata></{action}Response>"
+    )
+    return web.Response(text=body, content_type="text/xml")
+
+
+def _autoscaling_error(code: str, message: str) -> web.Response:
+    body = (
+        f'<ErrorResponse xmlns="{AUTOSCALING_XMLNS}"><Error><Type>Sender</Type><Code>{code}</Code>'
+        f"<Message>{message}</Message></Error><RequestId>{uuid.uuid4()}</RequestId></ErrorResponse>"
+    )
+    return web.Response(status=400, text=body, content_type="text/xml")

@@ -18,6 +18,12 @@ earliest deadline); :meth:`AwsMonitor.check` returns the first of those, which i
 :class:`~spotguard.monitors.base.Monitor` Protocol asks for. Event ids come from what EC2 announces
 (action + time, ``noticeTime``, ``EventId``, the lifecycle state), never from the poll time.
 
+Auto Scaling: with a termination lifecycle hook named in ``asg_lifecycle_hook``, the group waits (up to
+the hook's heartbeat timeout) for ``CompleteLifecycleAction``. :meth:`AwsMonitor.acknowledge` sends it
+(``CONTINUE``) once the lifecycle notice's checkpoint is committed in the bucket, as
+aws-node-termination-handler does once a node is drained. The group's name comes from ``asg_name`` or,
+unset, from ``DescribeAutoScalingInstances`` for this instance.
+
 Errors: if any path yields a notice, the notices are returned and failures on the other paths are
 only logged (a broken rebalance path must not hide an interruption). If none does and any path
 failed, :class:`MonitorError` is raised.
@@ -57,6 +63,8 @@ SPOT_PATH = "spot/instance-action"
 REBALANCE_PATH = "events/recommendations/rebalance"
 MAINTENANCE_PATH = "events/maintenance/scheduled"
 LIFECYCLE_PATH = "autoscaling/target-lifecycle-state"
+INSTANCE_ID_PATH = "instance-id"
+REGION_PATH = "placement/region"
 
 
 # --- parsing (pure; unit-tested on their own) ------------------------------------------------
@@ -180,6 +188,8 @@ class AwsMonitor:
         *,
         token_ttl: int = DEFAULT_TOKEN_TTL,
         imds_v1_fallback: bool = False,
+        lifecycle_hook: str | None = None,
+        asg_name: str | None = None,
         clock: Callable[[], datetime] = utcnow,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -199,6 +209,8 @@ class AwsMonitor:
         self._token_lock = asyncio.Lock()
         self._using_v1 = False
         self._first_seen: dict[str, datetime] = {}
+        self._lifecycle_hook = lifecycle_hook
+        self._asg_name = asg_name
 
     async def check(self) -> Notice | None:
         notices = await self.check_all()
@@ -226,6 +238,24 @@ class AwsMonitor:
 
     async def close(self) -> None:
         self._token = None
+
+    async def acknowledge(self, notice: Notice) -> None:
+        """Tell Auto Scaling to go on terminating (``CompleteLifecycleAction``, ``CONTINUE``): the checkpoint
+        for this lifecycle notice is safe. Nothing for other notices, or without a lifecycle hook."""
+        if self._lifecycle_hook is None or "target-lifecycle-state" not in notice.raw:
+            return
+        instance_id = await self._get(INSTANCE_ID_PATH)
+        region = await self._get(REGION_PATH)
+        if not (instance_id and region):
+            raise MonitorError("aws: completing the lifecycle action needs the instance id and region from IMDS")
+        hook, instance_id = self._lifecycle_hook, instance_id.strip()
+        try:
+            group = await asyncio.to_thread(
+                complete_lifecycle_action, region.strip(), hook, instance_id, self._asg_name
+            )
+        except Exception as exc:  # botocore's errors, a missing boto3: all mean the same here
+            raise MonitorError(f"aws: CompleteLifecycleAction for {instance_id}: {exc}") from exc
+        logger.info("aws: completed lifecycle hook %s for %s in %s (CONTINUE)", hook, instance_id, group)
 
     # --- one method per path ----------------------------------------------------------------
 
@@ -339,3 +369,27 @@ class AwsMonitor:
             raise MonitorError("aws: getting an IMDSv2 token: not a token")
         self._token_expires = started + self._token_ttl
         return token
+
+
+def complete_lifecycle_action(region: str, hook: str, instance_id: str, group: str | None) -> str:
+    """``CompleteLifecycleAction`` (``CONTINUE``) for this instance; returns the group's name. Blocking; boto3
+    is imported only here. ``group`` None: ask ``DescribeAutoScalingInstances``. The endpoint follows boto3's
+    standard overrides (``AWS_ENDPOINT_URL_AUTO_SCALING``, ``AWS_ENDPOINT_URL``)."""
+    import boto3
+
+    client = boto3.client("autoscaling", region_name=region)
+    try:
+        if group is None:
+            found = client.describe_auto_scaling_instances(InstanceIds=[instance_id])["AutoScalingInstances"]
+            if not found:
+                raise LookupError(f"{instance_id} is in no Auto Scaling group; set asg_name")
+            group = str(found[0]["AutoScalingGroupName"])
+        client.complete_lifecycle_action(
+            LifecycleHookName=hook,
+            AutoScalingGroupName=group,
+            InstanceId=instance_id,
+            LifecycleActionResult="CONTINUE",
+        )
+        return group
+    finally:
+        client.close()

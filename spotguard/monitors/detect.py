@@ -66,7 +66,17 @@ def build_monitors(config: DaemonConfig, session: aiohttp.ClientSession, *, dmi_
     interval, timeout = config.poll_interval, config.http_timeout
     if provider == "aws":
         base = config.metadata_url or aws.DEFAULT_BASE_URL
-        return [aws.AwsMonitor(session, base, interval, timeout, imds_v1_fallback=config.imds_v1_fallback)]
+        return [
+            aws.AwsMonitor(
+                session,
+                base,
+                interval,
+                timeout,
+                imds_v1_fallback=config.imds_v1_fallback,
+                lifecycle_hook=config.asg_lifecycle_hook,
+                asg_name=config.asg_name,
+            )
+        ]
     if provider == "gcp":
         base = config.metadata_url or gcp.DEFAULT_BASE_URL
         # A short long-poll: a metadata server that accepts and then hangs must show up well within

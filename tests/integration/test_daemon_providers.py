@@ -458,6 +458,76 @@ def test_azure_acknowledges_only_after_the_checkpoint_is_committed_in_the_bucket
         vm.kill_daemon()
 
 
+def test_aws_completes_the_asg_lifecycle_hook_only_after_the_bucket_commit(
+    tmp_path: Path, emulators: Callable[..., RunningEmulator], guards: Callable[[Vm], RecordingGuard]
+) -> None:
+    emu = emulators("aws")
+    blocker = tmp_path / "blocked"  # uploads fail until this file goes (see the Azure test above)
+    blocker.write_text("not a directory")
+    bucket = (blocker / "bucket").as_uri()
+    vm = Vm(tmp_path, "asg-hook", bucket, extra_args=daemon_args("aws", emu))
+    env = {
+        **DAEMON_ENV,
+        "SPOTGUARD_ASG_LIFECYCLE_HOOK": "drain-then-go",
+        # boto3's own endpoint override sends the Auto Scaling call to the emulator.
+        "AWS_ENDPOINT_URL_AUTO_SCALING": emu.url,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+    }
+    try:
+        vm.start_daemon(env=env)
+        guard = guards(vm)
+        emu.trigger(kind="lifecycle", state="Terminated")
+        wait_for(lambda: guard.should_checkpoint(1), WAIT, "the trainer to be told about the notice")
+        assert guard.stop_requested
+        path = save_for_notice(guard, 1)
+        wait_for(lambda: assert_alive(vm)["uploads"]["failures"], WAIT, "the first upload attempt to fail")
+        assert emu.control("GET", "lifecycle-actions") == []  # not committed in the bucket: the group waits
+
+        blocker.unlink()
+
+        def completed() -> bool:
+            calls: list[dict[str, str]] = emu.control("GET", "lifecycle-actions")
+            if calls:
+                assert remote_complete(bucket) == [path.name], "completed before the bucket had the checkpoint"
+            return bool(calls)
+
+        wait_for(completed, WAIT, "CompleteLifecycleAction")
+        assert emu.control("GET", "lifecycle-actions") == [
+            {
+                "LifecycleHookName": "drain-then-go",
+                "AutoScalingGroupName": "spotguard-trainers",  # found with DescribeAutoScalingInstances
+                "InstanceId": "i-0123456789abcdef0",
+                "LifecycleActionResult": "CONTINUE",
+            }
+        ]
+    finally:
+        vm.kill_daemon()
+
+
+def test_aws_without_a_lifecycle_hook_never_calls_auto_scaling(
+    tmp_path: Path, emulators: Callable[..., RunningEmulator], guards: Callable[[Vm], RecordingGuard]
+) -> None:
+    emu = emulators("aws")
+    bucket = (tmp_path / "bucket").as_uri()
+    vm = Vm(tmp_path, "asg-no-hook", bucket, extra_args=daemon_args("aws", emu))
+    try:
+        vm.start_daemon(env=DAEMON_ENV)
+        guard = guards(vm)
+        emu.trigger(kind="lifecycle", state="Terminated")
+        wait_for(lambda: guard.should_checkpoint(1), WAIT, "the trainer to be told about the notice")
+        path = save_for_notice(guard, 1)
+        wait_for(lambda: remote_complete(bucket) == [path.name], WAIT, "the commit in the bucket")
+        wait_for(
+            lambda: handled_events(vm) and all(e.get("committed") for e in handled_events(vm).values()),
+            WAIT,
+            "the daemon to record the commit",
+        )
+        assert emu.control("GET", "lifecycle-actions") == []
+    finally:
+        vm.kill_daemon()
+
+
 @pytest.mark.parametrize(
     ("value", "action", "stops"),
     [("TERMINATE_ON_HOST_MAINTENANCE", "stop", True), ("MIGRATE_ON_HOST_MAINTENANCE", "checkpoint", False)],

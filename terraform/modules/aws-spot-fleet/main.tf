@@ -1,9 +1,10 @@
 data "aws_partition" "current" {}
 
 locals {
-  bucket_name = var.create_bucket ? aws_s3_bucket.checkpoints[0].id : var.bucket_name
-  bucket_arn  = "arn:${data.aws_partition.current.partition}:s3:::${var.bucket_name}"
-  bucket_url  = "s3://${local.bucket_name}/${var.checkpoint_prefix}"
+  lifecycle_hook = "spotguard-drain"
+  bucket_name    = var.create_bucket ? aws_s3_bucket.checkpoints[0].id : var.bucket_name
+  bucket_arn     = "arn:${data.aws_partition.current.partition}:s3:::${var.bucket_name}"
+  bucket_url     = "s3://${local.bucket_name}/${var.checkpoint_prefix}"
 
   # Everything the bootstrap script needs. tests/deploy renders the template with these keys,
   # so a placeholder without a key here (or the reverse) fails the tests, not a boot.
@@ -18,7 +19,8 @@ locals {
     trainer_user     = var.trainer_user
     trainer_command  = var.trainer_command
     trainer_env      = join("\n", [for k, v in var.trainer_environment : "${k}=${v}"])
-    extra_config     = var.extra_config
+    # spotguard completes the termination lifecycle hook below once the checkpoint is in the bucket.
+    extra_config = join("\n", compact(["asg_lifecycle_hook = \"${local.lifecycle_hook}\"", var.extra_config]))
     # The units are the repository's own files, so the fleet runs exactly what was verified.
     spotguard_unit = chomp(file("${path.module}/../../../systemd/spotguard.service"))
     trainer_unit   = chomp(file("${path.module}/../../../systemd/example-trainer.service"))
@@ -210,6 +212,27 @@ resource "aws_iam_role_policy" "checkpoints" {
   policy = data.aws_iam_policy_document.checkpoints.json
 }
 
+# CompleteLifecycleAction once the checkpoint is committed; a policy of its own, since it names the group.
+data "aws_iam_policy_document" "lifecycle" {
+  statement {
+    sid       = "CompleteOwnLifecycleHook"
+    actions   = ["autoscaling:CompleteLifecycleAction"]
+    resources = [aws_autoscaling_group.this.arn]
+  }
+
+  statement {
+    sid       = "FindOwnGroup"
+    actions   = ["autoscaling:DescribeAutoScalingInstances"]
+    resources = ["*"] # a Describe action takes no resource-level permissions
+  }
+}
+
+resource "aws_iam_role_policy" "lifecycle" {
+  name   = "spotguard-lifecycle"
+  role   = aws_iam_role.this.id
+  policy = data.aws_iam_policy_document.lifecycle.json
+}
+
 resource "aws_iam_role_policy_attachment" "additional" {
   for_each = toset(var.additional_policy_arns)
 
@@ -315,10 +338,10 @@ resource "aws_autoscaling_group" "this" {
   }
 
   # Terminations the group starts itself wait here while spotguard (which sees the
-  # target-lifecycle-state "Terminated" in IMDS) checkpoints and uploads. Nothing completes
-  # the action, so the instance goes when the timeout is up.
+  # target-lifecycle-state "Terminated" in IMDS) checkpoints and uploads; spotguard then completes
+  # the action (CONTINUE), or the instance goes when the timeout is up.
   initial_lifecycle_hook {
-    name                 = "spotguard-drain"
+    name                 = local.lifecycle_hook
     lifecycle_transition = "autoscaling:EC2_INSTANCE_TERMINATING"
     heartbeat_timeout    = var.termination_grace_seconds
     default_result       = "CONTINUE"
