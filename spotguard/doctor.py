@@ -487,8 +487,14 @@ def _check_bucket(
                 )
                 return
             report(Check(OK, "bucket credentials", f"credentials resolved and {config.bucket} reachable"))
-        if _probe(storage, bucket=config.bucket, findings=findings, report=report, size=probe_bytes, hints=hints):
-            _check_checksum(storage, config, report)
+        # Before the throughput probe, so that it measures the verification uploads will use. Its
+        # verdict is reported after the permissions: a probe that fails for want of them says so there.
+        checksum = _checksum_probe(storage)
+        permitted = _probe(
+            storage, bucket=config.bucket, findings=findings, report=report, size=probe_bytes, hints=hints
+        )
+        if permitted or not isinstance(checksum, Exception):
+            _report_checksum(checksum, config, report)
     finally:
         with contextlib.suppress(Exception):
             storage.close()
@@ -533,12 +539,16 @@ def _probe(
                 raise RuntimeError("the probe object is still there after delete")
             done.append("delete")
         except Exception as exc:
+            from spotguard.storage import ChecksumMismatch
+
+            # A store that answers wrong checksums is not a missing permission.
+            fix = "see the checksum check" if isinstance(exc, ChecksumMismatch) else hints[step]
             report(
                 Check(
                     FAIL,
                     "bucket permissions",
                     f"{step} of the probe {where} failed ({', '.join(done) or 'nothing'} worked): {exc}",
-                    hints[step],
+                    fix,
                 )
             )
             if "put" in done and "delete" not in done:
@@ -558,18 +568,27 @@ def _probe(
     return True
 
 
-def _check_checksum(storage: Any, config: DaemonConfig, report: Callable[[Check], None]) -> None:
+def _checksum_probe(storage: Any) -> Any:
+    """S3's :class:`ChecksumProbe`, the exception it raised, or None (gs:// verifies CRC32C
+    natively; file:// has no store to disagree)."""
     probe_checksum = getattr(storage, "probe_checksum", None)
     if probe_checksum is None:
-        return  # gs:// verifies CRC32C natively; file:// has no store to disagree
+        return None
     try:
-        probe = probe_checksum(f".spotguard-doctor-{secrets.token_hex(8)}")
+        return probe_checksum(f".spotguard-doctor-{secrets.token_hex(8)}", adopt=True)
     except Exception as exc:
+        return exc
+
+
+def _report_checksum(probe: Any, config: DaemonConfig, report: Callable[[Check], None]) -> None:
+    if probe is None:
+        return
+    if isinstance(probe, Exception):
         report(
             Check(
                 FAIL,
                 "checksum",
-                f"a multipart upload with a full-object CRC32C failed: {exc}",
+                f"a multipart upload with a full-object CRC32C failed: {probe}",
                 "the store may not support additional checksums: set checksum = md5",
             )
         )
@@ -602,7 +621,7 @@ def _check_checksum(storage: Any, config: DaemonConfig, report: Callable[[Check]
                 WARN,
                 "checksum",
                 f"{wrong}: uploads will verify Content-MD5 (checksum = auto falls back once uploads have "
-                "disagreed, and sends them again)",
+                "disagreed, and sends them again; the probe above used it already)",
                 "set checksum = md5 for this store, so no notice-time upload is spent finding out",
             )
         )

@@ -384,7 +384,7 @@ class S3Storage:
 
     @property
     def checksum_mode(self) -> str:
-        """How uploads are verified now: ``crc32c`` or ``md5`` (``auto`` after a fallback)."""
+        """How uploads are verified now: ``crc32c`` or ``md5`` (pinned, or ``auto`` after its fallback)."""
         return "md5" if self._md5 else "crc32c"
 
     @property
@@ -431,8 +431,13 @@ class S3Storage:
             if count < self.checksum_attempts:
                 log.warning(
                     "s3: %s answered CRC32C %s for %s, sent %s: checksum disagreement %d of %d, uploading again",
-                    self.store_name, exc.answered, full, exc.sent, count, self.checksum_attempts,
-                )  # fmt: skip
+                    self.store_name,
+                    exc.answered,
+                    full,
+                    exc.sent,
+                    count,
+                    self.checksum_attempts,
+                )
                 return
             if self.checksum == "crc32c":
                 self._refusal = ChecksumMismatch(
@@ -448,8 +453,12 @@ class S3Storage:
             "s3: %s answers CRC32Cs that do not match the bytes (sent CRC32C %s for %s, it answered %s; "
             "%d uploads disagreed): verifying uploads to it with Content-MD5 from now on "
             "(checksum = md5 skips this detection)",
-            self.store_name, exc.sent, full, exc.answered, count,
-        )  # fmt: skip
+            self.store_name,
+            exc.sent,
+            full,
+            exc.answered,
+            count,
+        )
 
     def _put_single(self, local: Path, full: str, expected: int, *, md5: bool) -> None:
         data = Path(local).read_bytes()
@@ -615,9 +624,11 @@ class S3Storage:
                 raise ChecksumMismatch(message, sent=f"{expected:08x}", answered=answered)
             raise StorageError(message)
 
-    def probe_checksum(self, key: str) -> ChecksumProbe:
+    def probe_checksum(self, key: str, *, adopt: bool = False) -> ChecksumProbe:
         """Upload a tiny object under ``key`` the way large files go (multipart, full-object
         CRC32C, no fallback), read back the CRC32C the store answers for it, and delete it.
+        ``adopt``: with ``checksum="auto"``, a disagreement switches this instance to Content-MD5
+        at once, without spending uploads to find out (the caller reports it).
 
         Multipart, because a single PUT proves little: some stores (moto without ``crc32c``) echo
         the CRC32C a PUT carries but compute their own, wrong one when they assemble parts."""
@@ -632,7 +643,11 @@ class S3Storage:
             info = self._stat_full(full)
         finally:
             self._call(f"delete_object {full}", self.client.delete_object, Bucket=self.bucket, Key=full)
-        return ChecksumProbe(self.store_name, f"{crc:08x}", None if info is None else info.crc32c)
+        probe = ChecksumProbe(self.store_name, f"{crc:08x}", None if info is None else info.crc32c)
+        if adopt and not probe.agrees and self.checksum == "auto":
+            with self._checksum_lock:
+                self._md5 = True
+        return probe
 
     def abort_stale_multipart_uploads(self, older_than: dt.timedelta | None = None) -> int:
         """Abort unfinished multipart uploads under our prefix; returns how many.

@@ -279,11 +279,15 @@ def test_doctor_says_which_checksum_mode_uploads_will_use(
             bucket=f"s3://{server.bucket}/checksum-{checksum}",
             checksum=checksum,
         )
-        exit_code, output = doctor(config, checkpoint_gb=0.05, upload_probe_bytes=1 * MiB)
+        # A 16 MiB probe goes multipart, the kind of upload this store answers wrongly.
+        exit_code, output = doctor(config, checkpoint_gb=0.05, upload_probe_bytes=16 * MiB)
         found = line(output, "checksum")
         assert found.startswith(f"{verdict:<4}  checksum: {server.endpoint_url} bucket {server.bucket}"), output
         assert says in found, output
         if wrong:
             assert "answered CRC32C" in found and "for bytes whose CRC32C is" in found
+        # Only a pinned crc32c makes the throughput probe fail (auto switched to Content-MD5 before it).
+        assert line(output, "bucket permissions").startswith("FAIL" if code else "ok"), output
+        assert ("-> see the checksum check" in output) == bool(code), output  # not blamed on a permission
         assert exit_code == code, output
         assert [key for key in probe_objects(server) if key.startswith(f"checksum-{checksum}/")] == []
