@@ -128,6 +128,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         "bucket": args.bucket,
         "poll_interval": args.poll_interval,
         "state_dir": args.state_dir,
+        "checksum": args.checksum,
     }
     config = load_config(flags, config_file=Path(args.config) if args.config else None)
     logging.basicConfig(
@@ -302,6 +303,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         "socket": args.socket,
         "checkpoint_dir": args.checkpoint_dir,
         "bucket": args.bucket,
+        "checksum": args.checksum,
     }
     config = load_config(flags, config_file=Path(args.config) if args.config else None)
     return run_doctor(config, checkpoint_gb=args.checkpoint_gb)
@@ -314,6 +316,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 # --- argv -------------------------------------------------------------------------------------
+
+_CHECKSUM_HELP = "s3:// upload verification: auto (CRC32C, Content-MD5 if the store gets CRC32C wrong), crc32c, md5"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -330,6 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--state-dir", help="where handled event ids are kept")
     run.add_argument("--bucket", help="s3://bucket/prefix, gs://bucket/prefix or file:///dir")
     run.add_argument("--poll-interval", help="seconds between metadata polls")
+    run.add_argument("--checksum", help=_CHECKSUM_HELP)
     run.set_defaults(func=cmd_run)
 
     drill = sub.add_parser("drill", help="inject a simulated hard notice into the running daemon")
@@ -386,6 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--socket", help="Unix socket path")
     doctor.add_argument("--checkpoint-dir", help="local checkpoint root")
     doctor.add_argument("--bucket", help="s3://bucket/prefix, gs://bucket/prefix or file:///dir")
+    doctor.add_argument("--checksum", help=_CHECKSUM_HELP)
     doctor.add_argument("--checkpoint-gb", type=float, default=10.0, help="checkpoint size for the estimate (10)")
     doctor.set_defaults(func=cmd_doctor)
     return parser

@@ -25,6 +25,8 @@ DEFAULT_CHECKPOINT_DIR = Path("/var/lib/spotguard/checkpoints")
 DEFAULT_STATE_DIR = Path("/var/lib/spotguard/state")
 PROVIDERS = ("auto", "aws", "gcp", "azure", "none")
 BUCKET_SCHEMES = ("s3", "gs", "file")
+#: How uploads to s3:// are verified: see README, "Buckets" (``checksum``).
+CHECKSUM_MODES = ("auto", "crc32c", "md5")
 #: What a ``webhook_template`` may name (``${name}``); see spotguard/daemon/webhook.py.
 WEBHOOK_FIELDS = (
     "type", "event_id", "provider", "kind", "action", "deadline", "seconds_left", "host", "message",
@@ -55,6 +57,9 @@ class DaemonConfig:
     checkpoint_dir: Path = DEFAULT_CHECKPOINT_DIR
     state_dir: Path = DEFAULT_STATE_DIR  # remembers handled event ids across restarts
     bucket: str | None = None  # s3://b/prefix, gs://b/prefix or file:///dir; None = keep local only
+    # s3://: verify uploads by CRC32C, by per-request Content-MD5, or CRC32C until the store is seen to
+    # answer wrong ones, then Content-MD5 (auto). GCS always verifies CRC32C.
+    checksum: str = "auto"
     poll_interval: float = 1.0
     http_timeout: float = 2.0
     keep_local: int = 2  # newest complete checkpoints kept on local disk (plus any not yet uploaded)
@@ -90,6 +95,10 @@ class DaemonConfig:
                 raise ConfigError("metadata_url", f"{self.metadata_url!r} is not scheme://host[:port]")
         if self.bucket is not None:
             check_bucket_url(self.bucket, key="bucket")
+        if self.checksum not in CHECKSUM_MODES:
+            raise ConfigError("checksum", f"{self.checksum!r} is not one of {', '.join(CHECKSUM_MODES)}")
+        if self.checksum == "md5" and self.bucket is not None and self.bucket.startswith("gs://"):
+            raise ConfigError("checksum", "md5 is for s3:// stores; gs:// always verifies CRC32C (use auto)")
         for name in (
             "poll_interval",
             "http_timeout",
@@ -121,6 +130,17 @@ class DaemonConfig:
 
     def action_for_soft(self, kind: str) -> Action:
         return self.on_rebalance if kind == "rebalance" else self.on_maintenance
+
+    def storage_options(self) -> dict[str, Any]:
+        """Keyword arguments for ``open_storage(self.bucket, ...)``, the same for the daemon and doctor."""
+        scheme = (self.bucket or "").partition("://")[0]
+        options: dict[str, Any] = {}
+        if scheme in ("s3", "gs"):
+            # Object stores: one budget of parallel streams for everything in flight.
+            options["max_concurrency"] = self.upload_concurrency
+        if scheme == "s3":
+            options["checksum"] = self.checksum
+        return options
 
 
 def check_bucket_url(url: str, *, key: str = "bucket") -> str:

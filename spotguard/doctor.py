@@ -10,6 +10,8 @@ ok, what to do. The exit status is 1 when any check FAILs, else 0. Checks, in or
 * **checkpoint root**: exists, free space for a few checkpoints, write + fsync speed;
 * **bucket**: credentials, then put / stat / list / delete of a probe object
   ``<prefix>/.spotguard-doctor-<random>`` through the same storage backend the daemon uses;
+* **checksum** (s3:// only): a tiny multipart upload with a full-object CRC32C, whether the store
+  answers the CRC32C of the bytes, and so which verification uploads will use (``checksum``);
 * **estimate**: from the probe's upload throughput and the local write speed, how long a
   checkpoint of ``--checkpoint-gb`` GB takes to reach the bucket, against this cloud's notice
   window (AWS 120 s, GCP and Azure 30 s).
@@ -464,7 +466,7 @@ def _check_bucket(
     scheme = config.bucket.split(":", 1)[0]
     hints = _PERMISSION_HINTS.get(scheme, _PERMISSION_HINTS["file"])
     try:
-        storage = (opener or open_storage)(config.bucket)
+        storage = (opener or open_storage)(config.bucket, **config.storage_options())
     except (ImportError, ValueError, StorageError) as exc:
         extra = f"pip install 'spotguard[{'aws' if scheme == 's3' else 'gcp'}]'" if isinstance(exc, ImportError) else ""
         report(Check(FAIL, "bucket", f"cannot open {config.bucket}: {exc}", extra or "check the bucket URL"))
@@ -485,7 +487,14 @@ def _check_bucket(
                 )
                 return
             report(Check(OK, "bucket credentials", f"credentials resolved and {config.bucket} reachable"))
-        _probe(storage, bucket=config.bucket, findings=findings, report=report, size=probe_bytes, hints=hints)
+        # Before the throughput probe, so that it measures the verification uploads will use. Its
+        # verdict is reported after the permissions: a probe that fails for want of them says so there.
+        checksum = _checksum_probe(storage)
+        permitted = _probe(
+            storage, bucket=config.bucket, findings=findings, report=report, size=probe_bytes, hints=hints
+        )
+        if permitted or not isinstance(checksum, Exception):
+            _report_checksum(checksum, config, report)
     finally:
         with contextlib.suppress(Exception):
             storage.close()
@@ -499,7 +508,7 @@ def _probe(
     report: Callable[[Check], None],
     size: int,
     hints: dict[str, str],
-) -> None:
+) -> bool:
     key = f".spotguard-doctor-{secrets.token_hex(8)}"
     where = f"{bucket.rstrip('/')}/{key}"
     with tempfile.TemporaryDirectory(prefix="spotguard-doctor-") as scratch:
@@ -530,18 +539,22 @@ def _probe(
                 raise RuntimeError("the probe object is still there after delete")
             done.append("delete")
         except Exception as exc:
+            from spotguard.storage import ChecksumMismatch
+
+            # A store that answers wrong checksums is not a missing permission.
+            fix = "see the checksum check" if isinstance(exc, ChecksumMismatch) else hints[step]
             report(
                 Check(
                     FAIL,
                     "bucket permissions",
                     f"{step} of the probe {where} failed ({', '.join(done) or 'nothing'} worked): {exc}",
-                    hints[step],
+                    fix,
                 )
             )
             if "put" in done and "delete" not in done:
                 with contextlib.suppress(Exception):
                     storage.delete([key])
-            return
+            return False
     rate = size / elapsed
     findings.upload_bytes_s = rate
     report(
@@ -552,6 +565,66 @@ def _probe(
             f"uploaded at {_human_rate(rate)}",
         )
     )
+    return True
+
+
+def _checksum_probe(storage: Any) -> Any:
+    """S3's :class:`ChecksumProbe`, the exception it raised, or None (gs:// verifies CRC32C
+    natively; file:// has no store to disagree)."""
+    probe_checksum = getattr(storage, "probe_checksum", None)
+    if probe_checksum is None:
+        return None
+    try:
+        return probe_checksum(f".spotguard-doctor-{secrets.token_hex(8)}", adopt=True)
+    except Exception as exc:
+        return exc
+
+
+def _report_checksum(probe: Any, config: DaemonConfig, report: Callable[[Check], None]) -> None:
+    if probe is None:
+        return
+    if isinstance(probe, Exception):
+        report(
+            Check(
+                FAIL,
+                "checksum",
+                f"a multipart upload with a full-object CRC32C failed: {probe}",
+                "the store may not support additional checksums: set checksum = md5",
+            )
+        )
+        return
+    mode = config.checksum
+    if probe.agrees:
+        found = (
+            f"{probe.store} answers the CRC32C of the bytes ({probe.answered})"
+            if probe.answered
+            else f"{probe.store} answers no CRC32C (it still checks the one each request carries)"
+        )
+        uses = "Content-MD5 (checksum = md5 is set)" if mode == "md5" else "CRC32C"
+        report(Check(OK, "checksum", f"{found}: uploads will verify {uses}"))
+        return
+    wrong = f"{probe.store} answered CRC32C {probe.answered} for bytes whose CRC32C is {probe.sent}"
+    if mode == "crc32c":
+        report(
+            Check(
+                FAIL,
+                "checksum",
+                f"{wrong}; checksum = crc32c is set, so uploads will fail",
+                "set checksum = md5 (or auto) for this store",
+            )
+        )
+    elif mode == "md5":
+        report(Check(OK, "checksum", f"{wrong}: uploads will verify Content-MD5 (checksum = md5 is set)"))
+    else:
+        report(
+            Check(
+                WARN,
+                "checksum",
+                f"{wrong}: uploads will verify Content-MD5 (checksum = auto falls back once uploads have "
+                "disagreed, and sends them again; the probe above used it already)",
+                "set checksum = md5 for this store, so no notice-time upload is spent finding out",
+            )
+        )
 
 
 # --- the estimate ---------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import subprocess
 import sys
 import types
 import uuid
@@ -70,6 +71,21 @@ def _make_moto_crc32c_faithful() -> None:
     sys.modules["crc32c"] = shim
 
 
+def _create_bucket(endpoint: str, name: str, region: str) -> S3Server:
+    import boto3
+
+    client = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name=region,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
+    client.create_bucket(Bucket=name)
+    client.close()
+    return S3Server(endpoint_url=endpoint, bucket=name)
+
+
 @contextmanager
 def moto_s3(bucket: str | None = None, region: str = "us-east-1") -> Iterator[S3Server]:
     """moto in server mode, reached over real HTTP by real boto3.
@@ -77,7 +93,6 @@ def moto_s3(bucket: str | None = None, region: str = "us-east-1") -> Iterator[S3
     moto keeps its state in process-wide backends, so servers started in one
     process share buckets; the unique bucket name keeps tests apart.
     """
-    import boto3
     from moto.server import ThreadedMotoServer
 
     _make_moto_crc32c_faithful()
@@ -85,20 +100,48 @@ def moto_s3(bucket: str | None = None, region: str = "us-east-1") -> Iterator[S3
     server.start()
     try:
         host, port = server.get_host_and_port()
-        endpoint = f"http://{host}:{port}"
-        name = bucket or unique_bucket()
-        client = boto3.client(
-            "s3",
-            endpoint_url=endpoint,
-            region_name=region,
-            aws_access_key_id="testing",
-            aws_secret_access_key="testing",
-        )
-        client.create_bucket(Bucket=name)
-        client.close()
-        yield S3Server(endpoint_url=endpoint, bucket=name)
+        yield _create_bucket(f"http://{host}:{port}", bucket or unique_bucket(), region)
     finally:
         server.stop()
+
+
+# moto in a process of its own where ``import crc32c`` fails: moto then computes a plain CRC32 and
+# answers it as the CRC32C of every multipart upload (a PUT's CRC32C it only echoes back).
+_CRC32C_HIDDEN_MOTO = """
+import logging
+import sys
+sys.modules["crc32c"] = None  # what an interpreter without the package sees: ImportError
+logging.getLogger("werkzeug").setLevel(logging.WARNING)  # not a line per request
+from moto.server import ThreadedMotoServer
+server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+server.start()
+print(server.get_host_and_port()[1], flush=True)
+sys.stdin.read()  # until the test closes our stdin
+server.stop()
+"""
+
+
+@contextmanager
+def moto_s3_wrong_crc32c(bucket: str | None = None, region: str = "us-east-1") -> Iterator[S3Server]:
+    """An S3-compatible store whose CRC32C disagrees with the bytes: moto without ``crc32c``.
+
+    It runs in a subprocess, since hiding the package in this process would reach every moto here."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", _CRC32C_HIDDEN_MOTO], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert process.stdin is not None and process.stdout is not None
+    try:
+        port = process.stdout.readline().strip()  # blocks until the server listens (or the process dies)
+        if not port.isdigit():
+            raise RuntimeError(f"moto without crc32c did not start (exit {process.poll()})")
+        yield _create_bucket(f"http://127.0.0.1:{port}", bucket or unique_bucket(), region)
+    finally:
+        process.stdin.close()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 @contextmanager

@@ -485,10 +485,7 @@ async def build_and_run(config: DaemonConfig) -> int:
 
     storage = None
     if config.bucket:
-        scheme = config.bucket.partition("://")[0]
-        # Object stores: one budget of parallel streams for everything in flight.
-        options = {"max_concurrency": config.upload_concurrency} if scheme in ("s3", "gs") else {}
-        storage = open_storage(config.bucket, **options)
+        storage = open_storage(config.bucket, **config.storage_options())
     if storage is not None and hasattr(storage, "warm"):
         # Credentials and connections now, not at notice time.
         await asyncio.to_thread(storage.warm)

@@ -35,7 +35,7 @@ from spotguard.manifest import (
     verify_dir,
 )
 from spotguard.notice import utcnow
-from spotguard.storage.base import Storage, StorageError
+from spotguard.storage.base import ChecksumMismatch, Storage, StorageError
 from spotguard.storage.checkpoints import (
     UploadCancelled,
     UploadProgress,
@@ -96,6 +96,9 @@ class Uploader:
         self.on_failure: list[UploadFailureListener] = []
         self.last_committed: dict[str, Any] | None = None
         self.failures: list[dict[str, Any]] = []
+        # Checkpoints not retried until a restart: the store answers wrong checksums for their bytes
+        # (a backend raises ChecksumMismatch only once its own bounded attempts are spent).
+        self.refused: dict[str, str] = {}
         self._queued: dict[str, _Job] = {}
         self._urgent: set[str] = set()
         self._wake = asyncio.Event()
@@ -116,7 +119,7 @@ class Uploader:
 
     def submit(self, step_dir: Path, *, urgent: bool) -> None:
         name = step_dir.name
-        if self.storage is None or name in self.committed:
+        if self.storage is None or name in self.committed or name in self.refused:
             return
         step = parse_step_dir(name)
         if step is None:
@@ -309,7 +312,14 @@ class Uploader:
         commit_remote(self.storage, step_dir, deadline=deadline)
 
     def _record_failure(self, job: _Job, exc: BaseException) -> None:
-        logger.error("upload of %s failed: %s; retrying in %.0f s", job.name, exc, self.retry_after)
+        refused = isinstance(exc, ChecksumMismatch)
+        if refused:
+            logger.error(
+                "upload of %s failed: %s; not retried: the store answers the same for the same bytes", job.name, exc
+            )
+            self.refused[job.name] = str(exc)
+        else:
+            logger.error("upload of %s failed: %s; retrying in %.0f s", job.name, exc, self.retry_after)
         self.failures.append({"name": job.name, "error": str(exc), "at": utcnow().isoformat()})
         del self.failures[:-20]
         for callback in self.on_failure:
@@ -317,8 +327,9 @@ class Uploader:
                 callback(job.name, exc)
             except Exception:
                 logger.exception("a failure listener failed for %s", job.name)
-        self._not_before[job.name] = time.monotonic() + self.retry_after
-        self._queued.setdefault(job.name, job)
+        if not refused:
+            self._not_before[job.name] = time.monotonic() + self.retry_after
+            self._queued.setdefault(job.name, job)
 
     async def _committed(self, name: str, manifest: Manifest, elapsed: float) -> None:
         assert self.storage is not None

@@ -31,6 +31,18 @@ class ObjectNotFound(StorageError):
     pass
 
 
+class ChecksumMismatch(StorageError):
+    """The store accepted the bytes but answered a checksum that does not match them.
+
+    Not transient: the same store computes the same wrong value for the same bytes, so sending
+    them again changes nothing. ``sent`` and ``answered`` are the CRC32Cs, as hex."""
+
+    def __init__(self, message: str, *, sent: str, answered: str) -> None:
+        super().__init__(message)
+        self.sent = sent
+        self.answered = answered
+
+
 Progress = Callable[[int], None]  # called with a number of bytes just transferred
 
 

@@ -56,6 +56,7 @@ from google.cloud import storage as gcs
 from spotguard.manifest import crc32c_hex_to_int as _hex_to_int
 from spotguard.manifest import crc32c_int_to_base64 as _int_to_b64
 from spotguard.storage.base import (
+    ChecksumMismatch,
     ObjectInfo,
     ObjectNotFound,
     Progress,
@@ -345,15 +346,22 @@ class GcsStorage:
     def _verify(self, blob: Any, full: str, size: int, expected: int) -> None:
         stored = gcs_crc_to_hex(blob.crc32c)
         problem = None
+        disagrees = False
         if blob.size is not None and int(blob.size) != size:
             problem = f"size {blob.size} != {size}"
         elif stored is None:
             problem = "the store reported no CRC32C"
         elif stored != f"{expected:08x}":
             problem = f"stored CRC32C {stored} != expected {expected:08x}"
+            disagrees = True
         if problem:
             self._delete_blobs({full})
-            raise StorageError(f"gcs: {full}: {problem}; object deleted")
+            message = f"gcs: {full}: {problem}; object deleted"
+            if disagrees and stored is not None:
+                # GCS was told the CRC32C up front and refuses other bytes; a store that accepts
+                # them and answers another CRC32C answers it again: the uploader does not retry.
+                raise ChecksumMismatch(message, sent=f"{expected:08x}", answered=stored)
+            raise StorageError(message)
 
     def abort_stale_multipart_uploads(self, older_than: dt.timedelta | None = None) -> int:
         """Delete parts left under ``<prefix>.spotguard-parts/`` by an interrupted upload;

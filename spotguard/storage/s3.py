@@ -12,6 +12,16 @@ Uploads are parallel multipart with a CRC32C per part and a full-object CRC32C
    reports a different full-object CRC32C (or size) gets the object deleted and
    the upload fails. Stores that report no checksum pass this step.
 
+Some S3-compatible stores accept CRC32C headers but answer a CRC32C of their own that does not
+match the bytes (partial support for additional checksums; moto without its ``crc32c`` extra
+computes a plain CRC32 for multipart uploads). That is not transient: the same bytes get the same
+wrong answer. With ``checksum="auto"`` (the default) such a disagreement is retried
+``checksum_attempts - 1`` times in all, then this instance falls back, with one warning, to what
+every S3-compatible store verifies: a ``Content-MD5`` on every request (the store refuses a body
+that does not match it). The client-side check (1) stays, so the manifest's CRC32C still describes
+the bytes sent. ``checksum="md5"`` starts there; ``checksum="crc32c"`` never falls back and fails
+with :class:`ChecksumMismatch` once the attempts are spent.
+
 Why our own multipart loop instead of ``upload_file`` + ``TransferConfig``:
 s3transfer asks botocore to *compute* CRC32C per part (``ChecksumAlgorithm``),
 which needs ``awscrt`` (``botocore[crt]``; without it: MissingDependencyException),
@@ -34,10 +44,13 @@ import builtins
 import concurrent.futures as cf
 import contextlib
 import datetime as dt
+import hashlib
 import logging
 import os
+import tempfile
 import threading
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -48,10 +61,12 @@ import botocore.exceptions
 import google_crc32c
 from botocore.config import Config
 
+from spotguard.config import CHECKSUM_MODES
 from spotguard.manifest import crc32c_combine
 from spotguard.manifest import crc32c_hex_to_int as _hex_to_int
 from spotguard.manifest import crc32c_int_to_base64 as _int_to_b64
 from spotguard.storage.base import (
+    ChecksumMismatch,
     ObjectInfo,
     ObjectNotFound,
     Progress,
@@ -144,6 +159,26 @@ def _crc_of(data: bytes | memoryview) -> int:
     return int(google_crc32c.value(bytes(data)))
 
 
+def _integrity_args(data: bytes, crc: int, md5: bool) -> dict[str, str]:
+    """What a PutObject / UploadPart carries for the store to check the body against."""
+    if md5:
+        return {"ContentMD5": base64.b64encode(hashlib.md5(data, usedforsecurity=False).digest()).decode()}
+    return {"ChecksumAlgorithm": "CRC32C", "ChecksumCRC32C": _int_to_b64(crc)}
+
+
+@dataclass(frozen=True)
+class ChecksumProbe:
+    """What :meth:`S3Storage.probe_checksum` found."""
+
+    store: str  # "<endpoint> bucket <name>"
+    sent: str  # the CRC32C of the probe's bytes, hex
+    answered: str | None  # the full-object CRC32C the store answered; None: it answered none
+
+    @property
+    def agrees(self) -> bool:
+        return self.answered in (None, self.sent)
+
+
 # -- helpers ------------------------------------------------------------------------------
 
 
@@ -197,6 +232,11 @@ class S3Storage:
             bounds our own retry (``is_transient`` + jittered backoff) on top of that.
         connect_timeout / read_timeout: seconds; a stalled connection is a transient error.
         verify_after_upload: HeadObject after each upload and compare size and CRC32C.
+        checksum: ``auto`` (CRC32C, then Content-MD5 once the store is seen to answer wrong
+            CRC32Cs), ``crc32c`` (never fall back) or ``md5`` (Content-MD5 from the start; the
+            store's CRC32C is then never trusted, not even by ``stat``).
+        checksum_attempts: uploads a CRC32C disagreement may cost this instance, in all, before
+            it falls back (``auto``) or fails (``crc32c``).
     """
 
     def __init__(
@@ -215,7 +255,13 @@ class S3Storage:
         connect_timeout: float = 5.0,
         read_timeout: float = 60.0,
         verify_after_upload: bool = True,
+        checksum: str = "auto",
+        checksum_attempts: int = 2,
     ) -> None:
+        if checksum not in CHECKSUM_MODES:
+            raise ValueError(f"checksum must be one of {', '.join(CHECKSUM_MODES)}, not {checksum!r}")
+        if checksum_attempts < 1:
+            raise ValueError("checksum_attempts must be at least 1")
         if part_size < _MIN_PART:
             raise ValueError(f"part_size must be at least {_MIN_PART} bytes (S3's minimum)")
         if max_concurrency < 1:
@@ -231,6 +277,13 @@ class S3Storage:
         self.multipart_threshold = multipart_threshold if multipart_threshold is not None else part_size
         self.attempts = attempts
         self.verify_after_upload = verify_after_upload
+        self.checksum = checksum
+        self.checksum_attempts = checksum_attempts
+        # Shared by every upload thread: one store, one verdict on its CRC32C.
+        self._checksum_lock = threading.Lock()
+        self._md5 = checksum == "md5"
+        self._disagreements = 0
+        self._refusal: ChecksumMismatch | None = None  # pinned crc32c, attempts spent
         self._endpoint_url = endpoint_url
         self._region = region
         self._owns_client = client is None
@@ -329,36 +382,100 @@ class S3Storage:
 
     # -- uploads --------------------------------------------------------------------
 
+    @property
+    def checksum_mode(self) -> str:
+        """How uploads are verified now: ``crc32c`` or ``md5`` (pinned, or ``auto`` after its fallback)."""
+        return "md5" if self._md5 else "crc32c"
+
+    @property
+    def store_name(self) -> str:
+        return f"{self.client.meta.endpoint_url} bucket {self.bucket}"
+
     def put_file(self, local: Path, key: str, *, crc32c: str, progress: Progress | None = None) -> None:
         expected = _hex_to_int(crc32c)
         full = self._key(key)
         size = os.path.getsize(local)
-        if size >= self.multipart_threshold and size > 0:
-            self._put_multipart(local, full, size, expected, progress)
-        else:
-            self._put_single(local, full, expected)
-            if progress:
-                progress(size)
-        if self.verify_after_upload:
-            self._verify_remote(full, size, expected)
+        while True:
+            md5 = self._use_md5()
+            if size >= self.multipart_threshold and size > 0:
+                self._put_multipart(local, full, size, expected, progress, md5=md5)
+            else:
+                self._put_single(local, full, expected, md5=md5)
+                if progress:
+                    progress(size)
+            if not self.verify_after_upload:
+                return
+            try:
+                self._verify_remote(full, size, expected, md5=md5)
+                return
+            except ChecksumMismatch as exc:
+                self._disagreed(full, exc)  # raises when neither a retry nor a fallback is left
 
-    def _put_single(self, local: Path, full: str, expected: int) -> None:
+    def _use_md5(self) -> bool:
+        with self._checksum_lock:
+            refusal = self._refusal
+            md5 = self._md5
+        if refusal is not None:
+            # Nothing is sent: the store would only answer the same wrong CRC32C again.
+            raise ChecksumMismatch(str(refusal), sent=refusal.sent, answered=refusal.answered)
+        return md5
+
+    def _disagreed(self, full: str, exc: ChecksumMismatch) -> None:
+        """Count one CRC32C disagreement: return to upload ``full`` again (the same way or with
+        Content-MD5), or raise once ``checksum_attempts`` are spent and ``checksum`` is pinned."""
+        with self._checksum_lock:
+            if self._md5:
+                return  # another upload made the switch meanwhile: this one goes again with Content-MD5
+            self._disagreements += 1
+            count = self._disagreements
+            if count < self.checksum_attempts:
+                log.warning(
+                    "s3: %s answered CRC32C %s for %s, sent %s: checksum disagreement %d of %d, uploading again",
+                    self.store_name,
+                    exc.answered,
+                    full,
+                    exc.sent,
+                    count,
+                    self.checksum_attempts,
+                )
+                return
+            if self.checksum == "crc32c":
+                self._refusal = ChecksumMismatch(
+                    f"s3: {self.store_name} answers CRC32Cs that do not match the bytes (sent {exc.sent} for {full}, "
+                    f"it answered {exc.answered}; {count} uploads disagreed); checksum = crc32c is set, so there is "
+                    "no fallback: set checksum = auto or md5 for this store",
+                    sent=exc.sent,
+                    answered=exc.answered,
+                )
+                raise self._refusal from exc
+            self._md5 = True
+        log.warning(
+            "s3: %s answers CRC32Cs that do not match the bytes (sent CRC32C %s for %s, it answered %s; "
+            "%d uploads disagreed): verifying uploads to it with Content-MD5 from now on "
+            "(checksum = md5 skips this detection)",
+            self.store_name,
+            exc.sent,
+            full,
+            exc.answered,
+            count,
+        )
+
+    def _put_single(self, local: Path, full: str, expected: int, *, md5: bool) -> None:
         data = Path(local).read_bytes()
         actual = _crc_of(data)
         if actual != expected:
             raise StorageError(f"s3: {local}: local CRC32C {actual:08x} != expected {expected:08x}; not uploaded")
         with self._streams:
-            self._put_object(full, data, expected)
+            self._put_object(full, data, expected, md5=md5)
 
-    def _put_object(self, full: str, data: bytes, expected: int) -> None:
+    def _put_object(self, full: str, data: bytes, expected: int, *, md5: bool) -> None:
         self._call(
             f"put_object {full}",
             self.client.put_object,
             Bucket=self.bucket,
             Key=full,
             Body=data,
-            ChecksumAlgorithm="CRC32C",
-            ChecksumCRC32C=_int_to_b64(expected),
+            **_integrity_args(data, expected, md5),
         )
 
     def _part_plan(self, size: int) -> list[tuple[int, int, int]]:
@@ -367,18 +484,20 @@ class S3Storage:
             part *= 2
         return [(i + 1, off, min(part, size - off)) for i, off in enumerate(range(0, size, part))]
 
-    def _put_multipart(self, local: Path, full: str, size: int, expected: int, progress: Progress | None) -> None:
+    def _put_multipart(
+        self, local: Path, full: str, size: int, expected: int, progress: Progress | None, *, md5: bool
+    ) -> None:
         created = self._call(
             f"create_multipart_upload {full}",
             self.client.create_multipart_upload,
             Bucket=self.bucket,
             Key=full,
-            ChecksumAlgorithm="CRC32C",
-            ChecksumType="FULL_OBJECT",
+            **({} if md5 else {"ChecksumAlgorithm": "CRC32C", "ChecksumType": "FULL_OBJECT"}),
         )
         upload_id = created["UploadId"]
         try:
-            parts = self._upload_parts(local, full, upload_id, self._part_plan(size), progress)
+            # The part CRC32Cs are computed either way: combined, they must equal the manifest's.
+            parts = self._upload_parts(local, full, upload_id, self._part_plan(size), progress, md5=md5)
             combined = parts[0][2]
             for _, _, crc, length in parts[1:]:
                 combined = crc32c_combine(combined, crc, length)
@@ -386,14 +505,21 @@ class S3Storage:
                 raise StorageError(
                     f"s3: {local}: CRC32C of the bytes sent {combined:08x} != expected {expected:08x}; upload aborted"
                 )
-            self._complete(full, upload_id, parts, expected, size)
+            self._complete(full, upload_id, parts, expected, size, md5=md5)
         except BaseException:
             # Also on KeyboardInterrupt/cancel: unfinished parts cost money and are never visible.
             self._abort(full, upload_id)
             raise
 
     def _upload_parts(
-        self, local: Path, full: str, upload_id: str, plan: list[tuple[int, int, int]], progress: Progress | None
+        self,
+        local: Path,
+        full: str,
+        upload_id: str,
+        plan: list[tuple[int, int, int]],
+        progress: Progress | None,
+        *,
+        md5: bool,
     ) -> list[tuple[int, str, int, int]]:
         fd = os.open(local, os.O_RDONLY)
         try:
@@ -413,8 +539,7 @@ class S3Storage:
                         UploadId=upload_id,
                         PartNumber=number,
                         Body=data,
-                        ChecksumAlgorithm="CRC32C",
-                        ChecksumCRC32C=_int_to_b64(crc),
+                        **_integrity_args(data, crc, md5),
                     )
                 if progress:
                     progress(length)
@@ -435,8 +560,11 @@ class S3Storage:
             os.close(fd)
 
     def _complete(
-        self, full: str, upload_id: str, parts: list[tuple[int, str, int, int]], expected: int, size: int
+        self, full: str, upload_id: str, parts: list[tuple[int, str, int, int]], expected: int, size: int, *, md5: bool
     ) -> None:
+        checksums: dict[str, str] = {}
+        if not md5:
+            checksums = {"ChecksumCRC32C": _int_to_b64(expected), "ChecksumType": "FULL_OBJECT"}
         try:
             self._call(
                 f"complete_multipart_upload {full}",
@@ -446,11 +574,11 @@ class S3Storage:
                 UploadId=upload_id,
                 MultipartUpload={
                     "Parts": [
-                        {"PartNumber": n, "ETag": etag, "ChecksumCRC32C": _int_to_b64(crc)} for n, etag, crc, _ in parts
+                        {"PartNumber": n, "ETag": etag, **({} if md5 else {"ChecksumCRC32C": _int_to_b64(crc)})}
+                        for n, etag, crc, _ in parts
                     ]
                 },
-                ChecksumCRC32C=_int_to_b64(expected),
-                ChecksumType="FULL_OBJECT",
+                **checksums,
             )
         except StorageError as exc:
             # A completion retried after a lost response finds the upload gone: if the
@@ -477,19 +605,49 @@ class S3Storage:
             # abort_stale_multipart_uploads() at the next start cleans up what this misses.
             log.warning("s3: could not abort multipart upload %s of %s", upload_id, full, exc_info=True)
 
-    def _verify_remote(self, full: str, size: int, expected: int) -> None:
+    def _verify_remote(self, full: str, size: int, expected: int, *, md5: bool = False) -> None:
         info = self._stat_full(full)
         problem = None
+        answered = None  # a CRC32C the store answered that is not the bytes'
         if info is None:
             problem = "object missing after upload"
         elif info.size != size:
             problem = f"size {info.size} != {size}"
-        elif info.crc32c is not None and info.crc32c != f"{expected:08x}":
-            problem = f"stored CRC32C {info.crc32c} != expected {expected:08x}"
+        elif not md5 and info.crc32c is not None and info.crc32c != f"{expected:08x}":
+            answered = info.crc32c
+            problem = f"stored CRC32C {answered} != expected {expected:08x}"
         if problem:
             with contextlib.suppress(StorageError):
                 self._call(f"delete_object {full}", self.client.delete_object, Bucket=self.bucket, Key=full)
-            raise StorageError(f"s3: {full}: {problem}; object deleted")
+            message = f"s3: {full}: {problem}; object deleted"
+            if answered is not None:
+                raise ChecksumMismatch(message, sent=f"{expected:08x}", answered=answered)
+            raise StorageError(message)
+
+    def probe_checksum(self, key: str, *, adopt: bool = False) -> ChecksumProbe:
+        """Upload a tiny object under ``key`` the way large files go (multipart, full-object
+        CRC32C, no fallback), read back the CRC32C the store answers for it, and delete it.
+        ``adopt``: with ``checksum="auto"``, a disagreement switches this instance to Content-MD5
+        at once, without spending uploads to find out (the caller reports it).
+
+        Multipart, because a single PUT proves little: some stores (moto without ``crc32c``) echo
+        the CRC32C a PUT carries but compute their own, wrong one when they assemble parts."""
+        data = os.urandom(4096)
+        crc = _crc_of(data)
+        full = self._key(key)
+        with tempfile.TemporaryDirectory(prefix="spotguard-probe-") as scratch:
+            local = Path(scratch) / "probe"
+            local.write_bytes(data)
+            self._put_multipart(local, full, len(data), crc, None, md5=False)
+        try:
+            info = self._stat_full(full)
+        finally:
+            self._call(f"delete_object {full}", self.client.delete_object, Bucket=self.bucket, Key=full)
+        probe = ChecksumProbe(self.store_name, f"{crc:08x}", None if info is None else info.crc32c)
+        if adopt and not probe.agrees and self.checksum == "auto":
+            with self._checksum_lock:
+                self._md5 = True
+        return probe
 
     def abort_stale_multipart_uploads(self, older_than: dt.timedelta | None = None) -> int:
         """Abort unfinished multipart uploads under our prefix; returns how many.
@@ -556,7 +714,11 @@ class S3Storage:
 
     def stat(self, key: str) -> ObjectInfo | None:
         info = self._stat_full(self._key(key))
-        return None if info is None else ObjectInfo(key, info.size, info.crc32c, info.modified)
+        if info is None:
+            return None
+        # In md5 mode the store's CRC32C is not trusted: sizes are compared, and the bytes are
+        # still checked against the manifest's CRC32C wherever they are read.
+        return ObjectInfo(key, info.size, None if self._md5 else info.crc32c, info.modified)
 
     def _stat_full(self, full: str) -> ObjectInfo | None:
         try:

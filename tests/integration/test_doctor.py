@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import io
 from collections.abc import Callable, Iterator
@@ -243,3 +244,51 @@ def test_doctor_reads_the_gcp_and_azure_metadata_services(provider: str, expecte
         emulator.stop()
     assert code == 1 and line(output, "metadata").startswith("FAIL") and "HTTP 500" in output
     assert line(output, "bucket").startswith("warn  bucket: none configured")
+
+
+@pytest.mark.parametrize(
+    ("wrong", "checksum", "verdict", "says", "code"),
+    [
+        (False, "auto", "ok", "uploads will verify CRC32C", 0),
+        (True, "auto", "warn", "uploads will verify Content-MD5 (checksum = auto falls back", 0),
+        (True, "md5", "ok", "uploads will verify Content-MD5 (checksum = md5 is set)", 0),
+        (True, "crc32c", "FAIL", "checksum = crc32c is set, so uploads will fail", 1),
+    ],
+    ids=["good-store", "wrong-crc32c-auto", "wrong-crc32c-md5", "wrong-crc32c-pinned"],
+)
+def test_doctor_says_which_checksum_mode_uploads_will_use(
+    s3: S3Server,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    wrong: bool,
+    checksum: str,
+    verdict: str,
+    says: str,
+    code: int,
+) -> None:
+    from tests.servers import moto_s3_wrong_crc32c
+
+    for key, val in FAKE_AWS_ENV.items():
+        monkeypatch.setenv(key, val)
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(moto_s3_wrong_crc32c()) if wrong else s3
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", server.endpoint_url)
+        config = DaemonConfig(
+            provider="none",
+            socket=tmp_path / "sock" / "spotguard.sock",
+            checkpoint_dir=tmp_path / "nvme",
+            bucket=f"s3://{server.bucket}/checksum-{checksum}",
+            checksum=checksum,
+        )
+        # A 16 MiB probe goes multipart, the kind of upload this store answers wrongly.
+        exit_code, output = doctor(config, checkpoint_gb=0.05, upload_probe_bytes=16 * MiB)
+        found = line(output, "checksum")
+        assert found.startswith(f"{verdict:<4}  checksum: {server.endpoint_url} bucket {server.bucket}"), output
+        assert says in found, output
+        if wrong:
+            assert "answered CRC32C" in found and "for bytes whose CRC32C is" in found
+        # Only a pinned crc32c makes the throughput probe fail (auto switched to Content-MD5 before it).
+        assert line(output, "bucket permissions").startswith("FAIL" if code else "ok"), output
+        assert ("-> see the checksum check" in output) == bool(code), output  # not blamed on a permission
+        assert exit_code == code, output
+        assert [key for key in probe_objects(server) if key.startswith(f"checksum-{checksum}/")] == []

@@ -15,7 +15,7 @@ import google_crc32c
 import pytest
 import requests
 
-from spotguard.storage.base import ObjectNotFound, Storage, StorageError, TransientStorageError
+from spotguard.storage.base import ChecksumMismatch, ObjectNotFound, Storage, StorageError, TransientStorageError
 from spotguard.storage.gcs import PARTS_DIR, GcsStorage, gcs_crc_to_hex
 from tests.faultproxy import FaultProxy
 from tests.servers import GcsServer, gcs_emulator
@@ -130,6 +130,28 @@ def test_gcs_put_file_rejects_crc32c_mismatch_and_leaves_nothing(url: str, tmp_p
     assert not storage.is_transient(excinfo.value)
     assert storage.stat("step-2/f") is None
     assert all_names(storage) == []  # no object, no parts
+
+
+class WrongCrcGcs(GcsStorage):
+    """Plays a GCS-compatible store that takes the bytes and answers another CRC32C for them."""
+
+    def _put_one(self, local: Path, full: str, expected: int) -> object:
+        blob = super()._put_one(local, full, expected)
+        blob._properties["crc32c"] = base64.b64encode((expected ^ 0xFFFF).to_bytes(4, "big")).decode()
+        return blob
+
+
+def test_gcs_store_answering_another_crc32c_is_a_checksum_mismatch_not_a_transient_fault(
+    url: str, tmp_path: Path
+) -> None:
+    storage = WrongCrcGcs(url)
+    _, crc = write(tmp_path / "f", 1000, seed=8)
+    with pytest.raises(ChecksumMismatch) as excinfo:
+        storage.put_file(tmp_path / "f", "step-3/f", crc32c=crc)
+    # The uploader does not retry a ChecksumMismatch; the backend's own retry does not either.
+    assert not storage.is_transient(excinfo.value)
+    assert excinfo.value.sent == crc and excinfo.value.answered == f"{int(crc, 16) ^ 0xFFFF:08x}"
+    assert storage.stat("step-3/f") is None
 
 
 def test_gcs_stat_missing_is_none_and_get_missing_raises_not_found(url: str, tmp_path: Path) -> None:

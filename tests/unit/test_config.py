@@ -97,3 +97,49 @@ def test_trainer_settings_argument_beats_environment() -> None:
     assert (explicit.checkpoint_dir, explicit.bucket, explicit.socket) == (Path("/arg"), "s3://a/b", Path("/arg.sock"))
     with pytest.raises(ConfigError, match="bucket"):
         trainer_settings(None, "http://nope", None, env={})
+
+
+def test_checksum_setting_from_file_env_and_flag_and_into_the_s3_options(tmp_path: Path) -> None:
+    assert DaemonConfig().checksum == "auto"
+    file = tmp_path / "spotguard.toml"
+    file.write_text('bucket = "s3://b/run1"\nchecksum = "md5"\n')
+    assert load_config({}, env={}, config_file=file).checksum == "md5"
+    assert load_config({}, env={"SPOTGUARD_CHECKSUM": "crc32c"}, config_file=file).checksum == "crc32c"
+    config = load_config({"checksum": "auto"}, env={"SPOTGUARD_CHECKSUM": "crc32c"}, config_file=file)
+    assert config.checksum == "auto"
+    assert config.storage_options() == {"max_concurrency": config.upload_concurrency, "checksum": "auto"}
+    # Only the S3 backend takes it; GCS always verifies CRC32C.
+    assert "checksum" not in DaemonConfig(bucket="gs://b/run1").storage_options()
+    assert DaemonConfig(bucket="file:///tmp/b").storage_options() == {}
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "key", "says"),
+    [
+        ({"checksum": "sha1"}, {}, "checksum", "'sha1' is not one of auto, crc32c, md5"),
+        ({}, {"SPOTGUARD_CHECKSUM": "CRC32C"}, "checksum", "is not one of"),
+        ({"checksum": "md5", "bucket": "gs://b/p"}, {}, "checksum", "gs:// always verifies CRC32C"),
+    ],
+)
+def test_bad_checksum_settings_name_the_key(flags: dict[str, str], env: dict[str, str], key: str, says: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(flags, env=env)
+    assert str(info.value).startswith(key) and says in str(info.value)
+
+
+def test_run_and_doctor_take_the_checksum_flag(tmp_path: Path) -> None:
+    from spotguard.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["run", "--checksum", "md5"]).checksum == "md5"
+    assert parser.parse_args(["doctor", "--checksum", "crc32c"]).checksum == "crc32c"
+    file = tmp_path / "spotguard.toml"
+    file.write_text('bucket = "s3://b/run1"\n')
+    bad = subprocess.run(
+        [sys.executable, "-m", "spotguard", "run", "--checksum", "sha1", "--config", str(file)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert bad.returncode == 2 and "config: checksum: 'sha1' is not one of auto, crc32c, md5" in bad.stderr, bad.stderr
