@@ -32,14 +32,15 @@ def webhook() -> Iterator[Receiver]:
     server.close()
 
 
-# Trains "steps" (each a little work) until told to stop by a file; never asks should_checkpoint.
+# Trains "steps" (each a little work) until told to stop by a file; asks should_checkpoint only once
+# the test creates the "ask" file (a loop that finally leaves a long evaluation).
 DEAF_LOOP = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
     from spotguard import Guard
 
-    root, socket, stop = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+    root, socket, stop, ask = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4])
     guard = Guard(checkpoint_dir=root, socket=socket, handle_sigterm=False)
     guard.client.connected.wait(10)
     print("connected", flush=True)
@@ -47,6 +48,8 @@ DEAF_LOOP = textwrap.dedent(
     while not stop.exists():
         time.sleep(0.01)  # the step's work: a kernel the CPU waits for
         step += 1
+        if ask.exists() and guard.should_checkpoint(step):
+            ask.unlink()
     guard.close()
     """
 )
@@ -57,9 +60,9 @@ def test_a_loop_that_never_calls_should_checkpoint_is_reported_within_the_bound(
 ) -> None:
     vm = vm_factory("vm-s", env={"SPOTGUARD_METRICS_PORT": "0", "SPOTGUARD_WEBHOOK_URL": webhook.url})
     url = metrics_url(vm)
-    stop = tmp_path / "stop"
+    stop, ask = tmp_path / "stop", tmp_path / "ask"
     deaf = subprocess.Popen(
-        [sys.executable, "-c", DEAF_LOOP, str(vm.root), str(vm.socket), str(stop)],
+        [sys.executable, "-c", DEAF_LOOP, str(vm.root), str(vm.socket), str(stop), str(ask)],
         stdout=subprocess.PIPE,
         text=True,
         cwd=REPO,
@@ -106,6 +109,13 @@ def test_a_loop_that_never_calls_should_checkpoint_is_reported_within_the_bound(
         attentive.save({"weights": list(range(100))}, 1)
         wait_for(lambda: vm.status()["last_notice"].get("saved_step") == 1, 10, "the attentive trainer's save")
         assert [s["pid"] for s in vm.status()["stalled"]] == [deaf.pid]
+
+        # The deaf loop finally asks: the report clears while it is still connected.
+        ask.touch()
+        wait_for(lambda: not ask.exists() and vm.status()["stalled"] == [], 10, "the report to clear once asked")
+        assert len(vm.status()["trainers"]) == 2
+        late = rf"trainer pid {deaf.pid} reached a checkpoint point at step \d+ after all"
+        assert re.search(late, vm.log.read_text())
     finally:
         stop.touch()
         attentive.close()
@@ -113,5 +123,4 @@ def test_a_loop_that_never_calls_should_checkpoint_is_reported_within_the_bound(
             deaf.wait(timeout=20)
         finally:
             deaf.kill()
-    # Once the stalled trainer is gone, nobody is reported any more.
-    wait_for(lambda: vm.status()["stalled"] == [], 10, "the report to clear when the trainer leaves")
+    assert deaf.returncode == 0
