@@ -28,11 +28,12 @@ validation records the validation loop as interrupted: on resume Lightning fast-
 (as for a ``ModelCheckpoint`` written in ``on_validation_end``) and training continues with the next
 step; the interrupted validation is not run again. A notice during the sanity check ends the sanity
 check and is acted on in ``on_train_start``. ``validate``/``test``/``predict`` run on their own have no
-training state to save and are not watched.
+training state to save and are not watched. Exact resume across a checkpoint taken inside validation
+needs validation loaders that draw nothing from the global RNG (no shuffling, or their own generator).
 
-Not covered by the tests: validation inside the epoch (its loaders must not draw from the global
-RNG either), iterable loaders without a length (Lightning prefetches a batch ahead there, and the
-saved loader position may count it), gradient accumulation (the callback checks only where an
+Not covered by the tests: a notice during the sanity check or before the first step, iterable
+loaders without a length (Lightning prefetches a batch ahead there, and the saved loader position
+may count it), gradient accumulation (the callback checks only where an
 optimizer step just happened, so it never saves in the middle of one), and callbacks listed after
 this one that change state in ``on_train_batch_end`` (their change misses the checkpoint: list
 ``SpotguardCallback`` last).
