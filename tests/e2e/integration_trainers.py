@@ -2,11 +2,12 @@
 
 ``python -m tests.e2e.integration_trainers --framework lightning|transformers --root DIR --socket PATH
 --steps N [--bucket URL] [--out FILE] [--wait-notice-at K] [--every-steps S] [--eval-every E
-[--wait-notice-in-eval-at K]]`` prints JSON lines (``resumed``, ``step``, ``eval`` (one per evaluation
-batch), ``waiting``, ``saved``, ``stopped``/``finished``) like ``spotguard.demo``; ``--out`` gets the
-final parameters, optimizer and scheduler state of an unstopped run. With ``--eval-every E`` an
-evaluation of ``EVAL_BATCHES`` batches runs every E steps; ``--wait-notice-in-eval-at K`` holds in the
-second batch of the first evaluation at or after step K until the notice reached the callback.
+[--wait-notice-in-eval-at K]] [--wait-notice-at-start]`` prints JSON lines (``resumed``, ``step``,
+``eval`` (one per evaluation batch), ``waiting``, ``saved``, ``stopped``/``finished``) like
+``spotguard.demo``; ``--out`` gets the final parameters, optimizer and scheduler state of an unstopped
+run. With ``--eval-every E`` an evaluation of ``EVAL_BATCHES`` batches runs every E steps;
+``--wait-notice-in-eval-at K`` holds in the second batch of the first evaluation at or after step K, and
+``--wait-notice-at-start`` (Lightning) in ``on_train_start``, until the notice reached the callback.
 
 Both models have dropout, AdamW and a per-step LR schedule; 96 samples in batches of 8 (12 steps an
 epoch), so a resume at k not divisible by 12 continues mid-epoch.
@@ -131,6 +132,10 @@ def run_lightning(args: argparse.Namespace) -> dict[str, Any]:
             if args.wait_notice_at == step:
                 # Lightning's own SIGTERM handler sets trainer.received_sigterm; the callback reads it.
                 hold(step, lambda: (cb.guard is not None and cb.guard._local_flags()[0]) or trainer.received_sigterm)
+
+        def on_train_start(self, trainer: Any, module: Any) -> None:
+            if args.wait_notice_at_start:  # before the first step: a notice told when the hook connected
+                hold(trainer.global_step, lambda: cb.guard is not None and cb.guard._local_flags()[0])
 
         def on_validation_batch_end(self, trainer: Any, module: Any, *batch_args: Any) -> None:
             step, batch_idx = trainer.global_step, batch_args[2]
@@ -273,6 +278,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--every-steps", type=int)
     parser.add_argument("--eval-every", type=int)
     parser.add_argument("--wait-notice-in-eval-at", type=int)
+    parser.add_argument("--wait-notice-at-start", action="store_true")
     args = parser.parse_args(argv)
 
     warnings.filterwarnings("ignore")  # framework chatter (no GPU, few workers, ...) is not the test's business

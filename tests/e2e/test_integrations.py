@@ -31,8 +31,11 @@ def trainer_command(framework: str, root: Path, socket: Path, out: Path | None =
     if out is not None:
         command += ["--out", str(out)]
     for key, value in extra.items():
-        if value is not None:
-            command += [f"--{key.replace('_', '-')}", str(value)]
+        flag = f"--{key.replace('_', '-')}"
+        if value is True:
+            command.append(flag)
+        elif value is not None:
+            command += [flag, str(value)]
     return command
 
 
@@ -191,6 +194,21 @@ def test_drill_during_evaluation_checkpoints_the_last_finished_step_stops_and_re
     finally:
         reference.kill()
     assert compare_final(reference_out, resumed_out) == []
+
+
+@pytest.mark.slow
+def test_lightning_notice_pending_before_the_first_step_saves_that_step_and_trains_none(
+    vm_factory: Callable[..., Vm], bucket: str
+) -> None:
+    pytest.importorskip("lightning")
+    vm = vm_factory("vm-a")
+    request(vm.socket, "drill", deadline_s=120)  # the trainer hears of it when it connects
+    events = run_events(trainer_command("lightning", vm.root, vm.socket, bucket=bucket, wait_notice_at_start=True))
+    assert [e["event"] for e in events if e["event"] == "step"] == []
+    assert [e["step"] for e in events if e["event"] == "saved"] == [0]
+    assert events[-1] == {**events[-1], "event": "stopped", "step": 0}
+    manifest = load_manifest(vm.root / "step-000000000")
+    assert manifest.reason == "urgent" and verify_dir(vm.root / "step-000000000") == []
 
 
 # --- resume_path: what it returns and what it skips ----------------------------------------------
