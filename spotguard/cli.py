@@ -172,6 +172,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     )
     if reply["last_notice"]:
         print("last notice: " + ", ".join(f"{k}={v}" for k, v in reply["last_notice"].items()))
+    for stalled in reply.get("stalled", []):
+        print(f"STALLED: {stalled['message']}")
     uploads = reply["uploads"]
     if uploads["current"]:
         print(_upload_line(uploads["current"]))

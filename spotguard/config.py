@@ -30,7 +30,7 @@ CHECKSUM_MODES = ("auto", "crc32c", "md5")
 #: What a ``webhook_template`` may name (``${name}``); see spotguard/daemon/webhook.py.
 WEBHOOK_FIELDS = (
     "type", "event_id", "provider", "kind", "action", "deadline", "seconds_left", "host", "message",
-    "outcome", "checkpoint", "step", "bytes", "seconds", "upload_seconds", "margin_s", "error",
+    "outcome", "checkpoint", "step", "bytes", "seconds", "upload_seconds", "margin_s", "error", "pid",
 )  # fmt: skip
 
 
@@ -74,6 +74,10 @@ class DaemonConfig:
     shutdown_grace: float = 110.0  # on SIGTERM, upload for at most this long (or the notice deadline)
     upload_concurrency: int = 16  # upload streams in flight at once (S3 gives each connection tens of MB/s)
     forecast_interval: float = 5.0  # how often an urgent upload logs whether it will beat the deadline
+    # A trainer told of a notice that has not reached a checkpoint point (stuck in eval, a long
+    # data-loader start) after max(stall_fraction x the notice's window, stall_min_seconds) is reported.
+    stall_fraction: float = 0.1
+    stall_min_seconds: float = 3.0
     on_rebalance: Action = Action.CHECKPOINT
     on_maintenance: Action = Action.CHECKPOINT
     imds_v1_fallback: bool = False  # AWS: fall back to IMDSv1 if no token can be had
@@ -107,9 +111,12 @@ class DaemonConfig:
             "shutdown_grace",
             "forecast_interval",
             "incomplete_grace",
+            "stall_min_seconds",
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")
+        if not 0 < self.stall_fraction <= 1:
+            raise ConfigError("stall_fraction", f"must be in (0, 1], got {self.stall_fraction}")
         for name in ("keep_local", "keep_remote", "max_connections", "upload_concurrency"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")

@@ -8,6 +8,8 @@ Client -> daemon:
   file    {path, name, size, crc32c}                 one file of a checkpoint being written is complete
                                                      (uploading starts before the commit; no reply)
   saved   {path, step, reason, event_id?}           a checkpoint is committed locally
+  checkpoint-started {event_id, step}                the loop reached a checkpoint point for a notice
+                                                     (the daemon's stall detector; no reply)
   drill   {deadline_s}                               inject a simulated hard notice
   status  {}                                         what the daemon sees
 Daemon -> client:
@@ -41,6 +43,7 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "hello": {"rank": int, "world_size": int, "pid": int},
     "file": {"path": str, "name": str, "size": int, "crc32c": str},
     "saved": {"path": str, "step": int, "reason": str},
+    "checkpoint-started": {"event_id": str, "step": int},
     "drill": {"deadline_s": (int, float)},
     "status": {},
     "welcome": {"checkpoint_dir": str},
@@ -48,7 +51,7 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "ok": {},
     "error": {"code": str, "message": str},
 }
-CLIENT_TYPES = frozenset({"hello", "file", "saved", "drill", "status"})
+CLIENT_TYPES = frozenset({"hello", "file", "saved", "checkpoint-started", "drill", "status"})
 DAEMON_TYPES = frozenset({"welcome", "checkpoint-now", "ok", "status", "error"})
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from spotguard import __version__, protocol
 from spotguard.config import DaemonConfig, with_overrides
-from spotguard.daemon.events import MonitorErrorListener, NoticeListener, SavedListener
+from spotguard.daemon.events import MonitorErrorListener, NoticeListener, SavedListener, StallListener
 from spotguard.daemon.notify import SystemdNotifier, watchdog_loop
 from spotguard.daemon.server import Peer, Reply, SocketServer
 from spotguard.daemon.uploader import Uploader
@@ -41,6 +41,8 @@ from spotguard.notice import Action, Kind, Notice, utcnow
 from spotguard.storage.base import Storage
 
 logger = logging.getLogger("spotguard.daemon")
+
+_STALL_CHECK_INTERVAL = 0.25  # seconds between looks for stalled trainers while a notice is pending
 
 
 class EventLog:
@@ -134,6 +136,8 @@ class Daemon:
         self.notice_listeners: list[NoticeListener] = []  # every new event id, ignored ones included
         self.saved_listeners: list[SavedListener] = []
         self.monitor_error_listeners: list[MonitorErrorListener] = []
+        self.stall_listeners: list[StallListener] = []
+        self.stalled: dict[int, dict[str, Any]] = {}  # peer id -> its report, while it stays stalled
         self.metrics_url: str | None = None  # set by build_and_run when metrics are served
         self.monitor_errors: dict[str, str] = {}
         self._stopping = asyncio.Event()
@@ -176,6 +180,7 @@ class Daemon:
         )
         self._make_pending(notice, action)
         message_type, fields = self._checkpoint_now(notice, action)
+        self._mark_told(self.server.trainers(), notice)
         told = await self.server.broadcast(message_type, **fields)
         if self.last_notice is not None:
             self.last_notice["told_at"] = utcnow().isoformat()
@@ -233,6 +238,9 @@ class Daemon:
             return []  # fire and forget: the trainer is busy writing the next file
         if kind == "saved":
             return [await self._saved(peer, message)]
+        if kind == "checkpoint-started":
+            self._acted(peer, message["event_id"], f"reached a checkpoint point at step {message['step']}")
+            return []
         if kind == "drill":
             return [await self._drill(message)]
         return [("status", self.status())]
@@ -257,6 +265,7 @@ class Daemon:
         if pending is not None:
             # A trainer that (re)connects while a notice is pending is told at once.
             replies.append(self._checkpoint_now(*pending))
+            self._mark_told([peer], pending[0])
         return replies
 
     def _step_dir(self, path: Path) -> Path:
@@ -281,6 +290,8 @@ class Daemon:
     async def _saved(self, peer: Peer, message: dict[str, Any]) -> Reply:
         resolved = self._step_dir(Path(message["path"]))
         urgent = message["reason"] in ("urgent", "soft", "final")
+        if isinstance(message.get("event_id"), str):
+            self._acted(peer, message["event_id"], f"committed {resolved.name}")
         try:
             manifest = await asyncio.to_thread(load_manifest, resolved)
         except (OSError, ValueError) as exc:
@@ -331,8 +342,79 @@ class Daemon:
         return "ok", {"event_id": notice.event_id, "trainers_told": len(self.server.trainers())}
 
     def _on_disconnect(self, peer: Peer) -> None:
+        self.stalled.pop(peer.id, None)
         if peer.is_trainer:
             logger.info("trainer pid %d disconnected", peer.pid)
+
+    # --- trainers that do not act on a notice ------------------------------------------
+
+    def stall_bound(self, notice: Notice) -> float:
+        """Seconds a told trainer may take to reach a checkpoint point before it is reported."""
+        window = (notice.deadline - notice.received).total_seconds()
+        return max(self.config.stall_min_seconds, self.config.stall_fraction * window)
+
+    def _mark_told(self, peers: Sequence[Peer], notice: Notice) -> None:
+        now = asyncio.get_running_loop().time()
+        for peer in peers:
+            peer.told.setdefault(notice.event_id, now)
+
+    def _acted(self, peer: Peer, event_id: str, what: str) -> None:
+        peer.acted.add(event_id)
+        report = self.stalled.pop(peer.id, None)
+        if report is not None and report["event_id"] == event_id:
+            waited = asyncio.get_running_loop().time() - peer.told.get(event_id, 0.0)
+            logger.warning("trainer pid %d %s after all, %.1f s after it was told", peer.pid, what, waited)
+
+    def _check_stalls(self) -> None:
+        """Report (once) each trainer told of the pending notice that has not acted on it within the bound."""
+        pending = self._pending_if_live()
+        if pending is None:
+            self.stalled.clear()
+            return
+        notice, action = pending
+        now = asyncio.get_running_loop().time()
+        bound = self.stall_bound(notice)
+        for peer in self.server.trainers():
+            told = peer.told.get(notice.event_id)
+            if told is None or notice.event_id in peer.acted or now - told < bound:
+                continue
+            waited, left = now - told, notice.seconds_left()
+            report = self.stalled.get(peer.id)
+            if report is not None:
+                report.update(seconds=round(waited, 1), deadline_s=round(left, 1))
+                continue
+            message = (
+                f"trainer pid {peer.pid} has not reached a checkpoint point for {waited:.0f} s; "
+                f"the deadline is in {left:.0f} s"
+            )
+            report = {
+                "pid": peer.pid,
+                "rank": peer.hello["rank"] if peer.hello else None,
+                "event_id": notice.event_id,
+                "seconds": round(waited, 1),
+                "bound_s": round(bound, 1),
+                "deadline_s": round(left, 1),
+                "message": message,
+            }
+            self.stalled[peer.id] = report
+            logger.error(
+                "%s (told of %s notice %s; the bound is %.0f s): is the loop calling should_checkpoint?",
+                message,
+                notice.kind,
+                notice.event_id,
+                bound,
+            )
+            for listener in self.stall_listeners:
+                try:
+                    listener(notice, action, report)
+                except Exception:
+                    logger.exception("a stall listener failed for pid %d", peer.pid)
+
+    async def _watch_stalls(self) -> None:
+        while not self._stopping.is_set():
+            self._check_stalls()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), _STALL_CHECK_INTERVAL)
 
     async def _on_committed(self, name: str, manifest: Manifest, seconds: float) -> None:
         event_id = manifest.meta.get("event_id")
@@ -372,6 +454,7 @@ class Daemon:
                 "seconds_left": round(pending[0].seconds_left(), 3),
             },
             "last_notice": self.last_notice,
+            "stalled": list(self.stalled.values()),
             "uploads": self.uploader.status(),
             "stopping": self._stopping.is_set(),
             "metrics_url": self.metrics_url,
@@ -428,6 +511,7 @@ class Daemon:
         except TimeoutError:
             logger.warning("the first metadata check took longer than %.0f s", self.config.http_timeout * 2 + 1)
         self._tasks = [asyncio.create_task(self.uploader.run(), name="uploader")]
+        self._tasks.append(asyncio.create_task(self._watch_stalls(), name="stall-watch"))
         self._tasks += [asyncio.create_task(self._watch(m), name=f"monitor-{m.name}") for m in self.monitors]
         self._tasks.append(asyncio.create_task(watchdog_loop(self.notifier, self.notifier.watchdog_interval())))
 

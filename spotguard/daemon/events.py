@@ -17,6 +17,9 @@ SavedListener = Callable[[str, Manifest], None]  # a trainer committed this chec
 MonitorErrorListener = Callable[[str, BaseException], None]  # monitor name, what failed
 CommittedListener = Callable[[str, Manifest, float], Awaitable[None]]  # name, manifest, upload seconds
 UploadFailureListener = Callable[[str, BaseException], None]  # checkpoint name, what went wrong; must not block
+# A trainer told of this notice has not reached a checkpoint point within the bound; the dict is its
+# entry in status()["stalled"] (pid, rank, event_id, seconds, bound_s, deadline_s, message).
+StallListener = Callable[[Notice, Action, dict[str, Any]], None]
 
 
 class UploaderEvents(Protocol):
@@ -31,6 +34,7 @@ class DaemonEvents(Protocol):
     notice_listeners: list[NoticeListener]
     saved_listeners: list[SavedListener]
     monitor_error_listeners: list[MonitorErrorListener]
+    stall_listeners: list[StallListener]
 
     @property
     def uploader(self) -> UploaderEvents: ...
@@ -41,6 +45,9 @@ class DaemonEvents(Protocol):
     @property
     def bucket_url(self) -> str | None: ...
 
+    @property
+    def stalled(self) -> dict[int, dict[str, Any]]: ...  # peer id -> its report, while it stays stalled
+
     def trainer_count(self) -> int: ...
 
 
@@ -50,6 +57,7 @@ __all__ = [
     "MonitorErrorListener",
     "NoticeListener",
     "SavedListener",
+    "StallListener",
     "UploadFailureListener",
     "UploaderEvents",
 ]

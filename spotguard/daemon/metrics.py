@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -50,6 +50,7 @@ class _LiveCollector:
     def __init__(self) -> None:
         self.trainers: Callable[[], int] = lambda: 0
         self.pending_seconds: Callable[[], float | None] = lambda: None
+        self.stalled: Callable[[], int] = lambda: 0
 
     def collect(self) -> Iterator[Metric]:
         yield GaugeMetricFamily(
@@ -64,6 +65,11 @@ class _LiveCollector:
         if seconds is not None:
             pending.add_metric([], seconds)
         yield pending
+        yield GaugeMetricFamily(
+            "spotguard_trainers_stalled",
+            "Trainers told of the pending notice that have not reached a checkpoint point within the bound",
+            value=self.stalled(),
+        )
 
 
 class DaemonMetrics:
@@ -117,6 +123,11 @@ class DaemonMetrics:
         self.monitor_errors = Counter(
             "spotguard_monitor_errors", "Failed metadata checks, by monitor", ["monitor"], registry=registry
         )
+        self.trainer_stalls = Counter(
+            "spotguard_trainer_stalls",
+            "Trainers reported for not reaching a checkpoint point within the bound after a notice",
+            registry=registry,
+        )
         self._live = _LiveCollector()
         registry.register(self._live)
 
@@ -124,6 +135,7 @@ class DaemonMetrics:
         daemon.notice_listeners.append(self.on_notice)
         daemon.saved_listeners.append(self.on_saved)
         daemon.monitor_error_listeners.append(self.on_monitor_error)
+        daemon.stall_listeners.append(self.on_stall)
         daemon.uploader.on_failure.append(self.on_upload_failure)
         uploader = daemon.uploader
 
@@ -142,6 +154,7 @@ class DaemonMetrics:
 
         self._live.trainers = daemon.trainer_count
         self._live.pending_seconds = pending_seconds
+        self._live.stalled = lambda: len(daemon.stalled)
 
     # --- listeners (all on the daemon's loop; none blocks) --------------------------------
 
@@ -163,6 +176,9 @@ class DaemonMetrics:
 
     def on_monitor_error(self, monitor: str, exc: BaseException) -> None:
         self.monitor_errors.labels(monitor).inc()
+
+    def on_stall(self, notice: Notice, action: Action, report: dict[str, Any]) -> None:
+        self.trainer_stalls.inc()
 
 
 class MetricsServer:

@@ -50,6 +50,9 @@ class Peer:
     gid: int
     writer: asyncio.StreamWriter = field(repr=False)
     hello: dict[str, Any] | None = None  # set once a trainer introduced itself
+    # Notices this trainer was told of (event id -> loop time) and those it reached a checkpoint point for.
+    told: dict[str, float] = field(default_factory=dict)
+    acted: set[str] = field(default_factory=set)
 
     @property
     def is_trainer(self) -> bool:

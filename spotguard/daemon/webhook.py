@@ -10,6 +10,9 @@ gets exactly two POSTs:
   ``"upload-failed"`` when an upload of the event's checkpoint failed). Without a bucket the
   outcome is ``"local-only"`` once a trainer has committed the checkpoint locally.
 
+and, between the two, ``"type": "stalled"`` for each trainer (``pid``) that has not reached a
+checkpoint point within the daemon's bound (``seconds`` waited, ``seconds_left`` to the deadline).
+
 Never on the urgent path: the daemon's listeners only put a message on a queue; one worker task
 on the daemon's loop POSTs them in order (an outcome never overtakes its notice), each with a
 5 s timeout and a few jittered retries on connection errors, timeouts, 429 and 5xx. Failures are
@@ -128,6 +131,7 @@ class WebhookNotifier:
         self.bucket = daemon.bucket_url
         daemon.notice_listeners.append(self.on_notice)
         daemon.saved_listeners.append(self.on_saved)
+        daemon.stall_listeners.append(self.on_stall)
         daemon.uploader.on_committed.append(self.on_committed)
         daemon.uploader.on_failure.append(self.on_upload_failure)
 
@@ -161,6 +165,11 @@ class WebhookNotifier:
                 "local-only",
                 f"{name} committed locally on {self.host}; no bucket is configured, so it dies with the VM",
             )
+
+    def on_stall(self, notice: Notice, action: Action, report: dict[str, Any]) -> None:
+        event = self._events.get(notice.event_id) or _Event(notice, action)
+        message = f"{report['message']} (on {self.host})"
+        self._enqueue(event, "stalled", message, pid=report["pid"], seconds=report["seconds"])
 
     def on_upload_failure(self, name: str, exc: BaseException) -> None:
         for event in self._events.values():

@@ -19,9 +19,21 @@ the position only for a resumable loader: use torchdata's ``StatefulDataLoader``
 its own for the loader and its sampler (README, "Exact resume and DataLoaders"). A SIGTERM makes
 Lightning raise its own ``SIGTERMException`` after the batch; the urgent checkpoint is committed by then.
 
-Not covered by the tests: validation inside the epoch (its loaders must not draw from the global
-RNG either), iterable loaders without a length (Lightning prefetches a batch ahead there, and the
-saved loader position may count it), gradient accumulation (the callback checks only where an
+Between step boundaries. A notice is also looked for before the first training step
+(``on_train_start``), at every batch end of validation (the sanity check included), and at test and
+predict batch ends inside ``fit``. The model does not change there, so the checkpoint is of the last
+completed step (``trainer.global_step``), written by ``trainer.save_checkpoint`` at once; the loop in
+progress then ends at that batch and ``trainer.should_stop`` ends the run. A checkpoint written inside
+validation records the validation loop as interrupted: on resume Lightning fast-forwards it to its end
+(as for a ``ModelCheckpoint`` written in ``on_validation_end``) and training continues with the next
+step; the interrupted validation is not run again. A notice during the sanity check ends the sanity
+check and is acted on in ``on_train_start``. ``validate``/``test``/``predict`` run on their own have no
+training state to save and are not watched. Exact resume across a checkpoint taken inside validation
+needs validation loaders that draw nothing from the global RNG (no shuffling, or their own generator).
+
+Not covered by the tests: a notice during the sanity check or before the first step, iterable
+loaders without a length (Lightning prefetches a batch ahead there, and the saved loader position
+may count it), gradient accumulation (the callback checks only where an
 optimizer step just happened, so it never saves in the middle of one), and callbacks listed after
 this one that change state in ``on_train_batch_end`` (their change misses the checkpoint: list
 ``SpotguardCallback`` last).
@@ -135,6 +147,8 @@ class SpotguardCallback(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._checked_step = trainer.global_step  # a resumed run does not save its starting step again
+        # Before the first step (after the sanity check and loader setup, which can take long).
+        self._check_between_steps(trainer)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -156,10 +170,15 @@ class SpotguardCallback(pl.Callback):
         if step == self._checked_step:
             return  # accumulating gradients: no optimizer step since the last boundary
         self._checked_step = step
+        self._take_sigterm(trainer, guard)
+        if guard.should_checkpoint(step):
+            self._save(trainer, guard, step)
+
+    def _take_sigterm(self, trainer: pl.Trainer, guard: Guard) -> None:
         if self.handle_sigterm and getattr(trainer, "received_sigterm", False):
             guard._sigterm = True  # what Guard's own handler would have set
-        if not guard.should_checkpoint(step):
-            return
+
+    def _save(self, trainer: pl.Trainer, guard: Guard, step: int) -> None:
         try:
             with commit_external(guard, step, {"framework": FRAMEWORK, "resume": CKPT_NAME}) as step_dir:
                 trainer.save_checkpoint(step_dir / CKPT_NAME)
@@ -168,6 +187,42 @@ class SpotguardCallback(pl.Callback):
         self.last_saved = step_dir
         if guard.stop_requested:
             trainer.should_stop = True
+
+    # --- between step boundaries: evaluation, before the first step -------------------------
+
+    def _check_between_steps(self, trainer: pl.Trainer) -> bool:
+        """Act on a notice outside a training step; True if the loop in progress should end now.
+
+        Every rank reaches the same hooks, so the agreement inside ``should_checkpoint`` holds.
+        """
+        guard = self.guard
+        if guard is None:
+            return False
+        self._take_sigterm(trainer, guard)
+        if not guard.should_checkpoint(trainer.global_step, periodic=False):
+            return False
+        if trainer.sanity_checking:
+            # Nothing is trained and the fit loop has not started: end the sanity check; the notice
+            # is still there in on_train_start, where the loops are in the state a resume expects.
+            return True
+        # The model has not changed since the last optimizer step: that step is what is saved.
+        self._save(trainer, guard, trainer.global_step)
+        return guard.stop_requested
+
+    def _end_loop_if_stopping(self, trainer: pl.Trainer) -> None:
+        if self._check_between_steps(trainer):
+            # Lightning's evaluation loop ends cleanly on a StopIteration from inside its step
+            # (hooks included): the epoch-end hooks run on what was evaluated so far.
+            raise StopIteration
+
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *batch_args: Any) -> None:
+        self._end_loop_if_stopping(trainer)
+
+    def on_test_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *batch_args: Any) -> None:
+        self._end_loop_if_stopping(trainer)
+
+    def on_predict_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *batch_args: Any) -> None:
+        self._end_loop_if_stopping(trainer)
 
     # --- what goes into Lightning's checkpoint -----------------------------------------------
 

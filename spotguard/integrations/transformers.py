@@ -16,6 +16,15 @@ folder of the newest *complete* checkpoint (manifest valid, CRC32C checked), dow
 bucket when ``output_dir`` has none. ``transformers.trainer_utils.get_last_checkpoint`` only looks
 for the newest ``checkpoint-N`` name, and picks one a killed process left half-written.
 
+Between step boundaries. A notice is also looked for before the first step (``on_train_begin``) and
+at every evaluation batch inside ``train`` (``on_prediction_step``, and ``on_evaluate``). The model does
+not change during evaluation, so the callback asks the Trainer to save the last completed step
+(``state.global_step``) and to stop; the Trainer writes it as soon as the evaluation returns. The
+Trainer's evaluation loop consults no ``TrainerControl`` flag, so an evaluation cannot be cut short
+from a callback: keep one evaluation well inside the notice window (GCP gives 30 s), or call
+``guard.should_checkpoint`` yourself in a loop of your own. A notice before the first step is
+acknowledged there and answered after the first step (the Trainer saves only after a step).
+
 The Trainer's own saves (``save_steps``) stay where the Trainer puts them and are not committed; run
 the daemon with ``--checkpoint-dir`` set to ``output_dir`` so that it uploads what the callback commits.
 
@@ -120,6 +129,8 @@ class SpotguardCallback(transformers.TrainerCallback):
 
             # Built here: the Trainer has set up torch.distributed, so the Guard knows its rank.
             self.guard = Guard(checkpoint_dir=self._root(args.output_dir), **self._guard_kwargs)
+        # A notice already here (told when the hook connected): the daemon hears that it was seen.
+        self.guard.should_checkpoint(state.global_step, periodic=False)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.guard is not None:
@@ -132,6 +143,20 @@ class SpotguardCallback(transformers.TrainerCallback):
         if self.guard is not None and self.guard.should_checkpoint(state.global_step):
             self._save_step = state.global_step
             control.should_save = True  # the Trainer writes checkpoint-N, then calls on_save
+
+    def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._save_after_evaluation(state, control)
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._save_after_evaluation(state, control)
+
+    def _save_after_evaluation(self, state: Any, control: Any) -> None:
+        # Every rank evaluates the same number of batches, so the agreement inside holds.
+        if self.guard is not None and self.guard.should_checkpoint(state.global_step, periodic=False):
+            # The weights are those of the last completed step; _maybe_log_save_evaluate saves
+            # right after the evaluation returns, then on_save commits it and stops training.
+            self._save_step = state.global_step
+            control.should_save = True
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         guard = self.guard

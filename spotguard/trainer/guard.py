@@ -113,6 +113,7 @@ class Guard:
         self._notice: dict[str, Any] | None = None  # the checkpoint-now message not yet saved for
         self._notice_received: float | None = None
         self._handled_events: set[str] = set()
+        self._acknowledged: set[str] = set()  # notices the daemon was told we are acting on
         self._sigterm = False  # set by the signal handler: a plain store, safe there
         self._stop_agreed = False
         self._urgent_agreed = False
@@ -194,20 +195,41 @@ class Guard:
         stop = bool(notice and notice["stop"]) or self._sigterm
         return urgent, stop
 
-    def should_checkpoint(self, step: int) -> bool:
+    def should_checkpoint(self, step: int, *, periodic: bool = True) -> bool:
         """Whether to save at this step boundary: a notice arrived on any rank, or a periodic save is due.
 
         Under ``torch.distributed`` this is one small all-reduce, and every rank gets the same answer.
+        Call it also where the loop waits outside a step (evaluation, before the first step) with
+        ``periodic=False``: a notice is then answered with a checkpoint of the last completed step, and
+        the daemon reports a loop that does not ask within its bound.
         """
         urgent, stop = self._local_flags()
-        periodic = step != self._last_save_step and (
-            (self.every_steps is not None and step % self.every_steps == 0)
-            or (self.every_seconds is not None and time.monotonic() - self._last_save_time >= self.every_seconds)
+        periodic = (
+            periodic
+            and step != self._last_save_step
+            and (
+                (self.every_steps is not None and step % self.every_steps == 0)
+                or (self.every_seconds is not None and time.monotonic() - self._last_save_time >= self.every_seconds)
+            )
         )
         urgent, stop, periodic = dist.agree_any([urgent, stop, periodic])
         self._urgent_agreed = urgent
         self._stop_agreed = self._stop_agreed or stop
+        if urgent:
+            self._acknowledge(step)
         return urgent or periodic
+
+    def _acknowledge(self, step: int) -> None:
+        """Tell the daemon, once per notice, that this loop reached a checkpoint point: it watches for
+        trainers that do not (a loop stuck in eval or a data-loader start) and reports them."""
+        with self._lock:
+            notice = self._notice
+        if notice is None:
+            return
+        event_id = str(notice["notice"]["event_id"])
+        if event_id not in self._acknowledged:
+            self._acknowledged.add(event_id)
+            self.client.send("checkpoint-started", event_id=event_id, step=step)
 
     # --- save ----------------------------------------------------------------------------
 

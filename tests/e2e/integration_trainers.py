@@ -1,9 +1,13 @@
 """Tiny Lightning and Hugging Face trainers wired with ``SpotguardCallback``, run as subprocesses by the tests.
 
 ``python -m tests.e2e.integration_trainers --framework lightning|transformers --root DIR --socket PATH
---steps N [--bucket URL] [--out FILE] [--wait-notice-at K] [--every-steps S]`` prints JSON lines
-(``resumed``, ``step``, ``waiting``, ``saved``, ``stopped``/``finished``) like ``spotguard.demo``;
-``--out`` gets the final parameters, optimizer and scheduler state of an unstopped run.
+--steps N [--bucket URL] [--out FILE] [--wait-notice-at K] [--every-steps S] [--eval-every E
+[--wait-notice-in-eval-at K]] [--wait-notice-at-start]`` prints JSON lines (``resumed``, ``step``,
+``eval`` (one per evaluation batch), ``waiting``, ``saved``, ``stopped``/``finished``) like
+``spotguard.demo``; ``--out`` gets the final parameters, optimizer and scheduler state of an unstopped
+run. With ``--eval-every E`` an evaluation of ``EVAL_BATCHES`` batches runs every E steps;
+``--wait-notice-in-eval-at K`` holds in the second batch of the first evaluation at or after step K, and
+``--wait-notice-at-start`` (Lightning) in ``on_train_start``, until the notice reached the callback.
 
 Both models have dropout, AdamW and a per-step LR schedule; 96 samples in batches of 8 (12 steps an
 epoch), so a resume at k not divisible by 12 continues mid-epoch.
@@ -28,6 +32,7 @@ from spotguard.manifest import load_manifest
 SAMPLES = 96
 BATCH = 8
 STEPS_PER_EPOCH = SAMPLES // BATCH
+EVAL_BATCHES = 20
 
 
 def hold(step: int, notice_arrived: Callable[[], bool], timeout: float = 60.0) -> None:
@@ -40,6 +45,21 @@ def hold(step: int, notice_arrived: Callable[[], bool], timeout: float = 60.0) -
         if time.monotonic() > deadline:
             raise TimeoutError(f"no notice arrived within {timeout} s at step {step}")
         time.sleep(0.005)
+
+
+def eval_holder(args: argparse.Namespace) -> Callable[[int, int], bool]:
+    """Whether to hold at this evaluation batch: the second batch of the first evaluation at or after
+    ``--wait-notice-in-eval-at`` (the evaluation is then under way when the notice comes)."""
+    held: list[int] = []
+
+    def hold_here(step: int, batch_idx: int) -> bool:
+        at = args.wait_notice_in_eval_at
+        if at is None or held or step < at or batch_idx != 1:
+            return False
+        held.append(step)
+        return True
+
+    return hold_here
 
 
 def _resumed_step(path: str | None) -> int:
@@ -67,6 +87,10 @@ def run_lightning(args: argparse.Namespace) -> dict[str, Any]:
             inputs, targets = batch
             return torch.nn.functional.mse_loss(self.net(inputs), targets)
 
+        def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            inputs, targets = batch
+            return torch.nn.functional.mse_loss(self.net(inputs), targets)
+
         def configure_optimizers(self) -> Any:
             optimizer = torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
             scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=500)
@@ -89,6 +113,14 @@ def run_lightning(args: argparse.Namespace) -> dict[str, Any]:
                 generator=torch.Generator().manual_seed(2),
             )
 
+        def val_dataloader(self) -> Any:
+            generator = torch.Generator().manual_seed(3)
+            samples = EVAL_BATCHES * BATCH
+            dataset = torch.utils.data.TensorDataset(
+                torch.randn(samples, 16, generator=generator), torch.randn(samples, 1, generator=generator)
+            )
+            return torch.utils.data.DataLoader(dataset, batch_size=BATCH)
+
     cb = SpotguardCallback(
         checkpoint_dir=args.root, bucket=args.bucket, socket=args.socket, every_steps=args.every_steps
     )
@@ -101,6 +133,17 @@ def run_lightning(args: argparse.Namespace) -> dict[str, Any]:
                 # Lightning's own SIGTERM handler sets trainer.received_sigterm; the callback reads it.
                 hold(step, lambda: (cb.guard is not None and cb.guard._local_flags()[0]) or trainer.received_sigterm)
 
+        def on_train_start(self, trainer: Any, module: Any) -> None:
+            if args.wait_notice_at_start:  # before the first step: a notice told when the hook connected
+                hold(trainer.global_step, lambda: cb.guard is not None and cb.guard._local_flags()[0])
+
+        def on_validation_batch_end(self, trainer: Any, module: Any, *batch_args: Any) -> None:
+            step, batch_idx = trainer.global_step, batch_args[2]
+            emit("eval", step=step, batch=batch_idx)
+            if hold_in_eval(step, batch_idx):
+                hold(step, lambda: cb.guard is not None and cb.guard._local_flags()[0])
+
+    hold_in_eval = eval_holder(args)
     pl.seed_everything(0, verbose=False)
     module, data = Module(), Data()
     trainer = pl.Trainer(
@@ -112,6 +155,8 @@ def run_lightning(args: argparse.Namespace) -> dict[str, Any]:
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
+        val_check_interval=args.eval_every,
+        limit_val_batches=1.0 if args.eval_every else 0,
         callbacks=[Progress(), cb],
     )
     ckpt_path = cb.resume_path()
@@ -176,8 +221,13 @@ def run_transformers(args: argparse.Namespace) -> dict[str, Any]:
         dataloader_num_workers=0,
         disable_tqdm=True,
         seed=0,
+        eval_strategy="steps" if args.eval_every else "no",
+        eval_steps=args.eval_every,
+        per_device_eval_batch_size=BATCH,
     )
     cb = SpotguardCallback(bucket=args.bucket, socket=args.socket, every_steps=args.every_steps)
+    hold_in_eval = eval_holder(args)
+    eval_batch = [0]
 
     class Progress(transformers.TrainerCallback):
         def on_step_end(self, hf_args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -185,8 +235,21 @@ def run_transformers(args: argparse.Namespace) -> dict[str, Any]:
             if args.wait_notice_at == state.global_step:
                 hold(state.global_step, lambda: cb.guard is not None and cb.guard._local_flags()[0])
 
+        def on_evaluate(self, hf_args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            eval_batch[0] = 0
+
+        def on_prediction_step(self, hf_args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            emit("eval", step=state.global_step, batch=eval_batch[0])
+            if hold_in_eval(state.global_step, eval_batch[0]):
+                hold(state.global_step, lambda: cb.guard is not None and cb.guard._local_flags()[0])
+            eval_batch[0] += 1
+
     trainer = transformers.Trainer(
-        model=model, args=training_args, train_dataset=TokenDataset(), callbacks=[Progress(), cb]
+        model=model,
+        args=training_args,
+        train_dataset=TokenDataset(),
+        eval_dataset=TokenDataset(samples=EVAL_BATCHES * BATCH) if args.eval_every else None,
+        callbacks=[Progress(), cb],
     )
     resume = cb.resume_path(training_args.output_dir)
     emit("resumed", step=_resumed_step(resume), path=resume)
@@ -213,6 +276,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--wait-notice-at", type=int)
     parser.add_argument("--every-steps", type=int)
+    parser.add_argument("--eval-every", type=int)
+    parser.add_argument("--wait-notice-in-eval-at", type=int)
+    parser.add_argument("--wait-notice-at-start", action="store_true")
     args = parser.parse_args(argv)
 
     warnings.filterwarnings("ignore")  # framework chatter (no GPU, few workers, ...) is not the test's business

@@ -17,7 +17,7 @@ import pytest
 from spotguard.control import request
 from spotguard.demo import Vm, compare_final, wait_for
 from spotguard.manifest import CheckpointWriter, load_manifest, scan_local, verify_dir
-from tests.e2e.integration_trainers import STEPS_PER_EPOCH
+from tests.e2e.integration_trainers import EVAL_BATCHES, STEPS_PER_EPOCH
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 30  # 12 steps an epoch: two epoch boundaries
@@ -31,8 +31,11 @@ def trainer_command(framework: str, root: Path, socket: Path, out: Path | None =
     if out is not None:
         command += ["--out", str(out)]
     for key, value in extra.items():
-        if value is not None:
-            command += [f"--{key.replace('_', '-')}", str(value)]
+        flag = f"--{key.replace('_', '-')}"
+        if value is True:
+            command.append(flag)
+        elif value is not None:
+            command += [flag, str(value)]
     return command
 
 
@@ -120,6 +123,92 @@ def test_periodic_saves_go_on_and_sigterm_commits_an_urgent_one_then_stops(frame
     assert all(verify_dir(root / i.name) == [] for i in infos)
     if framework == "transformers":
         assert events[-1] == {**events[-1], "event": "stopped", "step": K}
+
+
+# --- a notice while the loop is evaluating --------------------------------------------------------
+
+EVAL_EVERY = 4  # 12 steps an epoch: evaluations after steps 4, 8, 12, 16, ...
+K_EVAL = 16  # the drill lands in the second batch of the evaluation after step 16
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_drill_during_evaluation_checkpoints_the_last_finished_step_stops_and_resumes_bitwise(
+    framework: str, vm_factory: Callable[..., Vm], bucket: str, tmp_path: Path
+) -> None:
+    pytest.importorskip("lightning" if framework == "lightning" else "transformers")
+    reference_out = tmp_path / "reference.pt"
+    reference = subprocess.Popen(
+        trainer_command(framework, tmp_path / "ref", tmp_path / "none.sock", reference_out, eval_every=EVAL_EVERY),
+        stdout=subprocess.DEVNULL,
+        cwd=REPO,
+    )
+    try:
+        vm_a = vm_factory("vm-a")
+
+        def drill_in_eval(proc: subprocess.Popen[str], event: dict) -> None:
+            if event["event"] == "waiting":
+                request(vm_a.socket, "drill", deadline_s=120)
+
+        events = run_events(
+            trainer_command(
+                framework,
+                vm_a.root,
+                vm_a.socket,
+                bucket=bucket,
+                eval_every=EVAL_EVERY,
+                wait_notice_in_eval_at=K_EVAL,
+            ),
+            drill_in_eval,
+        )
+        waiting = next(i for i, e in enumerate(events) if e["event"] == "waiting")
+        # The notice came while the evaluation after step K_EVAL was under way, not at a step boundary.
+        assert events[waiting - 1] == {**events[waiting - 1], "event": "eval", "step": K_EVAL, "batch": 1}
+        assert [e["step"] for e in events if e["event"] == "saved"] == [K_EVAL]
+        assert max(e["step"] for e in events if e["event"] == "step") == K_EVAL  # no step trained after it
+        assert events[-1] == {**events[-1], "event": "stopped", "step": K_EVAL}
+        evaluated_after = [e for e in events[waiting:] if e["event"] == "eval"]
+        if framework == "lightning":
+            assert evaluated_after == []  # the validation loop ended at the batch where the notice was seen
+        else:  # the Trainer's evaluation loop cannot be cut short; the save follows it
+            assert [e["batch"] for e in evaluated_after] == list(range(2, EVAL_BATCHES))
+        step_dir = vm_a.root / f"step-{K_EVAL:09d}"
+        manifest = load_manifest(step_dir)
+        assert manifest.reason == "urgent" and manifest.meta["framework"] == framework
+        assert verify_dir(step_dir) == []
+        wait_for(lambda: (s := vm_a.status()["last_notice"]) and s.get("committed_at"), 30, "the bucket commit")
+        assert vm_a.status()["last_notice"]["checkpoint"] == step_dir.name
+        vm_a.stop_daemon()
+        assert "has not reached a checkpoint point" not in vm_a.log.read_text()  # it acknowledged in time
+
+        # A fresh VM resumes the step saved inside the evaluation and ends where the uninterrupted run ends.
+        vm_b = vm_factory("vm-b")
+        resumed_out = tmp_path / "resumed.pt"
+        events = run_events(
+            trainer_command(framework, vm_b.root, vm_b.socket, resumed_out, bucket=bucket, eval_every=EVAL_EVERY)
+        )
+        assert events[0]["event"] == "resumed" and events[0]["step"] == K_EVAL
+        assert [e["step"] for e in events if e["event"] == "step"] == list(range(K_EVAL + 1, STEPS + 1))
+        assert events[-1] == {**events[-1], "event": "finished", "step": STEPS}
+        assert reference.wait(timeout=120) == 0
+    finally:
+        reference.kill()
+    assert compare_final(reference_out, resumed_out) == []
+
+
+@pytest.mark.slow
+def test_lightning_notice_pending_before_the_first_step_saves_that_step_and_trains_none(
+    vm_factory: Callable[..., Vm], bucket: str
+) -> None:
+    pytest.importorskip("lightning")
+    vm = vm_factory("vm-a")
+    request(vm.socket, "drill", deadline_s=120)  # the trainer hears of it when it connects
+    events = run_events(trainer_command("lightning", vm.root, vm.socket, bucket=bucket, wait_notice_at_start=True))
+    assert [e["event"] for e in events if e["event"] == "step"] == []
+    assert [e["step"] for e in events if e["event"] == "saved"] == [0]
+    assert events[-1] == {**events[-1], "event": "stopped", "step": 0}
+    manifest = load_manifest(vm.root / "step-000000000")
+    assert manifest.reason == "urgent" and verify_dir(vm.root / "step-000000000") == []
 
 
 # --- resume_path: what it returns and what it skips ----------------------------------------------

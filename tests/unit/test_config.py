@@ -50,6 +50,8 @@ def test_config_file_from_environment_and_daemon_table(tmp_path: Path) -> None:
         ({}, {"SPOTGUARD_KEEP_LOCAL": "0"}, "keep_local"),
         ({}, {"SPOTGUARD_IMDS_V1_FALLBACK": "maybe"}, "SPOTGUARD_IMDS_V1_FALLBACK"),
         ({}, {"SPOTGUARD_ON_REBALANCE": "panic"}, "SPOTGUARD_ON_REBALANCE"),
+        ({}, {"SPOTGUARD_STALL_FRACTION": "1.5"}, "stall_fraction"),
+        ({}, {"SPOTGUARD_STALL_MIN_SECONDS": "0"}, "stall_min_seconds"),
     ],
 )
 def test_bad_values_name_the_key(flags: dict[str, str], env: dict[str, str], key: str) -> None:

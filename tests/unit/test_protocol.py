@@ -26,6 +26,7 @@ def test_round_trip() -> None:
         (b'{"v": 1, "type": "saved", "path": "/x", "step": "7", "reason": "urgent"}', "bad-field"),
         (b'{"v": 1, "type": "saved", "path": "/x", "step": true, "reason": "urgent"}', "bad-field"),
         (b'{"v": 1, "type": "drill"}', "bad-field"),
+        (b'{"v": 1, "type": "checkpoint-started", "step": 3}', "bad-field"),  # which notice?
     ],
 )
 def test_bad_messages_get_a_precise_error(line: bytes, code: str) -> None:
@@ -40,3 +41,13 @@ def test_size_limit() -> None:
         protocol.decode(big, limit=1024)
     assert info.value.code == "too-large"
     assert protocol.decode(big, limit=4096)["type"] == "status"
+
+
+def test_checkpoint_started_is_a_client_message() -> None:
+    line = protocol.encode("checkpoint-started", event_id="drill-1", step=12)
+    assert protocol.decode(line.strip(), allowed=protocol.CLIENT_TYPES) == {
+        "v": 1,
+        "type": "checkpoint-started",
+        "event_id": "drill-1",
+        "step": 12,
+    }
