@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -47,19 +48,34 @@ MonitorErrorListener = Callable[[str, BaseException], None]  # monitor name, wha
 
 
 class EventLog:
-    """Event ids the daemon has acted on, kept in ``state_dir`` so a restart does not act twice."""
+    """Event ids the daemon has acted on, kept in ``state_dir`` so a restart does not act twice.
 
-    def __init__(self, state_dir: Path) -> None:
-        self.path = state_dir / "events.json"
+    One file per checkpoint root (named by a hash of the resolved root, which the file also
+    records): every daemon on a host shares ``state_dir``, and a notice is only ever replayed to
+    a daemon restarted for the same root, never to another job's daemon next to it.
+    """
+
+    def __init__(self, state_dir: Path, root: Path) -> None:
+        self.root = str(root.resolve())
+        self.path = self.path_for(state_dir, root)
         self.events: dict[str, dict[str, Any]] = {}
         try:
             loaded = json.loads(self.path.read_bytes())
-            self.events = {k: v for k, v in loaded.items() if isinstance(v, dict) and "notice" in v}
+            if not isinstance(loaded, dict) or loaded.get("root") != self.root:
+                raise ValueError(f"it is not the event log of {self.root}")
+            events = loaded.get("events")
+            if isinstance(events, dict):
+                self.events = {k: v for k, v in events.items() if isinstance(v, dict) and "notice" in v}
         except FileNotFoundError:
             pass
         except (OSError, ValueError) as exc:
             logger.warning("ignoring unreadable %s: %s", self.path, exc)
         self._forget_old()
+
+    @staticmethod
+    def path_for(state_dir: Path, root: Path) -> Path:
+        digest = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:16]
+        return state_dir / f"events-{digest}.json"
 
     def _forget_old(self) -> None:
         horizon = utcnow() - timedelta(days=1)
@@ -80,7 +96,7 @@ class EventLog:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with atomic_file(self.path) as out:
-                out.write(json.dumps(self.events, indent=1).encode())
+                out.write(json.dumps({"root": self.root, "events": self.events}, indent=1).encode())
         except OSError as exc:  # losing this only risks acting twice after a restart
             logger.warning("cannot write %s: %s", self.path, exc)
 
@@ -111,7 +127,7 @@ class Daemon:
         self.monitors = list(monitors)
         self.storage = storage
         self.root = config.checkpoint_dir.absolute()
-        self.events = EventLog(config.state_dir)
+        self.events = EventLog(config.state_dir, self.root)
         self.uploader = Uploader(
             storage,
             self.root,
