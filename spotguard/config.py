@@ -65,6 +65,7 @@ class DaemonConfig:
     max_message_bytes: int = 64 * 1024
     max_connections: int = 64
     drill_deadline: float = 120.0  # seconds a drill gives, unless `spotguard drill --deadline` says
+    notice_grace: float = 60.0  # seconds past its deadline a hard notice still stops new trainers, then is over
     scan_interval: float = 2.0  # how often the uploader rescans the checkpoint root
     shutdown_grace: float = 110.0  # on SIGTERM, upload for at most this long (or the notice deadline)
     upload_concurrency: int = 16  # upload streams in flight at once (S3 gives each connection tens of MB/s)
@@ -99,6 +100,8 @@ class DaemonConfig:
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")
+        if not self.notice_grace >= 0:
+            raise ConfigError("notice_grace", f"must be >= 0, got {self.notice_grace}")
         for name in ("keep_local", "keep_remote", "max_connections", "upload_concurrency"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")

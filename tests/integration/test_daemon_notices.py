@@ -7,12 +7,19 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from spotguard import Guard
 from spotguard.cli import request
-from spotguard.daemon.app import EventLog
+from spotguard.daemon.notices import EventLog
 from spotguard.demo import Vm, wait_for
+from spotguard.notice import parse_iso
+from spotguard.storage.checkpoints import list_remote
+from spotguard.storage.file import FileStorage
 
 
 def test_a_drill_is_replayed_only_to_a_restarted_daemon_of_the_same_root(
@@ -48,3 +55,70 @@ def test_a_drill_is_replayed_only_to_a_restarted_daemon_of_the_same_root(
     assert logs["job-a"] != logs["job-b"]
     assert drill["event_id"] in json.loads(logs["job-a"].read_text())["events"]
     assert not logs["job-b"].exists() or drill["event_id"] not in logs["job-b"].read_text()
+
+
+def committed_steps(bucket: str) -> list[int]:
+    return [i.step for i in list_remote(FileStorage(bucket)) if i.status == "complete"]
+
+
+def test_a_drill_the_vm_outlives_is_held_then_over_and_training_goes_back_to_normal(
+    vm_factory: Callable[..., Vm], bucket: str
+) -> None:
+    vm = vm_factory("outlived", env={"SPOTGUARD_NOTICE_GRACE": "2"})
+    state = {"w": torch.arange(4.0)}
+    first = Guard(checkpoint_dir=vm.root, socket=vm.socket, handle_sigterm=False)
+    try:
+        wait_for(first.client.welcomed.is_set, 10, "the trainer to be welcomed")
+        drill = request(vm.socket, "drill", deadline_s=3)
+        wait_for(lambda: first.should_checkpoint(1), 10, "the drill to reach the trainer")
+        assert first.stop_requested
+        first.save(state, 1)
+    finally:
+        first.close()
+    seen: list[dict[str, Any]] = []
+
+    def notice_state() -> str | None:
+        seen.append(vm.status())
+        pending = seen[-1]["pending"]
+        return None if pending is None else str(pending["state"])
+
+    wait_for(lambda: notice_state() == "held", 10, "the drill to be held once its checkpoint is committed")
+    # Held: the VM is still going away, so a trainer that starts now is told to stop as well.
+    second = Guard(checkpoint_dir=vm.root, socket=vm.socket, handle_sigterm=False)
+    try:
+        wait_for(lambda: second.should_checkpoint(1), 10, "the held drill to reach a new trainer")
+        assert second.stop_requested
+    finally:
+        second.close()
+
+    wait_for(lambda: notice_state() is None, 30, "the drill to be over")
+    last = seen[-1]["last_notice"]
+    assert last["event_id"] == drill["event_id"] and last["state"] == "over"
+    assert parse_iso(last["over_at"]) >= parse_iso(last["deadline"]) + timedelta(seconds=2)
+    assert all(s["pending"]["seconds_left"] >= 0 and s["pending"]["over_in_s"] >= 0 for s in seen if s["pending"])
+    assert [s["pending"]["state"] for s in seen if s["pending"]][-1] == "held"
+    assert vm.log.read_text().count("outlived its deadline") == 1
+
+    # Past deadline + grace a trainer trains normally: periodic saves, uploaded in time, never told to stop.
+    third = Guard(checkpoint_dir=vm.root, socket=vm.socket, handle_sigterm=False, every_steps=2)
+    try:
+        wait_for(third.client.welcomed.is_set, 10, "the trainer to be welcomed")
+        for step in range(1, 5):
+            if third.should_checkpoint(step):
+                third.save(state, step)
+            assert not third.stop_requested
+        wait_for(lambda: committed_steps(bucket) == [1, 2, 4], 20, "the periodic checkpoints in the bucket")
+        assert not third.should_checkpoint(5) and not third.stop_requested
+    finally:
+        third.close()
+    log = vm.log.read_text()
+    assert "AFTER the deadline" not in log and "failed" not in log, log
+
+    # A daemon restarted after that does not replay it.
+    vm.stop_daemon()
+    before = len(vm.log.read_bytes())
+    vm.start_daemon()
+    assert vm.status()["pending"] is None
+    assert "from before a restart" not in vm.log.read_bytes()[before:].decode()
+    events = json.loads(EventLog.path_for(vm.dir / "state", vm.root).read_text())["events"]
+    assert events[drill["event_id"]]["state"] == "over" and events[drill["event_id"]]["saved_step"] == 1

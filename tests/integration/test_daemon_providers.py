@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from spotguard import Guard
-from spotguard.daemon.app import EventLog
+from spotguard.daemon.notices import EventLog
 from spotguard.demo import Vm, wait_for
 from spotguard.emulate.common import RunningEmulator, start_emulator
 from spotguard.emulate.gcp import GcpEmulator
