@@ -5,19 +5,27 @@ Real daemons in subprocesses, real sockets, a real ``Guard`` in this process.
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import json
+import logging
+import threading
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from spotguard import Guard
 from spotguard.cli import request
+from spotguard.config import DaemonConfig
+from spotguard.daemon.app import Daemon
 from spotguard.daemon.notices import EventLog
 from spotguard.demo import Vm, wait_for
 from spotguard.notice import parse_iso
+from spotguard.storage.base import Progress
 from spotguard.storage.checkpoints import list_remote
 from spotguard.storage.file import FileStorage
 
@@ -122,3 +130,65 @@ def test_a_drill_the_vm_outlives_is_held_then_over_and_training_goes_back_to_nor
     assert "from before a restart" not in vm.log.read_bytes()[before:].decode()
     events = json.loads(EventLog.path_for(vm.dir / "state", vm.root).read_text())["events"]
     assert events[drill["event_id"]]["state"] == "over" and events[drill["event_id"]]["saved_step"] == 1
+
+
+class FlakyCommitStorage(FileStorage):
+    """A real file:// bucket whose next manifest upload fails once with EIO (a transient fault)."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.fail_next_commit = threading.Event()
+        self.failed: list[str] = []
+
+    def put_file(self, local: Path, key: str, *, crc32c: str, progress: Progress | None = None) -> None:
+        if key.endswith("/manifest.json") and self.fail_next_commit.is_set():
+            self.fail_next_commit.clear()
+            self.failed.append(key)
+            raise OSError(errno.EIO, "injected transient fault", key)
+        super().put_file(local, key, crc32c=crc32c, progress=progress)
+
+
+def test_after_a_notice_is_over_a_periodic_upload_gets_its_retries_and_is_not_late(
+    tmp_path: Path, bucket: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    config = DaemonConfig(
+        provider="none",
+        socket=tmp_path / "daemon.sock",
+        checkpoint_dir=tmp_path / "nvme",
+        state_dir=tmp_path / "state",
+        bucket=bucket,
+        scan_interval=0.5,
+        notice_grace=0.5,
+    )
+    storage = FlakyCommitStorage(bucket)
+    daemon = Daemon(config, provider="none", storage=storage)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_until_complete, args=(daemon.serve_until_stopped(),))
+    thread.start()
+    guard = None
+    try:
+        wait_for(config.socket.exists, 10, "the daemon to listen")
+        guard = Guard(checkpoint_dir=config.checkpoint_dir, socket=config.socket, handle_sigterm=False)
+        state = {"w": torch.arange(4.0)}
+        wait_for(guard.client.welcomed.is_set, 10, "the trainer to be welcomed")
+        request(config.socket, "drill", deadline_s=1)
+        wait_for(lambda: guard is not None and guard.should_checkpoint(1), 10, "the drill")
+        guard.save(state, 1)
+        wait_for(lambda: committed_steps(bucket) == [1], 20, "the drill's checkpoint in the bucket")
+        wait_for(lambda: request(config.socket, "status")["last_notice"]["state"] == "over", 20, "the drill to end")
+
+        storage.fail_next_commit.set()
+        guard.save(state, 2, reason="periodic")
+        wait_for(lambda: committed_steps(bucket) == [1, 2], 20, "the periodic checkpoint in the bucket")
+    finally:
+        if guard is not None:
+            guard.close()
+        loop.call_soon_threadsafe(daemon.request_stop)
+        thread.join(60)
+        loop.close()
+    assert storage.failed == ["step-000000002/manifest.json"]  # the fault happened, and was retried
+    assert daemon.uploader.failures == []
+    assert daemon.uploader.last_committed is not None and daemon.uploader.last_committed["deadline_margin_s"] is None
+    messages = [r.getMessage() for r in caplog.records]
+    assert not [m for m in messages if "step-000000002" in m and ("failed" in m or "AFTER the deadline" in m)]
