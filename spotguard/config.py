@@ -69,6 +69,8 @@ class DaemonConfig:
     scan_interval: float = 2.0  # how often the uploader rescans the checkpoint root
     shutdown_grace: float = 110.0  # on SIGTERM, upload for at most this long (or the notice deadline)
     upload_concurrency: int = 16  # upload streams in flight at once (S3 gives each connection tens of MB/s)
+    upload_retry_max: float = 60.0  # a failed upload waits 2 s, doubled per failure in a row, up to this
+    upload_alert_after: int = 5  # failures in a row of one checkpoint's upload before an alert (log, metric)
     forecast_interval: float = 5.0  # how often an urgent upload logs whether it will beat the deadline
     on_rebalance: Action = Action.CHECKPOINT
     on_maintenance: Action = Action.CHECKPOINT
@@ -97,12 +99,13 @@ class DaemonConfig:
             "shutdown_grace",
             "forecast_interval",
             "incomplete_grace",
+            "upload_retry_max",
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")
         if not self.notice_grace >= 0:
             raise ConfigError("notice_grace", f"must be >= 0, got {self.notice_grace}")
-        for name in ("keep_local", "keep_remote", "max_connections", "upload_concurrency"):
+        for name in ("keep_local", "keep_remote", "max_connections", "upload_concurrency", "upload_alert_after"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
         if self.max_message_bytes < 1024:

@@ -71,6 +71,8 @@ class Daemon:
             keep_remote=config.keep_remote,
             incomplete_grace=config.incomplete_grace,
             concurrency=config.upload_concurrency,
+            retry_max=config.upload_retry_max,
+            alert_after=config.upload_alert_after,
             scan_interval=config.scan_interval,
             forecast_interval=config.forecast_interval,
         )
