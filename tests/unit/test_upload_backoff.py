@@ -87,3 +87,21 @@ def test_a_checkpoint_failing_n_times_in_a_row_raises_one_alert_and_the_streak_e
     alerts = [r.getMessage() for r in caplog.records if "ALERT" in r.getMessage()]
     assert len(alerts) == 1 and "step-000000001 has failed 3 times in a row" in alerts[0]
     assert uploader.status()["failing_streak"] == 0
+
+
+def test_the_failing_streak_is_a_metric(tmp_path: Path) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from spotguard.config import DaemonConfig
+    from spotguard.daemon.app import Daemon
+    from spotguard.daemon.metrics import DaemonMetrics
+
+    config = DaemonConfig(
+        provider="none", socket=tmp_path / "s.sock", checkpoint_dir=tmp_path / "nvme", state_dir=tmp_path / "state"
+    )
+    daemon = Daemon(config, provider="none")
+    registry = CollectorRegistry()
+    DaemonMetrics(registry).attach(daemon)
+    assert registry.get_sample_value("spotguard_upload_failing_streak") == 0
+    daemon.uploader._failed_in_a_row.update({"step-000000001": 2, "step-000000002": 6})
+    assert registry.get_sample_value("spotguard_upload_failing_streak") == 6
