@@ -161,15 +161,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"spotguard {reply['version']} pid {reply['pid']}, provider {reply['provider']}")
     print(f"checkpoints: {reply['checkpoint_dir']} -> {reply['uploads']['bucket'] or '(no bucket)'}")
     print(f"trainers connected: {len(reply['trainers'])}")
-    pending = reply["pending"]
-    print(
-        "pending notice: "
-        + (
-            "none"
-            if pending is None
-            else f"{pending['kind']} ({pending['action']}), {pending['seconds_left']:.0f} s left"
-        )
-    )
+    print("notice: " + _notice_line(reply["pending"]))
     if reply["last_notice"]:
         print("last notice: " + ", ".join(f"{k}={v}" for k, v in reply["last_notice"].items()))
     for stalled in reply.get("stalled", []):
@@ -185,6 +177,15 @@ def cmd_status(args: argparse.Namespace) -> int:
     for name, error in reply["monitor_errors"].items():
         print(f"monitor {name}: {error}")
     return EXIT_OK
+
+
+def _notice_line(notice: dict[str, Any] | None) -> str:
+    if notice is None:
+        return "none"
+    line = f"{notice['kind']} ({notice['action']}), {notice.get('state', 'pending')}, "
+    if notice["seconds_left"] > 0:
+        return line + f"{notice['seconds_left']:.0f} s to the deadline"
+    return line + f"deadline passed; over in {notice.get('over_in_s', 0):.0f} s"
 
 
 def _upload_line(cur: dict[str, Any]) -> str:

@@ -70,9 +70,12 @@ class DaemonConfig:
     max_message_bytes: int = 64 * 1024
     max_connections: int = 64
     drill_deadline: float = 120.0  # seconds a drill gives, unless `spotguard drill --deadline` says
+    notice_grace: float = 60.0  # seconds past its deadline a hard notice still stops new trainers, then is over
     scan_interval: float = 2.0  # how often the uploader rescans the checkpoint root
     shutdown_grace: float = 110.0  # on SIGTERM, upload for at most this long (or the notice deadline)
     upload_concurrency: int = 16  # upload streams in flight at once (S3 gives each connection tens of MB/s)
+    upload_retry_max: float = 60.0  # a failed upload waits 2 s, doubled per failure in a row, up to this
+    upload_alert_after: int = 5  # failures in a row of one checkpoint's upload before an alert (log, metric)
     forecast_interval: float = 5.0  # how often an urgent upload logs whether it will beat the deadline
     # A trainer told of a notice that has not reached a checkpoint point (stuck in eval, a long
     # data-loader start) after max(stall_fraction x the notice's window, stall_min_seconds) is reported.
@@ -112,12 +115,15 @@ class DaemonConfig:
             "forecast_interval",
             "incomplete_grace",
             "stall_min_seconds",
+            "upload_retry_max",
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")
         if not 0 < self.stall_fraction <= 1:
             raise ConfigError("stall_fraction", f"must be in (0, 1], got {self.stall_fraction}")
-        for name in ("keep_local", "keep_remote", "max_connections", "upload_concurrency"):
+        if not self.notice_grace >= 0:
+            raise ConfigError("notice_grace", f"must be >= 0, got {self.notice_grace}")
+        for name in ("keep_local", "keep_remote", "max_connections", "upload_concurrency", "upload_alert_after"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
         if self.max_message_bytes < 1024:

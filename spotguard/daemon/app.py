@@ -9,19 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from spotguard import __version__, protocol
 from spotguard.config import DaemonConfig, with_overrides
 from spotguard.daemon.events import MonitorErrorListener, NoticeListener, SavedListener, StallListener
+from spotguard.daemon.notices import EventLog, NoticeBook, NoticeState, TrackedNotice
 from spotguard.daemon.notify import SystemdNotifier, watchdog_loop
 from spotguard.daemon.server import Peer, Reply, SocketServer
 from spotguard.daemon.uploader import Uploader
@@ -29,7 +28,6 @@ from spotguard.manifest import (
     FileEntry,
     Manifest,
     ManifestError,
-    atomic_file,
     check_relpath,
     load_manifest,
     load_part,
@@ -43,55 +41,6 @@ from spotguard.storage.base import Storage
 logger = logging.getLogger("spotguard.daemon")
 
 _STALL_CHECK_INTERVAL = 0.25  # seconds between looks for stalled trainers while a notice is pending
-
-
-class EventLog:
-    """Event ids the daemon has acted on, kept in ``state_dir`` so a restart does not act twice."""
-
-    def __init__(self, state_dir: Path) -> None:
-        self.path = state_dir / "events.json"
-        self.events: dict[str, dict[str, Any]] = {}
-        try:
-            loaded = json.loads(self.path.read_bytes())
-            self.events = {k: v for k, v in loaded.items() if isinstance(v, dict) and "notice" in v}
-        except FileNotFoundError:
-            pass
-        except (OSError, ValueError) as exc:
-            logger.warning("ignoring unreadable %s: %s", self.path, exc)
-        self._forget_old()
-
-    def _forget_old(self) -> None:
-        horizon = utcnow() - timedelta(days=1)
-        for event_id, entry in list(self.events.items()):
-            with contextlib.suppress(ValueError, KeyError):
-                if Notice.from_dict(entry["notice"]).deadline < horizon:
-                    del self.events[event_id]
-
-    def __contains__(self, event_id: str) -> bool:
-        return event_id in self.events
-
-    def record(self, notice: Notice, **fields: Any) -> None:
-        entry = self.events.setdefault(notice.event_id, {"notice": notice.to_dict()})
-        entry.update(fields)
-        self._save()
-
-    def _save(self) -> None:
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with atomic_file(self.path) as out:
-                out.write(json.dumps(self.events, indent=1).encode())
-        except OSError as exc:  # losing this only risks acting twice after a restart
-            logger.warning("cannot write %s: %s", self.path, exc)
-
-    def pending(self) -> list[Notice]:
-        """Notices whose deadline has not passed, oldest first."""
-        notices = []
-        for entry in self.events.values():
-            with contextlib.suppress(ValueError):
-                notice = Notice.from_dict(entry["notice"])
-                if notice.seconds_left() > 0:
-                    notices.append(notice)
-        return sorted(notices, key=lambda n: n.received)
 
 
 class Daemon:
@@ -110,7 +59,10 @@ class Daemon:
         self.monitors = list(monitors)
         self.storage = storage
         self.root = config.checkpoint_dir.absolute()
-        self.events = EventLog(config.state_dir)
+        self.events = EventLog(config.state_dir, self.root)
+        self.notices = NoticeBook(self.events, grace=config.notice_grace)
+        self.notices.on_move.append(self._notice_moved)
+        self._notices_changed = asyncio.Event()  # wakes the task that ends notices on time
         self.uploader = Uploader(
             storage,
             self.root,
@@ -118,6 +70,8 @@ class Daemon:
             keep_remote=config.keep_remote,
             incomplete_grace=config.incomplete_grace,
             concurrency=config.upload_concurrency,
+            retry_max=config.upload_retry_max,
+            alert_after=config.upload_alert_after,
             scan_interval=config.scan_interval,
             forecast_interval=config.forecast_interval,
         )
@@ -131,7 +85,6 @@ class Daemon:
             max_connections=config.max_connections,
             on_disconnect=self._on_disconnect,
         )
-        self.pending: tuple[Notice, Action] | None = None  # the notice trainers must act on
         self.last_notice: dict[str, Any] | None = None  # its timeline, for status and reports
         self.notice_listeners: list[NoticeListener] = []  # every new event id, ignored ones included
         self.saved_listeners: list[SavedListener] = []
@@ -160,11 +113,11 @@ class Daemon:
 
     async def on_notice(self, notice: Notice) -> bool:
         """Act on a notice once per event id (also across restarts). True if it was acted on now."""
-        if notice.event_id in self.events:
+        if self.notices.seen(notice.event_id):
             return False
         action = self.action_for(notice)
-        self.events.record(notice, action=str(action))
         if action is Action.IGNORE:
+            self.notices.ignore(notice)
             logger.info("ignoring %s notice %s (policy)", notice.kind, notice.event_id)
             await self._tell_listeners(notice, action)
             return True
@@ -178,7 +131,7 @@ class Daemon:
             len(self.server.trainers()),
             "checkpoint and stop" if action is Action.STOP else "checkpoint",
         )
-        self._make_pending(notice, action)
+        self._start_timeline(self.notices.open(notice, action))
         message_type, fields = self._checkpoint_now(notice, action)
         self._mark_told(self.server.trainers(), notice)
         told = await self.server.broadcast(message_type, **fields)
@@ -195,37 +148,52 @@ class Daemon:
             except Exception:
                 logger.exception("a notice listener failed for %s", notice.event_id)
 
-    def _make_pending(self, notice: Notice, action: Action) -> None:
-        current = self.pending
-        # A hard notice outranks a soft one; among equals the earlier deadline wins.
-        if (
-            current is None
-            or (action is Action.STOP and current[1] is not Action.STOP)
-            or (current[1] is action and notice.deadline < current[0].deadline)
-        ):
-            self.pending = (notice, action)
-            if action is Action.STOP or current is None:
-                self.uploader.set_deadline(notice.deadline)
+    def _start_timeline(self, tracked: TrackedNotice) -> None:
+        notice = tracked.notice
         self.last_notice = {
             "event_id": notice.event_id,
             "provider": notice.provider,
             "kind": str(notice.kind),
-            "action": str(action),
+            "action": str(tracked.action),
             "deadline": notice.deadline.isoformat(),
             "received_at": notice.received.isoformat(),
+            "state": str(tracked.state),
         }
+        self._notice_moved(tracked, tracked.state)
+
+    def _notice_moved(self, tracked: TrackedNotice, old: NoticeState) -> None:
+        """After every change of notice state: the timeline shows it; the uploader races the
+        current notice's deadline, or none once every notice is over."""
+        if self.last_notice is not None and self.last_notice.get("event_id") == tracked.event_id:
+            self.last_notice["state"] = str(tracked.state)
+            if tracked.state is not old:
+                self.last_notice[f"{tracked.state}_at"] = utcnow().isoformat()
+        current = self.notices.peek()
+        self.uploader.set_deadline(None if current is None else current.notice.deadline)
+        self._notices_changed.set()
+
+    @property
+    def pending(self) -> tuple[Notice, Action] | None:
+        """The notice trainers are told about now (pending or held), if any."""
+        current = self.notices.current()
+        return None if current is None else (current.notice, current.action)
 
     def _checkpoint_now(self, notice: Notice, action: Action) -> Reply:
         return "checkpoint-now", {
             "notice": notice.to_dict(),
             "stop": action is Action.STOP,
-            "deadline_s": round(notice.seconds_left(), 3),
+            # A held notice may be past its deadline: the trainer has no time left, not negative time.
+            "deadline_s": round(max(0.0, notice.seconds_left()), 3),
         }
 
-    def _pending_if_live(self) -> tuple[Notice, Action] | None:
-        if self.pending is not None and self.pending[0].seconds_left() <= 0 and self.pending[1] is not Action.STOP:
-            self.pending = None  # a soft notice whose time has passed is over
-        return self.pending
+    async def _end_notices_on_time(self) -> None:
+        """Move notices to over when their time is up, even if nobody asks the daemon anything."""
+        while True:
+            self._notices_changed.clear()
+            self.notices.expire()
+            wait = self.notices.seconds_to_next_change()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._notices_changed.wait(), None if wait is None else wait + 0.01)
 
     # --- socket requests ---------------------------------------------------------------
 
@@ -261,7 +229,7 @@ class Daemon:
             logger.warning("trainer pid %d: %s", peer.pid, fields["warning"])
         logger.info("trainer connected: pid %d rank %s/%s", peer.pid, message["rank"], message["world_size"])
         replies: list[Reply] = [("welcome", fields)]
-        pending = self._pending_if_live()
+        pending = self.pending
         if pending is not None:
             # A trainer that (re)connects while a notice is pending is told at once.
             replies.append(self._checkpoint_now(*pending))
@@ -285,7 +253,7 @@ class Daemon:
         except ManifestError as exc:
             raise protocol.ProtocolError("bad-path", str(exc)) from None
         entry = FileEntry(size=message["size"], crc32c=message["crc32c"])
-        self.uploader.file_ready(step_dir, name, entry, urgent=self._pending_if_live() is not None)
+        self.uploader.file_ready(step_dir, name, entry, urgent=self.pending is not None)
 
     async def _saved(self, peer: Peer, message: dict[str, Any]) -> Reply:
         resolved = self._step_dir(Path(message["path"]))
@@ -316,10 +284,9 @@ class Daemon:
 
     def _record_saved(self, event_id: object, name: str, step: int) -> None:
         """The trainer saved for a notice: remember it (across restarts) and for the timeline."""
-        if isinstance(event_id, str) and event_id in self.events:
-            self.events.record(Notice.from_dict(self.events.events[event_id]["notice"]), saved_step=step)
-            if self.last_notice and self.last_notice.get("event_id") == event_id:
-                self.last_notice.update(saved_at=utcnow().isoformat(), saved_step=step, checkpoint=name)
+        if self.last_notice and self.last_notice.get("event_id") == event_id:
+            self.last_notice.update(saved_at=utcnow().isoformat(), saved_step=step, checkpoint=name)
+        self.notices.checkpointed(event_id, saved_step=step)
 
     def _tell_saved(self, name: str, manifest: Manifest) -> None:
         for listener in self.saved_listeners:
@@ -367,7 +334,7 @@ class Daemon:
 
     def _check_stalls(self) -> None:
         """Report (once) each trainer told of the pending notice that has not acted on it within the bound."""
-        pending = self._pending_if_live()
+        pending = self.pending
         if pending is None:
             self.stalled.clear()
             return
@@ -422,7 +389,7 @@ class Daemon:
             self.last_notice["committed_at"] = utcnow().isoformat()
         if isinstance(event_id, str) and event_id in self.events:
             notice = Notice.from_dict(self.events.events[event_id]["notice"])
-            self.events.record(notice, committed=name)
+            self.notices.checkpointed(event_id, committed=name)
             for monitor in self.monitors:
                 if isinstance(monitor, Acknowledger):
                     try:
@@ -433,7 +400,7 @@ class Daemon:
     # --- status ------------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
-        pending = self._pending_if_live()
+        current = self.notices.current()
         return {
             "version": __version__,
             "pid": os.getpid(),
@@ -446,18 +413,22 @@ class Daemon:
                 for p in self.server.trainers()
                 if p.hello is not None
             ],
-            "pending": None
-            if pending is None
-            else {
-                **pending[0].to_dict(),
-                "action": str(pending[1]),
-                "seconds_left": round(pending[0].seconds_left(), 3),
-            },
+            "pending": None if current is None else self._notice_status(current),
             "last_notice": self.last_notice,
             "stalled": list(self.stalled.values()),
             "uploads": self.uploader.status(),
             "stopping": self._stopping.is_set(),
             "metrics_url": self.metrics_url,
+        }
+
+    def _notice_status(self, tracked: TrackedNotice) -> dict[str, Any]:
+        now = utcnow()
+        return {
+            **tracked.notice.to_dict(),
+            "action": str(tracked.action),
+            "state": str(tracked.state),
+            "seconds_left": round(max(0.0, tracked.notice.seconds_left(now)), 3),
+            "over_in_s": round(max(0.0, (tracked.ends - now).total_seconds()), 3),
         }
 
     # --- lifetime ----------------------------------------------------------------------
@@ -496,13 +467,15 @@ class Daemon:
 
     async def start(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
-        for notice in self.events.pending():
+        for tracked in self.notices.restore():
             # Restarted mid-incident: the notice still holds for trainers that (re)connect.
-            entry = self.events.events[notice.event_id]
-            action = Action(entry.get("action", str(self.action_for(notice))))
-            if action is not Action.IGNORE:
-                logger.warning("a %s notice (%s) is still pending from before a restart", notice.kind, notice.event_id)
-                self._make_pending(notice, action)
+            logger.warning(
+                "a %s notice (%s) is still %s from before a restart",
+                tracked.notice.kind,
+                tracked.event_id,
+                tracked.state,
+            )
+            self._start_timeline(tracked)
         await self.server.start()
         # Restarted in the middle of an incident? Ask every source once before declaring READY.
         first_checks = asyncio.gather(*(self._check_once(m) for m in self.monitors))
@@ -512,6 +485,7 @@ class Daemon:
             logger.warning("the first metadata check took longer than %.0f s", self.config.http_timeout * 2 + 1)
         self._tasks = [asyncio.create_task(self.uploader.run(), name="uploader")]
         self._tasks.append(asyncio.create_task(self._watch_stalls(), name="stall-watch"))
+        self._tasks.append(asyncio.create_task(self._end_notices_on_time(), name="notice-lifecycle"))
         self._tasks += [asyncio.create_task(self._watch(m), name=f"monitor-{m.name}") for m in self.monitors]
         self._tasks.append(asyncio.create_task(watchdog_loop(self.notifier, self.notifier.watchdog_interval())))
 
@@ -530,10 +504,14 @@ class Daemon:
         """Stop taking new work, finish uploads until the pending deadline (or the grace time), exit."""
         self._stopping.set()
         await self.server.stop_accepting()
-        pending = self._pending_if_live()
+        current = self.notices.current()
         budget = self.config.shutdown_grace
-        if pending is not None:
-            budget = max(0.0, min(budget, pending[0].seconds_left()))
+        if current is not None:
+            # Up to the deadline; past it (held), what is left of the grace: the VM is still here.
+            left = current.notice.seconds_left()
+            if left <= 0:
+                left = (current.ends - utcnow()).total_seconds()
+            budget = max(0.0, min(budget, left))
         logger.info("shutting down: finishing uploads for up to %.0f s", budget)
         self.notifier.stopping(f"finishing uploads for up to {budget:.0f} s")
         self.notifier.extend_timeout(int((budget + 10) * 1e6))

@@ -27,6 +27,8 @@ class UploaderEvents(Protocol):
     on_failure: list[UploadFailureListener]
     last_committed: dict[str, Any] | None
 
+    def failing_streak(self) -> int: ...
+
 
 class DaemonEvents(Protocol):
     """The part of the daemon an observer sees: listener lists and a few live values."""

@@ -120,6 +120,12 @@ class DaemonMetrics:
         self.upload_failures = Counter(
             "spotguard_upload_failures", "Failed upload attempts (each is retried)", registry=registry
         )
+        self.upload_failing_streak = Gauge(
+            "spotguard_upload_failing_streak",
+            "Failed attempts in a row of the checkpoint failing most among those still to upload "
+            "(alert at upload_alert_after, 5 by default; 0 when none is failing)",
+            registry=registry,
+        )
         self.monitor_errors = Counter(
             "spotguard_monitor_errors", "Failed metadata checks, by monitor", ["monitor"], registry=registry
         )
@@ -138,6 +144,7 @@ class DaemonMetrics:
         daemon.stall_listeners.append(self.on_stall)
         daemon.uploader.on_failure.append(self.on_upload_failure)
         uploader = daemon.uploader
+        self.upload_failing_streak.set_function(uploader.failing_streak)
 
         async def on_committed(name: str, manifest: Manifest, seconds: float) -> None:
             self.on_committed(manifest, seconds, (uploader.last_committed or {}).get("deadline_margin_s"))

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -78,6 +79,8 @@ class Uploader:
         concurrency: int = 8,
         scan_interval: float = 2.0,
         retry_after: float = 2.0,
+        retry_max: float = 60.0,
+        alert_after: int = 5,
         forecast_interval: float = 5.0,
     ) -> None:
         self.storage = storage
@@ -87,7 +90,9 @@ class Uploader:
         self.incomplete_grace = timedelta(seconds=incomplete_grace)
         self.concurrency = concurrency
         self.scan_interval = scan_interval
-        self.retry_after = retry_after
+        self.retry_after = retry_after  # the first wait after a failed upload; doubled per failure in a row
+        self.retry_max = retry_max  # ... up to this
+        self.alert_after = alert_after  # failures in a row of one checkpoint before an error-level alert
         self.forecast_interval = forecast_interval
         self.committed: set[str] = set()  # complete in the bucket
         self.shares_uploaded: set[str] = set()  # multi-node: this node's share is in the bucket
@@ -106,6 +111,7 @@ class Uploader:
         self._current: _Current | None = None
         self._deadline: datetime | None = None  # the pending notice's, if any
         self._not_before: dict[str, float] = {}  # backoff after a failed attempt
+        self._failed_in_a_row: dict[str, int] = {}  # per checkpoint, until it is committed
         # Files of checkpoints still being written, uploading ahead of the commit.
         self._early: dict[str, list[asyncio.Task[None]]] = {}
         self._early_slots = asyncio.Semaphore(concurrency)
@@ -190,6 +196,8 @@ class Uploader:
         self._early = {name: tasks for name, tasks in self._early.items() if tasks}
         remote = await asyncio.to_thread(list_remote, storage)
         self.committed = {info.name for info in remote if info.status == "complete"}
+        for name in self.committed & set(self._failed_in_a_row):  # committed by another writer meanwhile
+            del self._failed_in_a_row[name]
         for info in await asyncio.to_thread(scan_local, self.root):
             uploading = self._current is not None and self._current.name == info.name
             committed_here = info.status == "complete" or (
@@ -311,16 +319,44 @@ class Uploader:
             raise UploadCancelled(f"{step_dir.name}: upload cancelled before commit")
         commit_remote(self.storage, step_dir, deadline=deadline)
 
+    def retry_delay(self, name: str) -> float:
+        """How long to wait after the last of ``failed`` failures in a row of ``name``.
+
+        An urgent checkpoint racing a deadline keeps the short wait (the deadline bounds it);
+        any other doubles it per failure up to ``retry_max``, jittered so that many VMs whose
+        bucket failed at once do not come back in step.
+        """
+        if name in self._urgent and self._deadline is not None:
+            return self.retry_after
+        failed = self._failed_in_a_row.get(name, 1)
+        delay = min(self.retry_max, self.retry_after * 2 ** (failed - 1))
+        return random.uniform(delay / 2, delay)
+
+    def failing_streak(self) -> int:
+        """The most failures in a row of any checkpoint still to upload (0: none is failing)."""
+        return max(self._failed_in_a_row.values(), default=0)
+
     def _record_failure(self, job: _Job, exc: BaseException) -> None:
         refused = isinstance(exc, ChecksumMismatch)
+        failed = self._failed_in_a_row[job.name] = self._failed_in_a_row.get(job.name, 0) + 1
+        delay = self.retry_delay(job.name)
         if refused:
             logger.error(
                 "upload of %s failed: %s; not retried: the store answers the same for the same bytes", job.name, exc
             )
             self.refused[job.name] = str(exc)
         else:
-            logger.error("upload of %s failed: %s; retrying in %.0f s", job.name, exc, self.retry_after)
-        self.failures.append({"name": job.name, "error": str(exc), "at": utcnow().isoformat()})
+            logger.error("upload of %s failed (%d in a row): %s; retrying in %.1f s", job.name, failed, exc, delay)
+        if failed == self.alert_after:
+            logger.error(
+                "ALERT: the upload of %s has failed %d times in a row; it is retried every %.0f s at most, "
+                "and nothing newer is safe in %s until it succeeds: check the bucket, the credentials and the link",
+                job.name,
+                failed,
+                self.retry_max,
+                self.storage.url if self.storage else "the bucket",
+            )
+        self.failures.append({"name": job.name, "error": str(exc), "at": utcnow().isoformat(), "in_a_row": failed})
         del self.failures[:-20]
         for callback in self.on_failure:
             try:
@@ -328,7 +364,7 @@ class Uploader:
             except Exception:
                 logger.exception("a failure listener failed for %s", job.name)
         if not refused:
-            self._not_before[job.name] = time.monotonic() + self.retry_after
+            self._not_before[job.name] = time.monotonic() + delay
             self._queued.setdefault(job.name, job)
 
     async def _committed(self, name: str, manifest: Manifest, elapsed: float) -> None:
@@ -337,6 +373,7 @@ class Uploader:
         self._progress.pop(name, None)
         self._urgent.discard(name)
         self._not_before.pop(name, None)
+        self._failed_in_a_row.pop(name, None)
         now = utcnow()
         margin = (self._deadline - now).total_seconds() if self._deadline else None
         self.last_committed = {
@@ -475,6 +512,7 @@ class Uploader:
             "committed": sorted(self.committed)[-5:],
             "last_committed": self.last_committed,
             "failures": self.failures[-5:],
+            "failing_streak": self.failing_streak(),
         }
 
 

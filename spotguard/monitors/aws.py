@@ -6,8 +6,8 @@ Four paths are read on every poll, concurrently:
 path (under ``/latest/meta-data/``)           kind                    deadline
 ===========================================  ======================  ==========================
 ``spot/instance-action``                     terminate/stop (hard)   the announced ``time``
-                                             hibernate (hard)        when first seen (no warning)
-``autoscaling/target-lifecycle-state``       terminate (hard)        when first seen
+                                             hibernate (hard)        first seen + 30 s (see below)
+``autoscaling/target-lifecycle-state``       terminate (hard)        first seen + 30 s (see below)
 ``events/maintenance/scheduled``             maintenance (soft)      the event's ``NotBefore``
 ``events/recommendations/rebalance``         rebalance (soft)        ``noticeTime`` + 120 s
 ===========================================  ======================  ==========================
@@ -56,6 +56,11 @@ DEFAULT_TOKEN_TTL = 21600
 # A rebalance recommendation has no deadline of its own; the interruption that may follow it still
 # comes with a two-minute notice, so two minutes from the recommendation is the earliest it can bite.
 REBALANCE_HORIZON = timedelta(seconds=120)
+# Hibernation and an Auto Scaling `Terminated` target state promise no warning time (EC2 may start
+# hibernating at once; without a lifecycle hook Auto Scaling goes straight to shutdown). A deadline
+# of "now" would leave the urgent upload no retry budget at all, yet the VM still runs its shutdown
+# for a while; this window (GCP's preemption notice) is the budget they get.
+UNTIMED_NOTICE_WINDOW = timedelta(seconds=30)
 SPOT_KINDS = {"terminate": Kind.TERMINATE, "stop": Kind.STOP, "hibernate": Kind.HIBERNATE}
 FINISHED_MAINTENANCE = ("completed", "canceled", "cancelled")
 
@@ -93,8 +98,8 @@ def parse_instance_action(text: str, first_seen: datetime) -> Notice:
         raise ValueError(f"unexpected instance-action: {text[:120]!r}")
     kind = SPOT_KINDS[data["action"]]
     announced = parse_iso(data["time"])
-    # Hibernation starts right away; EC2 still fills "time" in, but there is no two-minute warning.
-    deadline = min(announced, first_seen) if kind is Kind.HIBERNATE else announced
+    # EC2 fills "time" in for hibernation too, but promises no two-minute warning for it.
+    deadline = min(announced, first_seen + UNTIMED_NOTICE_WINDOW) if kind is Kind.HIBERNATE else announced
     event_id = event_id_for("aws", kind, f"{data['action']}@{data['time']}")
     return Notice(provider="aws", kind=kind, deadline=deadline, event_id=event_id, raw={"instance-action": data})
 
@@ -150,7 +155,7 @@ def parse_lifecycle(text: str, first_seen: datetime) -> Notice | None:
     return Notice(
         provider="aws",
         kind=Kind.TERMINATE,
-        deadline=first_seen,
+        deadline=first_seen + UNTIMED_NOTICE_WINDOW,
         event_id=event_id_for("aws", Kind.TERMINATE, f"lifecycle:{state}"),
         raw={"target-lifecycle-state": state},
     )

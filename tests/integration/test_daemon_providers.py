@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 from spotguard import Guard
+from spotguard.daemon.notices import EventLog
 from spotguard.demo import Vm, wait_for
 from spotguard.emulate.common import RunningEmulator
 from spotguard.emulate.gcp import GcpEmulator
@@ -159,11 +160,11 @@ def daemon_args(provider: str, emu: RunningEmulator) -> list[str]:
 
 
 def handled_events(vm: Vm) -> dict[str, Any]:
-    """The daemon's ``events.json``: event ids it acted on."""
-    path = vm.dir / "state" / "events.json"
+    """The daemon's event log (of its checkpoint root): event ids it acted on."""
+    path = EventLog.path_for(vm.dir / "state", vm.root)
     if not path.exists():
         return {}
-    events: dict[str, Any] = json.loads(path.read_text())
+    events: dict[str, Any] = json.loads(path.read_text())["events"]
     return events
 
 

@@ -81,7 +81,7 @@ def test_aws_spot_notice_has_announced_deadline_and_stable_id(action: str, kind:
     run(scenario())
 
 
-def test_aws_hibernate_deadline_is_first_seen_and_does_not_drift() -> None:
+def test_aws_hibernate_deadline_is_first_seen_plus_the_window_and_does_not_drift() -> None:
     async def scenario() -> None:
         clock = FakeClock()
         with emulator("aws") as emu:
@@ -93,7 +93,7 @@ def test_aws_hibernate_deadline_is_first_seen_and_does_not_drift() -> None:
                 second = await monitor.check()
                 assert first is not None and second is not None
                 assert first.kind is Kind.HIBERNATE
-                assert first.deadline == second.deadline == datetime(2026, 11, 22, 4, 0, tzinfo=UTC)
+                assert first.deadline == second.deadline == datetime(2026, 11, 22, 4, 0, 30, tzinfo=UTC)
                 assert first.event_id == second.event_id
 
     run(scenario())

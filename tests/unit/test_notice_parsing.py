@@ -8,6 +8,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from spotguard.monitors.aws import (
+    UNTIMED_NOTICE_WINDOW,
     parse_instance_action,
     parse_lifecycle,
     parse_maintenance,
@@ -60,9 +61,12 @@ def test_aws_instance_action_deadline_and_id_do_not_depend_on_poll_time() -> Non
     assert stop.kind is Kind.STOP and stop.event_id != one.event_id
 
 
-def test_aws_hibernate_has_no_warning() -> None:
+def test_aws_hibernate_gets_the_default_window_not_a_deadline_of_now() -> None:
     notice = parse_instance_action('{"action": "hibernate", "time": "2099-01-01T00:00:00Z"}', NOW)
-    assert notice.kind is Kind.HIBERNATE and notice.deadline == NOW
+    assert notice.kind is Kind.HIBERNATE and notice.deadline == NOW + UNTIMED_NOTICE_WINDOW
+    assert timedelta(seconds=30) == UNTIMED_NOTICE_WINDOW  # the documented default
+    sooner = parse_instance_action('{"action": "hibernate", "time": "2017-09-18T08:22:00Z"}', NOW)
+    assert sooner.deadline == datetime(2017, 9, 18, 8, 22, tzinfo=UTC)  # an announced earlier time wins
 
 
 @pytest.mark.parametrize(
@@ -107,7 +111,8 @@ def test_aws_lifecycle_states() -> None:
     assert parse_lifecycle("InService", NOW) is None
     assert parse_lifecycle("Warmed:Hibernated\n", NOW) is None
     terminated = parse_lifecycle("Terminated", NOW)
-    assert terminated is not None and terminated.kind is Kind.TERMINATE and terminated.deadline == NOW
+    assert terminated is not None and terminated.kind is Kind.TERMINATE
+    assert terminated.deadline == NOW + UNTIMED_NOTICE_WINDOW
     later = parse_lifecycle("Terminated", NOW + timedelta(seconds=1))
     assert later is not None and later.event_id == terminated.event_id
     with pytest.raises(ValueError):

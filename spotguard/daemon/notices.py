@@ -1,0 +1,234 @@
+"""The daemon's notices: the ones it has acted on, and where each is in its lifecycle.
+
+A notice the daemon acts on moves, in one direction only:
+
+- **pending**: trainers must checkpoint (and stop, for a hard notice); one that (re)connects is
+  told at once;
+- **held** (hard notices): a checkpoint was committed for it; the VM is still going away, so a
+  trainer that starts now is still told to stop, until the deadline plus ``grace``;
+- **over**: the VM outlived its notice (one warning), or a soft notice was checkpointed for or
+  reached its deadline. Training goes back to normal and the uploader forgets the deadline.
+
+A hard notice that nothing was saved for goes from pending straight to over, at the same time.
+:meth:`NoticeBook._move` is the one place a state changes: one log line per move, recorded in
+the event log so that a restarted daemon picks each notice up where it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from spotguard.manifest import atomic_file
+from spotguard.notice import Action, Notice, utcnow
+
+logger = logging.getLogger("spotguard.daemon")
+
+
+class EventLog:
+    """Event ids the daemon has acted on, kept in ``state_dir`` so a restart does not act twice.
+
+    One file per checkpoint root (named by a hash of the resolved root, which the file also
+    records): every daemon on a host shares ``state_dir``, and a notice is only ever replayed to
+    a daemon restarted for the same root, never to another job's daemon next to it.
+    """
+
+    def __init__(self, state_dir: Path, root: Path) -> None:
+        self.root = str(root.resolve())
+        self.path = self.path_for(state_dir, root)
+        self.events: dict[str, dict[str, Any]] = {}
+        try:
+            loaded = json.loads(self.path.read_bytes())
+            if not isinstance(loaded, dict) or loaded.get("root") != self.root:
+                raise ValueError(f"it is not the event log of {self.root}")
+            events = loaded.get("events")
+            if isinstance(events, dict):
+                self.events = {k: v for k, v in events.items() if isinstance(v, dict) and "notice" in v}
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError) as exc:
+            logger.warning("ignoring unreadable %s: %s", self.path, exc)
+        self._forget_old()
+
+    @staticmethod
+    def path_for(state_dir: Path, root: Path) -> Path:
+        digest = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:16]
+        return state_dir / f"events-{digest}.json"
+
+    def _forget_old(self) -> None:
+        horizon = utcnow() - timedelta(days=1)
+        for event_id, entry in list(self.events.items()):
+            with contextlib.suppress(ValueError, KeyError):
+                if Notice.from_dict(entry["notice"]).deadline < horizon:
+                    del self.events[event_id]
+
+    def __contains__(self, event_id: object) -> bool:
+        return event_id in self.events
+
+    def record(self, notice: Notice, **fields: Any) -> None:
+        entry = self.events.setdefault(notice.event_id, {"notice": notice.to_dict()})
+        entry.update(fields)
+        self._save()
+
+    def _save(self) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with atomic_file(self.path) as out:
+                out.write(json.dumps({"root": self.root, "events": self.events}, indent=1).encode())
+        except OSError as exc:  # losing this only risks acting twice after a restart
+            logger.warning("cannot write %s: %s", self.path, exc)
+
+    def entries(self) -> Iterator[tuple[Notice, dict[str, Any]]]:
+        for entry in self.events.values():
+            with contextlib.suppress(ValueError):
+                yield Notice.from_dict(entry["notice"]), entry
+
+
+class NoticeState(StrEnum):
+    PENDING = "pending"
+    HELD = "held"
+    OVER = "over"
+
+
+@dataclass
+class TrackedNotice:
+    notice: Notice
+    action: Action
+    state: NoticeState
+    ends: datetime  # when it is over at the latest
+
+    @property
+    def event_id(self) -> str:
+        return self.notice.event_id
+
+    def rank(self) -> tuple[bool, bool, datetime]:
+        """Lower first: a hard notice before a soft one, pending before held, then the earlier deadline."""
+        return self.action is not Action.STOP, self.state is not NoticeState.PENDING, self.notice.deadline
+
+
+OnMove = Callable[[TrackedNotice, NoticeState], None]  # the notice (in its new state), its old state
+
+
+class NoticeBook:
+    """The lifecycle of every notice the daemon acts on; ``clock`` is injected for tests."""
+
+    def __init__(self, log: EventLog, *, grace: float, clock: Callable[[], datetime] = utcnow) -> None:
+        self.log = log
+        self.grace = timedelta(seconds=grace)
+        self.clock = clock
+        self.on_move: list[OnMove] = []
+        self._live: dict[str, TrackedNotice] = {}  # pending or held
+
+    def seen(self, event_id: str) -> bool:
+        return event_id in self.log
+
+    def ignore(self, notice: Notice) -> None:
+        self.log.record(notice, action=str(Action.IGNORE))
+
+    def open(self, notice: Notice, action: Action) -> TrackedNotice:
+        """A new notice the trainers must act on."""
+        tracked = TrackedNotice(notice, action, NoticeState.PENDING, self._ends(notice, action))
+        self._live[notice.event_id] = tracked
+        self.log.record(notice, action=str(action), state=str(NoticeState.PENDING))
+        return tracked
+
+    def _ends(self, notice: Notice, action: Action) -> datetime:
+        # The VM outlives a hard notice only by accident: hold it a grace past the deadline first.
+        return notice.deadline + self.grace if action is Action.STOP else notice.deadline
+
+    def checkpointed(self, event_id: object, **fields: Any) -> TrackedNotice | None:
+        """A checkpoint was committed for this notice (locally: ``saved_step``; in the bucket: ``committed``)."""
+        if not isinstance(event_id, str) or event_id not in self.log:
+            return None
+        entry = self.log.events[event_id]
+        self.log.record(Notice.from_dict(entry["notice"]), **fields)
+        tracked = self._live.get(event_id)
+        if tracked is not None and tracked.state is NoticeState.PENDING:
+            if tracked.action is Action.STOP:
+                self._move(tracked, NoticeState.HELD, f"a checkpoint is committed for it ({_fields(fields)})")
+            else:
+                self._move(tracked, NoticeState.OVER, f"checkpointed for ({_fields(fields)})")
+        return tracked
+
+    def restore(self) -> list[TrackedNotice]:
+        """After a restart: every notice not over, in the state the log says; handled ones held."""
+        restored = []
+        for notice, entry in self.log.entries():
+            action = Action(entry.get("action", str(Action.IGNORE)))
+            if action is Action.IGNORE or entry.get("state") == NoticeState.OVER:
+                continue
+            handled = entry.get("saved_step") is not None or entry.get("committed") is not None
+            state = NoticeState.HELD if entry.get("state") == NoticeState.HELD or handled else NoticeState.PENDING
+            tracked = TrackedNotice(notice, action, state, self._ends(notice, action))
+            if handled and action is not Action.STOP:
+                self._move(tracked, NoticeState.OVER, "checkpointed for before a restart")
+                continue
+            self._live[notice.event_id] = tracked
+            restored.append(tracked)
+        self.expire()
+        return [t for t in restored if t.state is not NoticeState.OVER]
+
+    def expire(self) -> None:
+        """Move every notice whose time is up to over."""
+        now = self.clock()
+        for tracked in list(self._live.values()):
+            if now >= tracked.ends and tracked.event_id in self._live:
+                late = (now - tracked.notice.deadline).total_seconds()
+                if tracked.action is not Action.STOP:
+                    why = "its time passed"
+                elif tracked.state is NoticeState.HELD:
+                    why = f"the VM outlived its deadline by {late:.0f} s; training goes back to normal"
+                else:
+                    why = (
+                        f"the VM outlived its deadline by {late:.0f} s and no checkpoint was committed for it; "
+                        "training goes back to normal"
+                    )
+                self._move(tracked, NoticeState.OVER, why)
+
+    def current(self) -> TrackedNotice | None:
+        """The notice trainers are told about now (pending or held), if any."""
+        self.expire()
+        return self.peek()
+
+    def peek(self) -> TrackedNotice | None:
+        """:meth:`current` without ending what is due first (for listeners of a move)."""
+        return min(self._live.values(), key=TrackedNotice.rank, default=None)
+
+    def get(self, event_id: str) -> TrackedNotice | None:
+        return self._live.get(event_id)
+
+    def seconds_to_next_change(self) -> float | None:
+        """Until the next notice is over by time; None when none is live."""
+        if not self._live:
+            return None
+        soonest = min(t.ends for t in self._live.values())
+        return max(0.0, (soonest - self.clock()).total_seconds())
+
+    def _move(self, tracked: TrackedNotice, state: NoticeState, why: str) -> None:
+        old = tracked.state
+        tracked.state = state
+        if state is NoticeState.OVER:
+            self._live.pop(tracked.event_id, None)
+        self.log.record(tracked.notice, state=str(state), **{f"{state}_at": self.clock().isoformat()})
+        log = logger.warning if state is NoticeState.OVER and tracked.action is Action.STOP else logger.info
+        log("%s notice %s: %s -> %s: %s", tracked.notice.kind, tracked.event_id, old, state, why)
+        for listener in self.on_move:
+            try:
+                listener(tracked, old)
+            except Exception:
+                logger.exception("a notice-state listener failed for %s", tracked.event_id)
+
+
+def _fields(fields: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in fields.items())
+
+
+__all__ = ["EventLog", "NoticeBook", "NoticeState", "TrackedNotice"]

@@ -1,0 +1,136 @@
+"""The notice lifecycle (pending -> held -> over) with a clock the test moves; the event log is real."""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from spotguard.daemon.notices import EventLog, NoticeBook, NoticeState
+from spotguard.notice import Action, Kind, Notice, utcnow
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = utcnow()
+
+    def __call__(self) -> datetime:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += timedelta(seconds=seconds)
+
+
+def book(tmp_path: Path, clock: Clock, grace: float = 60.0) -> NoticeBook:
+    return NoticeBook(EventLog(tmp_path / "state", tmp_path / "root"), grace=grace, clock=clock)
+
+
+def notice(clock: Clock, seconds: float, kind: Kind = Kind.DRILL, identity: str = "1") -> Notice:
+    return Notice(
+        provider="none",
+        kind=kind,
+        deadline=clock.now + timedelta(seconds=seconds),
+        event_id=f"none-{kind}-{identity}",
+        received=clock.now,
+    )
+
+
+def test_a_hard_notice_is_pending_then_held_then_over_after_deadline_plus_grace(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="spotguard.daemon")
+    clock = Clock()
+    notices = book(tmp_path, clock, grace=60)
+    moves: list[tuple[str, str]] = []
+    notices.on_move.append(lambda t, old: moves.append((str(old), str(t.state))))
+    drill = notices.open(notice(clock, 3), Action.STOP)
+    assert notices.current() is drill and drill.state is NoticeState.PENDING
+    notices.checkpointed(drill.event_id, saved_step=7)
+    assert drill.state is NoticeState.HELD and notices.current() is drill
+    clock.advance(3 + 59)
+    assert notices.current() is drill  # past the deadline, within the grace: still held
+    assert notices.seconds_to_next_change() == pytest.approx(1.0)
+    clock.advance(1)
+    assert notices.current() is None and drill.state is NoticeState.OVER
+    assert moves == [("pending", "held"), ("held", "over")]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "outlived its deadline by 60 s" in warnings[0]
+    notices.expire()
+    assert len(moves) == 2  # over is final: one move, one warning
+
+
+def test_a_hard_notice_nothing_was_saved_for_is_over_at_the_same_time(tmp_path: Path) -> None:
+    clock = Clock()
+    notices = book(tmp_path, clock, grace=10)
+    drill = notices.open(notice(clock, 5), Action.STOP)
+    clock.advance(14.9)
+    assert notices.current() is drill and drill.state is NoticeState.PENDING
+    clock.advance(0.2)
+    assert notices.current() is None and drill.state is NoticeState.OVER
+
+
+def test_a_soft_notice_is_over_once_checkpointed_for_or_at_its_deadline(tmp_path: Path) -> None:
+    clock = Clock()
+    notices = book(tmp_path, clock)
+    saved = notices.open(notice(clock, 600, Kind.REBALANCE, "a"), Action.CHECKPOINT)
+    notices.checkpointed(saved.event_id, saved_step=3)
+    assert saved.state is NoticeState.OVER and notices.current() is None
+    late = notices.open(notice(clock, 5, Kind.MAINTENANCE, "b"), Action.CHECKPOINT)
+    assert notices.current() is late
+    clock.advance(5)
+    assert notices.current() is None and late.state is NoticeState.OVER
+
+
+def test_a_pending_hard_notice_outranks_a_held_one_and_a_soft_one(tmp_path: Path) -> None:
+    clock = Clock()
+    notices = book(tmp_path, clock)
+    soft = notices.open(notice(clock, 10, Kind.REBALANCE, "soft"), Action.CHECKPOINT)
+    assert notices.current() is soft
+    held = notices.open(notice(clock, 20, Kind.DRILL, "drill"), Action.STOP)
+    notices.checkpointed(held.event_id, saved_step=1)
+    assert notices.current() is held
+    real = notices.open(notice(clock, 120, Kind.TERMINATE, "real"), Action.STOP)
+    assert notices.current() is real
+
+
+def test_after_a_restart_handled_notices_are_held_and_over_ones_stay_over(tmp_path: Path) -> None:
+    clock = Clock()
+    before = book(tmp_path, clock, grace=30)
+    handled = before.open(notice(clock, 100, Kind.DRILL, "handled"), Action.STOP)
+    before.checkpointed(handled.event_id, saved_step=4)
+    waiting = before.open(notice(clock, 100, Kind.TERMINATE, "waiting"), Action.STOP)
+    ended = before.open(notice(clock, 1, Kind.DRILL, "ended"), Action.STOP)
+    clock.advance(40)
+    assert before.current() is waiting and ended.state is NoticeState.OVER
+
+    after = book(tmp_path, clock, grace=30)
+    restored = {t.event_id: t.state for t in after.restore()}
+    assert restored == {handled.event_id: NoticeState.HELD, waiting.event_id: NoticeState.PENDING}
+
+
+def test_a_log_written_before_states_existed_honours_saved_step_and_committed(tmp_path: Path) -> None:
+    clock = Clock()
+    log = EventLog(tmp_path / "state", tmp_path / "root")
+    saved = notice(clock, 100, Kind.DRILL, "saved")
+    uploaded = notice(clock, 100, Kind.REBALANCE, "uploaded")
+    log.record(saved, action="stop", saved_step=9)
+    log.record(uploaded, action="checkpoint", committed="step-000000009")
+    after = book(tmp_path, clock)
+    assert [(t.event_id, t.state) for t in after.restore()] == [(saved.event_id, NoticeState.HELD)]
+    entry = json.loads(log.path.read_text())["events"][uploaded.event_id]
+    assert entry["state"] == "over"
+
+
+def test_event_logs_are_one_file_per_root_and_ignore_another_roots_file(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    clock = Clock()
+    a = EventLog(state, tmp_path / "a")
+    a.record(notice(clock, 100), action="stop")
+    assert EventLog(state, tmp_path / "b").events == {}
+    assert EventLog(state, tmp_path / "a").events.keys() == a.events.keys()
+    # A file that names another root (copied by hand, say) is not taken for this root's.
+    EventLog.path_for(state, tmp_path / "b").write_bytes(a.path.read_bytes())
+    assert EventLog(state, tmp_path / "b").events == {}

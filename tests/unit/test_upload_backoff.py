@@ -1,0 +1,107 @@
+"""Failed uploads back off exponentially (capped, jittered) and raise an alert after N in a row."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from spotguard.daemon.uploader import Uploader
+from spotguard.notice import utcnow
+from spotguard.storage.base import Progress, StorageError
+from spotguard.storage.file import FileStorage
+from tests.checkpoints import write_checkpoint
+
+
+class BrokenStorage(FileStorage):
+    """A real file:// bucket that refuses every upload (a revoked credential, say) until mended."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.broken = threading.Event()
+        self.broken.set()
+
+    def put_file(self, local: Path, key: str, *, crc32c: str, progress: Progress | None = None) -> None:
+        if self.broken.is_set():
+            raise StorageError(f"access denied (injected): {key}")
+        super().put_file(local, key, crc32c=crc32c, progress=progress)
+
+
+def uploader_for(tmp_path: Path) -> tuple[Uploader, BrokenStorage]:
+    (tmp_path / "bucket").mkdir()
+    storage = BrokenStorage((tmp_path / "bucket").as_uri())
+    uploader = Uploader(storage, tmp_path / "local", scan_interval=60, retry_after=0.05, retry_max=0.2, alert_after=3)
+    return uploader, storage
+
+
+def test_the_wait_doubles_per_failure_up_to_the_cap_and_urgent_uploads_keep_the_short_one(tmp_path: Path) -> None:
+    uploader, _ = uploader_for(tmp_path)
+    for failed, ceiling in [(1, 0.05), (2, 0.1), (3, 0.2), (4, 0.2), (30, 0.2)]:
+        uploader._failed_in_a_row["step-000000001"] = failed
+        waits = [uploader.retry_delay("step-000000001") for _ in range(50)]
+        assert all(ceiling / 2 <= w <= ceiling for w in waits), (failed, waits)
+        assert len(set(waits)) > 1  # jittered
+    uploader._urgent.add("step-000000001")
+    uploader.set_deadline(utcnow() + timedelta(seconds=30))
+    assert uploader.retry_delay("step-000000001") == 0.05
+
+
+def test_a_checkpoint_failing_n_times_in_a_row_raises_one_alert_and_the_streak_ends_at_its_commit(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="spotguard.uploader")
+    uploader, storage = uploader_for(tmp_path)
+    step_dir = write_checkpoint(tmp_path / "local", 1, {"w.bin": b"w" * 1024})
+    committed = asyncio.Event()
+
+    async def on_committed(*_: object) -> None:
+        committed.set()
+
+    async def scenario() -> list[int]:
+        uploader.on_committed.append(on_committed)
+        task = asyncio.create_task(uploader.run())
+        streaks = []
+        try:
+            uploader.submit(step_dir, urgent=False)
+            deadline = time.monotonic() + 30
+            while len(uploader.failures) < 5 and time.monotonic() < deadline:
+                streaks.append(uploader.failing_streak())
+                await asyncio.sleep(0.01)
+            streaks.append(uploader.failing_streak())
+            storage.broken.clear()
+            await asyncio.wait_for(committed.wait(), 30)
+            streaks.append(uploader.failing_streak())
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        return streaks
+
+    streaks = asyncio.run(scenario())
+    assert streaks[-2] >= 5 and streaks[-1] == 0 and streaks[:-1] == sorted(streaks[:-1])
+    assert [f["in_a_row"] for f in uploader.failures[:5]] == [1, 2, 3, 4, 5]
+    alerts = [r.getMessage() for r in caplog.records if "ALERT" in r.getMessage()]
+    assert len(alerts) == 1 and "step-000000001 has failed 3 times in a row" in alerts[0]
+    assert uploader.status()["failing_streak"] == 0
+
+
+def test_the_failing_streak_is_a_metric(tmp_path: Path) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from spotguard.config import DaemonConfig
+    from spotguard.daemon.app import Daemon
+    from spotguard.daemon.metrics import DaemonMetrics
+
+    config = DaemonConfig(
+        provider="none", socket=tmp_path / "s.sock", checkpoint_dir=tmp_path / "nvme", state_dir=tmp_path / "state"
+    )
+    daemon = Daemon(config, provider="none")
+    registry = CollectorRegistry()
+    DaemonMetrics(registry).attach(daemon)
+    assert registry.get_sample_value("spotguard_upload_failing_streak") == 0
+    daemon.uploader._failed_in_a_row.update({"step-000000001": 2, "step-000000002": 6})
+    assert registry.get_sample_value("spotguard_upload_failing_streak") == 6
