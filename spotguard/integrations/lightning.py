@@ -49,6 +49,12 @@ CKPT_NAME = "lightning.ckpt"
 _STATE_FORMAT = 1
 
 
+def _live(model: Any, optimizers: list[Any]) -> dict[str, Any]:
+    """What the manifest records: the module and its optimizers (``optimizer``, ``optimizer1``, ...)."""
+    named = {("optimizer" if index == 0 else f"optimizer{index}"): opt for index, opt in enumerate(optimizers)}
+    return {"model": model, **named}
+
+
 class SpotguardCallback(pl.Callback):
     """Checkpoint a Lightning run when the VM is about to go away; resume it exactly.
 
@@ -90,10 +96,14 @@ class SpotguardCallback(pl.Callback):
 
     # --- resume ------------------------------------------------------------------------------
 
-    def resume_path(self) -> str | None:
+    def resume_path(self, model: Any = None, optimizer: Any = None) -> str | None:
         """``ckpt_path`` for ``trainer.fit``: the newest complete checkpoint's ``lightning.ckpt``, or None.
 
-        Fetches it from the bucket into the local root when the local root has none.
+        Fetches it from the bucket into the local root when the local root has none. Given the
+        LightningModule (and, if it exists yet, its optimizer), first compares them with what the
+        checkpoint's manifest records and raises :class:`~spotguard.SpotguardMismatch` on a mismatch,
+        before anything is fetched: ``cb.resume_path(model)``. Lightning loads the checkpoint itself
+        (strictly), so there is no ``strict=False`` here.
         """
         from spotguard.config import trainer_settings
 
@@ -101,7 +111,8 @@ class SpotguardCallback(pl.Callback):
             self._guard_kwargs["checkpoint_dir"], self._guard_kwargs["bucket"], self._guard_kwargs["socket"]
         )
         root = settings.checkpoint_dir or self._root_from_daemon()
-        found = find_resumable(root, settings.bucket, FRAMEWORK, local_rank=env_local_rank())
+        live = {key: value for key, value in (("model", model), ("optimizer", optimizer)) if value is not None}
+        found = find_resumable(root, settings.bucket, FRAMEWORK, local_rank=env_local_rank(), live=live)
         return str(found) if found is not None else None
 
     def _root_from_daemon(self) -> Path:
@@ -163,7 +174,8 @@ class SpotguardCallback(pl.Callback):
         if not guard.should_checkpoint(step):
             return
         try:
-            with commit_external(guard, step, {"framework": FRAMEWORK, "resume": CKPT_NAME}) as step_dir:
+            meta = {"framework": FRAMEWORK, "resume": CKPT_NAME}
+            with commit_external(guard, step, meta, _live(pl_module, trainer.optimizers)) as step_dir:
                 trainer.save_checkpoint(step_dir / CKPT_NAME)
         except AlreadyCommitted as exc:
             step_dir = exc.step_dir
