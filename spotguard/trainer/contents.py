@@ -131,15 +131,22 @@ def flatten(value: Any, prefix: str = "") -> dict[str, str]:
     return {prefix: type(value).__name__}
 
 
-def describe_entry(value: Any) -> dict[str, Any]:
+def describe_entry(value: Any, *, shapes: bool = True) -> dict[str, Any]:
+    """One entry's description. Without ``shapes`` a module or optimizer is described by its class and
+    layout only: under ``torch.distributed`` a module's ``state_dict()`` may be a collective (FSDP's
+    full state dict gathers every parameter) and an optimizer's parameters may be local shards whose
+    shapes change when the checkpoint is resharded."""
     if isinstance(value, torch.nn.Module):
-        return {"kind": "module", "class": class_name(value), "keys": flatten(value.state_dict())}
+        module: dict[str, Any] = {"kind": "module", "class": class_name(value)}
+        return {**module, "keys": flatten(value.state_dict())} if shapes else module
     if isinstance(value, torch.optim.Optimizer):
         groups = [len(group["params"]) for group in value.param_groups]
+        described: dict[str, Any] = {"kind": "optimizer", "class": class_name(value), "groups": groups}
+        if not shapes:
+            return described
         # The parameters it steps, in the order its state is keyed by: its state must fit them.
         params = [param for group in value.param_groups for param in group["params"]]
-        keys = {f"param.{index}": tensor_spec(param) for index, param in enumerate(params)}
-        return {"kind": "optimizer", "class": class_name(value), "groups": groups, "keys": keys}
+        return {**described, "keys": {f"param.{index}": tensor_spec(param) for index, param in enumerate(params)}}
     if isinstance(value, torch.Tensor):
         return {"kind": "tensor", "keys": {"": tensor_spec(value)}}
     if hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):
@@ -148,11 +155,16 @@ def describe_entry(value: Any) -> dict[str, Any]:
 
 
 def describe_state(state: Mapping[str, Any], world_size: int) -> dict[str, Any]:
-    """The manifest's ``contents`` for ``state``: no tensor data, one short line per tensor key."""
+    """The manifest's ``contents`` for ``state``: no tensor data, one short line per tensor key.
+
+    With several ranks, modules and optimizers are described without shapes (see
+    :func:`describe_entry`); a sharded save adds the model's keys from what DCP saved.
+    """
+    shapes = world_size == 1
     return {
         "versions": {"spotguard": __version__, "format": FORMAT, "torch": torch.__version__},
         "world_size": world_size,
-        "entries": {key: describe_entry(value) for key, value in state.items()},
+        "entries": {key: describe_entry(value, shapes=shapes) for key, value in state.items()},
     }
 
 
@@ -175,8 +187,8 @@ def _compare_entry(entry: str, saved: Mapping[str, Any], live: Mapping[str, Any]
         differences.append(
             Difference(entry, "param_groups", _groups_text(saved.get("groups") or []), _groups_text(live["groups"]))
         )
-    if kind in ("module", "tensor", "optimizer"):
-        saved_keys: Mapping[str, str] = saved.get("keys") or {}
+    if kind in ("module", "tensor", "optimizer") and "keys" in saved:  # not recorded with several ranks
+        saved_keys: Mapping[str, str] = saved["keys"]
         live_keys: Mapping[str, str] = live["keys"]
         for key in live_keys:
             if key not in saved_keys:

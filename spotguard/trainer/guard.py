@@ -423,9 +423,10 @@ class Guard:
     def _check(self, name: str, manifest: Manifest, state: Mapping[str, Any]) -> ResumeReport:
         """Compare the checkpoint's recorded contents with ``state``; every rank gets the same answer."""
         sharded = manifest.meta.get("layout") == LAYOUT
-        live = {key: describe_entry(value) for key, value in state.items()}
+        # Sharded: no plain state_dict() (a collective under FSDP); the model's keys as DCP sees them.
+        live = {key: describe_entry(value, shapes=not sharded) for key, value in state.items()}
         if sharded:
-            describe_dcp_model(state, live)  # keys as DCP saw them: no DDP prefix, global shapes
+            describe_dcp_model(state, live)
         differences = compare(manifest, live, per_rank=sharded)
         if dist.active():
             merged = [d for ranks_differences in dist.all_gather(differences) for d in ranks_differences]

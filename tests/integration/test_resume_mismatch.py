@@ -260,3 +260,31 @@ def test_verify_and_list_json_show_the_recorded_contents(tmp_path: Path, saved: 
         [result] = json.loads(verified.stdout)
         assert result["status"] == "ok" and result["problems"] == []
         assert result["contents"]["entries"]["model"]["keys"]["2.bias"] == "float32[4]"
+
+
+def test_integration_resume_path_checks_the_model_before_fetching(
+    tmp_path: Path, proxy: FaultProxy, server: S3Server
+) -> None:
+    from spotguard.integrations._common import commit_external, find_resumable
+
+    root = tmp_path / "first-vm"
+    model = make_state()["model"]
+    with Guard(checkpoint_dir=root, socket=tmp_path / "none.sock", handle_sigterm=False) as guard:
+        meta = {"framework": "lightning", "resume": "lightning.ckpt"}
+        with commit_external(guard, 3, meta, {"model": model}) as step_dir:
+            torch.save(model.state_dict(), step_dir / "lightning.ckpt")
+    assert find_resumable(root, None, "lightning", live={"model": model}) == step_dir / "lightning.ckpt"
+    url = f"s3://{server.bucket}/run-{uuid.uuid4().hex[:8]}"
+    storage = open_storage(url)
+    try:
+        upload_checkpoint(storage, step_dir)
+    finally:
+        storage.close()
+    wider = make_state(width=32)["model"]
+    proxy.seen.clear()
+    with pytest.raises(SpotguardMismatch, match=r"model: 0\.weight: saved float32\[16,8\], live float32\[32,8\]"):
+        find_resumable(tmp_path / "new-vm", url, "lightning", live={"model": wider})
+    assert data_reads(proxy) == []
+    assert not (tmp_path / "new-vm").exists() or not list((tmp_path / "new-vm").glob("step-*"))
+    found = find_resumable(tmp_path / "new-vm", url, "lightning", live={"model": model})
+    assert found == tmp_path / "new-vm" / step_dir.name / "lightning.ckpt"
