@@ -20,6 +20,7 @@ from spotguard.manifest import (
     FileEntry,
     Manifest,
     ManifestError,
+    ManifestFormatError,
     SaveCancelled,
     load_manifest,
     prune_local,
@@ -394,7 +395,15 @@ class Guard:
         check_state(state)
         self.wait(raise_error=False)  # a periodic save still being written may be the newest
         self.last_resume_report = None
-        candidates = dist.broadcast_object(self._candidates() if self.rank == 0 else [])
+        candidates: list[tuple[str, Manifest]] | str = []
+        if self.rank == 0:
+            try:
+                candidates = self._candidates()
+            except ManifestFormatError as exc:
+                candidates = exc.found  # every rank raises it, not only the one that read it
+        candidates = dist.broadcast_object(candidates)
+        if isinstance(candidates, str):
+            raise ManifestFormatError(candidates)
         for name, manifest in candidates:
             report = self._check(name, manifest, state)
             if report.differences and strict:
