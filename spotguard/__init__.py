@@ -9,9 +9,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["Guard", "__version__"]
+__all__ = ["Guard", "SpotguardMismatch", "__version__"]
 
 if TYPE_CHECKING:
+    from spotguard.trainer.contents import SpotguardMismatch
     from spotguard.trainer.guard import Guard
 
 
@@ -20,4 +21,8 @@ def __getattr__(name: str) -> Any:
         from spotguard.trainer.guard import Guard
 
         return Guard
+    if name == "SpotguardMismatch":
+        from spotguard.trainer.contents import SpotguardMismatch
+
+        return SpotguardMismatch
     raise AttributeError(f"module 'spotguard' has no attribute {name!r}")

@@ -16,7 +16,7 @@ from urllib.parse import urlparse
 from spotguard import __version__, protocol
 from spotguard.config import ConfigError, load_config
 from spotguard.control import CommandError, daemon_socket, request
-from spotguard.manifest import CheckpointInfo, parse_step_dir, scan_local, verify_dir
+from spotguard.manifest import CheckpointInfo, load_manifest_or_none, parse_step_dir, scan_local, verify_dir
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -219,28 +219,40 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if not names:
         raise CommandError(f"no checkpoints in {root}")
     failed = 0
+    results = []
     storage = _open(root) if is_url(root) else None
     try:
-        sizes = {info.name: info.bytes for info in _list_remote(storage, True)} if storage else {}
+        listing = {info.name: info for info in _list_remote(storage, True)} if storage else {}
         for name in names:
             if storage is not None:
                 from spotguard.storage.checkpoints import verify_remote
 
-                progress = Progress(sizes.get(name, 0), f"verifying {name}")
+                info = listing.get(name)
+                progress = Progress(info.bytes if info else 0, f"verifying {name}")
                 problems = verify_remote(storage, name, progress=progress)
                 progress.finish()
+                manifest = info.manifest if info else None
             else:
                 problems = verify_dir(Path(root) / name)
-            if problems:
-                failed += 1
-                print(f"{name}: FAILED")
+                manifest = load_manifest_or_none(Path(root) / name)
+            failed += bool(problems)
+            results.append(
+                {
+                    "name": name,
+                    "status": "failed" if problems else "ok",
+                    "problems": problems,
+                    "contents": manifest.contents if manifest is not None else None,
+                }
+            )
+            if not args.json:
+                print(f"{name}: FAILED" if problems else f"{name}: ok")
                 for problem in problems:
                     print(f"  {problem}")
-            else:
-                print(f"{name}: ok")
     finally:
         if storage is not None:
             storage.close()
+    if args.json:
+        print(json.dumps(results, indent=1))
     if failed:
         print(f"{failed} of {len(names)} checkpoint(s) failed verification", file=sys.stderr)
     return EXIT_FAILURE if failed else EXIT_OK
@@ -357,6 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     verify = sub.add_parser("verify", help="check checkpoints against their manifests")
     verify.add_argument("location", help="a root, a bucket URL, or one step-NNNNNNNNN inside either")
+    verify.add_argument("--json", action="store_true", help="results and each checkpoint's recorded contents")
     verify.set_defaults(func=cmd_verify)
 
     restore = sub.add_parser("restore", help="download the newest (or given) complete checkpoint, verified")

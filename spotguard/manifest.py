@@ -30,7 +30,9 @@ from typing import IO, Any, Literal
 
 import google_crc32c
 
-FORMAT = "spotguard/1"
+FORMAT_VERSION = 1
+FORMAT = f"spotguard/{FORMAT_VERSION}"
+_FORMAT_NAME = re.compile(r"^spotguard/(\d+)$")
 MANIFEST = "manifest.json"
 REASONS = ("urgent", "periodic", "soft", "final")
 _STEP_DIR = re.compile(r"^step-(\d{9,})$")
@@ -42,6 +44,19 @@ Status = Literal["complete", "incomplete"]
 
 class ManifestError(ValueError):
     """A manifest that is missing, malformed, or does not match the files beside it."""
+
+
+class ManifestFormatError(ManifestError):
+    """A manifest written by a newer checkpoint format than this spotguard reads."""
+
+    def __init__(self, found: str) -> None:
+        from spotguard import __version__
+
+        super().__init__(
+            f"checkpoint format {found!r} is newer than this spotguard ({__version__}) reads ({FORMAT!r}); "
+            f"install a spotguard release that reads {found!r} to load it"
+        )
+        self.found = found
 
 
 class SaveCancelled(Exception):
@@ -172,6 +187,9 @@ class Manifest:
     files: Mapping[str, FileEntry]
     created: str = field(default_factory=lambda: datetime.now(UTC).isoformat())
     meta: Mapping[str, Any] = field(default_factory=dict)
+    # What each state entry holds (keys, shapes, dtypes, optimizer layout, versions): checked before a
+    # resume loads anything. None in checkpoints written before it was recorded.
+    contents: Mapping[str, Any] | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -187,6 +205,9 @@ class Manifest:
             "files": {name: {"size": e.size, "crc32c": e.crc32c} for name, e in sorted(self.files.items())},
             "meta": dict(self.meta),
         }
+        if self.contents is not None:
+            # Tensors are described as "float32[16,8]": one line per key, however big the model.
+            document["contents"] = dict(self.contents)
         return json.dumps(document, indent=1, sort_keys=False).encode() + b"\n"
 
     @classmethod
@@ -196,7 +217,14 @@ class Manifest:
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ManifestError(f"manifest is not JSON: {exc}") from None
         if not isinstance(document, dict) or document.get("format") != FORMAT:
+            found = document.get("format") if isinstance(document, dict) else None
+            match = _FORMAT_NAME.match(found) if isinstance(found, str) else None
+            if isinstance(found, str) and match and int(match.group(1)) > FORMAT_VERSION:
+                raise ManifestFormatError(found)
             raise ManifestError(f"manifest format is not {FORMAT!r}")
+        contents = document.get("contents")
+        if contents is not None and not isinstance(contents, dict):
+            raise ManifestError("manifest is malformed: 'contents' is not an object")
         try:
             files = {
                 check_relpath(name): FileEntry(size=_int(entry["size"]), crc32c=_crc(entry["crc32c"]))
@@ -209,6 +237,7 @@ class Manifest:
                 files=files,
                 created=str(document["created"]),
                 meta=dict(document.get("meta") or {}),
+                contents=contents,
             )
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
             raise ManifestError(f"manifest is malformed: {exc!r}") from None
@@ -302,6 +331,7 @@ class CheckpointWriter:
         world_size: int = 1,
         meta: Mapping[str, Any] | None = None,
         cancel: threading.Event | None = None,
+        contents: Mapping[str, Any] | None = None,
     ) -> None:
         if reason not in REASONS:
             raise ValueError(f"reason must be one of {REASONS}, got {reason!r}")
@@ -310,6 +340,7 @@ class CheckpointWriter:
         self.reason = reason
         self.world_size = world_size
         self.meta = dict(meta or {})
+        self.contents = dict(contents) if contents is not None else None
         self.dir = root / step_dir_name(step)
         self.files: dict[str, FileEntry] = {}
         self.cancel = cancel
@@ -347,7 +378,12 @@ class CheckpointWriter:
         if self.cancel is not None and self.cancel.is_set():
             raise SaveCancelled(f"{self.dir.name}: cancelled before its commit")
         manifest = Manifest(
-            step=self.step, reason=self.reason, world_size=self.world_size, files=dict(self.files), meta=self.meta
+            step=self.step,
+            reason=self.reason,
+            world_size=self.world_size,
+            files=dict(self.files),
+            meta=self.meta,
+            contents=self.contents,
         )
         for sub in {(self.dir / name).parent for name in self.files}:
             fsync_dir(sub)
@@ -459,6 +495,7 @@ class CheckpointInfo:
             "bytes": self.bytes,
             "created": self.created,
             "status": self.status,
+            "contents": self.manifest.contents if self.manifest is not None else None,
         }
 
 

@@ -30,6 +30,7 @@ from spotguard.manifest import (
     MANIFEST,
     CheckpointExists,
     CheckpointWriter,
+    Manifest,
     load_manifest_or_none,
     scan_local,
     verify_dir,
@@ -61,13 +62,16 @@ def pending_reason(guard: Guard) -> tuple[str, dict[str, Any] | None]:
 
 
 @contextmanager
-def commit_external(guard: Guard, step: int, meta: Mapping[str, Any]) -> Iterator[Path]:
+def commit_external(
+    guard: Guard, step: int, meta: Mapping[str, Any], live: Mapping[str, Any] | None = None
+) -> Iterator[Path]:
     """Prepare ``<root>/step-N/`` for a framework to write into; on a clean exit commit it and tell the daemon.
 
     Every rank must enter (the directory exists on all ranks before anyone writes, and nobody leaves
     before rank 0 committed). Raises :class:`AlreadyCommitted` (before yielding) if the step is
     already complete. On an exception nothing is committed: the directory stays incomplete and the
-    next writer removes it.
+    next writer removes it. ``live`` (e.g. ``{"model": ..., "optimizer": ...}``) is described in the
+    manifest, so that a resume can be checked against it before anything is fetched.
     """
     from spotguard.trainer import dist
 
@@ -75,7 +79,14 @@ def commit_external(guard: Guard, step: int, meta: Mapping[str, Any]) -> Iterato
     full_meta: dict[str, Any] = dict(meta)
     if notice is not None:
         full_meta["event_id"] = notice["notice"]["event_id"]
-    writer = CheckpointWriter(guard.checkpoint_dir, step, reason=reason, world_size=guard.world_size, meta=full_meta)
+    contents = None
+    if live is not None:
+        from spotguard.trainer.contents import describe_state
+
+        contents = describe_state(live, guard.world_size)  # what resume_path(model=...) checks
+    writer = CheckpointWriter(
+        guard.checkpoint_dir, step, reason=reason, world_size=guard.world_size, meta=full_meta, contents=contents
+    )
     try:
         guard._open_step_dir(writer)
     except CheckpointExists:
@@ -120,14 +131,19 @@ def find_resumable(
     local_rank: int = 0,
     wait: float = 600.0,
     clock: Callable[[], float] = time.monotonic,
+    live: Mapping[str, Any] | None = None,
 ) -> Path | None:
     """The framework's own resumable form inside the newest complete checkpoint of ``framework``.
 
     Looks in the local root first (manifest valid, sizes and CRC32C checked); if none there and a
     bucket is given, downloads the newest complete one (verified, falling back to older ones).
     Only ``local_rank`` 0 downloads; other local ranks wait for its copy to appear.
+
+    ``live`` (the model, the optimizer, named as they were when saved) is compared with the chosen
+    checkpoint's recorded contents first, from its manifest alone: a mismatch raises
+    :class:`~spotguard.SpotguardMismatch` before any data is fetched or handed to the framework.
     """
-    found = _newest_local(root, framework)
+    found = _newest_local(root, framework, live)
     if found is not None or bucket is None:
         return found
     from spotguard.storage import open_storage  # a storage SDK only now, and only if needed
@@ -135,13 +151,17 @@ def find_resumable(
 
     storage = open_storage(bucket)
     try:
+        listing = list_remote(storage)
+        complete = [info for info in listing if info.status == "complete"]
+        if complete and complete[-1].manifest is not None:
+            check_live(complete[-1].name, complete[-1].manifest, live)
         if local_rank == 0:
-            step_dir = restore(storage, root, log=logger.warning)
+            step_dir = restore(storage, root, log=logger.warning, candidates=listing)
             if step_dir is None:
                 return None
             logger.info("spotguard: restored %s from %s", step_dir.name, bucket)
             return _resume_target(step_dir, framework)
-        names = [info.name for info in list_remote(storage) if info.status == "complete"]
+        names = [info.name for info in complete]
     finally:
         storage.close()
     if not names:
@@ -149,14 +169,32 @@ def find_resumable(
     # Another process on this machine downloads; wait for any complete checkpoint it leaves.
     deadline = clock() + wait
     while clock() < deadline:
-        found = _newest_local(root, framework)
+        found = _newest_local(root, framework, None)
         if found is not None:
             return found
         time.sleep(0.2)
     raise TimeoutError(f"local rank 0 did not restore a checkpoint into {root} within {wait:.0f} s")
 
 
-def _newest_local(root: Path, framework: str) -> Path | None:
+def check_live(name: str, manifest: Manifest, live: Mapping[str, Any] | None) -> None:
+    """Raise :class:`~spotguard.SpotguardMismatch` if ``live`` does not fit what ``manifest`` records.
+
+    Only the entries ``live`` names are compared (the framework's checkpoint holds more). The framework
+    loads the checkpoint itself, strictly, so there is no partial load here.
+    """
+    if not live:
+        return
+    if manifest.contents is None:
+        logger.info("spotguard: %s records no contents (written by an older spotguard): not checked", name)
+        return
+    from spotguard.trainer.contents import SpotguardMismatch, compare, describe_entry
+
+    differences = compare(manifest, {key: describe_entry(value) for key, value in live.items()}, per_rank=False)
+    if differences:
+        raise SpotguardMismatch(name, differences)
+
+
+def _newest_local(root: Path, framework: str, live: Mapping[str, Any] | None) -> Path | None:
     for info in reversed(scan_local(root)):
         if info.status != "complete":
             continue
@@ -166,6 +204,8 @@ def _newest_local(root: Path, framework: str) -> Path | None:
             continue
         target = _resume_target(root / info.name, framework)
         if target is not None:
+            assert info.manifest is not None  # complete
+            check_live(info.name, info.manifest, live)
             return target
     return None
 

@@ -61,6 +61,12 @@ CKPT_NAME = "lightning.ckpt"
 _STATE_FORMAT = 1
 
 
+def _live(model: Any, optimizers: list[Any]) -> dict[str, Any]:
+    """What the manifest records: the module and its optimizers (``optimizer``, ``optimizer1``, ...)."""
+    named = {("optimizer" if index == 0 else f"optimizer{index}"): opt for index, opt in enumerate(optimizers)}
+    return {"model": model, **named}
+
+
 class SpotguardCallback(pl.Callback):
     """Checkpoint a Lightning run when the VM is about to go away; resume it exactly.
 
@@ -102,10 +108,14 @@ class SpotguardCallback(pl.Callback):
 
     # --- resume ------------------------------------------------------------------------------
 
-    def resume_path(self) -> str | None:
+    def resume_path(self, model: Any = None, optimizer: Any = None) -> str | None:
         """``ckpt_path`` for ``trainer.fit``: the newest complete checkpoint's ``lightning.ckpt``, or None.
 
-        Fetches it from the bucket into the local root when the local root has none.
+        Fetches it from the bucket into the local root when the local root has none. Given the
+        LightningModule (and, if it exists yet, its optimizer), first compares them with what the
+        checkpoint's manifest records and raises :class:`~spotguard.SpotguardMismatch` on a mismatch,
+        before anything is fetched: ``cb.resume_path(model)``. Lightning loads the checkpoint itself
+        (strictly), so there is no ``strict=False`` here.
         """
         from spotguard.config import trainer_settings
 
@@ -118,7 +128,8 @@ class SpotguardCallback(pl.Callback):
             from spotguard.trainer.guard import ask_daemon_for_root
 
             root = ask_daemon_for_root(settings.socket)
-        found = find_resumable(root, settings.bucket, FRAMEWORK, local_rank=env_local_rank())
+        live = {key: value for key, value in (("model", model), ("optimizer", optimizer)) if value is not None}
+        found = find_resumable(root, settings.bucket, FRAMEWORK, local_rank=env_local_rank(), live=live)
         return str(found) if found is not None else None
 
     # --- lifetime ----------------------------------------------------------------------------
@@ -180,7 +191,8 @@ class SpotguardCallback(pl.Callback):
 
     def _save(self, trainer: pl.Trainer, guard: Guard, step: int) -> None:
         try:
-            with commit_external(guard, step, {"framework": FRAMEWORK, "resume": CKPT_NAME}) as step_dir:
+            meta = {"framework": FRAMEWORK, "resume": CKPT_NAME}
+            with commit_external(guard, step, meta, _live(trainer.lightning_module, trainer.optimizers)) as step_dir:
                 trainer.save_checkpoint(step_dir / CKPT_NAME)
         except AlreadyCommitted as exc:
             step_dir = exc.step_dir

@@ -97,17 +97,27 @@ class SpotguardCallback(transformers.TrainerCallback):
 
     # --- resume ------------------------------------------------------------------------------
 
-    def resume_path(self, output_dir: str | os.PathLike[str] | None = None) -> str | None:
+    def resume_path(self, output_dir: str | os.PathLike[str] | None = None, model: Any = None) -> str | None:
         """``resume_from_checkpoint`` for ``trainer.train``: the newest complete ``checkpoint-N`` folder, or None.
 
-        Fetches it from the bucket into the root when the root has none.
+        Fetches it from the bucket into the root when the root has none. Given the model
+        (``cb.resume_path(args.output_dir, model=trainer.model)``), first compares it with what the
+        checkpoint's manifest records and raises :class:`~spotguard.SpotguardMismatch` on a mismatch,
+        before anything is fetched. The optimizer is not checked: the Trainer creates it only inside
+        ``train()``. The Trainer loads the checkpoint itself, so there is no ``strict=False`` here.
         """
         from spotguard.config import trainer_settings
 
         root = self._root(output_dir)
         settings = trainer_settings(root, self._guard_kwargs["bucket"], self._guard_kwargs["socket"])
         assert settings.checkpoint_dir is not None
-        found = find_resumable(settings.checkpoint_dir, settings.bucket, FRAMEWORK, local_rank=env_local_rank())
+        found = find_resumable(
+            settings.checkpoint_dir,
+            settings.bucket,
+            FRAMEWORK,
+            local_rank=env_local_rank(),
+            live={"model": model} if model is not None else None,
+        )
         return str(found) if found is not None else None
 
     def _root(self, output_dir: str | os.PathLike[str] | None) -> str | os.PathLike[str]:
@@ -168,7 +178,8 @@ class SpotguardCallback(transformers.TrainerCallback):
         written = Path(args.output_dir) / f"{_PREFIX}-{step}"
         relpath = written.name
         try:
-            with commit_external(guard, step, {"framework": FRAMEWORK, "resume": relpath}) as step_dir:
+            live = {"model": kwargs["model"]} if kwargs.get("model") is not None else None
+            with commit_external(guard, step, {"framework": FRAMEWORK, "resume": relpath}, live) as step_dir:
                 if guard.rank == 0:
                     # Raised inside the commit, so every rank hears of it instead of waiting for rank 0.
                     if not written.is_dir():

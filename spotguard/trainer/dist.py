@@ -105,11 +105,18 @@ def broadcast_object(value: T) -> T:
     return holder[0]
 
 
+def all_gather(value: T) -> list[T]:
+    """Every rank's ``value``, in rank order (``[value]`` without ``torch.distributed``)."""
+    if not active():
+        return [value]
+    values: list[Any] = [None] * world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
 def is_node_leader(root: Path) -> bool:
     """Whether this rank is the lowest of those writing to the same local disk (host and root)."""
     if not active():
         return True
     key = (socket.gethostname(), str(root.resolve()))
-    keys: list[Any] = [None] * world_size()
-    dist.all_gather_object(keys, key)
-    return keys.index(key) == rank()
+    return all_gather(key).index(key) == rank()

@@ -18,9 +18,10 @@ from spotguard.manifest import (
     CheckpointExists,
     CheckpointWriter,
     FileEntry,
+    Manifest,
+    ManifestError,
     SaveCancelled,
     load_manifest,
-    parse_step_dir,
     prune_local,
     remove_incomplete,
     scan_local,
@@ -29,7 +30,17 @@ from spotguard.manifest import (
 from spotguard.notice import parse_iso
 from spotguard.trainer import dist
 from spotguard.trainer.client import DaemonClient
-from spotguard.trainer.sharded import LAYOUT, load_sharded, save_sharded
+from spotguard.trainer.contents import (
+    SHOWN,
+    ResumeReport,
+    SpotguardMismatch,
+    compare,
+    describe_entry,
+    describe_state,
+    make_report,
+    refuse_newer_format,
+)
+from spotguard.trainer.sharded import LAYOUT, describe_dcp_model, load_sharded, save_sharded
 from spotguard.trainer.state import (
     Payloads,
     Stager,
@@ -124,6 +135,7 @@ class Guard:
         self._background: tuple[threading.Thread, threading.Event] | None = None
         self._background_error: Exception | None = None
         self._node_leader = self.rank == 0  # the rank that tells this node's daemon about commits
+        self.last_resume_report: ResumeReport | None = None  # what the last resume loaded and left
 
         root = settings.checkpoint_dir
         hello = {
@@ -261,7 +273,13 @@ class Guard:
             self._cancel_background()
         cancel = threading.Event()
         writer = CheckpointWriter(
-            self.checkpoint_dir, step, reason=reason, world_size=self.world_size, meta=meta, cancel=cancel
+            self.checkpoint_dir,
+            step,
+            reason=reason,
+            world_size=self.world_size,
+            meta=meta,
+            cancel=cancel,
+            contents=describe_state(state, self.world_size),
         )
         self._mark_saved(step, notice)
         if in_background:
@@ -395,50 +413,117 @@ class Guard:
 
     # --- resume --------------------------------------------------------------------------
 
-    def resume(self, state: MutableMapping[str, Any]) -> int:
+    def resume(self, state: MutableMapping[str, Any], strict: bool = True) -> int:
         """Load the newest complete checkpoint into ``state``; returns the step to run next (0 if none).
 
         Looks in the local root first, then in the bucket. A checkpoint that fails verification is
         skipped for the previous complete one. Under ``torch.distributed`` rank 0 chooses and every
         rank loads the same checkpoint; one saved by another number of ranks is resharded.
+
+        Before a byte of data is fetched or loaded, the checkpoint's manifest is compared with
+        ``state``: state_dict keys, shapes and dtypes, the optimizer's class and parameter groups.
+        A mismatch raises :class:`SpotguardMismatch` (every rank alike) and ``state`` is left as it
+        was. With ``strict=False`` what matches is loaded and :attr:`last_resume_report` says what
+        was not:
+
+        >>> step = guard.resume(state, strict=False)
+        >>> guard.last_resume_report.skipped_entries      # e.g. ["optimizer"] after a switch to SGD
         """
         check_state(state)
         self.wait(raise_error=False)  # a periodic save still being written may be the newest
-        chosen: str | None = None
-        with dist.settled("choosing a checkpoint to resume"):
+        self.last_resume_report = None
+        candidates: list[tuple[str, Manifest]] = []
+        with dist.settled("choosing a checkpoint to resume"):  # e.g. a newer format: every rank raises it
             if self.rank == 0:
-                chosen = self._choose_checkpoint()
-        chosen = dist.broadcast_object(chosen)
-        if chosen is None:
+                candidates = self._candidates()
+        candidates = dist.broadcast_object(candidates)
+        for name, manifest in candidates:
+            report = self._check(name, manifest, state)
+            if report.differences and strict:
+                raise SpotguardMismatch(name, report.differences)
+            if self._fetch(name, manifest):
+                break
+        else:
             return 0
-        step_dir = self.checkpoint_dir / chosen
-        with dist.settled(f"fetching {chosen}"):  # the node's leader fetches it for everyone on this disk
-            if dist.is_node_leader(self.checkpoint_dir) and verify_dir(step_dir, checksums=False):
-                # Not whole on this disk (another node, or only this node's share): fetch what rank 0 chose.
-                self._restore_from_bucket(step=parse_step_dir(chosen))
-        with dist.settled(f"loading {chosen}"):
+        step_dir = self.checkpoint_dir / name
+        with dist.settled(f"loading {name}"):
             manifest = load_manifest(step_dir)
-            if manifest.meta.get("layout") == LAYOUT:
-                load_sharded(step_dir, manifest, state)
-            else:
-                read_state(step_dir, manifest, state)
+            load = load_sharded if manifest.meta.get("layout") == LAYOUT else read_state
+            load(step_dir, manifest, state, skip_entries=report.skipped_entries, skip_keys=report.skipped_keys)
         self._last_save_step = manifest.step
+        self.last_resume_report = report
+        if report.differences:
+            logger.warning(
+                "spotguard: resumed from %s partially (strict=False): left as they were %s",
+                step_dir,
+                "; ".join(str(difference) for difference in report.differences[:SHOWN]),
+            )
         logger.info("spotguard: resumed from %s (%s)", step_dir, manifest.reason)
         return manifest.step
 
-    def _choose_checkpoint(self) -> str | None:
+    def _check(self, name: str, manifest: Manifest, state: Mapping[str, Any]) -> ResumeReport:
+        """Compare the checkpoint's recorded contents with ``state``; every rank gets the same answer."""
+        sharded = manifest.meta.get("layout") == LAYOUT
+        # Sharded: no plain state_dict() (a collective under FSDP); the model's keys as DCP sees them.
+        live = {key: describe_entry(value, shapes=not sharded) for key, value in state.items()}
+        if sharded:
+            describe_dcp_model(state, live)
+        differences = compare(manifest, live, per_rank=sharded)
+        if dist.active():
+            merged = [d for ranks_differences in dist.all_gather(differences) for d in ranks_differences]
+            differences = list(dict.fromkeys(merged))
+        if manifest.contents is None:
+            logger.info(
+                "spotguard: %s was written before checkpoints recorded their contents: only its entries "
+                "are checked before loading",
+                name,
+            )
+        return make_report(name, manifest, differences, live)
+
+    def _candidates(self) -> list[tuple[str, Manifest]]:
+        """Checkpoints to resume from, best first: the newest verified local one, else the bucket's
+        complete ones (their manifests only: nothing else is fetched before the check)."""
         for info in reversed(scan_local(self.checkpoint_dir)):
             if info.status != "complete":
+                refuse_newer_format(load_manifest, self.checkpoint_dir / info.name)
                 continue
             problems = verify_dir(self.checkpoint_dir / info.name)
-            if not problems:
-                return info.name
+            if not problems and info.manifest is not None:
+                return [(info.name, info.manifest)]
             logger.warning("spotguard: skipping %s: %s", info.name, "; ".join(problems))
-        if self.bucket is not None:
-            step_dir = self._restore_from_bucket()
-            if step_dir is not None:
-                return step_dir.name
-        return None
+        if self.bucket is None:
+            return []
+        from spotguard.storage import open_storage  # imports a storage SDK only now, if at all
+        from spotguard.storage.checkpoints import list_remote, read_remote_manifest
+
+        storage = open_storage(self.bucket)
+        try:
+            found = []
+            for info in reversed(list_remote(storage)):
+                if info.status == "complete" and info.manifest is not None:
+                    found.append((info.name, info.manifest))
+                elif not found:  # newer than every complete one: a format this reader cannot read?
+                    refuse_newer_format(read_remote_manifest, storage, info.name)
+            return found
+        finally:
+            storage.close()
+
+    def _fetch(self, name: str, manifest: Manifest) -> bool:
+        """Make ``name`` whole on this disk (the node's leader downloads it); False on every rank if
+        it failed verification (the caller tries the previous one). Collective."""
+        failed = False
+        leader = dist.is_node_leader(self.checkpoint_dir)
+        with dist.settled(f"fetching {name}"):  # anything but a failed verification reaches every rank
+            if leader and verify_dir(self.checkpoint_dir / name, checksums=False):
+                # Not whole on this disk (only in the bucket, another node's, or only this node's share).
+                from spotguard.storage.base import StorageError  # stdlib only
+
+                try:
+                    self._restore_from_bucket(step=manifest.step)
+                except (StorageError, ManifestError, OSError) as exc:
+                    logger.warning("spotguard: %s failed verification (%s); trying the previous checkpoint", name, exc)
+                    failed = True
+        return not dist.agree_any([failed])[0]  # also: nobody loads before the leader has fetched
 
     def _restore_from_bucket(self, step: int | None = None) -> Path | None:
         from spotguard.storage import open_storage  # imports a storage SDK only now, if at all
@@ -468,4 +553,4 @@ class Guard:
         self.close()
 
 
-__all__ = ["Guard", "StateError"]
+__all__ = ["Guard", "ResumeReport", "SpotguardMismatch", "StateError"]

@@ -17,17 +17,23 @@ from __future__ import annotations
 import logging
 import socket
 import warnings
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Collection, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as torch_dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 
 from spotguard.manifest import CheckpointWriter, FileEntry, Manifest, crc32c_of_file, write_part
 from spotguard.trainer import dist
+from spotguard.trainer.contents import flatten
 from spotguard.trainer.state import (
     RNG_KEY,
     Payloads,
@@ -58,6 +64,14 @@ def _parts(state: Mapping[str, Any]) -> tuple[str | None, list[str], list[str]]:
         optimizers = []
     rest = [key for key in state if key != model and key not in optimizers]
     return model, optimizers, rest
+
+
+def describe_dcp_model(state: Mapping[str, Any], described: MutableMapping[str, Any]) -> None:
+    """The model's keys as DCP saves them (no DDP ``module.`` prefix, global shapes), in place of the
+    plain ``state_dict`` ones: a checkpoint of a DDP job then compares equal with one process's model."""
+    model, _, _ = _parts(state)
+    if model is not None:
+        described[model] = {**described[model], "keys": flatten(get_model_state_dict(state[model]))}
 
 
 def _tree(state: Mapping[str, Any], model: str | None, optimizers: list[str]) -> dict[str, Any]:
@@ -121,29 +135,51 @@ def save_sharded(
             world_size=dist.world_size(),
             nodes=len(nodes),
         )
+        if writer.contents is not None and model is not None:
+            writer.contents["entries"][model]["keys"] = flatten(tree[model])
     return rank == leader
 
 
-def load_sharded(step_dir: Path, manifest: Manifest, state: MutableMapping[str, Any]) -> None:
-    """Load a sharded checkpoint into this rank's ``state``, resharding if the world size changed."""
+def load_sharded(
+    step_dir: Path,
+    manifest: Manifest,
+    state: MutableMapping[str, Any],
+    *,
+    skip_entries: Collection[str] = (),
+    skip_keys: Mapping[str, Collection[str]] | None = None,
+) -> None:
+    """Load a sharded checkpoint into this rank's ``state``, resharding if the world size changed.
+
+    ``skip_entries`` are left as they are; ``skip_keys`` (the model's keys that do not fit) are left
+    out and the rest of the model loads non-strictly. Every rank must pass the same ones.
+    """
     rank = dist.rank()
     model, optimizers, rest = _parts(state)
-    if model != manifest.meta.get("model") or optimizers != manifest.meta.get("optimizers"):
+    saved_optimizers = manifest.meta.get("optimizers") or []
+    if model in skip_entries:
+        model, optimizers = None, []
+    optimizers = [key for key in optimizers if key not in skip_entries]
+    rest = [key for key in rest if key not in skip_entries]
+    if model is not None and (model != manifest.meta.get("model") or not set(optimizers) <= set(saved_optimizers)):
         raise StateError(
             f"{step_dir.name} holds model {manifest.meta.get('model')!r} with optimizers "
-            f"{manifest.meta.get('optimizers')}; state has {model!r} with {optimizers}"
+            f"{saved_optimizers}; state has {model!r} with {optimizers}"
         )
     tree = _tree(state, model, optimizers)
-    if tree:
+    if tree and model is not None:
+        left_out = set((skip_keys or {}).get(model, ()))
+        if left_out:
+            tree[model] = {key: value for key, value in tree[model].items() if key not in left_out}
         with warnings.catch_warnings():
             # Loading a sharded checkpoint into one process is a feature here, not an accident.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(tree, storage_reader=dcp.FileSystemReader(step_dir))
         set_state_dict(
-            state[model],  # type: ignore[index]
+            state[model],
             [state[key] for key in optimizers],
-            model_state_dict=tree[model],  # type: ignore[index]
+            model_state_dict=tree[model],
             optim_state_dict=tree.get(OPTIMIZERS_KEY, {}),
+            options=StateDictOptions(strict=not left_out),
         )
     for key in [*rest, RNG_KEY]:
         name = entry_file(key, rank)

@@ -12,7 +12,7 @@ import copy
 import random
 import re
 import warnings
-from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Collection, Iterator, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -199,11 +199,21 @@ def write_payloads(
     return names
 
 
-def read_state(step_dir: Path, manifest: Manifest, state: MutableMapping[str, Any], *, rank: int | None = None) -> None:
+def read_state(
+    step_dir: Path,
+    manifest: Manifest,
+    state: MutableMapping[str, Any],
+    *,
+    rank: int | None = None,
+    skip_entries: Collection[str] = (),
+    skip_keys: Mapping[str, Collection[str]] | None = None,
+) -> None:
     """Load every entry of ``state`` from ``step_dir``, then the RNG states (last, so that nothing
-    done while loading draws from a restored generator)."""
+    done while loading draws from a restored generator). Entries in ``skip_entries`` are left as they
+    are; ``skip_keys`` (entry -> keys) are left out of a module's ``load_state_dict``."""
     loaded: dict[str, Any] = {}
-    for key in [*state.keys(), RNG_KEY]:
+    keys = [key for key in state if key not in skip_entries]
+    for key in [*keys, RNG_KEY]:
         name = entry_file(key, rank)
         if name not in manifest.files:
             raise StateError(
@@ -220,15 +230,20 @@ def read_state(step_dir: Path, manifest: Manifest, state: MutableMapping[str, An
                 f"{step_dir.name}/{name} cannot be loaded with weights_only=True ({exc}); keep state to "
                 "tensors, primitives and objects with state_dict()/load_state_dict()"
             ) from exc
-    for key in state:
-        apply_saved(state, key, loaded[key])
+    for key in keys:
+        apply_saved(state, key, loaded[key], (skip_keys or {}).get(key, ()))
     restore_rng(loaded[RNG_KEY])
 
 
-def apply_saved(state: MutableMapping[str, Any], key: str, saved: Any) -> None:
-    """Put one loaded entry back: through ``load_state_dict``, into a same-shaped tensor in place, or as is."""
+def apply_saved(state: MutableMapping[str, Any], key: str, saved: Any, skip: Collection[str] = ()) -> None:
+    """Put one loaded entry back: through ``load_state_dict``, into a same-shaped tensor in place, or as is.
+
+    With ``skip`` (keys of a module's state_dict that do not fit it) the rest is loaded non-strictly.
+    """
     value = state[key]
-    if hasattr(value, "load_state_dict"):
+    if skip and isinstance(value, torch.nn.Module):
+        value.load_state_dict({k: v for k, v in saved.items() if k not in skip}, strict=False)
+    elif hasattr(value, "load_state_dict"):
         value.load_state_dict(saved)
     elif isinstance(value, torch.Tensor) and isinstance(saved, torch.Tensor) and value.shape == saved.shape:
         with torch.no_grad():

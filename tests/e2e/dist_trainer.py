@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
-from spotguard import Guard
+from spotguard import Guard, SpotguardMismatch
 
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 
@@ -62,6 +62,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--dump-loaded", type=Path, help="after resume, write the loaded state here (rank 0)")
     parser.add_argument("--dump-saved", type=Path, help="at the urgent save, write the saved state here (rank 0)")
+    parser.add_argument("--sgd-on-rank", type=int, help="this rank resumes with SGD instead of AdamW")
+    parser.add_argument("--mismatch-out", type=Path, help="each rank writes the resume mismatch it got here")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -73,7 +75,9 @@ def main() -> None:
     data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
     net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 1))
     model = torch.nn.parallel.DistributedDataParallel(net) if world > 1 else net
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    if args.sgd_on_rank == rank:
+        optimizer = torch.optim.SGD(model.parameters(), lr=3e-3)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.9)
     sampler = StatefulDistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=7)
     loader = StatefulDataLoader(data, batch_size=4, sampler=sampler, generator=torch.Generator().manual_seed(3))
@@ -89,7 +93,14 @@ def main() -> None:
         handle_sigterm=False,
     )
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader}
-    step = guard.resume(state)
+    try:
+        step = guard.resume(state)
+    except SpotguardMismatch as error:
+        if args.mismatch_out is None:
+            raise
+        (args.mismatch_out / f"rank{rank}.txt").write_text(str(error))
+        emit("mismatch", differences=len(error.differences))
+        step = args.steps  # nothing to train into a state that does not fit
     emit("resumed", step=step)
     if args.dump_loaded and rank == 0:
         torch.save(snapshot(model, optimizer), args.dump_loaded)

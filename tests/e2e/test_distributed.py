@@ -143,6 +143,24 @@ def test_checkpoint_saved_by_two_ranks_reshards(world: int, tmp_path: Path) -> N
     assert torch.load(loaded, weights_only=True)["model"]
 
 
+@pytest.mark.slow
+def test_a_mismatch_on_one_rank_raises_the_same_error_on_every_rank(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    launch(2, "--root", str(root), "--steps", "4", "--every-steps", "4")
+    [info] = scan_local(root)
+    contents = load_manifest(root / info.name).contents
+    assert contents is not None and contents["world_size"] == 2
+    assert "0.weight" in contents["entries"]["model"]["keys"]  # as DCP saved it: no DDP "module." prefix
+    out = tmp_path / "mismatch"
+    out.mkdir()
+    # Only rank 1 resumes with another optimizer; rank 0's state matches, yet it must not load either.
+    events = launch(2, "--root", str(root), "--steps", "6", "--sgd-on-rank", "1", "--mismatch-out", str(out))
+    assert events[0] == {"event": "mismatch", "differences": 1}
+    errors = [(out / f"rank{rank}.txt").read_text() for rank in range(2)]
+    assert errors[0] == errors[1]
+    assert "optimizer: class: saved torch.optim.adamw.AdamW, live torch.optim.sgd.SGD" in errors[0]
+
+
 def two_node_job(
     vm_factory: Callable[..., Vm], tmp_path: Path, env: dict[str, str], bucket: str
 ) -> tuple[Vm, Vm, list[str]]:

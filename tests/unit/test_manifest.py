@@ -11,6 +11,7 @@ from spotguard.manifest import (
     CheckpointWriter,
     Manifest,
     ManifestError,
+    ManifestFormatError,
     atomic_file,
     base64_to_hex,
     crc32c_of_bytes,
@@ -135,3 +136,33 @@ def test_prune_local_keeps_newest_and_protected(tmp_path: Path) -> None:
     removed = prune_local(tmp_path, 2, protected=frozenset({"step-000000001"}))
     assert removed == ["step-000000002", "step-000000003"]
     assert [i.step for i in scan_local(tmp_path)] == [1, 4, 5]
+
+
+def test_contents_round_trip_one_line_per_tensor_key_and_old_manifests_still_read(tmp_path: Path) -> None:
+    contents = {"world_size": 1, "entries": {"model": {"kind": "module", "keys": {"w": "float32[2,3]"}}}}
+    writer = CheckpointWriter(tmp_path, 3, reason="urgent", contents=contents)
+    writer.prepare()
+    writer.write_bytes("model.pt", b"x")
+    writer.commit()
+    text = (writer.dir / MANIFEST).read_text()
+    assert any(line.strip() == '"w": "float32[2,3]"' for line in text.splitlines())  # one line per key
+    assert load_manifest(writer.dir).contents == contents
+    document = json.loads(text)
+    del document["contents"]  # as written before contents were recorded
+    (writer.dir / MANIFEST).write_text(json.dumps(document))
+    assert load_manifest(writer.dir).contents is None
+
+
+def test_a_newer_format_names_itself_and_the_format_this_reader_reads(tmp_path: Path) -> None:
+    step_dir = write_checkpoint(tmp_path, 1, {"a.bin": b"a"})
+    document = json.loads((step_dir / MANIFEST).read_text())
+    document["format"] = "spotguard/2"
+    (step_dir / MANIFEST).write_text(json.dumps(document))
+    with pytest.raises(ManifestFormatError, match=r"'spotguard/2' is newer .* reads \('spotguard/1'\)") as caught:
+        load_manifest(step_dir)
+    assert caught.value.found == "spotguard/2"
+    document["format"] = "something/else"
+    (step_dir / MANIFEST).write_text(json.dumps(document))
+    with pytest.raises(ManifestError) as other:
+        load_manifest(step_dir)
+    assert not isinstance(other.value, ManifestFormatError)

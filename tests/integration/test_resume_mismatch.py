@@ -1,0 +1,290 @@
+"""Resuming into a state that does not match the checkpoint, against a real moto bucket.
+
+Every request the trainer makes goes through a recording proxy, so "nothing was fetched" is
+counted, not assumed: the only objects read before the check are manifests.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from spotguard import Guard, SpotguardMismatch
+from spotguard.manifest import MANIFEST, ManifestFormatError, load_manifest
+from spotguard.storage import open_storage
+from spotguard.storage.checkpoints import commit_remote, upload_checkpoint
+from tests.faultproxy import FaultProxy
+from tests.servers import FAKE_AWS_ENV, S3Server, moto_s3
+
+STEP = 7
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[S3Server]:
+    with moto_s3() as srv:
+        yield srv
+
+
+@pytest.fixture
+def proxy(server: S3Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[FaultProxy]:
+    for key, value in FAKE_AWS_ENV.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    with FaultProxy(server.endpoint_url, fault_rate=0.0) as recorder:
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", recorder.url)
+        yield recorder
+
+
+def make_state(width: int = 16, optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(), torch.nn.Linear(width, 4))
+    opt = optimizer(model.parameters(), lr=0.01)
+    return {"model": model, "optimizer": opt, "epoch": 1}
+
+
+def train_step(state: dict[str, Any]) -> None:
+    state["model"](torch.randn(5, 8)).sum().backward()
+    state["optimizer"].step()
+
+
+@pytest.fixture
+def saved(tmp_path: Path, proxy: FaultProxy, server: S3Server) -> str:
+    """A checkpoint of an 8-16-4 MLP with AdamW, only in the bucket; returns the bucket URL."""
+    url = f"s3://{server.bucket}/run-{uuid.uuid4().hex[:8]}"
+    state = make_state()
+    train_step(state)
+    with Guard(checkpoint_dir=tmp_path / "first-vm", socket=tmp_path / "none.sock", handle_sigterm=False) as guard:
+        step_dir = guard.save(state, STEP, reason="urgent")
+    storage = open_storage(url)
+    try:
+        upload_checkpoint(storage, step_dir)
+    finally:
+        storage.close()
+    return url
+
+
+def data_reads(proxy: FaultProxy) -> list[str]:
+    """Object reads other than manifests (a listing is a GET of the bucket with a query, no key)."""
+    return [
+        target
+        for method, target in proxy.seen
+        if method in ("GET", "HEAD") and "/step-" in target and not target.split("?")[0].endswith(MANIFEST)
+    ]
+
+
+def snapshot(state: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "model": {k: v.clone() for k, v in state["model"].state_dict().items()},
+        "optimizer": repr(state["optimizer"].state_dict()),
+        "epoch": state["epoch"],
+    }
+
+
+def assert_unchanged(state: dict[str, Any], before: dict[str, Any]) -> None:
+    after = snapshot(state)
+    assert after["model"].keys() == before["model"].keys()
+    for key, tensor in before["model"].items():
+        assert torch.equal(after["model"][key], tensor), key
+    assert after["optimizer"] == before["optimizer"]
+    assert after["epoch"] == before["epoch"]
+
+
+def fresh_guard(tmp_path: Path, url: str) -> Guard:
+    return Guard(checkpoint_dir=tmp_path / "new-vm", bucket=url, socket=tmp_path / "none.sock", handle_sigterm=False)
+
+
+def resume_mismatched(tmp_path: Path, url: str, proxy: FaultProxy, state: dict[str, Any]) -> SpotguardMismatch:
+    before = snapshot(state)
+    proxy.seen.clear()
+    with fresh_guard(tmp_path, url) as guard, pytest.raises(SpotguardMismatch) as caught:
+        guard.resume(state)
+    assert data_reads(proxy) == []  # the manifest was read; not one byte of data
+    assert any(target.split("?")[0].endswith(MANIFEST) for _, target in proxy.seen)
+    assert not list((tmp_path / "new-vm").glob("step-*"))  # nothing downloaded either
+    assert_unchanged(state, before)
+    assert guard.last_resume_report is None
+    return caught.value
+
+
+def test_a_wider_layer_is_refused_before_any_data_is_fetched(tmp_path: Path, saved: str, proxy: FaultProxy) -> None:
+    error = resume_mismatched(tmp_path, saved, proxy, make_state(width=32))
+    found = {(d.entry, d.key): (d.saved, d.live) for d in error.differences}
+    assert found[("model", "0.weight")] == ("float32[16,8]", "float32[32,8]")
+    assert found[("model", "2.weight")] == ("float32[4,16]", "float32[4,32]")
+    assert found[("optimizer", "param.0")] == ("float32[16,8]", "float32[32,8]")
+    assert ("model", "2.bias") not in found  # still 4 wide
+    assert "model: 0.weight: saved float32[16,8], live float32[32,8]" in str(error)
+    assert "nothing was loaded" in str(error)
+
+
+def test_another_optimizer_is_refused(tmp_path: Path, saved: str, proxy: FaultProxy) -> None:
+    error = resume_mismatched(tmp_path, saved, proxy, make_state(optimizer=torch.optim.SGD))
+    assert [(d.entry, d.key, d.saved, d.live) for d in error.differences] == [
+        ("optimizer", "class", "torch.optim.adamw.AdamW", "torch.optim.sgd.SGD")
+    ]
+
+
+def test_a_dtype_change_is_refused_not_cast(tmp_path: Path, saved: str, proxy: FaultProxy) -> None:
+    state = make_state()
+    state["model"].to(torch.float64)
+    error = resume_mismatched(tmp_path, saved, proxy, state)
+    found = {(d.entry, d.key): (d.saved, d.live) for d in error.differences}
+    assert found[("model", "0.bias")] == ("float32[16]", "float64[16]")
+    assert len(error.differences) == 8  # 4 model tensors, and the 4 parameters the optimizer steps
+
+
+def test_the_error_lists_ten_differences_and_counts_the_rest(tmp_path: Path, saved: str, proxy: FaultProxy) -> None:
+    state = make_state()
+    state["model"] = torch.nn.Sequential(*(torch.nn.Linear(2, 2) for _ in range(8)))  # 16 unknown keys
+    state["optimizer"] = torch.optim.AdamW(state["model"].parameters())
+    with fresh_guard(tmp_path, saved) as guard, pytest.raises(SpotguardMismatch) as caught:
+        guard.resume(state)
+    message = str(caught.value)
+    listed = [line for line in message.splitlines() if line.startswith("  ") and "... and" not in line]
+    assert len(listed) == 10
+    assert f"... and {len(caught.value.differences) - 10} more" in message
+
+
+def test_strict_false_loads_what_matches_and_reports_the_rest(tmp_path: Path, saved: str, proxy: FaultProxy) -> None:
+    original = make_state()
+    train_step(original)  # the state the checkpoint holds (same seed, same data draw)
+    state = make_state(width=32, optimizer=torch.optim.SGD)
+    state["epoch"] = 0
+    wide_weight = state["model"][0].weight.clone()
+    with fresh_guard(tmp_path, saved) as guard:
+        assert guard.resume(state, strict=False) == STEP
+        report = guard.last_resume_report
+    assert report is not None and report.checked and not report.complete
+    assert report.skipped_entries == ["optimizer"]  # another class: left as it was
+    assert sorted(report.skipped_keys["model"]) == ["0.bias", "0.weight", "2.weight"]
+    assert torch.equal(state["model"][2].bias, original["model"][2].bias)  # loaded: it fits
+    assert torch.equal(state["model"][0].weight, wide_weight)  # not loaded: it does not
+    assert state["optimizer"].state_dict()["state"] == {}
+    assert state["epoch"] == 1
+
+
+def test_a_matching_state_resumes_with_a_clean_report(tmp_path: Path, saved: str, proxy: FaultProxy) -> None:
+    state = make_state()
+    proxy.seen.clear()
+    with fresh_guard(tmp_path, saved) as guard:
+        assert guard.resume(state) == STEP
+        report = guard.last_resume_report
+    assert report is not None and report.checked and report.complete
+    assert len(data_reads(proxy)) >= 4  # the counter sees data reads: model, optimizer, epoch, RNG
+    assert len(state["optimizer"].state_dict()["state"]) == 4
+
+
+def test_a_checkpoint_without_recorded_contents_still_loads(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    state = make_state()
+    train_step(state)
+    with Guard(checkpoint_dir=root, socket=tmp_path / "none.sock", handle_sigterm=False) as guard:
+        step_dir = guard.save(state, STEP, reason="urgent")
+    # As spotguard wrote it before contents were recorded.
+    document = json.loads((step_dir / MANIFEST).read_bytes())
+    assert "contents" in document
+    del document["contents"]
+    (step_dir / MANIFEST).write_text(json.dumps(document))
+    assert load_manifest(step_dir).contents is None
+    fresh = make_state()
+    with Guard(checkpoint_dir=root, socket=tmp_path / "none.sock", handle_sigterm=False) as guard:
+        assert guard.resume(fresh) == STEP
+        report = guard.last_resume_report
+    assert report is not None and not report.checked and report.complete
+    assert torch.equal(fresh["model"][0].weight, state["model"][0].weight)
+
+
+def rewrite_format(step_dir: Path, fmt: str) -> None:
+    document = json.loads((step_dir / MANIFEST).read_bytes())
+    document["format"] = fmt
+    (step_dir / MANIFEST).write_text(json.dumps(document))
+
+
+def test_a_newer_format_is_a_clear_error_locally_and_in_the_bucket(
+    tmp_path: Path, proxy: FaultProxy, server: S3Server
+) -> None:
+    root = tmp_path / "ckpt"
+    state = make_state()
+    with Guard(checkpoint_dir=root, socket=tmp_path / "none.sock", handle_sigterm=False) as guard:
+        guard.save(state, 1, reason="urgent")
+        newest = guard.save(state, 2, reason="urgent")
+    url = f"s3://{server.bucket}/run-{uuid.uuid4().hex[:8]}"
+    storage = open_storage(url)
+    try:
+        upload_checkpoint(storage, newest)
+        rewrite_format(newest, "spotguard/2")
+        commit_remote(storage, newest)  # the manifest again, now of the newer format
+    finally:
+        storage.close()
+    for where in (root, tmp_path / "new-vm"):
+        with (
+            Guard(checkpoint_dir=where, bucket=url, socket=tmp_path / "none.sock", handle_sigterm=False) as guard,
+            pytest.raises(ManifestFormatError, match=r"'spotguard/2' is newer than this spotguard .*'spotguard/1'"),
+        ):
+            guard.resume(make_state())
+
+
+def spotguard_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "spotguard", *args], capture_output=True, text=True, check=False, timeout=120
+    )
+
+
+def test_verify_and_list_json_show_the_recorded_contents(tmp_path: Path, saved: str) -> None:
+    root = tmp_path / "ckpt"
+    with Guard(checkpoint_dir=root, socket=tmp_path / "none.sock", handle_sigterm=False) as guard:
+        guard.save(make_state(), STEP, reason="urgent")
+    listed = spotguard_cli("list", str(root), "--json")
+    assert listed.returncode == 0, listed.stderr
+    [entry] = json.loads(listed.stdout)
+    assert {"name", "step", "bytes", "created", "status"} <= entry.keys()
+    contents = entry["contents"]
+    assert contents["versions"]["torch"] == torch.__version__
+    assert contents["versions"]["format"] == "spotguard/1"
+    assert contents["world_size"] == 1
+    assert contents["entries"]["model"]["keys"]["0.weight"] == "float32[16,8]"
+    assert contents["entries"]["optimizer"]["class"] == "torch.optim.adamw.AdamW"
+    assert contents["entries"]["optimizer"]["groups"] == [4]
+    assert contents["entries"]["epoch"] == {"kind": "value", "class": "int"}
+    for location in (str(root), saved):
+        verified = spotguard_cli("verify", location, "--json")
+        assert verified.returncode == 0, verified.stderr
+        [result] = json.loads(verified.stdout)
+        assert result["status"] == "ok" and result["problems"] == []
+        assert result["contents"]["entries"]["model"]["keys"]["2.bias"] == "float32[4]"
+
+
+def test_integration_resume_path_checks_the_model_before_fetching(
+    tmp_path: Path, proxy: FaultProxy, server: S3Server
+) -> None:
+    from spotguard.integrations._common import commit_external, find_resumable
+
+    root = tmp_path / "first-vm"
+    model = make_state()["model"]
+    with Guard(checkpoint_dir=root, socket=tmp_path / "none.sock", handle_sigterm=False) as guard:
+        meta = {"framework": "lightning", "resume": "lightning.ckpt"}
+        with commit_external(guard, 3, meta, {"model": model}) as step_dir:
+            torch.save(model.state_dict(), step_dir / "lightning.ckpt")
+    assert find_resumable(root, None, "lightning", live={"model": model}) == step_dir / "lightning.ckpt"
+    url = f"s3://{server.bucket}/run-{uuid.uuid4().hex[:8]}"
+    storage = open_storage(url)
+    try:
+        upload_checkpoint(storage, step_dir)
+    finally:
+        storage.close()
+    wider = make_state(width=32)["model"]
+    proxy.seen.clear()
+    with pytest.raises(SpotguardMismatch, match=r"model: 0\.weight: saved float32\[16,8\], live float32\[32,8\]"):
+        find_resumable(tmp_path / "new-vm", url, "lightning", live={"model": wider})
+    assert data_reads(proxy) == []
+    assert not (tmp_path / "new-vm").exists() or not list((tmp_path / "new-vm").glob("step-*"))
+    found = find_resumable(tmp_path / "new-vm", url, "lightning", live={"model": model})
+    assert found == tmp_path / "new-vm" / step_dir.name / "lightning.ckpt"
