@@ -11,12 +11,14 @@ from spotguard.manifest import (
     CheckpointWriter,
     Manifest,
     ManifestError,
+    SymlinkRefused,
     atomic_file,
     base64_to_hex,
     crc32c_of_bytes,
     crc32c_of_file,
     hex_to_base64,
     load_manifest,
+    load_manifest_or_none,
     prune_local,
     remove_incomplete,
     scan_local,
@@ -135,3 +137,19 @@ def test_prune_local_keeps_newest_and_protected(tmp_path: Path) -> None:
     removed = prune_local(tmp_path, 2, protected=frozenset({"step-000000001"}))
     assert removed == ["step-000000002", "step-000000003"]
     assert [i.step for i in scan_local(tmp_path)] == [1, 4, 5]
+
+
+def test_a_symlinked_file_or_manifest_makes_a_checkpoint_incomplete(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"same bytes")
+    step_dir = write_checkpoint(tmp_path / "root", 1, {"a.bin": b"same bytes"})
+    (step_dir / "a.bin").unlink()
+    (step_dir / "a.bin").symlink_to(outside)
+    assert verify_dir(step_dir) == [f"{step_dir.name}/a.bin: not a regular file inside the checkpoint (a symlink?)"]
+    with pytest.raises(SymlinkRefused):
+        crc32c_of_file(step_dir / "a.bin")
+    real_manifest = step_dir / MANIFEST
+    (tmp_path / "m.json").write_bytes(real_manifest.read_bytes())
+    real_manifest.unlink()
+    real_manifest.symlink_to(tmp_path / "m.json")
+    assert load_manifest_or_none(step_dir) is None
