@@ -86,6 +86,11 @@ def parse_step_dir(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def read_nofollow(path: Path) -> bytes:
+    with open(open_nofollow(path), "rb") as handle:
+        return handle.read()
+
+
 def crc32c_hex(value: int) -> str:
     return f"{value:08x}"
 
@@ -408,7 +413,7 @@ def load_part(step_dir: Path) -> dict[str, FileEntry] | None:
     """This node's committed share of a multi-node checkpoint, if its marker is valid and its files present."""
     for marker in step_dir.glob(f"{PART_PREFIX}*.json"):
         try:
-            document = json.loads(marker.read_bytes())
+            document = json.loads(read_nofollow(marker))
             files = {
                 check_relpath(name): FileEntry(size=_int(entry["size"]), crc32c=_crc(entry["crc32c"]))
                 for name, entry in document["files"].items()
@@ -425,8 +430,7 @@ def load_part(step_dir: Path) -> dict[str, FileEntry] | None:
 
 def load_manifest(step_dir: Path) -> Manifest:
     try:
-        with open(open_nofollow(step_dir / MANIFEST), "rb") as handle:
-            data = handle.read()
+        data = read_nofollow(step_dir / MANIFEST)
     except FileNotFoundError:
         raise ManifestError(f"{step_dir.name}: no {MANIFEST} (never committed)") from None
     manifest = Manifest.from_json(data)

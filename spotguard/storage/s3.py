@@ -48,7 +48,7 @@ import botocore.exceptions
 import google_crc32c
 from botocore.config import Config
 
-from spotguard.manifest import crc32c_combine, open_nofollow
+from spotguard.manifest import crc32c_combine, open_nofollow, read_nofollow
 from spotguard.manifest import crc32c_hex_to_int as _hex_to_int
 from spotguard.manifest import crc32c_int_to_base64 as _int_to_b64
 from spotguard.storage.base import (
@@ -346,8 +346,7 @@ class S3Storage:
     def _put_single(self, local: Path, full: str, expected: int) -> None:
         # The budget first: bytes are read only once they can be sent.
         with self._streams:
-            with open(open_nofollow(local), "rb") as handle:
-                data = handle.read()
+            data = read_nofollow(local)
             actual = _crc_of(data)
             if actual != expected:
                 raise StorageError(f"s3: {local}: local CRC32C {actual:08x} != expected {expected:08x}; not uploaded")
