@@ -354,3 +354,12 @@ def test_gcs_put_file_refuses_a_symlink_and_uploads_nothing(url: str, tmp_path: 
     with pytest.raises(SymlinkRefused):
         storage.put_file(tmp_path / "link", "step-1/link", crc32c=crc)
     assert all_names(storage) == []
+
+
+def test_gcs_part_plan_caps_parts_of_a_very_large_file() -> None:
+    storage = GcsStorage("gs://b/p")
+    size = 100 * 1024 * MiB + 3
+    plan = storage._part_plan(size)
+    assert max(length for _, _, length in plan) == 1024 * MiB  # not size/32 = 3.2 GiB
+    assert sum(length for _, _, length in plan) == size and len(plan) == 101
+    assert storage._part_plan(2 * 1024 * MiB)[0][2] == 64 * MiB  # under the cap: still 32 parts
