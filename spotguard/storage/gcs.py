@@ -13,7 +13,10 @@ uploaded as up to 32 parts in parallel, each a temporary object under
 ``<prefix>.spotguard-parts/<upload id>/`` with its own CRC32C, then joined by
 one ``compose`` call (which GCS and the emulator both implement; GCS computes
 the composite's CRC32C, so it is still checked against the manifest), and the
-parts deleted. Parts left by a killed process are removed by
+parts deleted. Parts are at most ``max_part_size``; a file that needs more than
+32 is composed in rounds. A part is streamed from the file once a stream of the
+budget is free (its CRC32C in one pass, the upload in a second), so memory
+stays at a few chunks per stream whatever the file's size. Parts left by a killed process are removed by
 ``abort_stale_multipart_uploads()`` and are never listed by ``list()``.
 Smaller files go up in one resumable (or, up to 8 MiB, multipart) upload;
 across files, callers parallelise.
