@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import json
 import os
 import re
 import shutil
+import stat
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -67,6 +69,24 @@ class CheckpointExists(FileExistsError):
     """The step directory already holds a complete checkpoint; checkpoints are never overwritten."""
 
 
+class SymlinkRefused(OSError):
+    """A file in a checkpoint is a symbolic link: the daemon reads step directories that a trainer
+    writes, and must not be led by one to read (and upload) a file the trainer could not."""
+
+
+def open_nofollow(path: Path) -> int:
+    """A read-only descriptor for ``path``, refusing a symlink as its last component (race-free:
+    ``O_NOFOLLOW`` is checked by the same call that opens)."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise SymlinkRefused(
+                errno.ELOOP, "a symlink in a checkpoint directory; refusing to read it", str(path)
+            ) from None
+        raise
+
+
 # --- names and checksums --------------------------------------------------------------------
 
 
@@ -81,13 +101,18 @@ def parse_step_dir(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def read_nofollow(path: Path) -> bytes:
+    with open(open_nofollow(path), "rb") as handle:
+        return handle.read()
+
+
 def crc32c_hex(value: int) -> str:
     return f"{value:08x}"
 
 
 def crc32c_of_file(path: Path) -> str:
     checksum = google_crc32c.Checksum()
-    with path.open("rb") as handle:
+    with open(open_nofollow(path), "rb") as handle:
         while chunk := handle.read(_CHUNK):
             checksum.update(chunk)
     return checksum.digest().hex()
@@ -424,7 +449,7 @@ def load_part(step_dir: Path) -> dict[str, FileEntry] | None:
     """This node's committed share of a multi-node checkpoint, if its marker is valid and its files present."""
     for marker in step_dir.glob(f"{PART_PREFIX}*.json"):
         try:
-            document = json.loads(marker.read_bytes())
+            document = json.loads(read_nofollow(marker))
             files = {
                 check_relpath(name): FileEntry(size=_int(entry["size"]), crc32c=_crc(entry["crc32c"]))
                 for name, entry in document["files"].items()
@@ -441,7 +466,7 @@ def load_part(step_dir: Path) -> dict[str, FileEntry] | None:
 
 def load_manifest(step_dir: Path) -> Manifest:
     try:
-        data = (step_dir / MANIFEST).read_bytes()
+        data = read_nofollow(step_dir / MANIFEST)
     except FileNotFoundError:
         raise ManifestError(f"{step_dir.name}: no {MANIFEST} (never committed)") from None
     manifest = Manifest.from_json(data)
@@ -467,10 +492,14 @@ def verify_dir(step_dir: Path, *, checksums: bool = True) -> list[str]:
     for name, entry in sorted(manifest.files.items()):
         path = step_dir / name
         try:
-            size = path.stat().st_size
+            info = path.lstat()
         except OSError:
             problems.append(f"{step_dir.name}/{name}: missing")
             continue
+        if not stat.S_ISREG(info.st_mode) or not path.resolve().is_relative_to(step_dir.resolve()):
+            problems.append(f"{step_dir.name}/{name}: not a regular file inside the checkpoint (a symlink?)")
+            continue
+        size = info.st_size
         if size != entry.size:
             problems.append(f"{step_dir.name}/{name}: size {size}, manifest says {entry.size}")
         elif checksums and (actual := crc32c_of_file(path)) != entry.crc32c:

@@ -13,6 +13,7 @@ import itertools
 import logging
 import os
 import socket
+import stat
 import struct
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -109,8 +110,14 @@ class SocketServer:
         logger.info("listening on %s", self.path)
 
     def _remove_stale_socket(self) -> None:
-        if not self.path.exists():
+        try:
+            mode = self.path.lstat().st_mode
+        except FileNotFoundError:
             return
+        if not stat.S_ISSOCK(mode):
+            # Never unlink what we did not make: a symlink here could point anywhere.
+            kind = "a symlink" if stat.S_ISLNK(mode) else "not a socket"
+            raise RuntimeError(f"{self.path} exists and is {kind}; refusing to replace it (remove it by hand)")
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             probe.connect(os.fspath(self.path))

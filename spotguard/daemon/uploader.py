@@ -28,6 +28,7 @@ from spotguard.daemon.events import CommittedListener, UploadFailureListener
 from spotguard.manifest import (
     FileEntry,
     Manifest,
+    SymlinkRefused,
     load_manifest_or_none,
     load_part,
     parse_step_dir,
@@ -275,6 +276,10 @@ class Uploader:
             )
         except UploadCancelled:
             self._queued.setdefault(job.name, _Job(1, job.neg_step, job.name))
+            return
+        except SymlinkRefused as exc:
+            # Retrying cannot help, and the checkpoint is not what its manifest claims.
+            logger.error("not uploading %s: %s", job.name, exc)
             return
         except (StorageError, OSError) as exc:
             self._record_failure(job, exc)

@@ -8,6 +8,7 @@ always use ``/``.
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -95,6 +96,23 @@ class Storage(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+_MAX_PREAD = 1 << 30  # Linux returns at most 0x7ffff000 bytes from one read
+
+
+def read_exactly(fd: int, offset: int, length: int, what: str) -> bytes:
+    """``length`` bytes of ``fd`` at ``offset``, in reads the kernel will serve whole; a file that
+    shrank under us is an error, not a short part."""
+    chunks = []
+    done = 0
+    while done < length:
+        chunk = os.pread(fd, min(length - done, _MAX_PREAD), offset + done)
+        if not chunk:
+            raise StorageError(f"{what}: the file shrank while uploading ({done} of {length} bytes at {offset})")
+        chunks.append(chunk)
+        done += len(chunk)
+    return b"".join(chunks)
 
 
 def retry(

@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import urlparse
 
-from spotguard.manifest import _TMP_MARK, atomic_file, fsync_dir
+from spotguard.manifest import _TMP_MARK, atomic_file, fsync_dir, open_nofollow
 from spotguard.storage.base import ObjectInfo, ObjectNotFound, Progress, Sink, StorageError
 
 _COPY_CHUNK = 8 * 1024 * 1024
@@ -36,7 +36,7 @@ class FileStorage:
     def put_file(self, local: Path, key: str, *, crc32c: str, progress: Progress | None = None) -> None:
         target = self._path(key)
         target.parent.mkdir(parents=True, exist_ok=True)
-        with local.open("rb") as source, atomic_file(target) as out:
+        with open(open_nofollow(local), "rb") as source, atomic_file(target) as out:
             while chunk := source.read(_COPY_CHUNK):
                 out.write(chunk)
                 if progress:

@@ -13,7 +13,10 @@ uploaded as up to 32 parts in parallel, each a temporary object under
 ``<prefix>.spotguard-parts/<upload id>/`` with its own CRC32C, then joined by
 one ``compose`` call (which GCS and the emulator both implement; GCS computes
 the composite's CRC32C, so it is still checked against the manifest), and the
-parts deleted. Parts left by a killed process are removed by
+parts deleted. Parts are at most ``max_part_size``; a file that needs more than
+32 is composed in rounds. A part is streamed from the file once a stream of the
+budget is free (its CRC32C in one pass, the upload in a second), so memory
+stays at a few chunks per stream whatever the file's size. Parts left by a killed process are removed by
 ``abort_stale_multipart_uploads()`` and are never listed by ``list()``.
 Smaller files go up in one resumable (or, up to 8 MiB, multipart) upload;
 across files, callers parallelise.
@@ -35,6 +38,7 @@ import builtins
 import concurrent.futures as cf
 import contextlib
 import datetime as dt
+import io
 import logging
 import os
 import threading
@@ -55,6 +59,7 @@ from google.cloud import storage as gcs
 
 from spotguard.manifest import crc32c_hex_to_int as _hex_to_int
 from spotguard.manifest import crc32c_int_to_base64 as _int_to_b64
+from spotguard.manifest import open_nofollow
 from spotguard.storage.base import (
     ChecksumMismatch,
     ObjectInfo,
@@ -63,6 +68,7 @@ from spotguard.storage.base import (
     Sink,
     StorageError,
     TransientStorageError,
+    read_exactly,
 )
 from spotguard.storage.transfer import fetch_object
 
@@ -104,6 +110,43 @@ def _round_up(n: int, quantum: int) -> int:
     return -(-n // quantum) * quantum
 
 
+class _FileRange(io.RawIOBase):
+    """Bytes ``[offset, offset + length)`` of an open file as a seekable stream of their own, for an
+    SDK that reads an upload body in chunks (and rewinds it to resend one): ``pread``, so parts
+    of one file share its descriptor without sharing a position."""
+
+    def __init__(self, fd: int, offset: int, length: int) -> None:
+        super().__init__()
+        self._fd = fd
+        self._offset = offset
+        self._length = length
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = min(max(base + pos, 0), self._length)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        want = min(len(buffer), self._length - self._pos)
+        if want <= 0:
+            return 0
+        got = os.preadv(self._fd, [memoryview(buffer)[:want]], self._offset + self._pos)
+        if got == 0:
+            raise StorageError(f"gcs: the file shrank while uploading (at {self._offset + self._pos})")
+        self._pos += got
+        return got
+
+
 class GcsStorage:
     """The ``Storage`` backend for ``gs://bucket/prefix``.
 
@@ -121,7 +164,9 @@ class GcsStorage:
             ranged reads in flight for one large file downloaded with ``get_file``.
         parallel_threshold: files at least this big are uploaded as parallel parts + compose,
             and downloaded with parallel ranged reads.
-        part_size: size of those parts (raised so that one file needs at most 32).
+        part_size: size of those parts (raised so that one file needs at most 32, up to
+            ``max_part_size``: a larger file takes more parts, composed in rounds of 32). A part is
+            streamed from the file, never held in memory whole.
         client: a ready ``google.cloud.storage.Client`` (not closed by ``close()``).
         project: the client's project (default: from the environment; a placeholder for the emulator).
         timeout: seconds for each HTTP request (connect and read).
@@ -136,6 +181,7 @@ class GcsStorage:
         max_concurrency: int = 8,
         parallel_threshold: int = 64 * MiB,
         part_size: int = 32 * MiB,
+        max_part_size: int = 1024 * MiB,
         client: Any = None,
         project: str | None = None,
         timeout: float = 60.0,
@@ -153,6 +199,7 @@ class GcsStorage:
         self.max_concurrency = max_concurrency
         self.parallel_threshold = parallel_threshold
         self.part_size = part_size
+        self.max_part_size = max_part_size
         self.timeout = timeout
         self._project = project
         self._owns_client = client is None
@@ -277,42 +324,54 @@ class GcsStorage:
 
     def _put_one(self, local: Path, full: str, expected: int) -> Any:
         blob = self._new_blob(full, expected)
-        try:
-            blob.upload_from_filename(
-                str(local),
-                content_type="application/octet-stream",
-                checksum="crc32c",
-                retry=self.retry,
-                timeout=self.timeout,
-            )
-        except Exception as exc:
-            raise self._wrap(f"upload {full}", exc) from exc
+        with open(open_nofollow(local), "rb") as handle:
+            try:
+                blob.upload_from_file(
+                    handle,
+                    size=os.fstat(handle.fileno()).st_size,
+                    content_type="application/octet-stream",
+                    checksum="crc32c",
+                    retry=self.retry,
+                    timeout=self.timeout,
+                )
+            except Exception as exc:
+                raise self._wrap(f"upload {full}", exc) from exc
         return blob
 
     def _part_plan(self, size: int) -> list[tuple[int, int, int]]:
         part = max(self.part_size, _round_up(-(-size // _MAX_COMPOSE), _CHUNK_QUANTUM))
+        part = min(part, max(self.part_size, self.max_part_size))
         return [(i, off, min(part, size - off)) for i, off in enumerate(range(0, size, part))]
+
+    def _put_part(self, fd: int, name: str, offset: int, length: int) -> Any:
+        """One part, streamed from the file: its CRC32C is computed in a first pass and declared, so GCS
+        refuses the part if the bytes sent in the second differ; neither pass holds more than a chunk."""
+        crc = 0
+        for done in range(0, length, self.chunk_size):
+            chunk = read_exactly(fd, offset + done, min(self.chunk_size, length - done), f"gcs: {name}")
+            crc = int(google_crc32c.extend(crc, chunk))
+        blob = self._new_blob(name, crc)
+        blob.upload_from_file(
+            _FileRange(fd, offset, length),
+            size=length,
+            content_type="application/octet-stream",
+            checksum="crc32c",
+            retry=self.retry,
+            timeout=self.timeout,
+        )
+        return blob
 
     def _put_composed(self, local: Path, full: str, size: int, expected: int, progress: Progress | None) -> Any:
         parts_prefix = f"{self.prefix}{PARTS_DIR}/{uuid.uuid4().hex}/"
         plan = self._part_plan(size)
         uploaded: list[Any] = []
-        fd = os.open(local, os.O_RDONLY)
+        fd = open_nofollow(local)
         try:
 
             def one(index: int, offset: int, length: int) -> Any:
-                data = os.pread(fd, length, offset)
-                if len(data) != length:
-                    raise StorageError(f"gcs: {local} shrank while uploading (part {index})")
-                blob = self._new_blob(f"{parts_prefix}{index:05d}", int(google_crc32c.value(data)))
+                # The budget before the first byte is read: a part waiting for a stream costs nothing.
                 with self._streams:
-                    blob.upload_from_string(
-                        data,
-                        content_type="application/octet-stream",
-                        checksum="crc32c",
-                        retry=self.retry,
-                        timeout=self.timeout,
-                    )
+                    blob = self._put_part(fd, f"{parts_prefix}{index:05d}", offset, length)
                 if progress:
                     progress(length)
                 return blob
@@ -333,6 +392,18 @@ class GcsStorage:
                     )
                     raise
             sources = [f.result() for f in futures]
+            # Over 32 parts (capped part sizes on a very large file): compose in rounds of 32.
+            level = 0
+            while len(sources) > _MAX_COMPOSE:
+                level += 1
+                groups = [sources[i : i + _MAX_COMPOSE] for i in range(0, len(sources), _MAX_COMPOSE)]
+                sources = []
+                for n, group in enumerate(groups):
+                    joined = self.bucket.blob(f"{parts_prefix}join-{level}-{n:05d}")
+                    joined.content_type = "application/octet-stream"
+                    joined.compose(group, retry=self.retry, timeout=self.timeout)
+                    uploaded.append(joined)
+                    sources.append(joined)
             dest = self._new_blob(full, expected)
             dest.content_type = "application/octet-stream"
             dest.compose(sources, retry=self.retry, timeout=self.timeout)

@@ -62,7 +62,7 @@ import google_crc32c
 from botocore.config import Config
 
 from spotguard.config import CHECKSUM_MODES
-from spotguard.manifest import crc32c_combine
+from spotguard.manifest import crc32c_combine, open_nofollow, read_nofollow
 from spotguard.manifest import crc32c_hex_to_int as _hex_to_int
 from spotguard.manifest import crc32c_int_to_base64 as _int_to_b64
 from spotguard.storage.base import (
@@ -73,6 +73,7 @@ from spotguard.storage.base import (
     Sink,
     StorageError,
     TransientStorageError,
+    read_exactly,
     retry,
 )
 from spotguard.storage.transfer import fetch_object
@@ -461,11 +462,12 @@ class S3Storage:
         )
 
     def _put_single(self, local: Path, full: str, expected: int, *, md5: bool) -> None:
-        data = Path(local).read_bytes()
-        actual = _crc_of(data)
-        if actual != expected:
-            raise StorageError(f"s3: {local}: local CRC32C {actual:08x} != expected {expected:08x}; not uploaded")
+        # The budget first: bytes are read only once they can be sent.
         with self._streams:
+            data = read_nofollow(local)
+            actual = _crc_of(data)
+            if actual != expected:
+                raise StorageError(f"s3: {local}: local CRC32C {actual:08x} != expected {expected:08x}; not uploaded")
             self._put_object(full, data, expected, md5=md5)
 
     def _put_object(self, full: str, data: bytes, expected: int, *, md5: bool) -> None:
@@ -521,16 +523,14 @@ class S3Storage:
         *,
         md5: bool,
     ) -> list[tuple[int, str, int, int]]:
-        fd = os.open(local, os.O_RDONLY)
+        fd = open_nofollow(local)
         try:
 
             def one(number: int, offset: int, length: int) -> tuple[int, str, int, int]:
-                # pread: no shared file position between threads.
-                data = os.pread(fd, length, offset)
-                if len(data) != length:
-                    raise StorageError(f"s3: {local} shrank while uploading (part {number})")
-                crc = _crc_of(data)
+                # The budget before the read: only parts about to be sent are in memory.
                 with self._streams:
+                    data = read_exactly(fd, offset, length, f"s3: {local} (part {number})")
+                    crc = _crc_of(data)
                     resp = self._call(
                         f"upload_part {full} #{number}",
                         self.client.upload_part,

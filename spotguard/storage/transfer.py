@@ -83,9 +83,13 @@ def range_size(total: int, streams: int, min_range: int = 16 * MiB, max_range: i
 @dataclass
 class _File:
     item: Download
-    tmp: Path | None
-    fd: int | None
+    ranges: int  # ranges not yet done; the file is finished (or dropped) by whoever ends the last
+    tmp: Path | None = None
+    fd: int | None = None
     crcs: dict[int, tuple[int, int]] = field(default_factory=dict)  # offset -> (crc, length)
+    failed: bool = False
+    problem: str | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 def download_files(
@@ -105,16 +109,22 @@ def download_files(
     one that is missing. A transient failure that outlasts its retries (or ``deadline``, a
     ``time.monotonic()`` value) raises :class:`StorageError`, as does a fatal one; files renamed
     into place before that stay.
+
+    Open files stay within ``streams + 1``, however many files there are: a file is opened when
+    its first range starts and finished (checked, made durable, renamed, closed) when its last one
+    ends, and the pool starts ranges in order, file after file.
     """
     chunk = range_size(sum(item.size for item in items), streams, min_range, max_range)
-    files: list[_File] = []
+    # The long files start first.
+    files = [_File(item, -(-item.size // chunk)) for item in sorted(items, key=lambda i: -i.size)]
+    problems: list[str] = []
     try:
-        for item in sorted(items, key=lambda i: -i.size):  # the long files start first
-            files.append(_open(item))
-        problems: list[str] = []
-        lock = threading.Lock()
 
         def fetch(entry: _File, offset: int, length: int) -> None:
+            with entry.lock:
+                if entry.fd is None and entry.tmp is None and not entry.failed:
+                    _open(entry)
+
             def attempt() -> RangeSink:
                 sink = RangeSink(entry.fd, offset, length)
                 storage.read_range(entry.item.key, offset, length, sink)
@@ -122,17 +132,29 @@ def download_files(
                     raise TransientStorageError(f"{entry.item.key}: got {sink.count} of {length} bytes at {offset}")
                 return sink
 
-            sink = retry(
-                attempt,
-                is_transient=lambda exc: isinstance(exc, TransientStorageError) or storage.is_transient(exc),
-                deadline=deadline,
-                attempts=attempts,
-                what=f"downloading {entry.item.key} bytes {offset}-{offset + length - 1}",
-            )
-            with lock:
+            try:
+                sink = retry(
+                    attempt,
+                    is_transient=lambda exc: isinstance(exc, TransientStorageError) or storage.is_transient(exc),
+                    deadline=deadline,
+                    attempts=attempts,
+                    what=f"downloading {entry.item.key} bytes {offset}-{offset + length - 1}",
+                )
+            except BaseException:
+                entry.failed = True
+                raise
+            finally:
+                with entry.lock:
+                    entry.ranges -= 1
+                    last = entry.ranges == 0
+                if last and entry.failed:
+                    _discard(entry)  # its descriptor goes back to the budget now, not at the end
+            with entry.lock:
                 entry.crcs[offset] = (sink.crc, length)
             if progress:
                 progress(length)
+            if last:
+                entry.problem = _finish(entry)
 
         jobs = [(f, off, min(chunk, f.item.size - off)) for f in files for off in range(0, f.item.size, chunk)]
         with cf.ThreadPoolExecutor(max_workers=max(1, min(streams, len(jobs) or 1)), thread_name_prefix="get") as pool:
@@ -156,12 +178,10 @@ def download_files(
                     f.cancel()
                 raise
         for entry in files:
-            if entry.item.key in missing:
-                continue
-            problem = _finish(entry)
-            if problem:
-                problems.append(problem)
-        return problems
+            if entry.ranges == 0 and entry.item.size == 0:  # nothing to fetch; made once the rest arrived
+                _open(entry)
+                entry.problem = _finish(entry)
+        return problems + [entry.problem for entry in files if entry.problem and entry.item.key not in missing]
     finally:
         for entry in files:
             _discard(entry)
@@ -179,19 +199,15 @@ def fetch_object(storage: Storage, info: ObjectInfo, local: Path, *, streams: in
         raise TransientStorageError(f"{storage.url}: {problems[0]}")
 
 
-def _open(item: Download) -> _File:
+def _open(entry: _File) -> None:
+    item = entry.item
     if item.local is None:
-        return _File(item, None, None)
+        return
     item.local.parent.mkdir(parents=True, exist_ok=True)
     tmp = item.local.with_name(f".{item.local.name}.{uuid.uuid4().hex[:8]}.part")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        os.ftruncate(fd, item.size)  # ranges land in any order
-    except BaseException:
-        os.close(fd)
-        tmp.unlink(missing_ok=True)
-        raise
-    return _File(item, tmp, fd)
+    entry.tmp, entry.fd = tmp, fd
+    os.ftruncate(fd, item.size)  # ranges land in any order; on failure _discard removes the file
 
 
 def _finish(entry: _File) -> str | None:

@@ -3,6 +3,10 @@
 The training loop never waits on this thread: messages from the daemon only
 set flags (through ``on_message``), and messages to it are queued and sent
 whenever a connection is up, so a daemon restart goes unnoticed by the loop.
+The queue is bounded: with no daemon for days, a trainer that saves often must
+not grow it without end. Full, it drops the oldest ``file`` message first (an
+early-upload hint; the checkpoint's ``saved`` covers the same files), else the
+oldest message (the daemon rescans the checkpoint root when it starts anyway).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from spotguard import protocol
 
 logger = logging.getLogger("spotguard.trainer")
 
+_NON_ESSENTIAL = frozenset({"file"})  # hints the daemon can do without; dropped first from a full outbox
+
 
 class DaemonClient:
     def __init__(
@@ -31,13 +37,18 @@ class DaemonClient:
         *,
         retry_min: float = 0.05,
         retry_max: float = 1.0,
+        max_outbox: int = 1000,
     ) -> None:
+        if max_outbox < 1:
+            raise ValueError("max_outbox must be at least 1")
         self.socket_path = socket_path
         self._hello = hello
         self._on_message = on_message
         self._retry_min = retry_min
         self._retry_max = retry_max
-        self._outbox: deque[bytes] = deque()
+        self._outbox: deque[tuple[str, bytes]] = deque()
+        self._max_outbox = max_outbox
+        self.dropped = 0  # messages dropped from a full outbox
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._closing = threading.Event()
@@ -53,9 +64,25 @@ class DaemonClient:
 
     def send(self, message_type: str, **fields: Any) -> None:
         """Queue a message; it goes out now if connected, else right after the next reconnect."""
+        line = protocol.encode(message_type, **fields)
         with self._lock:
-            self._outbox.append(protocol.encode(message_type, **fields))
+            if len(self._outbox) >= self._max_outbox:
+                self._drop_one_locked()
+            self._outbox.append((message_type, line))
             self._flush_locked()
+
+    def _drop_one_locked(self) -> None:
+        victim = next((i for i, (kind, _) in enumerate(self._outbox) if kind in _NON_ESSENTIAL), 0)
+        kind, _ = self._outbox[victim]
+        del self._outbox[victim]
+        self.dropped += 1
+        if self.dropped == 1 or self.dropped % 100 == 0:
+            logger.warning(
+                "spotguard daemon unreachable: %d messages queued, dropped the oldest %r (%d dropped so far)",
+                len(self._outbox) + 1,
+                kind,
+                self.dropped,
+            )
 
     def close(self, timeout: float = 2.0) -> None:
         self._closing.set()
@@ -70,7 +97,7 @@ class DaemonClient:
     def _flush_locked(self) -> None:
         while self._sock is not None and self._outbox:
             try:
-                self._sock.sendall(self._outbox[0])
+                self._sock.sendall(self._outbox[0][1])
             except OSError:
                 return  # the reader notices the broken connection and reconnects
             self._outbox.popleft()
@@ -87,15 +114,23 @@ class DaemonClient:
                 delay = min(delay * 2, self._retry_max)
                 continue
             delay = self._retry_min
+            broken = False
             try:
                 self._serve(sock)
             except OSError as exc:
                 logger.debug("spotguard daemon connection lost: %s", exc)
+            except Exception:
+                # A bug must not end the connection for good: the notice of the next
+                # termination would never arrive.
+                logger.exception("spotguard daemon connection: unexpected error; reconnecting")
+                broken = True
             finally:
                 with self._lock:
                     self._sock = None
                 self.connected.clear()
                 sock.close()
+            if broken:
+                self._closing.wait(self._retry_max)  # so a bug that repeats does not spin
 
     def _serve(self, sock: socket.socket) -> None:
         sock.sendall(protocol.encode("hello", **self._hello))
@@ -129,4 +164,7 @@ class DaemonClient:
             self.welcomed.set()
         elif message["type"] == "error":
             logger.warning("spotguard daemon: %s: %s", message["code"], message["message"])
-        self._on_message(message)
+        try:
+            self._on_message(message)
+        except Exception:  # one message the hook cannot handle must not cost the ones after it
+            logger.exception("spotguard: handling a %r message from the daemon failed", message["type"])

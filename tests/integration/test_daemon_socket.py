@@ -9,9 +9,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+
 from spotguard import protocol
 from spotguard.control import request
-from spotguard.demo import Vm
+from spotguard.demo import Vm, wait_for
+from tests.checkpoints import write_checkpoint
 
 
 def exchange(path: Path, payload: bytes, timeout: float = 5.0) -> list[dict]:
@@ -114,3 +117,37 @@ def test_peers_with_other_uids_are_refused(vm_factory: Callable[..., Vm]) -> Non
 
 def test_socket_file_mode_is_0660(vm: Vm) -> None:
     assert vm.socket.stat().st_mode & 0o777 == 0o660
+
+
+def test_a_symlink_at_the_socket_path_is_refused_and_not_unlinked(
+    vm_factory: Callable[..., Vm], tmp_path: Path
+) -> None:
+    precious = tmp_path / "precious"
+    precious.write_text("not the daemon's to delete")
+    vm = vm_factory("linked", start=False)
+    vm.dir.mkdir(parents=True)
+    vm.socket.symlink_to(precious)
+    with pytest.raises(RuntimeError, match="exited with 1"):
+        vm.start_daemon()
+    assert vm.socket.is_symlink() and precious.read_text() == "not the daemon's to delete"
+    assert "is a symlink; refusing to replace it" in vm.log.read_text()
+
+
+def test_a_symlinked_file_in_a_step_directory_is_not_uploaded(vm: Vm, bucket: str, tmp_path: Path) -> None:
+    # What a trainer could do to a daemon that reads as root: commit a checkpoint, then swap one of
+    # its files for a link to a file of the same bytes that only the daemon may read.
+    secret = tmp_path / "shadow"
+    secret.write_bytes(b"root:$6$not-for-the-bucket")
+    step_dir = write_checkpoint(vm.root, 3, {"model.pt": secret.read_bytes(), "extra.pt": b"x" * 100})
+    (step_dir / "model.pt").unlink()
+    (step_dir / "model.pt").symlink_to(secret)
+    [reply] = exchange(vm.socket, protocol.encode("saved", path=str(step_dir), step=3, reason="urgent"))
+    assert reply["type"] == "ok"
+    wait_for(
+        lambda: "not uploading step-000000003" in vm.log.read_text() and "symlink" in vm.log.read_text(),
+        20,
+        "the daemon to refuse the symlinked checkpoint",
+    )
+    remote = Path(bucket.removeprefix("file://")) / step_dir.name
+    assert not (remote / "model.pt").exists() and not (remote / "manifest.json").exists()
+    assert_alive(vm)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import base64
 import os
 import random
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -15,6 +17,7 @@ import google_crc32c
 import pytest
 import requests
 
+from spotguard.manifest import SymlinkRefused
 from spotguard.storage.base import ChecksumMismatch, ObjectNotFound, Storage, StorageError, TransientStorageError
 from spotguard.storage.gcs import PARTS_DIR, GcsStorage, gcs_crc_to_hex
 from tests.faultproxy import FaultProxy
@@ -305,3 +308,84 @@ def test_gcs_each_real_injected_fault_surfaces_as_transient(
         with pytest.raises(TransientStorageError):
             storage.put_file(tmp_path / "f", "f", crc32c=crc)
         assert proxy.injected[fault] >= 2  # retried while the deadline allowed
+
+
+def test_gcs_parts_over_the_cap_are_composed_in_rounds_of_32(url: str, tmp_path: Path) -> None:
+    # 40 parts of 256 KiB (the cap): more than one compose call takes, so they are joined in rounds.
+    data, crc = write(tmp_path / "big", 40 * 256 * 1024 - 7, seed=12)
+    storage = GcsStorage(
+        url, parallel_threshold=1 * MiB, part_size=256 * 1024, max_part_size=256 * 1024, max_concurrency=4
+    )
+    assert len(storage._part_plan(len(data))) == 40
+    storage.put_file(tmp_path / "big", "step-1/big", crc32c=crc)
+    info = storage.stat("step-1/big")
+    assert info is not None and (info.size, info.crc32c) == (len(data), crc)
+    assert all_names(storage) == ["step-1/big"]  # parts and intermediate joins deleted
+    assert storage.read_bytes("step-1/big") == data
+
+
+# Uploads a file in a process of its own and prints that process's peak RSS in KiB: VmHWM, the high
+# water mark of its own memory since exec. (Not ru_maxrss: Linux carries the parent's peak across
+# exec into it, and the parent here holds the emulator's objects.) Default sizes and concurrency;
+# long timeouts only because the emulator serves one request at a time and composes by repeated
+# concatenation (minutes for 2 GiB on a busy machine).
+_UPLOAD_AND_REPORT_RSS = """
+import re, sys
+from pathlib import Path
+from spotguard.storage.gcs import GcsStorage
+url, path, crc = sys.argv[1:4]
+GcsStorage(url, timeout=600, retry_deadline=900).put_file(Path(path), "step-1/huge", crc32c=crc)
+print(re.search(r"VmHWM:\\s+(\\d+) kB", Path("/proc/self/status").read_text()).group(1))
+"""
+
+
+@pytest.mark.slow
+def test_gcs_upload_of_2gib_keeps_the_uploader_rss_under_600mb(url: str, tmp_path: Path) -> None:
+    size = 2 * 1024 * MiB
+    path = tmp_path / "huge"
+    with path.open("wb") as out:  # sparse: fast to make, and read back as zeros like any other bytes
+        out.truncate(size)
+    crc = _crc_of_zeros(size)
+    result = subprocess.run(
+        [sys.executable, "-c", _UPLOAD_AND_REPORT_RSS, url, str(path), crc],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert result.returncode == 0, result.stderr
+    peak_mb = int(result.stdout.split()[-1]) * 1024 / 1e6
+    print(f"gcs upload of 2 GiB: peak RSS {peak_mb:.0f} MB")
+    assert peak_mb < 600
+    storage = GcsStorage(url)
+    info = storage.stat("step-1/huge")
+    assert info is not None and (info.size, info.crc32c) == (size, crc)
+    storage.delete(["step-1/huge"])  # the emulator keeps objects in this process's memory
+
+
+def _crc_of_zeros(size: int) -> str:
+    block = bytes(8 * MiB)
+    crc = 0
+    for _ in range(size // len(block)):
+        crc = google_crc32c.extend(crc, block)
+    return f"{crc:08x}"
+
+
+@pytest.mark.parametrize("size", [1000, 40 * MiB], ids=["one-request", "composed"])
+def test_gcs_put_file_refuses_a_symlink_and_uploads_nothing(url: str, tmp_path: Path, size: int) -> None:
+    _, crc = write(tmp_path / "target", size, seed=3)
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    storage = GcsStorage(url, parallel_threshold=32 * MiB, part_size=8 * MiB)
+    with pytest.raises(SymlinkRefused):
+        storage.put_file(tmp_path / "link", "step-1/link", crc32c=crc)
+    assert all_names(storage) == []
+
+
+def test_gcs_part_plan_caps_parts_of_a_very_large_file() -> None:
+    storage = GcsStorage("gs://b/p")
+    size = 100 * 1024 * MiB + 3
+    plan = storage._part_plan(size)
+    assert max(length for _, _, length in plan) == 1024 * MiB  # not size/32 = 3.2 GiB
+    assert sum(length for _, _, length in plan) == size and len(plan) == 101
+    assert storage._part_plan(2 * 1024 * MiB)[0][2] == 64 * MiB  # under the cap: still 32 parts

@@ -14,7 +14,7 @@ import botocore.exceptions
 import google_crc32c
 import pytest
 
-from spotguard.manifest import crc32c_combine
+from spotguard.manifest import SymlinkRefused, crc32c_combine
 from spotguard.storage.base import ObjectNotFound, Storage, StorageError, TransientStorageError
 from spotguard.storage.s3 import MiB, S3Storage
 from tests.faultproxy import FaultProxy
@@ -370,3 +370,14 @@ def test_s3_each_real_injected_fault_surfaces_as_transient(env: S3Server, fault:
         with pytest.raises(TransientStorageError):
             storage.put_file(tmp_path / "f", "f", crc32c=crc)
         assert proxy.injected[fault] == 2  # our retry tried again once, then gave up
+
+
+@pytest.mark.parametrize("size", [1000, 12 * MiB], ids=["single", "multipart"])
+def test_s3_put_file_refuses_a_symlink_and_uploads_nothing(url: str, raw: object, tmp_path: Path, size: int) -> None:
+    _, crc = write(tmp_path / "target", size, seed=4)
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    storage = S3Storage(url, part_size=5 * MiB)
+    with pytest.raises(SymlinkRefused):
+        storage.put_file(tmp_path / "link", "step-1/link", crc32c=crc)
+    assert storage.stat("step-1/link") is None
+    assert uploads_under(raw, storage.bucket, storage.prefix) == []

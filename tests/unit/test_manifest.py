@@ -12,12 +12,14 @@ from spotguard.manifest import (
     Manifest,
     ManifestError,
     ManifestFormatError,
+    SymlinkRefused,
     atomic_file,
     base64_to_hex,
     crc32c_of_bytes,
     crc32c_of_file,
     hex_to_base64,
     load_manifest,
+    load_manifest_or_none,
     prune_local,
     remove_incomplete,
     scan_local,
@@ -166,3 +168,19 @@ def test_a_newer_format_names_itself_and_the_format_this_reader_reads(tmp_path: 
     with pytest.raises(ManifestError) as other:
         load_manifest(step_dir)
     assert not isinstance(other.value, ManifestFormatError)
+
+
+def test_a_symlinked_file_or_manifest_makes_a_checkpoint_incomplete(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"same bytes")
+    step_dir = write_checkpoint(tmp_path / "root", 1, {"a.bin": b"same bytes"})
+    (step_dir / "a.bin").unlink()
+    (step_dir / "a.bin").symlink_to(outside)
+    assert verify_dir(step_dir) == [f"{step_dir.name}/a.bin: not a regular file inside the checkpoint (a symlink?)"]
+    with pytest.raises(SymlinkRefused):
+        crc32c_of_file(step_dir / "a.bin")
+    real_manifest = step_dir / MANIFEST
+    (tmp_path / "m.json").write_bytes(real_manifest.read_bytes())
+    real_manifest.unlink()
+    real_manifest.symlink_to(tmp_path / "m.json")
+    assert load_manifest_or_none(step_dir) is None

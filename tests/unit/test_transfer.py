@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -12,6 +16,7 @@ from spotguard.manifest import crc32c_of_bytes
 from spotguard.storage.base import Sink, StorageError, TransientStorageError
 from spotguard.storage.file import FileStorage
 from spotguard.storage.transfer import Download, MiB, download_files, range_size
+from tests.checkpoints import write_checkpoint
 
 
 def put(root: Path, key: str, data: bytes) -> Download:
@@ -172,3 +177,62 @@ def test_a_store_sending_more_than_asked_is_refused(bucket: Path, tmp_path: Path
     item = put(bucket, "k", data)
     with pytest.raises(StorageError, match="more than"):
         download_files(Chatty(bucket.as_uri()), [item], attempts=2)
+
+
+class FdCountingStorage(FileStorage):
+    """Counts, while each range is read, the downloads' temporary files held open by this process."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.most_open = 0
+        self._lock = threading.Lock()
+
+    def read_range(self, key: str, offset: int, length: int, sink: Sink) -> None:
+        held = 0
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):  # a descriptor closed since the listing
+                held += os.readlink(f"/proc/self/fd/{fd}").endswith(".part")
+        with self._lock:
+            self.most_open = max(self.most_open, held)
+        super().read_range(key, offset, length, sink)
+
+
+def test_a_300_file_download_keeps_at_most_one_open_file_per_stream(bucket: Path, tmp_path: Path) -> None:
+    rng = random.Random(8)
+    files = {f"step/shard-{i:03d}": rng.randbytes(rng.randrange(1, 5000)) for i in range(300)}
+    files["step/big"] = rng.randbytes(3 * MiB + 5)  # several ranges of one file in flight at once
+    for key, data in files.items():
+        put(bucket, key, data)
+    storage = FdCountingStorage(bucket.as_uri())
+    problems = download_files(storage, items_to(files, tmp_path / "out"), streams=8, min_range=MiB, max_range=MiB)
+    assert problems == []
+    assert all((tmp_path / "out" / key).read_bytes() == data for key, data in files.items())
+    assert 1 <= storage.most_open <= 8 + 1
+    assert leftovers(tmp_path / "out") == []
+
+
+_RESTORE_UNDER_A_LOW_FD_LIMIT = """
+import resource, sys
+from pathlib import Path
+from spotguard.storage.checkpoints import restore
+from spotguard.storage.file import FileStorage
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+print(restore(FileStorage(sys.argv[1]), Path(sys.argv[2]), streams=16))
+"""
+
+
+def test_a_300_file_restore_succeeds_with_64_file_descriptors(tmp_path: Path) -> None:
+    rng = random.Random(9)
+    files = {f"shard-{i:03d}.distcp": rng.randbytes(rng.randrange(1, 3000)) for i in range(300)}
+    step_dir = write_checkpoint(tmp_path / "bucket", 7, files)
+    result = subprocess.run(
+        [sys.executable, "-c", _RESTORE_UNDER_A_LOW_FD_LIMIT, (tmp_path / "bucket").as_uri(), str(tmp_path / "out")],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == str(tmp_path / "out" / step_dir.name)
+    assert all((tmp_path / "out" / step_dir.name / name).read_bytes() == data for name, data in files.items())

@@ -1,0 +1,97 @@
+"""The hook's daemon connection: bounded while the daemon is away, alive through its own bugs."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from spotguard.control import request
+from spotguard.demo import Vm
+from spotguard.trainer.client import DaemonClient
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+class ServeFailsOnce(DaemonClient):
+    """A client whose first connection hits a bug (not an OSError) in its own code."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.failures = 0
+
+    def _serve(self, sock: socket.socket) -> None:
+        if self.failures == 0:
+            self.failures += 1
+            raise RuntimeError("injected bug in the connection loop")
+        super()._serve(sock)
+
+
+def test_client_thread_survives_an_unexpected_error_and_reconnects(vm: Vm) -> None:
+    seen: list[dict[str, Any]] = []
+
+    def on_message(message: dict[str, Any]) -> None:
+        seen.append(message)
+        if message["type"] == "welcome":
+            raise KeyError("injected bug in the hook's handler")
+
+    hello = {"rank": 0, "world_size": 1, "pid": 1, "checkpoint_dir": str(vm.root)}
+    client = ServeFailsOnce(vm.socket, hello, on_message, retry_max=0.2).start()
+    try:
+        wait_until(client.welcomed.is_set)
+        assert client.failures == 1 and client.connections == 1
+        # The handler raised on the welcome; the connection still delivers what comes next.
+        reply = request(vm.socket, "drill", deadline_s=60.0)
+        assert reply["trainers_told"] == 1
+        wait_until(lambda: any(m["type"] == "checkpoint-now" for m in seen))
+        assert client._thread.is_alive()
+    finally:
+        client.close()
+
+
+def test_outbox_stays_bounded_while_no_daemon_listens_and_keeps_what_matters(tmp_path: Path) -> None:
+    path = tmp_path / "later.sock"
+    hello = {"rank": 0, "world_size": 1, "pid": 1, "checkpoint_dir": str(tmp_path)}
+    client = DaemonClient(path, hello, lambda message: None, max_outbox=10).start()
+    try:
+        for step in range(5):
+            for n in range(40):
+                client.send("file", path=str(tmp_path / f"step-{step}"), name=f"f{n}", size=1, crc32c="00000000")
+            client.send("saved", path=str(tmp_path / f"step-{step}"), step=step, reason="periodic", event_id=None)
+        assert len(client._outbox) == 10
+        assert client.dropped == 5 * 41 - 10
+        # The daemon comes up: what was kept goes out, every "saved" among it, in order.
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+            listener.bind(str(path))
+            listener.listen(1)
+            listener.settimeout(15)
+            conn, _ = listener.accept()
+            with conn:
+                conn.settimeout(15)
+                received = b""
+                while received.count(b"\n") < 11:
+                    chunk = conn.recv(65536)
+                    assert chunk, "the client hung up early"
+                    received += chunk
+        messages = [json.loads(line) for line in received.splitlines()]
+        assert messages[0]["type"] == "hello"
+        assert [m["step"] for m in messages if m["type"] == "saved"] == [0, 1, 2, 3, 4]
+        assert len(messages) == 11
+    finally:
+        client.close()
+
+
+def test_outbox_full_of_essential_messages_drops_the_oldest(tmp_path: Path) -> None:
+    client = DaemonClient(tmp_path / "none.sock", {}, lambda message: None, max_outbox=3)
+    for step in range(5):  # not started: nothing is sent, so the queue is all there is
+        client.send("saved", path=str(tmp_path), step=step, reason="periodic", event_id=None)
+    assert [json.loads(line)["step"] for _, line in client._outbox] == [2, 3, 4]
+    assert client.dropped == 2
