@@ -36,9 +36,11 @@ from spotguard.manifest import (
 from spotguard.notice import utcnow
 from spotguard.storage.base import Storage, StorageError
 from spotguard.storage.checkpoints import (
+    CommitLost,
     UploadCancelled,
     UploadProgress,
     commit_remote,
+    files_difference,
     list_remote,
     prune_remote,
     put_with_retry,
@@ -93,6 +95,8 @@ class Uploader:
         self.forecast_interval = forecast_interval
         self.committed: set[str] = set()  # complete in the bucket
         self.shares_uploaded: set[str] = set()  # multi-node: this node's share is in the bucket
+        # Another writer committed a different checkpoint under the same name: never sent again.
+        self.conflicts: set[str] = set()
         self.other_nodes_timeout = 600.0  # how long node 0 waits for the others' shares (without a notice)
         self.on_committed: list[OnCommitted] = []
         self.on_failure: list[OnFailure] = []
@@ -187,14 +191,22 @@ class Uploader:
         storage = self.storage
         self._early = {name: [t for t in tasks if not t.done()] for name, tasks in self._early.items()}
         self._early = {name: tasks for name, tasks in self._early.items() if tasks}
-        remote = await asyncio.to_thread(list_remote, storage)
-        self.committed = {info.name for info in remote if info.status == "complete"}
+        remote = {
+            info.name: info for info in await asyncio.to_thread(list_remote, storage) if info.status == "complete"
+        }
+        self.committed = set(remote)
         for info in await asyncio.to_thread(scan_local, self.root):
+            theirs = remote[info.name].manifest if info.name in remote else None
+            if info.manifest is not None and theirs is not None and info.name not in self.conflicts:
+                difference = files_difference(info.manifest, theirs)
+                if difference is not None:
+                    self._conflict(info.name, f"{storage.url} holds another writer's checkpoint there ({difference})")
             uploading = self._current is not None and self._current.name == info.name
             committed_here = info.status == "complete" or (
                 info.node_files is not None and info.name not in self.shares_uploaded
             )
-            if committed_here and info.name not in self.committed | set(self._queued) and not uploading:
+            settled = self.committed | self.conflicts | set(self._queued)
+            if committed_here and info.name not in settled and not uploading:
                 self.submit(self.root / info.name, urgent=False)
 
     # --- the loop ----------------------------------------------------------------------------
@@ -267,6 +279,11 @@ class Uploader:
         except UploadCancelled:
             self._queued.setdefault(job.name, _Job(1, job.neg_step, job.name))
             return
+        except CommitLost as exc:
+            self._conflict(job.name, str(exc))
+            self._progress.pop(job.name, None)
+            self._urgent.discard(job.name)
+            return
         except (StorageError, OSError) as exc:
             self._record_failure(job, exc)
             return
@@ -309,6 +326,12 @@ class Uploader:
         if current.cancel.is_set():
             raise UploadCancelled(f"{step_dir.name}: upload cancelled before commit")
         commit_remote(self.storage, step_dir, deadline=deadline)
+
+    def _conflict(self, name: str, why: str) -> None:
+        """Another writer shares the prefix and committed its own checkpoint under ``name``: ours is
+        never sent (nor retried); local retention treats it like an uploaded one."""
+        logger.warning("not committing %s: %s", name, why)
+        self.conflicts.add(name)
 
     def _record_failure(self, job: _Job, exc: BaseException) -> None:
         logger.error("upload of %s failed: %s; retrying in %.0f s", job.name, exc, self.retry_after)
@@ -369,8 +392,9 @@ class Uploader:
         except (StorageError, OSError) as exc:
             logger.warning("bucket retention failed: %s", exc)
         # Locally, never delete what is not yet safe in the bucket.
+        settled = self.committed | self.conflicts
         not_uploaded = frozenset(
-            info.name for info in scan_local(self.root) if info.status == "complete" and info.name not in self.committed
+            info.name for info in scan_local(self.root) if info.status == "complete" and info.name not in settled
         )
         await asyncio.to_thread(prune_local, self.root, self.keep_local, protected=not_uploaded)
 
@@ -466,6 +490,7 @@ class Uploader:
             "committed": sorted(self.committed)[-5:],
             "last_committed": self.last_committed,
             "failures": self.failures[-5:],
+            "conflicts": sorted(self.conflicts)[-5:],
         }
 
 

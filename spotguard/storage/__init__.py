@@ -10,9 +10,24 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import urlparse
 
-from spotguard.storage.base import ObjectInfo, ObjectNotFound, Storage, StorageError, TransientStorageError
+from spotguard.storage.base import (
+    ObjectExists,
+    ObjectInfo,
+    ObjectNotFound,
+    Storage,
+    StorageError,
+    TransientStorageError,
+)
 
-__all__ = ["ObjectInfo", "ObjectNotFound", "Storage", "StorageError", "TransientStorageError", "open_storage"]
+__all__ = [
+    "ObjectExists",
+    "ObjectInfo",
+    "ObjectNotFound",
+    "Storage",
+    "StorageError",
+    "TransientStorageError",
+    "open_storage",
+]
 
 
 def open_storage(url: str, **options: Any) -> Storage:

@@ -52,6 +52,7 @@ from spotguard.manifest import crc32c_combine
 from spotguard.manifest import crc32c_hex_to_int as _hex_to_int
 from spotguard.manifest import crc32c_int_to_base64 as _int_to_b64
 from spotguard.storage.base import (
+    ObjectExists,
     ObjectInfo,
     ObjectNotFound,
     Progress,
@@ -89,6 +90,9 @@ _TRANSIENT_CODES = frozenset(
         "PriorRequestNotComplete",
         "EC2ThrottledException",
         "IDPCommunicationError",
+        # Two conditional writes of one key at once: S3 asks the loser to retry, which then
+        # finds the key written (PreconditionFailed).
+        "ConditionalRequestConflict",
     }
 )
 _FATAL_CODES = frozenset(
@@ -180,7 +184,7 @@ class S3Storage:
 
         storage = S3Storage("s3://my-bucket/run1", part_size=16 * MiB, max_concurrency=16)
         storage.warm()                                  # at daemon start, not at notice time
-        storage.abort_stale_multipart_uploads()
+        storage.abort_stale_multipart_uploads(older_than=dt.timedelta(hours=1))
         storage.put_file(Path("/nvme/ckpt/step-1/__0_0.distcp"), "step-1/__0_0.distcp", crc32c="1a2b3c4d")
 
     Options (all have defaults):
@@ -284,6 +288,8 @@ class S3Storage:
     def _wrap(self, what: str, exc: BaseException) -> StorageError:
         if _is_not_found(exc):
             return ObjectNotFound(f"s3: {what}: not found")
+        if _error_code(exc) == "PreconditionFailed":
+            return ObjectExists(f"s3: {what}: already exists")
         cls = TransientStorageError if self.is_transient(exc) else StorageError
         return cls(f"s3: {what}: {exc}")
 
@@ -360,6 +366,24 @@ class S3Storage:
             ChecksumAlgorithm="CRC32C",
             ChecksumCRC32C=_int_to_b64(expected),
         )
+
+    def put_bytes_if_absent(self, key: str, data: bytes, *, crc32c: str) -> None:
+        """One PUT with ``If-None-Match: *``: S3 writes it only if the key does not exist yet."""
+        full = self._key(key)
+        expected = _hex_to_int(crc32c)
+        if _crc_of(data) != expected:
+            raise StorageError(f"s3: {full}: CRC32C of the bytes given != expected {crc32c}; not uploaded")
+        with self._streams:
+            self._call(
+                f"put_object {full} (if absent)",
+                self.client.put_object,
+                Bucket=self.bucket,
+                Key=full,
+                Body=data,
+                IfNoneMatch="*",
+                ChecksumAlgorithm="CRC32C",
+                ChecksumCRC32C=_int_to_b64(expected),
+            )
 
     def _part_plan(self, size: int) -> list[tuple[int, int, int]]:
         part = self.part_size
@@ -494,8 +518,9 @@ class S3Storage:
     def abort_stale_multipart_uploads(self, older_than: dt.timedelta | None = None) -> int:
         """Abort unfinished multipart uploads under our prefix; returns how many.
 
-        Call at daemon start (nothing of ours is in flight then). ``older_than``
-        spares uploads initiated more recently, for when another writer may be live.
+        Called at daemon start. Pass ``older_than`` whenever another writer may share the prefix
+        (the other nodes of a job, a replacement VM): it spares uploads initiated more recently,
+        which may be in flight. ListMultipartUploads names no writer, so age is what tells.
         """
         cutoff = dt.datetime.now(dt.UTC) - older_than if older_than is not None else None
         aborted = 0
