@@ -79,14 +79,14 @@ def open_uploads(raw: object, bucket: str, prefix: str) -> list[str]:
     return [upload["UploadId"] for upload in resp.get("Uploads", [])]
 
 
-def verify(location: str) -> subprocess.CompletedProcess[str]:
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "spotguard", "verify", location],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=120,
+        [sys.executable, "-m", "spotguard", *args], check=False, capture_output=True, text=True, timeout=120
     )
+
+
+def verify(location: str) -> subprocess.CompletedProcess[str]:
+    return cli("verify", location)
 
 
 def race_commits(storage: S3Storage, dirs: list[Path]) -> list[bool]:
@@ -196,8 +196,11 @@ def test_checkpoint_of_unknown_format_survives_prune_and_new_saves(url: str, tmp
     # In the bucket: a new save and retention well past the grace for leftovers.
     upload_checkpoint(storage, root / "step-000000006")
     later = datetime.now(UTC) + timedelta(days=2)
-    removed = prune_remote(storage, 1, now=later)
-    assert sorted(removed) == ["step-000000001", "step-000000002", "step-000000003"]
+    assert prune_remote(storage, 3, now=later) == ["step-000000001"]  # the daemon's retention
+    pruned = cli("prune", url, "--keep", "1", "--grace", "0")  # by hand, no grace for leftovers
+    assert pruned.returncode == 0, pruned.stdout + pruned.stderr
+    assert pruned.stdout.strip() == "removed: step-000000002, step-000000003"
+    assert "format '99'" in pruned.stderr
     names = {o.key for o in storage.list()}
     for step_dir in (old, new):
         assert {f"{step_dir.name}/w.pt", f"{step_dir.name}/{MANIFEST}"} <= names
