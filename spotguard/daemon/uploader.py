@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from spotguard.manifest import (
+    MANIFEST,
     FileEntry,
     Manifest,
     load_manifest_or_none,
@@ -34,7 +35,7 @@ from spotguard.manifest import (
     verify_dir,
 )
 from spotguard.notice import utcnow
-from spotguard.storage.base import Storage, StorageError
+from spotguard.storage.base import ObjectInfo, Storage, StorageError
 from spotguard.storage.checkpoints import (
     CommitLost,
     UploadCancelled,
@@ -112,6 +113,7 @@ class Uploader:
         # Files of checkpoints still being written, uploading ahead of the commit.
         self._early: dict[str, list[asyncio.Task[None]]] = {}
         self._early_slots = asyncio.Semaphore(concurrency)
+        self._manifest_seen: dict[str, asyncio.Future[ObjectInfo | None]] = {}  # per checkpoint uploading early
         # Early uploads (at most `concurrency`) and the one checkpoint job; more would only wait.
         self._executor = ThreadPoolExecutor(max_workers=concurrency + 1, thread_name_prefix="upload")
         # What is in the bucket of each checkpoint not yet committed there, early uploads included.
@@ -158,6 +160,8 @@ class Uploader:
         progress = self._progress_of(step_dir.name)
         async with self._early_slots:
             try:
+                if await self._committed_elsewhere(step_dir.name):
+                    return  # another writer's checkpoint has this name: the commit decides, ours sends nothing
                 await self._in_upload_thread(
                     put_with_retry,
                     self.storage,
@@ -170,6 +174,17 @@ class Uploader:
             except (StorageError, OSError) as exc:
                 # Not fatal: the checkpoint's own upload job sends whatever is missing.
                 logger.info("early upload of %s failed (%s); it goes with the checkpoint", key, exc)
+
+    async def _committed_elsewhere(self, name: str) -> bool:
+        """Whether the bucket held a manifest under ``name`` before this checkpoint's first file
+        went up ahead of its commit (asked once per checkpoint): then those files are someone
+        else's, and sending ours would mix two checkpoints under one manifest."""
+        if name not in self._manifest_seen:
+            assert self.storage is not None
+            self._manifest_seen[name] = asyncio.ensure_future(
+                asyncio.to_thread(self.storage.stat, f"{name}/{MANIFEST}")
+            )
+        return await asyncio.shield(self._manifest_seen[name]) is not None
 
     async def _in_upload_thread(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """Run a long blocking transfer in the uploader's own threads: on the loop's default
@@ -332,6 +347,7 @@ class Uploader:
         never sent (nor retried); local retention treats it like an uploaded one."""
         logger.warning("not committing %s: %s", name, why)
         self.conflicts.add(name)
+        self._manifest_seen.pop(name, None)
 
     def _record_failure(self, job: _Job, exc: BaseException) -> None:
         logger.error("upload of %s failed: %s; retrying in %.0f s", job.name, exc, self.retry_after)
@@ -349,6 +365,7 @@ class Uploader:
         assert self.storage is not None
         self.committed.add(name)
         self._progress.pop(name, None)
+        self._manifest_seen.pop(name, None)
         self._urgent.discard(name)
         self._not_before.pop(name, None)
         now = utcnow()

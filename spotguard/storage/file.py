@@ -52,7 +52,9 @@ class FileStorage:
         target = self._path(key)
         target.parent.mkdir(parents=True, exist_ok=True)
         # Written whole under a private name, then hard-linked into place: link(2) fails if the
-        # name exists, atomically, also on NFS; a rename would silently replace the other writer's.
+        # name exists (the lock-file idiom that holds on NFS too); a rename would silently replace
+        # the other writer's. A retried link that reports EEXIST for our own is told apart by the
+        # caller, which compares what is there.
         tmp = target.with_name(f".{target.name}{_TMP_MARK}{uuid.uuid4().hex[:8]}")
         try:
             with atomic_file(tmp) as out:

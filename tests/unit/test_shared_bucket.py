@@ -14,7 +14,7 @@ from threading import Barrier
 import pytest
 
 from spotguard.daemon.uploader import Uploader
-from spotguard.manifest import MANIFEST, crc32c_of_bytes
+from spotguard.manifest import MANIFEST, crc32c_of_bytes, load_manifest
 from spotguard.storage.base import ObjectExists, ObjectInfo
 from spotguard.storage.checkpoints import list_remote, upload_checkpoint, verify_remote
 from spotguard.storage.file import FileStorage
@@ -152,3 +152,21 @@ def test_the_same_checkpoint_committed_elsewhere_is_completed_not_taken_on_its_m
     again = write_checkpoint(tmp_path / "second", 3, files, reason="urgent")  # same files, another manifest
     upload_checkpoint(storage, again)
     assert verify_remote(storage, "step-000000003") == []
+
+
+def test_files_ready_ahead_of_the_commit_never_overwrite_another_writers_checkpoint(
+    tmp_path: Path, storage: CountingStorage
+) -> None:
+    theirs = write_checkpoint(tmp_path / "other", 1, {"w.pt": b"theirs" * 100})
+    upload_checkpoint(storage, theirs)
+    ours = write_checkpoint(tmp_path / "nvme", 1, {"w.pt": b"ours!!" * 100, "v.pt": b"v"})
+
+    async def run() -> None:
+        uploader = Uploader(storage, tmp_path / "nvme", scan_interval=60)
+        for rel, entry in load_manifest(ours).files.items():
+            uploader.file_ready(ours, rel, entry, urgent=True)  # as a trainer reports them while saving
+        await asyncio.gather(*uploader._early[ours.name])
+
+    asyncio.run(run())
+    assert sorted(p.name for p in (storage.root / "step-000000001").iterdir()) == [MANIFEST, "w.pt"]
+    assert verify_remote(storage, "step-000000001") == []
