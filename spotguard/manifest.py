@@ -505,7 +505,10 @@ def scan_local(root: Path) -> list[CheckpointInfo]:
         if manifest is not None and not verify_dir(entry, checksums=False):
             infos.append(CheckpointInfo(entry.name, step, "complete", manifest.total_bytes, manifest.created, manifest))
         else:
-            size = sum(p.stat().st_size for p in entry.rglob("*") if p.is_file())
+            try:
+                size = sum(p.stat().st_size for p in entry.rglob("*") if p.is_file())
+            except FileNotFoundError:
+                continue  # removed while we looked (the daemon's retention, another rank's clean-up)
             foreign = local_foreign_format(entry) if manifest is None else None
             infos.append(
                 CheckpointInfo(entry.name, step, "incomplete", size, None, manifest, load_part(entry), foreign)
