@@ -65,6 +65,9 @@ class DaemonConfig:
     keep_local: int = 2  # newest complete checkpoints kept on local disk (plus any not yet uploaded)
     keep_remote: int = 3  # newest complete checkpoints kept in the bucket
     incomplete_grace: float = 3600.0  # seconds untouched before an incomplete checkpoint in the bucket is removed
+    # At start, abort unfinished multipart uploads under the prefix only once they are this old:
+    # younger ones may be another node's, in flight (longer than any notice plus its upload).
+    stale_upload_age: float = 3600.0
     allowed_uids: tuple[int, ...] = field(default_factory=_own_uid_and_root)
     allowed_gids: tuple[int, ...] = ()
     max_message_bytes: int = 64 * 1024
@@ -116,6 +119,7 @@ class DaemonConfig:
             "incomplete_grace",
             "stall_min_seconds",
             "upload_retry_max",
+            "stale_upload_age",
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")
@@ -126,6 +130,14 @@ class DaemonConfig:
         for name in ("keep_local", "keep_remote", "max_connections", "upload_concurrency", "upload_alert_after"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.bucket is not None and self.keep_local > self.keep_remote:
+            # Local checkpoints the bucket no longer holds look "not uploaded": each rescan would
+            # send them again and each retention would delete them again, forever.
+            raise ConfigError(
+                "keep_local",
+                f"{self.keep_local} is more than keep_remote = {self.keep_remote}: the bucket must keep at least "
+                "what the local disk keeps; raise keep_remote or lower keep_local",
+            )
         if self.max_message_bytes < 1024:
             raise ConfigError("max_message_bytes", f"must be >= 1024, got {self.max_message_bytes}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):

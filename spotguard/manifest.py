@@ -19,6 +19,7 @@ import base64
 import contextlib
 import errno
 import json
+import logging
 import os
 import re
 import shutil
@@ -42,6 +43,8 @@ _TMP_MARK = ".tmp-"  # in the names of files being written (atomic_file)
 _CHUNK = 8 * 1024 * 1024
 
 Status = Literal["complete", "incomplete"]
+
+logger = logging.getLogger("spotguard.manifest")
 
 
 class ManifestError(ValueError):
@@ -268,6 +271,19 @@ class Manifest:
             raise ManifestError(f"manifest is malformed: {exc!r}") from None
 
 
+def foreign_format(data: bytes) -> str | None:
+    """The ``format`` of a manifest that another (newer) spotguard wrote, or None when the
+    manifest is ours or no manifest at all. Such a checkpoint may well be complete: it is never
+    deleted nor overwritten here, only skipped."""
+    try:
+        document = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if isinstance(document, dict) and "format" in document and document["format"] != FORMAT:
+        return str(document["format"])
+    return None
+
+
 def _int(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{value!r} is not a non-negative integer")
@@ -374,6 +390,8 @@ class CheckpointWriter:
         """Create the step directory; clear a leftover of a killed writer at the same step."""
         if load_manifest_or_none(self.dir) is not None:
             raise CheckpointExists(f"{self.dir} is already a complete checkpoint")
+        if (found := local_foreign_format(self.dir)) is not None:
+            raise CheckpointExists(f"{self.dir} holds a checkpoint of format {found!r} (a newer spotguard's)")
         if self.dir.exists():
             shutil.rmtree(self.dir)
         self.dir.mkdir(parents=True)
@@ -475,6 +493,14 @@ def load_manifest(step_dir: Path) -> Manifest:
     return manifest
 
 
+def local_foreign_format(step_dir: Path) -> str | None:
+    """:func:`foreign_format` of the manifest in ``step_dir``, if it has one."""
+    try:
+        return foreign_format((step_dir / MANIFEST).read_bytes())
+    except OSError:
+        return None
+
+
 def load_manifest_or_none(step_dir: Path) -> Manifest | None:
     try:
         return load_manifest(step_dir)
@@ -516,6 +542,7 @@ class CheckpointInfo:
     created: str | None
     manifest: Manifest | None = field(default=None, compare=False, repr=False)
     node_files: Mapping[str, FileEntry] | None = field(default=None, compare=False, repr=False)  # a node commit
+    foreign_format: str | None = field(default=None, compare=False, repr=False)  # a newer spotguard's manifest
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -544,15 +571,28 @@ def scan_local(root: Path) -> list[CheckpointInfo]:
         if manifest is not None and not verify_dir(entry, checksums=False):
             infos.append(CheckpointInfo(entry.name, step, "complete", manifest.total_bytes, manifest.created, manifest))
         else:
-            size = sum(p.stat().st_size for p in entry.rglob("*") if p.is_file())
-            infos.append(CheckpointInfo(entry.name, step, "incomplete", size, None, manifest, load_part(entry)))
+            try:
+                size = sum(p.stat().st_size for p in entry.rglob("*") if p.is_file())
+            except FileNotFoundError:
+                continue  # removed while we looked (the daemon's retention, another rank's clean-up)
+            foreign = local_foreign_format(entry) if manifest is None else None
+            infos.append(
+                CheckpointInfo(entry.name, step, "incomplete", size, None, manifest, load_part(entry), foreign)
+            )
     return sorted(infos, key=lambda info: info.step)
 
 
 def remove_incomplete(root: Path, *, except_names: frozenset[str] = frozenset()) -> list[str]:
-    """Remove leftovers of killed writers (step directories with no valid manifest and no node commit)."""
+    """Remove leftovers of killed writers (step directories with no valid manifest and no node commit).
+    A checkpoint whose manifest is of a format this version does not know is left alone."""
     removed = []
     for info in scan_local(root):
+        if info.foreign_format is not None:
+            logger.warning(
+                "%s: manifest format %r is not %r (a newer spotguard's?); not touching it",
+                root / info.name, info.foreign_format, FORMAT,
+            )  # fmt: skip
+            continue
         if info.status == "incomplete" and info.node_files is None and info.name not in except_names:
             shutil.rmtree(root / info.name, ignore_errors=True)
             removed.append(info.name)

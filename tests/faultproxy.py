@@ -32,7 +32,7 @@ import socketserver
 import struct
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import BinaryIO
 from urllib.parse import urlsplit
@@ -164,6 +164,9 @@ class FaultProxy:
         self._closing = threading.Event()
         self._server: socketserver.ThreadingTCPServer | None = None
         self._thread: threading.Thread | None = None
+        self._hold: Callable[[str, str], bool] | None = None
+        self._released = threading.Event()
+        self.held = threading.Event()  # set once a request is being held
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -218,6 +221,16 @@ class FaultProxy:
         with self._lock:
             self.fault_rate = rate
 
+    def hold(self, when: Callable[[str, str], bool]) -> None:
+        """Hold every request that ``when(method, target)`` picks until :meth:`release`: a
+        transfer kept in flight on purpose (say, the CompleteMultipartUpload of an upload)."""
+        self._released.clear()
+        self._hold = when
+
+    def release(self) -> None:
+        self._hold = None
+        self._released.set()
+
     # -- per connection ------------------------------------------------------------
 
     def _decide(self, req: _Request) -> str | None:
@@ -238,6 +251,11 @@ class FaultProxy:
                 req = _read_request(handler.rfile, handler.wfile)
                 if req is None:
                     return
+                hold = self._hold
+                if hold is not None and hold(req.method, req.target):
+                    self.held.set()
+                    while not (self._released.wait(0.1) or self._closing.is_set()):
+                        pass
                 fault = self._decide(req)
                 if fault == "reset":
                     # SO_LINGER 0 makes close() send RST: the client sees "connection reset by peer".

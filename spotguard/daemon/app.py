@@ -14,6 +14,7 @@ import os
 import signal
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -553,7 +554,10 @@ async def build_and_run(config: DaemonConfig) -> int:
         await asyncio.to_thread(storage.warm)
     if storage is not None and hasattr(storage, "abort_stale_multipart_uploads"):
         # A daemon killed mid-upload leaves multipart uploads open (and billed); nobody resumes them.
-        aborted = await asyncio.to_thread(storage.abort_stale_multipart_uploads)
+        # Only old ones: the other nodes of a job share the prefix and may be uploading right now.
+        aborted = await asyncio.to_thread(
+            storage.abort_stale_multipart_uploads, older_than=timedelta(seconds=config.stale_upload_age)
+        )
         if aborted:
             logger.info("aborted %d unfinished multipart upload(s) left by an earlier run", aborted)
     provider, monitors, session = await _build_monitors(config)

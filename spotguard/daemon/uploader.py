@@ -26,6 +26,7 @@ from typing import Any
 
 from spotguard.daemon.events import CommittedListener, UploadFailureListener
 from spotguard.manifest import (
+    MANIFEST,
     FileEntry,
     Manifest,
     SymlinkRefused,
@@ -37,11 +38,13 @@ from spotguard.manifest import (
     verify_dir,
 )
 from spotguard.notice import utcnow
-from spotguard.storage.base import ChecksumMismatch, Storage, StorageError
+from spotguard.storage.base import ChecksumMismatch, ObjectInfo, Storage, StorageError
 from spotguard.storage.checkpoints import (
+    CommitLost,
     UploadCancelled,
     UploadProgress,
     commit_remote,
+    files_difference,
     list_remote,
     prune_remote,
     put_with_retry,
@@ -97,6 +100,8 @@ class Uploader:
         self.forecast_interval = forecast_interval
         self.committed: set[str] = set()  # complete in the bucket
         self.shares_uploaded: set[str] = set()  # multi-node: this node's share is in the bucket
+        # Another writer committed a different checkpoint under the same name: never sent again.
+        self.conflicts: set[str] = set()
         self.other_nodes_timeout = 600.0  # how long node 0 waits for the others' shares (without a notice)
         self.on_committed: list[CommittedListener] = []
         self.on_failure: list[UploadFailureListener] = []
@@ -116,6 +121,7 @@ class Uploader:
         # Files of checkpoints still being written, uploading ahead of the commit.
         self._early: dict[str, list[asyncio.Task[None]]] = {}
         self._early_slots = asyncio.Semaphore(concurrency)
+        self._manifest_seen: dict[str, asyncio.Future[ObjectInfo | None]] = {}  # per checkpoint uploading early
         # Early uploads (at most `concurrency`) and the one checkpoint job; more would only wait.
         self._executor = ThreadPoolExecutor(max_workers=concurrency + 1, thread_name_prefix="upload")
         # What is in the bucket of each checkpoint not yet committed there, early uploads included.
@@ -162,6 +168,8 @@ class Uploader:
         progress = self._progress_of(step_dir.name)
         async with self._early_slots:
             try:
+                if await self._committed_elsewhere(step_dir.name):
+                    return  # another writer's checkpoint has this name: the commit decides, ours sends nothing
                 await self._in_upload_thread(
                     put_with_retry,
                     self.storage,
@@ -174,6 +182,17 @@ class Uploader:
             except (StorageError, OSError) as exc:
                 # Not fatal: the checkpoint's own upload job sends whatever is missing.
                 logger.info("early upload of %s failed (%s); it goes with the checkpoint", key, exc)
+
+    async def _committed_elsewhere(self, name: str) -> bool:
+        """Whether the bucket held a manifest under ``name`` before this checkpoint's first file
+        went up ahead of its commit (asked once per checkpoint): then those files are someone
+        else's, and sending ours would mix two checkpoints under one manifest."""
+        if name not in self._manifest_seen:
+            assert self.storage is not None
+            self._manifest_seen[name] = asyncio.ensure_future(
+                asyncio.to_thread(self.storage.stat, f"{name}/{MANIFEST}")
+            )
+        return await asyncio.shield(self._manifest_seen[name]) is not None
 
     async def _in_upload_thread(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """Run a long blocking transfer in the uploader's own threads: on the loop's default
@@ -195,16 +214,24 @@ class Uploader:
         storage = self.storage
         self._early = {name: [t for t in tasks if not t.done()] for name, tasks in self._early.items()}
         self._early = {name: tasks for name, tasks in self._early.items() if tasks}
-        remote = await asyncio.to_thread(list_remote, storage)
-        self.committed = {info.name for info in remote if info.status == "complete"}
+        remote = {
+            info.name: info for info in await asyncio.to_thread(list_remote, storage) if info.status == "complete"
+        }
+        self.committed = set(remote)
         for name in self.committed & set(self._failed_in_a_row):  # committed by another writer meanwhile
             del self._failed_in_a_row[name]
         for info in await asyncio.to_thread(scan_local, self.root):
+            theirs = remote[info.name].manifest if info.name in remote else None
+            if info.manifest is not None and theirs is not None and info.name not in self.conflicts:
+                difference = files_difference(info.manifest, theirs)
+                if difference is not None:
+                    self._conflict(info.name, f"{storage.url} holds another writer's checkpoint there ({difference})")
             uploading = self._current is not None and self._current.name == info.name
             committed_here = info.status == "complete" or (
                 info.node_files is not None and info.name not in self.shares_uploaded
             )
-            if committed_here and info.name not in self.committed | set(self._queued) and not uploading:
+            settled = self.committed | self.conflicts | set(self._queued)
+            if committed_here and info.name not in settled and not uploading:
                 self.submit(self.root / info.name, urgent=False)
 
     # --- the loop ----------------------------------------------------------------------------
@@ -281,6 +308,11 @@ class Uploader:
             # Retrying cannot help, and the checkpoint is not what its manifest claims.
             logger.error("not uploading %s: %s", job.name, exc)
             return
+        except CommitLost as exc:
+            self._conflict(job.name, str(exc))
+            self._progress.pop(job.name, None)
+            self._urgent.discard(job.name)
+            return
         except (StorageError, OSError) as exc:
             self._record_failure(job, exc)
             return
@@ -341,6 +373,13 @@ class Uploader:
         """The most failures in a row of any checkpoint still to upload (0: none is failing)."""
         return max(self._failed_in_a_row.values(), default=0)
 
+    def _conflict(self, name: str, why: str) -> None:
+        """Another writer shares the prefix and committed its own checkpoint under ``name``: ours is
+        never sent (nor retried); local retention treats it like an uploaded one."""
+        logger.warning("not committing %s: %s", name, why)
+        self.conflicts.add(name)
+        self._manifest_seen.pop(name, None)
+
     def _record_failure(self, job: _Job, exc: BaseException) -> None:
         refused = isinstance(exc, ChecksumMismatch)
         failed = self._failed_in_a_row[job.name] = self._failed_in_a_row.get(job.name, 0) + 1
@@ -376,6 +415,7 @@ class Uploader:
         assert self.storage is not None
         self.committed.add(name)
         self._progress.pop(name, None)
+        self._manifest_seen.pop(name, None)
         self._urgent.discard(name)
         self._not_before.pop(name, None)
         self._failed_in_a_row.pop(name, None)
@@ -420,8 +460,9 @@ class Uploader:
         except (StorageError, OSError) as exc:
             logger.warning("bucket retention failed: %s", exc)
         # Locally, never delete what is not yet safe in the bucket.
+        settled = self.committed | self.conflicts
         not_uploaded = frozenset(
-            info.name for info in scan_local(self.root) if info.status == "complete" and info.name not in self.committed
+            info.name for info in scan_local(self.root) if info.status == "complete" and info.name not in settled
         )
         await asyncio.to_thread(prune_local, self.root, self.keep_local, protected=not_uploaded)
 
@@ -518,6 +559,7 @@ class Uploader:
             "last_committed": self.last_committed,
             "failures": self.failures[-5:],
             "failing_streak": self.failing_streak(),
+            "conflicts": sorted(self.conflicts)[-5:],
         }
 
 

@@ -12,6 +12,7 @@ from urllib.parse import urlparse
 
 from spotguard.storage.base import (
     ChecksumMismatch,
+    ObjectExists,
     ObjectInfo,
     ObjectNotFound,
     Storage,
@@ -21,6 +22,7 @@ from spotguard.storage.base import (
 
 __all__ = [
     "ChecksumMismatch",
+    "ObjectExists",
     "ObjectInfo",
     "ObjectNotFound",
     "Storage",

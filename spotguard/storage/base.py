@@ -44,6 +44,11 @@ class ChecksumMismatch(StorageError):
         self.answered = answered
 
 
+class ObjectExists(StorageError):
+    """A conditional create found the key already written (by another writer, or by an earlier
+    attempt of ours whose answer was lost): nothing was overwritten."""
+
+
 Progress = Callable[[int], None]  # called with a number of bytes just transferred
 
 
@@ -79,6 +84,11 @@ class Storage(Protocol):
 
         No retries of its own once bytes were written (the caller restarts the range with a fresh
         sink); raises :class:`ObjectNotFound` for a missing key."""
+        ...
+
+    def put_bytes_if_absent(self, key: str, data: bytes, *, crc32c: str) -> None:
+        """Create ``key`` holding ``data`` only if nothing is there yet; raise :class:`ObjectExists`
+        otherwise. Two writers racing on one key: exactly one succeeds (the commit of a manifest)."""
         ...
 
     def read_bytes(self, key: str) -> bytes: ...

@@ -7,6 +7,7 @@ the bucket is the local one: ``<prefix>/step-NNNNNNNNN/<files>`` with
 
 from __future__ import annotations
 
+import logging
 import shutil
 import threading
 import time
@@ -17,23 +18,32 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from spotguard.manifest import (
+    FORMAT,
     MANIFEST,
     CheckpointInfo,
     FileEntry,
     Manifest,
     ManifestError,
-    crc32c_of_file,
+    crc32c_of_bytes,
+    foreign_format,
     fsync_dir,
     load_manifest,
     parse_step_dir,
     verify_dir,
 )
-from spotguard.storage.base import ObjectInfo, Progress, Storage, StorageError, retry
+from spotguard.storage.base import ObjectExists, ObjectInfo, ObjectNotFound, Progress, Storage, StorageError, retry
 from spotguard.storage.transfer import Download, download_files
+
+logger = logging.getLogger("spotguard.storage")
 
 
 class UploadCancelled(StorageError):
     pass
+
+
+class CommitLost(StorageError):
+    """Another writer committed a different checkpoint under this name first. Nothing of theirs
+    was overwritten; sending ours again would change nothing, so it is not retried."""
 
 
 def _group_by_checkpoint(objects: Iterable[ObjectInfo]) -> dict[str, dict[str, ObjectInfo]]:
@@ -46,7 +56,11 @@ def _group_by_checkpoint(objects: Iterable[ObjectInfo]) -> dict[str, dict[str, O
 
 
 def read_remote_manifest(storage: Storage, name: str) -> Manifest:
-    manifest = Manifest.from_json(storage.read_bytes(f"{name}/{MANIFEST}"))
+    return _parse_manifest(name, storage.read_bytes(f"{name}/{MANIFEST}"))
+
+
+def _parse_manifest(name: str, data: bytes) -> Manifest:
+    manifest = Manifest.from_json(data)
     if parse_step_dir(name) != manifest.step:
         raise ManifestError(f"{name}: manifest says step {manifest.step}")
     return manifest
@@ -89,9 +103,12 @@ def _examine(
         step = parse_step_dir(name)
         assert step is not None
         manifest = None
+        foreign = None
         if MANIFEST in objects:
             try:
-                manifest = read_remote_manifest(storage, name)
+                data = storage.read_bytes(f"{name}/{MANIFEST}")
+                foreign = foreign_format(data)
+                manifest = None if foreign is not None else _parse_manifest(name, data)
             except (ManifestError, StorageError):
                 manifest = None
         if progress:
@@ -101,7 +118,8 @@ def _examine(
                 progress(examined, len(groups))
         if manifest is not None and not _problems_against(manifest, objects, name):
             return CheckpointInfo(name, step, "complete", manifest.total_bytes, manifest.created, manifest)
-        return CheckpointInfo(name, step, "incomplete", sum(o.size for o in objects.values()), None)
+        size = sum(o.size for o in objects.values())
+        return CheckpointInfo(name, step, "incomplete", size, None, foreign_format=foreign)
 
     with ThreadPoolExecutor(max_workers=max(1, min(workers, len(groups) or 1))) as pool:
         infos = list(pool.map(lambda item: examine(*item), groups.items()))
@@ -138,19 +156,27 @@ def upload_files(
 ) -> None:
     """Upload data files of a checkpoint in parallel (never its manifest).
 
-    Restart-safe: a file already in the bucket with the same size (and checksum, where the store
-    reports it) is not sent again. ``deadline`` is a ``time.monotonic()`` value bounding retries.
+    Restart-safe: a file already in the bucket with the same size and CRC32C (as the store keeps
+    it, :func:`stored_crc32c`), or sent by this process already, is not sent again; a size match
+    alone proves nothing when writers share a prefix. Nothing at all is sent when the bucket holds
+    another writer's manifest for this checkpoint (other files, or a format this version does not
+    know): its files are someone else's commit, and the commit tells the caller so.
+    ``deadline`` is a ``time.monotonic()`` value bounding retries.
     """
     name = step_dir.name
     existing = {o.key.partition("/")[2]: o for o in storage.list(f"{name}/")}
     if progress is not None:
         for rel, entry in files.items():
             progress.expect(rel, entry.size)
+    if MANIFEST in existing and not _lists_the_same(storage, name, files):
+        logger.info("%s: %s holds another writer's commit there; not sending its files", name, storage.url)
+        return
 
     def send(rel: str) -> None:
         entry = files[rel]
         have = existing.get(rel)
-        if have and have.size == entry.size and have.crc32c in (None, entry.crc32c):
+        sent_here = progress is not None and progress.sent_here(rel)
+        if sent_here or (have and have.size == entry.size and stored_crc32c(storage, have) == entry.crc32c):
             if progress is not None:
                 progress.present(rel)
             return
@@ -163,6 +189,28 @@ def upload_files(
     with ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(order) or 1))) as pool:
         for future in [pool.submit(send, rel) for rel in order]:
             future.result()
+
+
+def _lists_the_same(storage: Storage, name: str, files: Mapping[str, FileEntry]) -> bool:
+    """Whether the manifest in the bucket lists ``files`` as they are here (then sending what is
+    missing of them completes that checkpoint and overwrites nothing of anyone's)."""
+    try:
+        theirs = read_remote_manifest(storage, name)
+    except (ManifestError, ObjectNotFound):
+        return False
+    return all(theirs.files.get(rel) == entry for rel, entry in files.items())
+
+
+def stored_crc32c(storage: Storage, obj: ObjectInfo) -> str | None:
+    """The CRC32C (hex) the store keeps for ``obj``, or None when it keeps none worth trusting.
+
+    The one place a stored checksum is looked up: a listing that carries none (S3's) costs one
+    ``stat`` (HeadObject with checksum mode), and a store whose CRC32C cannot be trusted says None
+    there, which sends the file again rather than take it on its size."""
+    if obj.crc32c is not None:
+        return obj.crc32c
+    info = storage.stat(obj.key)
+    return None if info is None else info.crc32c
 
 
 def put_with_retry(
@@ -186,17 +234,59 @@ def put_with_retry(
     )
     if progress is not None:
         progress.present(rel)  # whatever the parts did not report (a file of one request)
+        progress.mark_sent(rel)
 
 
-def commit_remote(storage: Storage, step_dir: Path, *, deadline: float | None = None) -> None:
-    """Upload the manifest: only now does the checkpoint exist in the bucket."""
-    manifest_crc = crc32c_of_file(step_dir / MANIFEST)
-    retry(
-        lambda: storage.put_file(step_dir / MANIFEST, f"{step_dir.name}/{MANIFEST}", crc32c=manifest_crc),
-        is_transient=storage.is_transient,
-        deadline=deadline,
-        what=f"committing {step_dir.name}",
+def commit_remote(storage: Storage, step_dir: Path, *, deadline: float | None = None) -> bool:
+    """Upload the manifest, only if the bucket holds none for this checkpoint yet: only now does
+    the checkpoint exist there. Of writers racing on one manifest exactly one writes it.
+
+    True: this call committed it. False: the bucket already holds the same checkpoint (the same
+    files and CRC32Cs), committed by another writer or by an attempt of ours whose answer was lost.
+    Raises :class:`CommitLost` when it holds a different one, which is left as it is."""
+    name = step_dir.name
+    ours = (step_dir / MANIFEST).read_bytes()
+    key = f"{name}/{MANIFEST}"
+    try:
+        retry(
+            lambda: storage.put_bytes_if_absent(key, ours, crc32c=crc32c_of_bytes(ours)),
+            is_transient=storage.is_transient,
+            deadline=deadline,
+            what=f"committing {name}",
+        )
+        return True
+    except ObjectExists:
+        pass
+    theirs = retry(
+        lambda: storage.read_bytes(key), is_transient=storage.is_transient, deadline=deadline, what=f"reading {key}"
     )
+    difference = _difference(name, ours, theirs)
+    if difference is None:
+        logger.info("%s: the bucket already holds this checkpoint (same files and CRC32Cs); counted as committed", name)
+        return False
+    raise CommitLost(f"{storage.url}/{name} already holds another writer's checkpoint ({difference}); not overwritten")
+
+
+def _difference(name: str, ours: bytes, theirs: bytes) -> str | None:
+    """How the manifest in the bucket differs from ours as a checkpoint (None: the same files,
+    sizes and CRC32Cs; when or why each was written does not matter)."""
+    if (found := foreign_format(theirs)) is not None:
+        return f"its manifest is of format {found!r}"
+    try:
+        mine, other = _parse_manifest(name, ours), _parse_manifest(name, theirs)
+    except ManifestError as exc:
+        return f"its manifest is unreadable: {exc}"
+    return files_difference(mine, other)
+
+
+def files_difference(mine: Manifest, other: Manifest) -> str | None:
+    """None when two manifests list the same files with the same sizes and CRC32Cs, else how not."""
+    if mine.files == other.files:
+        return None
+    changed = sorted(set(mine.files) ^ set(other.files)) or sorted(
+        rel for rel in mine.files if mine.files[rel] != other.files[rel]
+    )
+    return f"{len(changed)} file(s) differ, first {changed[0]}"
 
 
 def wait_for_other_nodes(
@@ -326,6 +416,13 @@ def prune_remote(
     now = now or datetime.now(UTC)
     groups = _group_by_checkpoint(storage.list())  # one listing serves both the status and the keys
     infos = _examine(storage, groups)
+    for info in infos:
+        if info.foreign_format is not None:
+            logger.warning(
+                "%s/%s: manifest format %r is not %r (a newer spotguard's?); retention leaves it alone",
+                storage.url, info.name, info.foreign_format, FORMAT,
+            )  # fmt: skip
+    infos = [info for info in infos if info.foreign_format is None]
     complete = [info for info in infos if info.status == "complete"]
     newest = complete[-1].name if complete else None
 
@@ -362,6 +459,7 @@ class UploadProgress:
         self._done: dict[str, int] = {}
         self._sent = 0
         self._first_sent: float | None = None
+        self._put: set[str] = set()  # files this process put and the store took
 
     def expect(self, rel: str, size: int) -> None:
         with self._lock:
@@ -388,6 +486,15 @@ class UploadProgress:
         """``rel`` is in the bucket, whoever sent it."""
         with self._lock:
             self._done[rel] = self._sizes.get(rel, 0)
+
+    def mark_sent(self, rel: str) -> None:
+        """``rel`` went up from this process and the store took it (checked by the backend)."""
+        with self._lock:
+            self._put.add(rel)
+
+    def sent_here(self, rel: str) -> bool:
+        with self._lock:
+            return rel in self._put
 
     @property
     def total(self) -> int:

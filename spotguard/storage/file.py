@@ -6,13 +6,15 @@ import contextlib
 import errno
 import os
 import shutil
+import uuid
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import urlparse
 
-from spotguard.manifest import _TMP_MARK, atomic_file, fsync_dir, open_nofollow
-from spotguard.storage.base import ObjectInfo, ObjectNotFound, Progress, Sink, StorageError
+from spotguard.manifest import _TMP_MARK, atomic_file, crc32c_of_file, fsync_dir, open_nofollow
+from spotguard.storage.base import ObjectExists, ObjectInfo, ObjectNotFound, Progress, Sink, StorageError
 
 _COPY_CHUNK = 8 * 1024 * 1024
 # Errors a shared filesystem (NFS) can clear up by itself.
@@ -46,6 +48,27 @@ class FileStorage:
             raise StorageError(f"{key}: crc32c {out.crc32c} while copying, expected {crc32c}")
         fsync_dir(target.parent)
 
+    def put_bytes_if_absent(self, key: str, data: bytes, *, crc32c: str) -> None:
+        target = self._path(key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Written whole under a private name, then hard-linked into place: link(2) fails if the
+        # name exists (the lock-file idiom that holds on NFS too); a rename would silently replace
+        # the other writer's. A retried link that reports EEXIST for our own is told apart by the
+        # caller, which compares what is there.
+        tmp = target.with_name(f".{target.name}{_TMP_MARK}{uuid.uuid4().hex[:8]}")
+        try:
+            with atomic_file(tmp) as out:
+                out.write(data)
+            if out.crc32c != crc32c:
+                raise StorageError(f"{key}: crc32c {out.crc32c} of the bytes given, expected {crc32c}")
+            try:
+                os.link(tmp, target)
+            except FileExistsError:
+                raise ObjectExists(f"{self.url}/{key}: already exists") from None
+        finally:
+            tmp.unlink(missing_ok=True)
+        fsync_dir(target.parent)
+
     def get_file(self, key: str, local: Path) -> None:
         source = self._path(key)
         local.parent.mkdir(parents=True, exist_ok=True)
@@ -72,8 +95,11 @@ class FileStorage:
             raise ObjectNotFound(f"{self.url}/{key}") from None
 
     def stat(self, key: str) -> ObjectInfo | None:
+        """Size, time and CRC32C: a directory keeps no checksum beside the bytes, so it is computed
+        (one read; what it saves is a whole copy of a file already there)."""
+        path = self._path(key)
         try:
-            return _info(key, self._path(key).stat())
+            return replace(_info(key, path.stat()), crc32c=crc32c_of_file(path))
         except FileNotFoundError:
             return None
 

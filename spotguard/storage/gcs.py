@@ -62,6 +62,7 @@ from spotguard.manifest import crc32c_int_to_base64 as _int_to_b64
 from spotguard.manifest import open_nofollow
 from spotguard.storage.base import (
     ChecksumMismatch,
+    ObjectExists,
     ObjectInfo,
     ObjectNotFound,
     Progress,
@@ -154,7 +155,7 @@ class GcsStorage:
 
         storage = GcsStorage("gs://my-bucket/run1", max_concurrency=8)
         storage.warm()
-        storage.abort_stale_multipart_uploads()
+        storage.abort_stale_multipart_uploads(older_than=dt.timedelta(hours=1))
         storage.put_file(Path("/nvme/ckpt/step-1/model.pt"), "step-1/model.pt", crc32c="1a2b3c4d")
 
     Options (all have defaults):
@@ -338,6 +339,28 @@ class GcsStorage:
                 raise self._wrap(f"upload {full}", exc) from exc
         return blob
 
+    def put_bytes_if_absent(self, key: str, data: bytes, *, crc32c: str) -> None:
+        """One upload with ``ifGenerationMatch=0``: GCS writes it only if no live object has the name.
+        (gcp-storage-emulator ignores the precondition; GCS itself answers 412.)"""
+        full = self._key(key)
+        expected = _hex_to_int(crc32c)
+        blob = self._new_blob(full, expected)
+        try:
+            with self._streams:
+                blob.upload_from_string(
+                    data,
+                    content_type="application/json",
+                    checksum="crc32c",
+                    if_generation_match=0,
+                    retry=self.retry,
+                    timeout=self.timeout,
+                )
+        except gexc.PreconditionFailed:
+            raise ObjectExists(f"gcs: {self.url}/{key}: already exists") from None
+        except Exception as exc:
+            raise self._wrap(f"upload {full} (if absent)", exc) from exc
+        self._verify(blob, full, len(data), expected)
+
     def _part_plan(self, size: int) -> list[tuple[int, int, int]]:
         part = max(self.part_size, _round_up(-(-size // _MAX_COMPOSE), _CHUNK_QUANTUM))
         part = min(part, max(self.part_size, self.max_part_size))
@@ -436,7 +459,8 @@ class GcsStorage:
 
     def abort_stale_multipart_uploads(self, older_than: dt.timedelta | None = None) -> int:
         """Delete parts left under ``<prefix>.spotguard-parts/`` by an interrupted upload;
-        returns how many. Same name as the S3 backend's so the daemon calls either at start."""
+        returns how many. Same name as the S3 backend's so the daemon calls either at start;
+        ``older_than`` spares younger parts, which may be another writer's upload in flight."""
         cutoff = dt.datetime.now(dt.UTC) - older_than if older_than is not None else None
         try:
             stale = [

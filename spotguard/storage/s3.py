@@ -67,6 +67,7 @@ from spotguard.manifest import crc32c_hex_to_int as _hex_to_int
 from spotguard.manifest import crc32c_int_to_base64 as _int_to_b64
 from spotguard.storage.base import (
     ChecksumMismatch,
+    ObjectExists,
     ObjectInfo,
     ObjectNotFound,
     Progress,
@@ -105,6 +106,9 @@ _TRANSIENT_CODES = frozenset(
         "PriorRequestNotComplete",
         "EC2ThrottledException",
         "IDPCommunicationError",
+        # Two conditional writes of one key at once: S3 asks the loser to retry, which then
+        # finds the key written (PreconditionFailed).
+        "ConditionalRequestConflict",
     }
 )
 _FATAL_CODES = frozenset(
@@ -216,7 +220,7 @@ class S3Storage:
 
         storage = S3Storage("s3://my-bucket/run1", part_size=16 * MiB, max_concurrency=16)
         storage.warm()                                  # at daemon start, not at notice time
-        storage.abort_stale_multipart_uploads()
+        storage.abort_stale_multipart_uploads(older_than=dt.timedelta(hours=1))
         storage.put_file(Path("/nvme/ckpt/step-1/__0_0.distcp"), "step-1/__0_0.distcp", crc32c="1a2b3c4d")
 
     Options (all have defaults):
@@ -338,6 +342,8 @@ class S3Storage:
     def _wrap(self, what: str, exc: BaseException) -> StorageError:
         if _is_not_found(exc):
             return ObjectNotFound(f"s3: {what}: not found")
+        if _error_code(exc) == "PreconditionFailed":
+            return ObjectExists(f"s3: {what}: already exists")
         cls = TransientStorageError if self.is_transient(exc) else StorageError
         return cls(f"s3: {what}: {exc}")
 
@@ -470,15 +476,26 @@ class S3Storage:
                 raise StorageError(f"s3: {local}: local CRC32C {actual:08x} != expected {expected:08x}; not uploaded")
             self._put_object(full, data, expected, md5=md5)
 
-    def _put_object(self, full: str, data: bytes, expected: int, *, md5: bool) -> None:
+    def _put_object(self, full: str, data: bytes, expected: int, *, md5: bool, **conditions: str) -> None:
         self._call(
-            f"put_object {full}",
+            f"put_object {full}" + (" (if absent)" if conditions else ""),
             self.client.put_object,
             Bucket=self.bucket,
             Key=full,
             Body=data,
             **_integrity_args(data, expected, md5),
+            **conditions,
         )
+
+    def put_bytes_if_absent(self, key: str, data: bytes, *, crc32c: str) -> None:
+        """One PUT with ``If-None-Match: *``: S3 writes it only if the key does not exist yet."""
+        full = self._key(key)
+        expected = _hex_to_int(crc32c)
+        if _crc_of(data) != expected:
+            raise StorageError(f"s3: {full}: CRC32C of the bytes given != expected {crc32c}; not uploaded")
+        md5 = self._use_md5()
+        with self._streams:
+            self._put_object(full, data, expected, md5=md5, IfNoneMatch="*")
 
     def _part_plan(self, size: int) -> list[tuple[int, int, int]]:
         part = self.part_size
@@ -652,8 +669,9 @@ class S3Storage:
     def abort_stale_multipart_uploads(self, older_than: dt.timedelta | None = None) -> int:
         """Abort unfinished multipart uploads under our prefix; returns how many.
 
-        Call at daemon start (nothing of ours is in flight then). ``older_than``
-        spares uploads initiated more recently, for when another writer may be live.
+        Called at daemon start. Pass ``older_than`` whenever another writer may share the prefix
+        (the other nodes of a job, a replacement VM): it spares uploads initiated more recently,
+        which may be in flight. ListMultipartUploads names no writer, so age is what tells.
         """
         cutoff = dt.datetime.now(dt.UTC) - older_than if older_than is not None else None
         aborted = 0

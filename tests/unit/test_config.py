@@ -19,7 +19,9 @@ def test_defaults_without_any_source(tmp_path: Path) -> None:
 
 def test_flag_beats_env_beats_file(tmp_path: Path) -> None:
     file = tmp_path / "spotguard.toml"
-    file.write_text('poll_interval = 3.0\nprovider = "aws"\nkeep_local = 4\nbucket = "s3://from-file/p"\n')
+    file.write_text(
+        'poll_interval = 3.0\nprovider = "aws"\nkeep_local = 4\nkeep_remote = 4\nbucket = "s3://from-file/p"\n'
+    )
     env = {"SPOTGUARD_POLL_INTERVAL": "2.0", "SPOTGUARD_PROVIDER": "gcp"}
     config = load_config({"poll_interval": "0.5"}, env=env, config_file=file)
     assert config.poll_interval == 0.5  # flag
@@ -58,6 +60,21 @@ def test_bad_values_name_the_key(flags: dict[str, str], env: dict[str, str], key
     with pytest.raises(ConfigError) as info:
         load_config(flags, env=env)
     assert str(info.value).startswith(key)
+
+
+def test_keep_local_above_keep_remote_is_rejected_with_a_bucket_only() -> None:
+    # The bucket would prune what the disk keeps, and the rescan would send it again, forever.
+    with pytest.raises(ConfigError, match=r"^keep_local: 4 is more than keep_remote = 3.*raise keep_remote"):
+        load_config({"keep_local": "4", "bucket": "s3://b/run"}, env={}, config_file=None)
+    assert load_config({"keep_local": "4", "keep_remote": "4", "bucket": "s3://b/run"}, env={}).keep_local == 4
+    assert load_config({"keep_local": "4"}, env={}).keep_local == 4  # nothing to prune remotely
+
+
+def test_stale_upload_age_defaults_to_an_hour_and_must_be_positive() -> None:
+    assert DaemonConfig().stale_upload_age == 3600.0
+    assert load_config({}, env={"SPOTGUARD_STALE_UPLOAD_AGE": "7200"}).stale_upload_age == 7200.0
+    with pytest.raises(ConfigError, match=r"^stale_upload_age: must be > 0"):
+        load_config({}, env={"SPOTGUARD_STALE_UPLOAD_AGE": "0"})
 
 
 def test_unknown_and_broken_files_are_config_errors(tmp_path: Path) -> None:

@@ -41,6 +41,12 @@ class FailingStorage(FileStorage):
             raise StorageError(f"injected failure for {key}")
         super().put_file(local, key, crc32c=crc32c, progress=progress)
 
+    def put_bytes_if_absent(self, key: str, data: bytes, *, crc32c: str) -> None:
+        self.puts.append(key)
+        if key.endswith(self.fail_on):
+            raise StorageError(f"injected failure for {key}")
+        super().put_bytes_if_absent(key, data, crc32c=crc32c)
+
 
 def test_upload_then_list_shows_complete_and_restore_is_identical(tmp_path: Path, storage: FileStorage) -> None:
     files = {"a.pt": b"a" * 1000, "b.pt": bytes(range(256)) * 64}
