@@ -182,7 +182,7 @@ def upload_files(
             return
         if cancel is not None and cancel.is_set():
             raise UploadCancelled(f"{name}: upload cancelled")
-        put_with_retry(storage, step_dir, rel, entry, deadline=deadline, progress=progress)
+        put_with_retry(storage, step_dir, rel, entry, deadline=deadline, progress=progress, cancel=cancel)
 
     # Largest first: the long transfers start early and small files fill the gaps.
     order = sorted(files, key=lambda rel: -files[rel].size)
@@ -221,13 +221,25 @@ def put_with_retry(
     *,
     deadline: float | None = None,
     progress: UploadProgress | None = None,
+    cancel: threading.Event | None = None,
     what: str = "uploading",
 ) -> None:
-    """One data file of a checkpoint to the bucket, transient failures retried until ``deadline``."""
+    """One data file of a checkpoint to the bucket, transient failures retried until ``deadline``.
+
+    ``cancel`` set stops the file after the part in flight (the backend aborts its unfinished
+    multipart upload): an urgent checkpoint need not wait for the rest of a file of tens of GB.
+    """
     key = f"{step_dir.name}/{rel}"
     sent = progress.sender(rel) if progress is not None else None
+
+    def part_done(length: int) -> None:
+        if sent is not None:
+            sent(length)
+        if cancel is not None and cancel.is_set():
+            raise UploadCancelled(f"{key}: upload cancelled between parts")
+
     retry(
-        lambda: storage.put_file(step_dir / rel, key, crc32c=entry.crc32c, progress=sent),
+        lambda: storage.put_file(step_dir / rel, key, crc32c=entry.crc32c, progress=part_done),
         is_transient=storage.is_transient,
         deadline=deadline,
         what=f"{what} {key}",

@@ -381,3 +381,46 @@ def test_s3_put_file_refuses_a_symlink_and_uploads_nothing(url: str, raw: object
         storage.put_file(tmp_path / "link", "step-1/link", crc32c=crc)
     assert storage.stat("step-1/link") is None
     assert uploads_under(raw, storage.bucket, storage.prefix) == []
+
+
+def test_a_cancelled_upload_stops_between_parts_and_leaves_no_multipart_upload(
+    url: str, raw: object, env: S3Server, tmp_path: Path
+) -> None:
+    """An urgent checkpoint cancels a periodic upload after the part in flight, not after the whole file."""
+    import threading
+
+    from spotguard.manifest import FileEntry
+    from spotguard.storage.base import Progress
+    from spotguard.storage.checkpoints import UploadCancelled, UploadProgress, put_with_retry
+
+    step_dir = tmp_path / "step-000000007"
+    data, crc = write(step_dir / "big.bin", 8 * 5 * MiB, seed=7)  # eight parts of 5 MiB
+    storage = S3Storage(url, part_size=5 * MiB, max_concurrency=1, multipart_threshold=5 * MiB)
+    cancel = threading.Event()
+    parts_sent = 0
+
+    class CancelAfterTwoParts(UploadProgress):
+        def sender(self, rel: str) -> Progress:
+            counted = super().sender(rel)
+
+            def sent(count: int) -> None:
+                nonlocal parts_sent
+                counted(count)
+                parts_sent += 1
+                if parts_sent == 2:
+                    cancel.set()  # what the uploader does when an urgent checkpoint arrives
+
+            return sent
+
+    try:
+        with pytest.raises(UploadCancelled, match="between parts"):
+            put_with_retry(
+                storage, step_dir, "big.bin", FileEntry(len(data), crc), progress=CancelAfterTwoParts(), cancel=cancel
+            )
+        # The part the one stream had already picked up may finish; the other five are never sent.
+        assert parts_sent in (2, 3)
+        assert storage.stat("step-000000007/big.bin") is None
+        prefix = url.split("/", 3)[3]
+        assert uploads_under(raw, env.bucket, prefix) == []  # aborted, not left open (and billed)
+    finally:
+        storage.close()
