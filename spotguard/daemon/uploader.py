@@ -206,6 +206,11 @@ class Uploader:
 
     def set_deadline(self, deadline: datetime | None) -> None:
         self._deadline = deadline
+        # The store's own retries (SDK attempts and timeouts) must fit in what is left too.
+        set_storage_deadline = getattr(self.storage, "set_deadline", None)
+        if set_storage_deadline is not None:
+            left = None if deadline is None else (deadline - utcnow()).total_seconds()
+            set_storage_deadline(None if left is None else time.monotonic() + left)
 
     async def rescan(self) -> None:
         """Queue every complete local checkpoint not yet complete in the bucket."""

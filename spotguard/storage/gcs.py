@@ -42,6 +42,7 @@ import io
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -208,6 +209,7 @@ class GcsStorage:
         self._client_lock = threading.Lock()
         # One budget of upload streams for the whole instance, shared by every file in flight.
         self._streams = threading.BoundedSemaphore(max_concurrency)
+        self._deadline: float | None = None
         self.retry = Retry(
             predicate=self.is_transient, initial=0.2, maximum=5.0, multiplier=2.0, timeout=retry_deadline
         )
@@ -257,6 +259,16 @@ class GcsStorage:
         cls = TransientStorageError if self.is_transient(exc) else StorageError
         return cls(f"gcs: {what}: {exc}")
 
+    def set_deadline(self, deadline: float | None) -> None:
+        """A notice's deadline (``time.monotonic()``), or None: while set, the library's retries of each
+        request stop at the deadline instead of after ``retry_deadline``."""
+        self._deadline = deadline
+
+    def _retry_now(self) -> Retry:
+        if self._deadline is None:
+            return self.retry
+        return self.retry.with_timeout(max(1.0, self._deadline - time.monotonic()))
+
     def is_transient(self, exc: BaseException) -> bool:
         """429, 5xx, resets, timeouts, corruption in transit: yes. 400/401/403/404/409/412: no."""
         if isinstance(exc, TransientStorageError):
@@ -291,7 +303,7 @@ class GcsStorage:
             # Listing one object needs storage.objects.list, which the uploader needs anyway;
             # get_bucket would need storage.buckets.get, which objectAdmin roles lack.
             for _ in self.client.list_blobs(
-                self.bucket_name, prefix=self.prefix, max_results=1, retry=self.retry, timeout=self.timeout
+                self.bucket_name, prefix=self.prefix, max_results=1, retry=self._retry_now(), timeout=self.timeout
             ):
                 pass
         except Exception as exc:
@@ -332,7 +344,7 @@ class GcsStorage:
                     size=os.fstat(handle.fileno()).st_size,
                     content_type="application/octet-stream",
                     checksum="crc32c",
-                    retry=self.retry,
+                    retry=self._retry_now(),
                     timeout=self.timeout,
                 )
             except Exception as exc:
@@ -352,7 +364,7 @@ class GcsStorage:
                     content_type="application/json",
                     checksum="crc32c",
                     if_generation_match=0,
-                    retry=self.retry,
+                    retry=self._retry_now(),
                     timeout=self.timeout,
                 )
         except gexc.PreconditionFailed:
@@ -379,7 +391,7 @@ class GcsStorage:
             size=length,
             content_type="application/octet-stream",
             checksum="crc32c",
-            retry=self.retry,
+            retry=self._retry_now(),
             timeout=self.timeout,
         )
         return blob
@@ -424,12 +436,12 @@ class GcsStorage:
                 for n, group in enumerate(groups):
                     joined = self.bucket.blob(f"{parts_prefix}join-{level}-{n:05d}")
                     joined.content_type = "application/octet-stream"
-                    joined.compose(group, retry=self.retry, timeout=self.timeout)
+                    joined.compose(group, retry=self._retry_now(), timeout=self.timeout)
                     uploaded.append(joined)
                     sources.append(joined)
             dest = self._new_blob(full, expected)
             dest.content_type = "application/octet-stream"
-            dest.compose(sources, retry=self.retry, timeout=self.timeout)
+            dest.compose(sources, retry=self._retry_now(), timeout=self.timeout)
             return dest
         except Exception as exc:
             raise self._wrap(f"upload {full} in {len(plan)} parts", exc) from exc
@@ -466,7 +478,7 @@ class GcsStorage:
             stale = [
                 b.name
                 for b in self.client.list_blobs(
-                    self.bucket_name, prefix=f"{self.prefix}{PARTS_DIR}/", retry=self.retry, timeout=self.timeout
+                    self.bucket_name, prefix=f"{self.prefix}{PARTS_DIR}/", retry=self._retry_now(), timeout=self.timeout
                 )
                 if cutoff is None or b.time_created is None or b.time_created <= cutoff
             ]
@@ -481,7 +493,7 @@ class GcsStorage:
 
     def _get_blob(self, full: str) -> Any:
         try:
-            blob = self.bucket.get_blob(full, retry=self.retry, timeout=self.timeout)
+            blob = self.bucket.get_blob(full, retry=self._retry_now(), timeout=self.timeout)
         except Exception as exc:
             raise self._wrap(f"get {full}", exc, reading=True) from exc
         if blob is None:
@@ -518,7 +530,9 @@ class GcsStorage:
         full = self._key(key)
         try:
             return bytes(
-                self.bucket.blob(full).download_as_bytes(checksum="crc32c", retry=self.retry, timeout=self.timeout)
+                self.bucket.blob(full).download_as_bytes(
+                    checksum="crc32c", retry=self._retry_now(), timeout=self.timeout
+                )
             )
         except Exception as exc:
             raise self._wrap(f"read {full}", exc, reading=True) from exc
@@ -534,7 +548,7 @@ class GcsStorage:
         """Every object under ``prefix`` (paginated), with its CRC32C; upload parts are hidden."""
         try:
             for blob in self.client.list_blobs(
-                self.bucket_name, prefix=self.prefix + prefix, retry=self.retry, timeout=self.timeout
+                self.bucket_name, prefix=self.prefix + prefix, retry=self._retry_now(), timeout=self.timeout
             ):
                 key = blob.name[len(self.prefix) :]
                 if key.startswith(PARTS_DIR + "/"):
@@ -555,7 +569,7 @@ class GcsStorage:
 
         def one(name: str) -> None:
             with contextlib.suppress(gexc.NotFound):  # also when a retried delete already won
-                self.bucket.delete_blob(name, retry=self.retry, timeout=self.timeout)
+                self.bucket.delete_blob(name, retry=self._retry_now(), timeout=self.timeout)
 
         with cf.ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(names))) as pool:
             futures = {pool.submit(one, n): n for n in sorted(names)}

@@ -83,6 +83,9 @@ log = logging.getLogger(__name__)
 
 MiB = 1024 * 1024
 _MIN_PART = 5 * MiB  # S3's floor for every part but the last
+# While racing a notice: one request may not take longer than this (the read timeout is per socket read).
+_RACING_CONNECT_TIMEOUT = 2.0
+_RACING_READ_TIMEOUT = 15.0
 _MAX_PARTS = 10_000
 _DELETE_BATCH = 1000  # DeleteObjects' limit
 _READ_CHUNK = 1 * MiB  # what a download stream holds in memory at once
@@ -295,6 +298,8 @@ class S3Storage:
         self._client = client
         self._client_lock = threading.Lock()
         self._session: Any = None
+        self._racing_client: Any = None  # the client used while a notice's deadline runs (set_deadline)
+        self._deadline: float | None = None
         # botocore's pool defaults to 10 connections: more parts in flight than that
         # silently queue for a connection, so the pool must cover our concurrency.
         self._config = Config(
@@ -323,7 +328,33 @@ class S3Storage:
                     self._client = self._session.client(
                         "s3", endpoint_url=self._endpoint_url, region_name=self._region, config=self._config
                     )
+        if self._deadline is not None and self._owns_client:
+            return self._racing()
         return self._client
+
+    def _racing(self) -> Any:
+        """The same client with a short SDK budget (2 attempts, short timeouts): racing a deadline,
+        botocore must not spend minutes on one request (5 attempts of a 60 s read timeout); our own
+        retry, bounded by the deadline, tries again instead."""
+        if self._racing_client is None:
+            with self._client_lock:
+                if self._racing_client is None:
+                    config = self._config.merge(
+                        Config(
+                            retries={"mode": self._config.retries["mode"], "total_max_attempts": 2},
+                            connect_timeout=min(self._config.connect_timeout, _RACING_CONNECT_TIMEOUT),
+                            read_timeout=min(self._config.read_timeout, _RACING_READ_TIMEOUT),
+                        )
+                    )
+                    self._racing_client = self._session.client(
+                        "s3", endpoint_url=self._endpoint_url, region_name=self._region, config=config
+                    )
+        return self._racing_client
+
+    def set_deadline(self, deadline: float | None) -> None:
+        """A notice's deadline (``time.monotonic()``), or None: while set, every request gets the short
+        SDK budget and our retries stop at the deadline."""
+        self._deadline = deadline
 
     def _key(self, key: str) -> str:
         if not key or key.startswith("/"):
@@ -333,7 +364,13 @@ class S3Storage:
     def _call(self, what: str, fn: Any, /, **kwargs: Any) -> Any:
         """One API call with our retry on top of botocore's; errors become StorageErrors."""
         try:
-            return retry(lambda: fn(**kwargs), is_transient=self.is_transient, attempts=self.attempts, what=what)
+            return retry(
+                lambda: fn(**kwargs),
+                is_transient=self.is_transient,
+                attempts=self.attempts,
+                deadline=self._deadline,
+                what=what,
+            )
         except StorageError:
             raise
         except Exception as exc:
@@ -372,6 +409,7 @@ class S3Storage:
         so that nothing slow (credential chains, DNS, TLS) happens at notice time."""
         client = self.client
         if self._owns_client:
+            self._racing()  # made now, not when a notice comes
             # Resolving the frozen credentials runs the whole provider chain (IMDS, SSO, …) now.
             creds = self._session.get_credentials()
             if creds is None:
@@ -383,9 +421,11 @@ class S3Storage:
             raise StorageError(f"s3: bucket {self.bucket} does not exist") from None
 
     def close(self) -> None:
-        if self._owns_client and self._client is not None:
-            self._client.close()
-            self._client = None
+        if self._owns_client:
+            for client in (self._client, self._racing_client):
+                if client is not None:
+                    client.close()
+            self._client = self._racing_client = None
 
     # -- uploads --------------------------------------------------------------------
 

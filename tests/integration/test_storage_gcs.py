@@ -389,3 +389,22 @@ def test_gcs_part_plan_caps_parts_of_a_very_large_file() -> None:
     assert max(length for _, _, length in plan) == 1024 * MiB  # not size/32 = 3.2 GiB
     assert sum(length for _, _, length in plan) == size and len(plan) == 101
     assert storage._part_plan(2 * 1024 * MiB)[0][2] == 64 * MiB  # under the cap: still 32 parts
+
+
+def test_racing_a_deadline_the_librarys_retries_stop_at_it(
+    url: str, env: GcsServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A store answering 503 forever: google-cloud-storage would retry one request for retry_deadline
+    (120 s); racing a notice's deadline it stops there."""
+    with FaultProxy(env.endpoint_url, fault_rate=1.0, faults=("503",), flavor="gcs") as proxy:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+        storage = GcsStorage(url, retry_deadline=120.0)
+        try:
+            storage.set_deadline(time.monotonic() + 2.0)
+            started = time.monotonic()
+            with pytest.raises(StorageError):
+                storage.stat("step-000000001/manifest.json")
+            assert time.monotonic() - started < 8  # not 120 s
+            assert proxy.injected["503"] >= 2  # it did retry, within the deadline
+        finally:
+            storage.close()

@@ -424,3 +424,35 @@ def test_a_cancelled_upload_stops_between_parts_and_leaves_no_multipart_upload(
         assert uploads_under(raw, env.bucket, prefix) == []  # aborted, not left open (and billed)
     finally:
         storage.close()
+
+
+@pytest.mark.slow
+def test_racing_a_deadline_the_sdk_gets_a_short_budget_and_retries_stop_at_the_deadline(env: S3Server) -> None:
+    """A store answering 503 forever: without a deadline each request is tried many times (botocore's
+    attempts times ours); with one, two per attempt, and the call gives up at the deadline."""
+    with FaultProxy(env.endpoint_url, fault_rate=0.0) as proxy:
+        url = f"s3://{env.bucket}/run-{uuid.uuid4().hex[:8]}"
+        storage = S3Storage(url, endpoint_url=proxy.url, max_attempts=5, attempts=4)
+        try:
+            storage.warm()
+            proxy.set_fault_rate(1.0)
+            proxy.faults = ("503",)
+            before = proxy.requests
+            with pytest.raises(StorageError):
+                storage.put_bytes_if_absent("a", b"x", crc32c=crc_hex(b"x"))
+            unbounded = proxy.requests - before
+            assert unbounded == 5 * 4  # botocore's 5 attempts within each of our 4
+
+            storage.set_deadline(time.monotonic() + 1.5)
+            assert storage.client.meta.config.retries["total_max_attempts"] == 2
+            assert storage.client.meta.config.read_timeout <= 15
+            before, started = proxy.requests, time.monotonic()
+            with pytest.raises(StorageError):
+                storage.put_bytes_if_absent("a", b"x", crc32c=crc_hex(b"x"))
+            assert proxy.requests - before <= 2 * 4
+            assert time.monotonic() - started < 5  # our own retries stopped at the deadline
+
+            storage.set_deadline(None)  # the notice is over: the patient client again
+            assert storage.client.meta.config.retries["total_max_attempts"] == 5
+        finally:
+            storage.close()
