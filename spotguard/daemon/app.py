@@ -484,6 +484,7 @@ class Daemon:
             await asyncio.wait_for(first_checks, self.config.http_timeout * 2 + 1)
         except TimeoutError:
             logger.warning("the first metadata check took longer than %.0f s", self.config.http_timeout * 2 + 1)
+        await asyncio.to_thread(self.events.flush)  # what READY promises is on disk too
         self._tasks = [asyncio.create_task(self.uploader.run(), name="uploader")]
         self._tasks.append(asyncio.create_task(self._watch_stalls(), name="stall-watch"))
         self._tasks.append(asyncio.create_task(self._end_notices_on_time(), name="notice-lifecycle"))
@@ -530,6 +531,7 @@ class Daemon:
                 await monitor.close()
         if self.storage is not None:
             await asyncio.to_thread(self.storage.close)
+        await asyncio.to_thread(self.events.close)  # the last moves of the notices are on disk
         return 0
 
 

@@ -20,7 +20,9 @@ import contextlib
 import hashlib
 import json
 import logging
+import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
@@ -45,6 +47,9 @@ class EventLog:
         self.root = str(root.resolve())
         self.path = self.path_for(state_dir, root)
         self.events: dict[str, dict[str, Any]] = {}
+        self._writes = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spotguard-events")
+        self._lock = threading.Lock()
+        self._latest: bytes | None = None  # the newest log not yet handed to the writer
         try:
             loaded = json.loads(self.path.read_bytes())
             if not isinstance(loaded, dict) or loaded.get("root") != self.root:
@@ -74,17 +79,44 @@ class EventLog:
         return event_id in self.events
 
     def record(self, notice: Notice, **fields: Any) -> None:
+        """Remember ``fields`` for the notice; the file is written off the caller's thread (see :meth:`_save`)."""
         entry = self.events.setdefault(notice.event_id, {"notice": notice.to_dict()})
         entry.update(fields)
         self._save()
 
     def _save(self) -> None:
+        """Queue the current log for writing by the log's own thread.
+
+        The daemon records a notice on its event loop just before telling the trainers: an fsync
+        there (tens of ms, seconds on a sick disk) would delay every trainer's news. Writes keep
+        their order, and one still queued is replaced by the newer log rather than written twice.
+        """
+        data = json.dumps({"root": self.root, "events": self.events}, indent=1).encode()
+        with self._lock:
+            queued = self._latest is not None
+            self._latest = data
+        if not queued:
+            self._writes.submit(self._write_latest)
+
+    def _write_latest(self) -> None:
+        with self._lock:
+            data, self._latest = self._latest, None
+        if data is None:
+            return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with atomic_file(self.path) as out:
-                out.write(json.dumps({"root": self.root, "events": self.events}, indent=1).encode())
+                out.write(data)
         except OSError as exc:  # losing this only risks acting twice after a restart
             logger.warning("cannot write %s: %s", self.path, exc)
+
+    def flush(self) -> None:
+        """Wait until everything recorded so far is on disk."""
+        self._writes.submit(lambda: None).result()
+
+    def close(self) -> None:
+        self.flush()
+        self._writes.shutdown()
 
     def entries(self) -> Iterator[tuple[Notice, dict[str, Any]]]:
         for entry in self.events.values():

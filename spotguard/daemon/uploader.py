@@ -289,8 +289,7 @@ class Uploader:
         early = self._early.pop(job.name, [])
         if early:
             await asyncio.gather(*early, return_exceptions=True)
-        manifest = load_manifest_or_none(step_dir)
-        share = None if manifest is not None and not verify_dir(step_dir, checksums=False) else load_part(step_dir)
+        manifest, share = await asyncio.to_thread(_what_to_send, step_dir)  # disk reads: off the loop
         if manifest is None and share is None:
             logger.warning("not uploading %s: neither a complete checkpoint nor a node's committed share", job.name)
             return
@@ -466,10 +465,15 @@ class Uploader:
             logger.warning("bucket retention failed: %s", exc)
         # Locally, never delete what is not yet safe in the bucket.
         settled = self.committed | self.conflicts
-        not_uploaded = frozenset(
-            info.name for info in scan_local(self.root) if info.status == "complete" and info.name not in settled
-        )
-        await asyncio.to_thread(prune_local, self.root, self.keep_local, protected=not_uploaded)
+
+        def prune() -> None:
+            local = scan_local(self.root)
+            not_uploaded = frozenset(
+                info.name for info in local if info.status == "complete" and info.name not in settled
+            )
+            prune_local(self.root, self.keep_local, protected=not_uploaded)
+
+        await asyncio.to_thread(prune)
 
     # --- shutdown and status -----------------------------------------------------------
 
@@ -566,6 +570,13 @@ class Uploader:
             "failing_streak": self.failing_streak(),
             "conflicts": sorted(self.conflicts)[-5:],
         }
+
+
+def _what_to_send(step_dir: Path) -> tuple[Manifest | None, dict[str, FileEntry] | None]:
+    """A complete checkpoint's manifest, or else this node's committed share of one (or neither)."""
+    manifest = load_manifest_or_none(step_dir)
+    share = None if manifest is not None and not verify_dir(step_dir, checksums=False) else load_part(step_dir)
+    return manifest, share
 
 
 def _mib(count: int) -> str:

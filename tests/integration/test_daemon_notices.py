@@ -27,7 +27,6 @@ from spotguard.daemon.app import Daemon
 from spotguard.daemon.notices import EventLog
 from spotguard.demo import Vm, wait_for
 from spotguard.notice import parse_iso
-from spotguard.storage.base import Progress
 from spotguard.storage.checkpoints import list_remote
 from spotguard.storage.file import FileStorage
 
@@ -152,12 +151,13 @@ class FlakyCommitStorage(FileStorage):
         self.fail_next_commit = threading.Event()
         self.failed: list[str] = []
 
-    def put_file(self, local: Path, key: str, *, crc32c: str, progress: Progress | None = None) -> None:
+    def put_bytes_if_absent(self, key: str, data: bytes, *, crc32c: str) -> None:
+        # Manifests are created conditionally: this is the commit.
         if key.endswith("/manifest.json") and self.fail_next_commit.is_set():
             self.fail_next_commit.clear()
             self.failed.append(key)
             raise OSError(errno.EIO, "injected transient fault", key)
-        super().put_file(local, key, crc32c=crc32c, progress=progress)
+        super().put_bytes_if_absent(key, data, crc32c=crc32c)
 
 
 def test_after_a_notice_is_over_a_periodic_upload_gets_its_retries_and_is_not_late(

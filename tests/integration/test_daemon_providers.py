@@ -306,7 +306,7 @@ def test_faults_before_and_after_a_notice_give_no_action_then_exactly_one(
     emu.trigger(**case.notice)
     wait_for(lambda: guard.should_checkpoint(2), WAIT, "the trainer to be told about the notice")
     assert guard.stop_requested
-    [event_id] = handled_events(vm)
+    [event_id] = wait_for(lambda: handled_events(vm), WAIT, "the daemon to record the notice")
     assert guard.told_ids() == [event_id]
     status = assert_alive(vm)
     assert status["last_notice"]["event_id"] == event_id
@@ -360,7 +360,7 @@ def test_restarted_daemon_acts_on_a_notice_that_came_while_it_was_down(
     assert len(at_ready) == 1, "READY=1 was sent before the pending notice was acted on"
     wait_for(lambda: guard.should_checkpoint(2), WAIT, "the restarted daemon to tell the trainer")
     assert guard.stop_requested
-    [event_id] = handled_events(vm)
+    [event_id] = wait_for(lambda: handled_events(vm), WAIT, "the daemon to record the notice")
     assert list(at_ready) == [event_id]
     assert guard.told_ids() == [event_id]
     assert assert_alive(vm)["last_notice"]["event_id"] == event_id
@@ -379,7 +379,7 @@ def test_restarted_daemon_does_not_act_twice_on_a_notice_it_handled(
     guard = guards(vm)
     emu.trigger(**case.notice)
     wait_for(lambda: guard.should_checkpoint(1), WAIT, "the trainer to be told about the notice")
-    [event_id] = handled_events(vm)
+    [event_id] = wait_for(lambda: handled_events(vm), WAIT, "the daemon to record the notice")
     save_for_notice(guard, 1)
     wait_for(lambda: handled_events(vm)[event_id].get("saved_step") == 1, WAIT, "the daemon to record the save")
     assert not guard.should_checkpoint(2)
@@ -426,7 +426,7 @@ def test_azure_acknowledges_only_after_the_checkpoint_is_committed_in_the_bucket
         guard = guards(vm)
         event = emu.trigger(type="Preempt", **{"in": 60})
         wait_for(lambda: guard.should_checkpoint(1), WAIT, "the trainer to be told about the notice")
-        [event_id] = handled_events(vm)
+        [event_id] = wait_for(lambda: handled_events(vm), WAIT, "the daemon to record the notice")
         path = save_for_notice(guard, 1)
         wait_for(lambda: assert_alive(vm)["uploads"]["failures"], WAIT, "the first upload attempt to fail")
         start = polls(emu, "/metadata/scheduledevents")
@@ -447,7 +447,8 @@ def test_azure_acknowledges_only_after_the_checkpoint_is_committed_in_the_bucket
 
         wait_for(acknowledged, WAIT, "the StartRequests acknowledgement")
         assert emu.control("GET", "acks") == [{"StartRequests": [{"EventId": event["EventId"]}]}]
-        assert handled_events(vm)[event_id]["committed"] == path.name
+        # The event log is written off the daemon's loop, after the trainers are told: wait for it.
+        wait_for(lambda: handled_events(vm)[event_id].get("committed") == path.name, WAIT, "the commit in the log")
         assert emu.state()["Events"][0]["EventStatus"] == "Started"
         # Started (blank NotBefore) is still the same event: no second action, no second ack.
         start = polls(emu, "/metadata/scheduledevents")
@@ -548,7 +549,7 @@ def test_gcp_terminate_on_host_maintenance_is_a_stop(
     emu.trigger(maintenance_event=value)
     wait_for(lambda: guard.should_checkpoint(1), WAIT, "the trainer to be told about the maintenance event")
     assert guard.stop_requested is stops
-    [entry] = handled_events(vm).values()
+    [entry] = wait_for(lambda: handled_events(vm), WAIT, "the daemon to record the notice").values()
     assert entry["action"] == action
     assert entry["notice"]["kind"] == "maintenance"
     assert entry["notice"]["raw"] == {"maintenance_event": value, "terminates": stops}

@@ -105,6 +105,7 @@ def test_after_a_restart_handled_notices_are_held_and_over_ones_stay_over(tmp_pa
     ended = before.open(notice(clock, 1, Kind.DRILL, "ended"), Action.STOP)
     clock.advance(40)
     assert before.current() is waiting and ended.state is NoticeState.OVER
+    before.log.flush()  # the log is written by its own thread; a restart reads what reached the disk
 
     after = book(tmp_path, clock, grace=30)
     restored = {t.event_id: t.state for t in after.restore()}
@@ -118,8 +119,10 @@ def test_a_log_written_before_states_existed_honours_saved_step_and_committed(tm
     uploaded = notice(clock, 100, Kind.REBALANCE, "uploaded")
     log.record(saved, action="stop", saved_step=9)
     log.record(uploaded, action="checkpoint", committed="step-000000009")
+    log.flush()
     after = book(tmp_path, clock)
     assert [(t.event_id, t.state) for t in after.restore()] == [(saved.event_id, NoticeState.HELD)]
+    after.log.flush()
     entry = json.loads(log.path.read_text())["events"][uploaded.event_id]
     assert entry["state"] == "over"
 
@@ -129,8 +132,26 @@ def test_event_logs_are_one_file_per_root_and_ignore_another_roots_file(tmp_path
     clock = Clock()
     a = EventLog(state, tmp_path / "a")
     a.record(notice(clock, 100), action="stop")
+    a.flush()
     assert EventLog(state, tmp_path / "b").events == {}
     assert EventLog(state, tmp_path / "a").events.keys() == a.events.keys()
     # A file that names another root (copied by hand, say) is not taken for this root's.
     EventLog.path_for(state, tmp_path / "b").write_bytes(a.path.read_bytes())
     assert EventLog(state, tmp_path / "b").events == {}
+
+
+def test_recording_does_not_wait_for_the_disk_and_writes_keep_their_order(tmp_path: Path) -> None:
+    """The daemon records a notice on its event loop just before telling the trainers: no fsync there."""
+    import threading
+
+    clock = Clock()
+    log = EventLog(tmp_path / "state", tmp_path / "root")
+    disk_free = threading.Event()
+    log._writes.submit(disk_free.wait)  # a disk that takes its time
+    first = notice(clock, 100, Kind.DRILL, "first")
+    log.record(first, action="stop")  # returns at once, though nothing can be written yet
+    log.record(first, action="stop", saved_step=3)
+    assert not log.path.exists()
+    disk_free.set()
+    log.close()
+    assert json.loads(log.path.read_text())["events"][first.event_id]["saved_step"] == 3  # the newer record won
