@@ -9,10 +9,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["Guard", "__version__"]
+__all__ = ["Guard", "SpotguardDiskFull", "__version__"]
 
 if TYPE_CHECKING:
     from spotguard.trainer.guard import Guard
+    from spotguard.trainer.space import SpotguardDiskFull
 
 
 def __getattr__(name: str) -> Any:
@@ -20,4 +21,8 @@ def __getattr__(name: str) -> Any:
         from spotguard.trainer.guard import Guard
 
         return Guard
+    if name == "SpotguardDiskFull":  # stdlib only: no torch
+        from spotguard.trainer.space import SpotguardDiskFull
+
+        return SpotguardDiskFull
     raise AttributeError(f"module 'spotguard' has no attribute {name!r}")

@@ -29,6 +29,7 @@ BUCKET_SCHEMES = ("s3", "gs", "file")
 WEBHOOK_FIELDS = (
     "type", "event_id", "provider", "kind", "action", "deadline", "seconds_left", "host", "message",
     "outcome", "checkpoint", "step", "bytes", "seconds", "upload_seconds", "margin_s", "error",
+    "reason", "bytes_needed", "bytes_free", "path",
 )  # fmt: skip
 
 

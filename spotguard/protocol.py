@@ -8,12 +8,18 @@ Client -> daemon:
   file    {path, name, size, crc32c}                 one file of a checkpoint being written is complete
                                                      (uploading starts before the commit; no reply)
   saved   {path, step, reason, event_id?}           a checkpoint is committed locally
+  save-failed {step, reason, error, message,         a save failed and nothing was committed (no reply);
+           bytes_needed?, bytes_free?, path?,         error says what kind of failure: "disk-full", "write-failed"
+           event_id?}
+  safe-steps {}                                      which local checkpoints are complete in the bucket
   drill   {deadline_s}                               inject a simulated hard notice
   status  {}                                         what the daemon sees
 Daemon -> client:
   welcome          {checkpoint_dir, bucket, daemon_pid, notice?}   reply to hello
   checkpoint-now   {notice, stop, deadline_s}                      write an urgent checkpoint now
   ok               {...}                                           reply to saved/drill
+  safe-steps       {names, bucket}                                 reply to safe-steps: step directory names
+                                                                   committed in the bucket (may be dropped locally)
   status           {...}                                           reply to status
   error            {code, message}                                 what was wrong with the request
 """
@@ -41,6 +47,8 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "hello": {"rank": int, "world_size": int, "pid": int},
     "file": {"path": str, "name": str, "size": int, "crc32c": str},
     "saved": {"path": str, "step": int, "reason": str},
+    "save-failed": {"step": int, "reason": str, "error": str, "message": str},
+    "safe-steps": {},  # the request is empty; the reply carries names (a list of str) and bucket
     "drill": {"deadline_s": (int, float)},
     "status": {},
     "welcome": {"checkpoint_dir": str},
@@ -48,8 +56,8 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "ok": {},
     "error": {"code": str, "message": str},
 }
-CLIENT_TYPES = frozenset({"hello", "file", "saved", "drill", "status"})
-DAEMON_TYPES = frozenset({"welcome", "checkpoint-now", "ok", "status", "error"})
+CLIENT_TYPES = frozenset({"hello", "file", "saved", "save-failed", "safe-steps", "drill", "status"})
+DAEMON_TYPES = frozenset({"welcome", "checkpoint-now", "ok", "safe-steps", "status", "error"})
 
 
 def encode(message_type: str, **fields: Any) -> bytes:

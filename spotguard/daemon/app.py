@@ -44,6 +44,8 @@ logger = logging.getLogger("spotguard.daemon")
 NoticeListener = Callable[[Notice, Action], Awaitable[None]]
 SavedListener = Callable[[str, Manifest], None]  # a trainer committed this checkpoint locally
 MonitorErrorListener = Callable[[str, BaseException], None]  # monitor name, what failed
+SaveFailedListener = Callable[[dict[str, Any]], None]  # a trainer's save failed; the failure as in status
+_SAVE_FAILED_FIELDS = ("step", "reason", "error", "message", "bytes_needed", "bytes_free", "path", "event_id")
 
 
 class EventLog:
@@ -137,6 +139,8 @@ class Daemon:
         self.notice_listeners: list[NoticeListener] = []  # every new event id, ignored ones included
         self.saved_listeners: list[SavedListener] = []
         self.monitor_error_listeners: list[MonitorErrorListener] = []
+        self.save_failed_listeners: list[SaveFailedListener] = []
+        self.save_failures: list[dict[str, Any]] = []  # the last few, newest last
         self.metrics_url: str | None = None  # set by build_and_run when metrics are served
         self.monitor_errors: dict[str, str] = {}
         self._stopping = asyncio.Event()
@@ -229,6 +233,12 @@ class Daemon:
             return []  # fire and forget: the trainer is busy writing the next file
         if kind == "saved":
             return [await self._saved(peer, message)]
+        if kind == "save-failed":
+            self._save_failed(peer, message)
+            return []  # nothing to answer: the trainer goes on (or stops) either way
+        if kind == "safe-steps":
+            # Local copies of these may be dropped when the disk is short of room.
+            return [("safe-steps", {"names": sorted(self.uploader.committed), "bucket": self.config.bucket})]
         if kind == "drill":
             return [await self._drill(message)]
         return [("status", self.status())]
@@ -298,6 +308,28 @@ class Daemon:
         else:
             self.uploader.submit(resolved, urgent=urgent)
         return "ok", {"queued": self.storage is not None, "name": resolved.name}
+
+    def _save_failed(self, peer: Peer, message: dict[str, Any]) -> None:
+        failure = {name: message.get(name) for name in _SAVE_FAILED_FIELDS}
+        failure.update(pid=peer.pid, at=utcnow().isoformat())
+        logger.error(
+            "trainer pid %d: %s checkpoint at step %d failed (%s): %s",
+            peer.pid,
+            message["reason"],
+            message["step"],
+            message["error"],
+            message["message"],
+        )
+        self.save_failures.append(failure)
+        del self.save_failures[:-20]
+        event_id = message.get("event_id")
+        if self.last_notice is not None and isinstance(event_id, str) and self.last_notice.get("event_id") == event_id:
+            self.last_notice["save_failed"] = failure
+        for listener in self.save_failed_listeners:
+            try:
+                listener(failure)
+            except Exception:
+                logger.exception("a save-failed listener failed for step %s", message["step"])
 
     def _record_saved(self, event_id: object, name: str, step: int) -> None:
         """The trainer saved for a notice: remember it (across restarts) and for the timeline."""
@@ -369,6 +401,7 @@ class Daemon:
             },
             "last_notice": self.last_notice,
             "uploads": self.uploader.status(),
+            "save_failures": self.save_failures[-5:],
             "stopping": self._stopping.is_set(),
             "metrics_url": self.metrics_url,
         }

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -117,6 +117,13 @@ class DaemonMetrics:
         self.monitor_errors = Counter(
             "spotguard_monitor_errors", "Failed metadata checks, by monitor", ["monitor"], registry=registry
         )
+        self.save_failures = Counter(
+            "spotguard_save_failures",
+            "Checkpoints a trainer failed to write locally, by reason (urgent, periodic, ...) and error "
+            "(disk-full, write-failed)",
+            ["reason", "error"],
+            registry=registry,
+        )
         self._live = _LiveCollector()
         registry.register(self._live)
 
@@ -124,6 +131,7 @@ class DaemonMetrics:
         daemon.notice_listeners.append(self.on_notice)
         daemon.saved_listeners.append(self.on_saved)
         daemon.monitor_error_listeners.append(self.on_monitor_error)
+        daemon.save_failed_listeners.append(self.on_save_failed)
         daemon.uploader.on_failure.append(self.on_upload_failure)
         uploader = daemon.uploader
 
@@ -163,6 +171,9 @@ class DaemonMetrics:
 
     def on_monitor_error(self, monitor: str, exc: BaseException) -> None:
         self.monitor_errors.labels(monitor).inc()
+
+    def on_save_failed(self, failure: dict[str, Any]) -> None:
+        self.save_failures.labels(str(failure["reason"]), str(failure["error"])).inc()
 
 
 class MetricsServer:
