@@ -205,14 +205,16 @@ class Guard:
         """Checkpoint ``state`` at ``step`` and return its directory.
 
         Urgent saves (a notice, SIGTERM) return once the checkpoint is committed locally, and
-        first cancel a periodic save still being written. When the local disk is short of room,
-        checkpoints already complete in the bucket are dropped first (oldest first); if nothing
-        can make room, :class:`spotguard.SpotguardDiskFull` is raised (a periodic save only logs
-        it, and training goes on). Either way the daemon is told of the failure. Periodic saves return as soon as the
+        first cancel a periodic save still being written. Periodic saves return as soon as the
         state is copied to host memory; a background thread writes and commits it (at most one
         in flight: a new periodic save first waits for the previous one; :meth:`wait` waits too).
         The daemon (if any) is told of each commit and uploads it. A step that is already
         committed is not written again: checkpoints are never overwritten.
+
+        When the local disk is short of room, local checkpoints already complete in the bucket
+        are dropped first, oldest first. If nothing can make room, an urgent save raises
+        :class:`spotguard.SpotguardDiskFull` (``stop_requested`` still turns true on a hard
+        notice); a periodic one logs it and training goes on. The daemon is told either way.
         """
         check_state(state)
         with self._lock:
@@ -302,6 +304,7 @@ class Guard:
                 # A full disk must never take down training: the next periodic save tries again.
                 logger.warning("spotguard: periodic checkpoint %s not written: %s", writer.dir.name, failure)
                 return
+            logger.error("spotguard: %s checkpoint %s not written: %s", writer.reason, writer.dir.name, failure)
             if raise_error:
                 if failure is exc:
                     raise
@@ -393,7 +396,6 @@ class Guard:
         partial = load_manifest_or_none(writer.dir) is None
         if partial and self.rank == 0 and (self.world_size == 1 or isinstance(exc, SpotguardDiskFull)):
             shutil.rmtree(writer.dir, ignore_errors=True)
-        logger.error("spotguard: %s checkpoint at step %d failed: %s", writer.reason, writer.step, failure)
         if self._node_leader:
             details: dict[str, Any] = {}
             if isinstance(failure, SpotguardDiskFull):
