@@ -237,7 +237,9 @@ class Daemon:
             self._save_failed(peer, message)
             return []  # nothing to answer: the trainer goes on (or stops) either way
         if kind == "safe-steps":
-            # Local copies of these may be dropped when the disk is short of room.
+            # Local copies of these may be dropped when the disk is short of room. (A name bucket
+            # retention removed since stays listed until the next rescan: it is older than
+            # keep_remote complete ones, and local retention drops it anyway.)
             return [("safe-steps", {"names": sorted(self.uploader.committed), "bucket": self.config.bucket})]
         if kind == "drill":
             return [await self._drill(message)]

@@ -366,8 +366,6 @@ class Uploader:
             )
             if removed:
                 logger.info("bucket retention removed %s", ", ".join(removed))
-                # No longer safe in the bucket: a trainer short of room must not drop them locally.
-                self.committed.difference_update(removed)
         except (StorageError, OSError) as exc:
             logger.warning("bucket retention failed: %s", exc)
         # Locally, never delete what is not yet safe in the bucket.
