@@ -9,11 +9,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["Guard", "SpotguardMismatch", "__version__"]
+__all__ = ["Guard", "SpotguardDiskFull", "SpotguardMismatch", "__version__"]
 
 if TYPE_CHECKING:
     from spotguard.trainer.contents import SpotguardMismatch
     from spotguard.trainer.guard import Guard
+    from spotguard.trainer.space import SpotguardDiskFull
 
 
 def __getattr__(name: str) -> Any:
@@ -25,4 +26,8 @@ def __getattr__(name: str) -> Any:
         from spotguard.trainer.contents import SpotguardMismatch
 
         return SpotguardMismatch
+    if name == "SpotguardDiskFull":  # stdlib only: no torch
+        from spotguard.trainer.space import SpotguardDiskFull
+
+        return SpotguardDiskFull
     raise AttributeError(f"module 'spotguard' has no attribute {name!r}")

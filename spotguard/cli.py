@@ -174,6 +174,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"last committed in bucket: {last['name']} at {last['at']} ({last['seconds']} s)")
     for failure in uploads["failures"]:
         print(f"upload failure: {failure['name']}: {failure['error']}")
+    for failure in reply.get("save_failures", []):
+        print(f"save failed: step {failure['step']} ({failure['reason']}, {failure['error']}): {failure['message']}")
     for name, error in reply["monitor_errors"].items():
         print(f"monitor {name}: {error}")
     return EXIT_OK

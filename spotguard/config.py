@@ -31,6 +31,7 @@ CHECKSUM_MODES = ("auto", "crc32c", "md5")
 WEBHOOK_FIELDS = (
     "type", "event_id", "provider", "kind", "action", "deadline", "seconds_left", "host", "message",
     "outcome", "checkpoint", "step", "bytes", "seconds", "upload_seconds", "margin_s", "error", "pid",
+    "reason", "bytes_needed", "bytes_free", "path",
 )  # fmt: skip
 
 

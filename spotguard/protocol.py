@@ -10,12 +10,18 @@ Client -> daemon:
   saved   {path, step, reason, event_id?}           a checkpoint is committed locally
   checkpoint-started {event_id, step}                the loop reached a checkpoint point for a notice
                                                      (the daemon's stall detector; no reply)
+  save-failed {step, reason, error, message,         a save failed and nothing was committed (no reply);
+           bytes_needed?, bytes_free?, path?,         error says what kind of failure: "disk-full", "write-failed"
+           event_id?}
+  safe-steps {}                                      which local checkpoints are complete in the bucket
   drill   {deadline_s}                               inject a simulated hard notice
   status  {}                                         what the daemon sees
 Daemon -> client:
   welcome          {checkpoint_dir, bucket, daemon_pid, notice?}   reply to hello
   checkpoint-now   {notice, stop, deadline_s}                      write an urgent checkpoint now
   ok               {...}                                           reply to saved/drill
+  safe-steps       {names, bucket}                                 reply to safe-steps: step directory names
+                                                                   committed in the bucket (may be dropped locally)
   status           {...}                                           reply to status
   error            {code, message}                                 what was wrong with the request
 """
@@ -44,6 +50,8 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "file": {"path": str, "name": str, "size": int, "crc32c": str},
     "saved": {"path": str, "step": int, "reason": str},
     "checkpoint-started": {"event_id": str, "step": int},
+    "save-failed": {"step": int, "reason": str, "error": str, "message": str},
+    "safe-steps": {},  # the request is empty; the reply carries names (a list of str) and bucket
     "drill": {"deadline_s": (int, float)},
     "status": {},
     "welcome": {"checkpoint_dir": str},
@@ -51,8 +59,10 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "ok": {},
     "error": {"code": str, "message": str},
 }
-CLIENT_TYPES = frozenset({"hello", "file", "saved", "checkpoint-started", "drill", "status"})
-DAEMON_TYPES = frozenset({"welcome", "checkpoint-now", "ok", "status", "error"})
+CLIENT_TYPES = frozenset(
+    {"hello", "file", "saved", "checkpoint-started", "save-failed", "safe-steps", "drill", "status"}
+)
+DAEMON_TYPES = frozenset({"welcome", "checkpoint-now", "ok", "safe-steps", "status", "error"})
 
 
 def encode(message_type: str, **fields: Any) -> bytes:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from spotguard.demo import Vm
+from tests.diskspace import mount_tmpfs
 
 # Tests spawn trainer subprocesses; one thread each keeps 2 cores from thrashing and reductions repeatable.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -43,3 +44,9 @@ def vm_factory(tmp_path: Path, bucket: str) -> Iterator[Callable[..., Vm]]:
 @pytest.fixture
 def vm(vm_factory: Callable[..., Vm]) -> Vm:
     return vm_factory("vm-a")
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
+    """``tmpfs(size_bytes)`` mounts a small tmpfs for the test and returns where; unmounted at teardown."""
+    yield from mount_tmpfs(tmp_path / "mnt")

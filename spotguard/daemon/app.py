@@ -20,7 +20,13 @@ from typing import Any
 
 from spotguard import __version__, protocol
 from spotguard.config import DaemonConfig, with_overrides
-from spotguard.daemon.events import MonitorErrorListener, NoticeListener, SavedListener, StallListener
+from spotguard.daemon.events import (
+    MonitorErrorListener,
+    NoticeListener,
+    SavedListener,
+    SaveFailedListener,
+    StallListener,
+)
 from spotguard.daemon.notices import EventLog, NoticeBook, NoticeState, TrackedNotice
 from spotguard.daemon.notify import SystemdNotifier, watchdog_loop
 from spotguard.daemon.server import Peer, Reply, SocketServer
@@ -42,6 +48,7 @@ from spotguard.storage.base import Storage
 logger = logging.getLogger("spotguard.daemon")
 
 _STALL_CHECK_INTERVAL = 0.25  # seconds between looks for stalled trainers while a notice is pending
+_SAVE_FAILED_FIELDS = ("step", "reason", "error", "message", "bytes_needed", "bytes_free", "path", "event_id")
 
 
 class Daemon:
@@ -92,6 +99,8 @@ class Daemon:
         self.monitor_error_listeners: list[MonitorErrorListener] = []
         self.stall_listeners: list[StallListener] = []
         self.stalled: dict[int, dict[str, Any]] = {}  # peer id -> its report, while it stays stalled
+        self.save_failed_listeners: list[SaveFailedListener] = []
+        self.save_failures: list[dict[str, Any]] = []  # the last few, newest last
         self.metrics_url: str | None = None  # set by build_and_run when metrics are served
         self.monitor_errors: dict[str, str] = {}
         self._stopping = asyncio.Event()
@@ -210,6 +219,14 @@ class Daemon:
         if kind == "checkpoint-started":
             self._acted(peer, message["event_id"], f"reached a checkpoint point at step {message['step']}")
             return []
+        if kind == "save-failed":
+            self._save_failed(peer, message)
+            return []  # nothing to answer: the trainer goes on (or stops) either way
+        if kind == "safe-steps":
+            # Local copies of these may be dropped when the disk is short of room. (A name bucket
+            # retention removed since stays listed until the next rescan: it is older than
+            # keep_remote complete ones, and local retention drops it anyway.)
+            return [("safe-steps", {"names": sorted(self.uploader.committed), "bucket": self.config.bucket})]
         if kind == "drill":
             return [await self._drill(message)]
         return [("status", self.status())]
@@ -282,6 +299,28 @@ class Daemon:
         else:
             self.uploader.submit(resolved, urgent=urgent)
         return "ok", {"queued": self.storage is not None, "name": resolved.name}
+
+    def _save_failed(self, peer: Peer, message: dict[str, Any]) -> None:
+        failure = {name: message.get(name) for name in _SAVE_FAILED_FIELDS}
+        failure.update(pid=peer.pid, at=utcnow().isoformat())
+        logger.error(
+            "trainer pid %d: %s checkpoint at step %d failed (%s): %s",
+            peer.pid,
+            message["reason"],
+            message["step"],
+            message["error"],
+            message["message"],
+        )
+        self.save_failures.append(failure)
+        del self.save_failures[:-20]
+        event_id = message.get("event_id")
+        if self.last_notice is not None and isinstance(event_id, str) and self.last_notice.get("event_id") == event_id:
+            self.last_notice["save_failed"] = failure
+        for listener in self.save_failed_listeners:
+            try:
+                listener(failure)
+            except Exception:
+                logger.exception("a save-failed listener failed for step %s", message["step"])
 
     def _record_saved(self, event_id: object, name: str, step: int) -> None:
         """The trainer saved for a notice: remember it (across restarts) and for the timeline."""
@@ -418,6 +457,7 @@ class Daemon:
             "last_notice": self.last_notice,
             "stalled": list(self.stalled.values()),
             "uploads": self.uploader.status(),
+            "save_failures": self.save_failures[-5:],
             "stopping": self._stopping.is_set(),
             "metrics_url": self.metrics_url,
         }

@@ -20,6 +20,7 @@ UploadFailureListener = Callable[[str, BaseException], None]  # checkpoint name,
 # A trainer told of this notice has not reached a checkpoint point within the bound; the dict is its
 # entry in status()["stalled"] (pid, rank, event_id, seconds, bound_s, deadline_s, message).
 StallListener = Callable[[Notice, Action, dict[str, Any]], None]
+SaveFailedListener = Callable[[dict[str, Any]], None]  # a trainer's save failed; the failure as in status
 
 
 class UploaderEvents(Protocol):
@@ -37,6 +38,7 @@ class DaemonEvents(Protocol):
     saved_listeners: list[SavedListener]
     monitor_error_listeners: list[MonitorErrorListener]
     stall_listeners: list[StallListener]
+    save_failed_listeners: list[SaveFailedListener]
 
     @property
     def uploader(self) -> UploaderEvents: ...
@@ -58,6 +60,7 @@ __all__ = [
     "DaemonEvents",
     "MonitorErrorListener",
     "NoticeListener",
+    "SaveFailedListener",
     "SavedListener",
     "StallListener",
     "UploadFailureListener",

@@ -134,6 +134,13 @@ class DaemonMetrics:
             "Trainers reported for not reaching a checkpoint point within the bound after a notice",
             registry=registry,
         )
+        self.save_failures = Counter(
+            "spotguard_save_failures",
+            "Checkpoints a trainer failed to write locally, by reason (urgent, periodic, ...) and error "
+            "(disk-full, write-failed)",
+            ["reason", "error"],
+            registry=registry,
+        )
         self._live = _LiveCollector()
         registry.register(self._live)
 
@@ -142,6 +149,7 @@ class DaemonMetrics:
         daemon.saved_listeners.append(self.on_saved)
         daemon.monitor_error_listeners.append(self.on_monitor_error)
         daemon.stall_listeners.append(self.on_stall)
+        daemon.save_failed_listeners.append(self.on_save_failed)
         daemon.uploader.on_failure.append(self.on_upload_failure)
         uploader = daemon.uploader
         self.upload_failing_streak.set_function(uploader.failing_streak)
@@ -186,6 +194,9 @@ class DaemonMetrics:
 
     def on_stall(self, notice: Notice, action: Action, report: dict[str, Any]) -> None:
         self.trainer_stalls.inc()
+
+    def on_save_failed(self, failure: dict[str, Any]) -> None:
+        self.save_failures.labels(str(failure["reason"]), str(failure["error"])).inc()
 
 
 class MetricsServer:

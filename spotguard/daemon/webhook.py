@@ -7,8 +7,13 @@ gets exactly two POSTs:
 * ``"type": "outcome"`` at the first commit in the bucket of a checkpoint whose manifest
   ``meta.event_id`` is the event's (``"outcome": "committed"``, or ``"missed"`` when it landed
   after the deadline), or when the deadline passes without one (``"missed"``, or
-  ``"upload-failed"`` when an upload of the event's checkpoint failed). Without a bucket the
-  outcome is ``"local-only"`` once a trainer has committed the checkpoint locally.
+  ``"upload-failed"`` when an upload of the event's checkpoint failed, or ``"save-failed"`` when
+  the trainer could not write it). Without a bucket the outcome is ``"local-only"`` once a
+  trainer has committed the checkpoint locally.
+
+Besides, every checkpoint a trainer fails to write (a full disk, any write error; for a notice or
+a periodic save) gets one ``"type": "save-failed"`` POST at once, with ``error`` (``disk-full``,
+``write-failed``), ``step``, ``reason``, ``bytes_needed``, ``bytes_free`` and ``path``.
 
 and, between the two, ``"type": "stalled"`` for each trainer (``pid``) that has not reached a
 checkpoint point within the daemon's bound (``seconds`` waited, ``seconds_left`` to the deadline).
@@ -78,6 +83,7 @@ class _Event:
     step: int | None = None
     bytes: int | None = None
     failure: str | None = None
+    save_failure: str | None = None
     timer: asyncio.TimerHandle | None = None
 
 
@@ -132,6 +138,7 @@ class WebhookNotifier:
         daemon.notice_listeners.append(self.on_notice)
         daemon.saved_listeners.append(self.on_saved)
         daemon.stall_listeners.append(self.on_stall)
+        daemon.save_failed_listeners.append(self.on_save_failed)
         daemon.uploader.on_committed.append(self.on_committed)
         daemon.uploader.on_failure.append(self.on_upload_failure)
 
@@ -171,6 +178,23 @@ class WebhookNotifier:
         message = f"{report['message']} (on {self.host})"
         self._enqueue(event, "stalled", message, pid=report["pid"], seconds=report["seconds"])
 
+    def on_save_failed(self, failure: dict[str, Any]) -> None:
+        event_id = failure.get("event_id")
+        event = self._events.get(event_id) if isinstance(event_id, str) else None
+        message = (
+            f"{failure['reason']} checkpoint at step {failure['step']} failed on {self.host} "
+            f"({failure['error']}): {failure['message']}"
+        )
+        details = {k: failure.get(k) for k in ("step", "reason", "bytes_needed", "bytes_free", "path")}
+        values: dict[str, Any]
+        if event is not None:
+            event.save_failure = str(failure["message"])
+            values = self.fields(event, "save-failed", message, error=failure["error"], **details)
+        else:
+            values = {**dict.fromkeys(WEBHOOK_FIELDS), "type": "save-failed", "host": self.host, "message": message}
+            values.update(error=failure["error"], **details)
+        self._put(values, logger.error)
+
     def on_upload_failure(self, name: str, exc: BaseException) -> None:
         for event in self._events.values():
             if event.checkpoint == name:
@@ -201,6 +225,9 @@ class WebhookNotifier:
         if event.failure is not None:
             message = f"upload failed, the deadline passed: {event.checkpoint}: {event.failure}"
             self._resolve(event, "upload-failed", message, error=event.failure)
+        elif event.checkpoint is None and event.save_failure is not None:
+            message = f"missed the deadline: the trainer could not write its checkpoint: {event.save_failure}"
+            self._resolve(event, "save-failed", message, error=event.save_failure)
         elif event.checkpoint is None:
             self._resolve(event, "missed", "missed the deadline: no trainer committed a checkpoint for this notice")
         else:
@@ -248,9 +275,12 @@ class WebhookNotifier:
 
     def _enqueue(self, event: _Event, kind: str, message: str, **extra: Any) -> None:
         values = self.fields(event, kind, message, **extra)
+        self._put(values, logger.info if kind == "notice" or extra.get("outcome") == "committed" else logger.warning)
+
+    def _put(self, values: dict[str, Any], log: Callable[..., None]) -> None:
+        message = values["message"]
         body = {**values, "text": message} if self.template is None else render(self.template, values)
-        log = logger.info if kind == "notice" or extra.get("outcome") == "committed" else logger.warning
-        log("webhook %s: %s", kind, message)
+        log("webhook %s: %s", values["type"], message)
         try:
             self._queue.put_nowait(body)
         except asyncio.QueueFull:

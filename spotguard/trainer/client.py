@@ -56,6 +56,7 @@ class DaemonClient:
         self.welcome: dict[str, Any] | None = None
         self.welcomed = threading.Event()
         self.connections = 0  # how many times a connection was made (reconnects show here)
+        self._waiting: dict[str, tuple[threading.Event, list[dict[str, Any]]]] = {}  # reply type -> its slot
         self._thread = threading.Thread(target=self._run, name="spotguard-daemon-client", daemon=True)
 
     def start(self) -> DaemonClient:
@@ -83,6 +84,22 @@ class DaemonClient:
                 kind,
                 self.dropped,
             )
+
+    def ask(self, message_type: str, timeout: float, **fields: Any) -> dict[str, Any] | None:
+        """One request on the live connection, answered by a reply of the same type; None when not
+        connected, or when the daemon does not answer in ``timeout`` (or answers with an error)."""
+        if not self.connected.is_set():
+            return None
+        answered, slot = threading.Event(), list[dict[str, Any]]()
+        with self._lock:
+            self._waiting[message_type] = (answered, slot)
+        try:
+            self.send(message_type, **fields)
+            answered.wait(timeout)
+        finally:
+            with self._lock:
+                self._waiting.pop(message_type, None)
+        return slot[0] if slot else None
 
     def close(self, timeout: float = 2.0) -> None:
         self._closing.set()
@@ -164,6 +181,14 @@ class DaemonClient:
             self.welcomed.set()
         elif message["type"] == "error":
             logger.warning("spotguard daemon: %s: %s", message["code"], message["message"])
+        with self._lock:
+            waiting = self._waiting.get(message["type"])
+            # An error answers whichever request is waiting (e.g. one an older daemon does not know).
+            woken = [waiting] if waiting else list(self._waiting.values()) if message["type"] == "error" else []
+        if waiting is not None:
+            waiting[1].append(message)
+        for answered, _ in woken:
+            answered.set()
         try:
             self._on_message(message)
         except Exception:  # one message the hook cannot handle must not cost the ones after it

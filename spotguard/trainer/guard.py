@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import threading
 import time
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Collection, Mapping, MutableMapping
 from datetime import datetime
 from pathlib import Path
 from types import FrameType
@@ -22,6 +23,7 @@ from spotguard.manifest import (
     ManifestError,
     SaveCancelled,
     load_manifest,
+    load_manifest_or_none,
     prune_local,
     remove_incomplete,
     scan_local,
@@ -41,11 +43,14 @@ from spotguard.trainer.contents import (
     refuse_newer_format,
 )
 from spotguard.trainer.sharded import LAYOUT, describe_dcp_model, load_sharded, save_sharded
+from spotguard.trainer.space import SpotguardDiskFull, free_bytes, is_disk_full, make_room
 from spotguard.trainer.state import (
     Payloads,
     Stager,
     StateError,
     check_state,
+    estimate_bytes,
+    is_tensor,
     read_state,
     write_payloads,
 )
@@ -136,6 +141,7 @@ class Guard:
         self._background_error: Exception | None = None
         self._node_leader = self.rank == 0  # the rank that tells this node's daemon about commits
         self.last_resume_report: ResumeReport | None = None  # what the last resume loaded and left
+        self._last_bytes: int | None = None  # what the last checkpoint took on disk, to expect as much again
 
         root = settings.checkpoint_dir
         hello = {
@@ -254,6 +260,11 @@ class Guard:
         in flight: a new periodic save first waits for the previous one; :meth:`wait` waits too).
         The daemon (if any) is told of each commit and uploads it. A step that is already
         committed is not written again: checkpoints are never overwritten.
+
+        When the local disk is short of room, local checkpoints already complete in the bucket
+        are dropped first, oldest first. If nothing can make room, an urgent save raises
+        :class:`spotguard.SpotguardDiskFull` (``stop_requested`` still turns true on a hard
+        notice); a periodic one logs it and training goes on. The daemon is told either way.
         """
         check_state(state)
         with self._lock:
@@ -288,7 +299,7 @@ class Guard:
             self._background = (
                 threading.Thread(
                     target=self._write_and_report,
-                    args=(writer, staged, notice),
+                    args=(writer, staged, notice, estimate_bytes(staged)),
                     name=f"spotguard-save-{step}",
                     daemon=True,
                 ),
@@ -296,8 +307,19 @@ class Guard:
             )
             self._background[0].start()
         else:
-            self._write_and_report(writer, Payloads(state), notice, raise_error=True)
+            needed = self._expected_bytes(state)
+            self._write_and_report(writer, Payloads(state), notice, needed, raise_error=True)
         return writer.dir
+
+    def _expected_bytes(self, state: Mapping[str, Any]) -> int:
+        """The room an urgent save asks for before writing: what the last checkpoint took (this run's, or
+        the newest on disk), at least the tensors held directly in ``state``. Taking every entry's
+        ``state_dict()`` up front would hold back the first file's upload; a state that grew past the
+        expectation is caught by the write itself (ENOSPC), which then makes more room once."""
+        if self._last_bytes is None:
+            complete = [info for info in scan_local(self.checkpoint_dir) if info.status == "complete"]
+            self._last_bytes = complete[-1].bytes if complete else 0
+        return max(self._last_bytes, estimate_bytes({k: v for k, v in state.items() if is_tensor(v)}))
 
     def wait(self, *, raise_error: bool = True) -> None:
         """Wait for the periodic save running in the background, if any; re-raise its error."""
@@ -323,28 +345,40 @@ class Guard:
         writer: CheckpointWriter,
         payloads: Mapping[str, Any],
         notice: dict[str, Any] | None,
+        needed: int,
         raise_error: bool = False,
     ) -> None:
         try:
-            self._write(writer, payloads)
+            self._write(writer, payloads, needed)
         except CheckpointExists:
             logger.info("spotguard: %s is already committed; not writing it again", writer.dir.name)
         except SaveCancelled:
             return  # the directory stays incomplete; the next writer removes it
         except Exception as exc:
+            failure = self._save_failed(writer, exc, needed, notice)
+            if writer.reason == "periodic" and isinstance(failure, SpotguardDiskFull):
+                # A full disk must never take down training: the next periodic save tries again.
+                logger.warning("spotguard: periodic checkpoint %s not written: %s", writer.dir.name, failure)
+                return
+            logger.error("spotguard: %s checkpoint %s not written: %s", writer.reason, writer.dir.name, failure)
             if raise_error:
-                raise
-            self._background_error = exc
+                if failure is exc:
+                    raise
+                raise failure from exc
+            self._background_error = failure
             return
         with self._lock:
             self.timeline["committed_local"] = time.time()
+        self._last_bytes = sum(entry.size for entry in writer.files.values())
         self._report(writer.dir, writer.step, writer.reason, notice)
 
-    def _open_step_dir(self, writer: CheckpointWriter) -> None:
-        """Rank 0 clears leftovers and makes the fresh step directory; every rank learns whether the step
-        is already committed (raises :class:`CheckpointExists` on all ranks alike). Collective."""
+    def _open_step_dir(self, writer: CheckpointWriter, needed: int = 0) -> None:
+        """Rank 0 clears leftovers, makes the fresh step directory and room for ``needed`` bytes; every
+        rank learns whether the step is already committed (raises :class:`CheckpointExists` on all ranks
+        alike) or there is no room (:class:`SpotguardDiskFull` on all ranks). Collective."""
         exists = False
-        with dist.settled(f"preparing {writer.dir.name}"):
+        no_room: SpotguardDiskFull | None = None
+        with dist.settled(f"preparing {writer.dir.name}"):  # any other failure on rank 0 reaches every rank
             if self.rank == 0:
                 # Leftovers of a writer killed mid-save; the daemon never loads or uploads them.
                 removed = remove_incomplete(self.checkpoint_dir, except_names=frozenset({writer.dir.name}))
@@ -354,13 +388,44 @@ class Guard:
                     writer.prepare()
                 except CheckpointExists:
                     exists = True
+                else:
+                    try:
+                        make_room(self.checkpoint_dir, needed, safe=self._safe_in_bucket, exclude={writer.dir.name})
+                    except SpotguardDiskFull as exc:
+                        no_room = exc
         # Also keeps the other ranks from writing before rank 0 has made the directory.
-        if dist.agree_any([exists])[0]:
+        exists, full = dist.agree_any([exists, no_room is not None])
+        if exists:
             raise CheckpointExists(str(writer.dir))
+        if full:
+            free = free_bytes(self.checkpoint_dir)
+            raise no_room or SpotguardDiskFull(self.checkpoint_dir, needed, free, "no room on rank 0's disk")
 
-    def _write(self, writer: CheckpointWriter, payloads: Mapping[str, Any]) -> None:
+    def _safe_in_bucket(self) -> Collection[str] | None:
+        """What the daemon says is complete in the bucket; None when no daemon answers."""
+        reply = self.client.ask("safe-steps", timeout=2.0)
+        if reply is None or reply["type"] != "safe-steps" or not isinstance(reply.get("names"), list):
+            return None
+        return frozenset(str(name) for name in reply["names"])
+
+    def _write(self, writer: CheckpointWriter, payloads: Mapping[str, Any], needed: int) -> None:
+        try:
+            self._write_once(writer, payloads, needed)
+        except OSError as exc:
+            if not is_disk_full(exc) or isinstance(exc, SpotguardDiskFull) or self.world_size > 1:
+                raise
+            # The estimate fell short (or someone else took the room). What the failed attempt had
+            # (the free space once its partial files are gone) was not enough: start over once,
+            # with room for twice that.
+            shutil.rmtree(writer.dir, ignore_errors=True)
+            writer.files.clear()
+            had = free_bytes(self.checkpoint_dir)
+            logger.warning("spotguard: %s ran out of room in %d bytes; retrying with more room", writer.dir, had)
+            self._write_once(writer, payloads, 2 * max(needed, had))
+
+    def _write_once(self, writer: CheckpointWriter, payloads: Mapping[str, Any], needed: int) -> None:
         per_rank = self.world_size > 1
-        self._open_step_dir(writer)
+        self._open_step_dir(writer, needed)
 
         def announce(name: str, entry: FileEntry) -> None:
             # The daemon can start uploading this file while the next one is written.
@@ -374,6 +439,37 @@ class Guard:
         with dist.settled(f"committing {writer.dir.name}"):  # nobody goes on (or exits) before the commit
             if self.rank == 0:
                 writer.commit()
+
+    def _save_failed(
+        self, writer: CheckpointWriter, exc: Exception, needed: int, notice: dict[str, Any] | None
+    ) -> Exception:
+        """Nothing was committed: remove the partial directory, tell the daemon, and return the error
+        to raise (a raw ENOSPC becomes :class:`SpotguardDiskFull` with the numbers)."""
+        failure = exc
+        if is_disk_full(exc) and not isinstance(exc, SpotguardDiskFull):
+            free = free_bytes(self.checkpoint_dir)
+            failure = SpotguardDiskFull(self.checkpoint_dir, max(needed, free + 1), free, f"{writer.dir.name}: {exc}")
+        partial = load_manifest_or_none(writer.dir) is None
+        if partial and self.rank == 0 and (self.world_size == 1 or isinstance(exc, SpotguardDiskFull)):
+            shutil.rmtree(writer.dir, ignore_errors=True)
+        if self._node_leader:
+            details: dict[str, Any] = {}
+            if isinstance(failure, SpotguardDiskFull):
+                details = {
+                    "bytes_needed": failure.bytes_needed,
+                    "bytes_free": failure.bytes_free,
+                    "path": str(failure.path),
+                }
+            self.client.send(
+                "save-failed",
+                step=writer.step,
+                reason=writer.reason,
+                error="disk-full" if isinstance(failure, SpotguardDiskFull) else "write-failed",
+                message=str(failure),
+                event_id=notice["notice"]["event_id"] if notice else None,
+                **details,
+            )
+        return failure
 
     def _mark_saved(self, step: int, notice: dict[str, Any] | None) -> None:
         """Bookkeeping at the step the save is taken: the notice is handled, the periodic clock restarts."""
@@ -553,4 +649,4 @@ class Guard:
         self.close()
 
 
-__all__ = ["Guard", "ResumeReport", "SpotguardMismatch", "StateError"]
+__all__ = ["Guard", "ResumeReport", "SpotguardDiskFull", "SpotguardMismatch", "StateError"]

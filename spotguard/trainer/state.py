@@ -180,6 +180,33 @@ class Stager:
         return copy.deepcopy(value)
 
 
+def is_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
+def estimate_bytes(payloads: Mapping[str, Any]) -> int:
+    """About how many bytes ``payloads`` take on disk: every tensor's storage once (``torch.save``
+    writes a view's whole storage), plus a margin for pickled structure. Other objects count only
+    in that margin; a write that still runs out of room is handled where it fails."""
+    storages: dict[tuple[int, str], int] = {}
+
+    def walk(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            storages[(storage.data_ptr(), str(value.device))] = storage.nbytes()
+        elif isinstance(value, Mapping):
+            for item in value.values():
+                walk(item)
+        elif isinstance(value, list | tuple):
+            for item in value:
+                walk(item)
+
+    for key in payloads:
+        walk(payloads[key])
+    tensors = sum(storages.values())
+    return tensors + tensors // 100 + (64 << 10) * max(1, len(payloads))
+
+
 def write_payloads(
     writer: CheckpointWriter,
     payloads: Mapping[str, Any],

@@ -150,4 +150,18 @@ def test_a_symlinked_file_in_a_step_directory_is_not_uploaded(vm: Vm, bucket: st
     )
     remote = Path(bucket.removeprefix("file://")) / step_dir.name
     assert not (remote / "model.pt").exists() and not (remote / "manifest.json").exists()
+
+
+def test_save_failed_is_recorded_and_safe_steps_names_what_is_in_the_bucket(vm: Vm) -> None:
+    # A save-failed without its kind of error is refused; a whole one gets no reply, only a record.
+    payload = b'{"v":1,"type":"save-failed","step":3,"reason":"urgent","message":"x"}\n' + protocol.encode(
+        "save-failed", step=3, reason="periodic", error="write-failed", message="EIO on /nvme"
+    )
+    replies = exchange(vm.socket, payload + protocol.encode("safe-steps"))
+    assert [r["type"] for r in replies] == ["error", "safe-steps"]
+    assert replies[0]["code"] == "bad-field"
+    assert replies[1]["names"] == [] and replies[1]["bucket"] == vm.bucket  # nothing committed yet
+    [failure] = request(vm.socket, "status")["save_failures"]
+    assert (failure["step"], failure["reason"], failure["error"]) == (3, "periodic", "write-failed")
+    assert failure["bytes_needed"] is None and failure["message"] == "EIO on /nvme"
     assert_alive(vm)

@@ -51,3 +51,24 @@ def test_checkpoint_started_is_a_client_message() -> None:
         "event_id": "drill-1",
         "step": 12,
     }
+
+
+def test_save_failed_carries_the_numbers_and_safe_steps_goes_both_ways() -> None:
+    line = protocol.encode(
+        "save-failed",
+        step=6,
+        reason="urgent",
+        error="disk-full",
+        message="no room",
+        bytes_needed=10,
+        bytes_free=4,
+        path="/nvme",
+    )
+    message = protocol.decode(line.strip(), allowed=protocol.CLIENT_TYPES)
+    assert (message["error"], message["bytes_needed"], message["bytes_free"]) == ("disk-full", 10, 4)
+    with pytest.raises(protocol.ProtocolError):
+        protocol.decode(b'{"v": 1, "type": "save-failed", "step": 6, "reason": "urgent"}')
+    assert protocol.decode(protocol.encode("safe-steps").strip(), allowed=protocol.CLIENT_TYPES)["type"] == "safe-steps"
+    answer = protocol.encode("safe-steps", names=["step-000000005"], bucket=None)
+    reply = protocol.decode(answer.strip(), allowed=protocol.DAEMON_TYPES)
+    assert reply["names"] == ["step-000000005"]

@@ -152,11 +152,11 @@ def test_urgent_save_cancels_a_periodic_save_in_flight(tmp_path: Path) -> None:
 
         started = threading.Event()
 
-        def _write(self, writer, payloads):  # type: ignore[no-untyped-def]
+        def _write(self, writer, payloads, *rest):  # type: ignore[no-untyped-def]
             if writer.reason == "periodic":
                 self.started.set()
                 assert writer.cancel is not None and writer.cancel.wait(20)
-            super()._write(writer, payloads)
+            super()._write(writer, payloads, *rest)
 
     guard = HeldGuard(checkpoint_dir=tmp_path / "c", socket=tmp_path / "none.sock", handle_sigterm=False)
     try:

@@ -1,0 +1,93 @@
+"""Room on the local disk for the next checkpoint.
+
+The local root is a staging tier: a checkpoint already complete in the bucket may be dropped
+to make room for a new one. Which ones are safe is the daemon's to say (it knows what it
+committed remotely); without a daemon only older complete checkpoints go, never the newest.
+Stdlib only (and the manifest helpers), so the daemon-free parts of the hook stay light.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import shutil
+from collections.abc import Callable, Collection
+from pathlib import Path
+
+from spotguard.manifest import scan_local
+
+logger = logging.getLogger("spotguard.trainer")
+
+
+class SpotguardDiskFull(OSError):
+    """No room on the local disk for a checkpoint, even after dropping what was safe to drop.
+
+    ``errno`` is ``ENOSPC``; ``bytes_needed``, ``bytes_free`` and ``path`` say how far off it was.
+    """
+
+    def __init__(self, path: Path, bytes_needed: int, bytes_free: int, detail: str = "") -> None:
+        message = (
+            f"no room for a checkpoint on {path}: {bytes_needed} bytes needed, {bytes_free} free"
+            f"{'; ' + detail if detail else ''}"
+        )
+        super().__init__(errno.ENOSPC, message)
+        self.path = path
+        self.bytes_needed = bytes_needed
+        self.bytes_free = bytes_free
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def free_bytes(path: Path) -> int:
+    return shutil.disk_usage(path).free
+
+
+def make_room(
+    root: Path, needed: int, *, safe: Callable[[], Collection[str] | None], exclude: Collection[str] = ()
+) -> list[str]:
+    """Delete local checkpoints, oldest first, until ``needed`` bytes are free under ``root``.
+
+    ``safe`` is asked only when there is too little room: the names the daemon says are complete
+    in the bucket (only those may go), or None without a daemon (then every complete one but the
+    newest may go). Nothing is deleted
+    when even dropping every candidate would not make room: a hopeless save must not cost the
+    local copies too. Raises :class:`SpotguardDiskFull` then; returns the names deleted.
+    """
+    free = free_bytes(root)
+    if free >= needed:
+        return []
+    safe_names = safe()
+    complete = [info for info in scan_local(root) if info.status == "complete" and info.name not in exclude]
+    if safe_names is None:
+        candidates = complete[:-1]  # never the newest: nothing says it is anywhere else
+        why = "no daemon says what is safe in the bucket; the newest local checkpoint is kept"
+    else:
+        candidates = [info for info in complete if info.name in safe_names]
+        why = f"{len(candidates)} local checkpoint(s) are complete in the bucket and may be dropped"
+    if free + sum(info.bytes for info in candidates) < needed:
+        raise SpotguardDiskFull(root, needed, free, why)
+    removed = []
+    for info in candidates:
+        shutil.rmtree(root / info.name, ignore_errors=True)
+        removed.append(info.name)
+        free = free_bytes(root)
+        if free >= needed:
+            break
+    logger.warning(
+        "spotguard: dropped %s from %s to make room for %d bytes (%s)",
+        ", ".join(removed),
+        root,
+        needed,
+        "complete in the bucket" if safe_names is not None else "older local checkpoints; no daemon to ask",
+    )
+    if free < needed:  # another writer took the room meanwhile
+        raise SpotguardDiskFull(root, needed, free, f"after dropping {', '.join(removed)}")
+    return removed
+
+
+__all__ = ["SpotguardDiskFull", "free_bytes", "is_disk_full", "make_room"]

@@ -1,0 +1,163 @@
+"""Acceptance: the local disk is full when a notice comes (issue 10, point 1).
+
+A real daemon subprocess with its checkpoint root (and state directory) on a small tmpfs this test
+mounts, uploading to moto over real HTTP. Step 5 is committed in the bucket, then the disk is filled
+to 4 MiB free and a drill arrives: the urgent save drops the local copy of step 5 (the daemon says it
+is safe in the bucket) and commits step 6. A state too big for any room raises ``SpotguardDiskFull``
+with the numbers; the daemon stays up and reports it (status, metric, webhook); step 5 in the bucket
+still resumes on a fresh VM.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from spotguard import Guard, SpotguardDiskFull
+from spotguard.cli import request
+from spotguard.demo import Vm, wait_for
+from spotguard.manifest import step_dir_name
+from tests.diskspace import fill
+from tests.integration.test_daemon_buckets import complete_steps, connected_guard
+from tests.integration.test_metrics_webhook import Receiver, scrape, value
+from tests.servers import FAKE_AWS_ENV, S3Server, moto_s3
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[S3Server]:
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
+    with moto_s3() as server:
+        yield server
+
+
+@pytest.fixture
+def bucket(s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The daemon (a subprocess inheriting this environment) and this process reach moto directly."""
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    for key, val in {**FAKE_AWS_ENV, "AWS_ENDPOINT_URL_S3": s3.endpoint_url}.items():
+        monkeypatch.setenv(key, val)
+    return f"s3://{s3.bucket}/run-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    server = Receiver()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def vm(tmpfs: Callable[[int], Path], tmp_path: Path, bucket: str, receiver: Receiver) -> Iterator[Vm]:
+    """A daemon whose checkpoint root, state directory and socket are on a 48 MiB tmpfs (its log is not:
+    it must stay readable when the disk is full)."""
+    vm = Vm(tmpfs(48 * MiB), "vm", bucket)
+    vm.log = tmp_path / "daemon.log"
+    vm.start_daemon(env={"SPOTGUARD_METRICS_PORT": "0", "SPOTGUARD_WEBHOOK_URL": receiver.url})
+    try:
+        yield vm
+    finally:
+        vm.kill_daemon()  # before the tmpfs is unmounted
+
+
+def tensors(mib: int, seed: int) -> dict[str, torch.Tensor]:
+    return {"w": torch.randn(mib * MiB // 4, generator=torch.Generator().manual_seed(seed))}
+
+
+def step_5_in_the_bucket_then_a_full_disk(vm: Vm, guard: Guard, bucket: str) -> dict[str, torch.Tensor]:
+    state = tensors(6, seed=5)
+    guard.save(state, 5, reason="urgent")
+    wait_for(lambda: 5 in complete_steps(bucket), 60, "step 5 complete in the bucket")
+    fill(vm.dir.parent, leave=4 * MiB)
+    request(vm.socket, "drill", deadline_s=120)
+    wait_for(lambda: guard.should_checkpoint(6), 10, "the drill to reach the hook")
+    return state
+
+
+def test_urgent_save_on_a_full_disk_drops_the_local_copy_already_in_the_bucket_and_commits(vm: Vm, bucket: str) -> None:
+    guard = connected_guard(vm)
+    try:
+        step_5_in_the_bucket_then_a_full_disk(vm, guard, bucket)
+        step_dir = guard.save(tensors(6, seed=6), 6)
+        assert guard.stop_requested
+    finally:
+        guard.close()
+    assert step_dir == vm.root / step_dir_name(6)
+    # Step 5 was the newest local checkpoint: only the daemon's word that it is complete in the
+    # bucket lets the hook drop it (without a daemon the newest is never dropped).
+    assert not (vm.root / step_dir_name(5)).exists(), "step 5 was safe in the bucket: dropped to make room"
+    wait_for(lambda: complete_steps(bucket) == [5, 6], 60, "step 6 committed in the bucket beside step 5")
+    assert vm.status()["save_failures"] == []
+
+
+def test_a_state_too_big_for_any_room_raises_disk_full_and_the_daemon_reports_it(
+    vm: Vm, bucket: str, receiver: Receiver, tmp_path: Path
+) -> None:
+    guard = connected_guard(vm)
+    try:
+        state5 = step_5_in_the_bucket_then_a_full_disk(vm, guard, bucket)
+        with pytest.raises(SpotguardDiskFull) as info:
+            guard.save(tensors(64, seed=7), 6)  # more than the whole tmpfs
+        assert guard.stop_requested, "the loop still ends cleanly after the failure"
+    finally:
+        guard.close()
+    error = info.value
+    assert error.bytes_needed >= 64 * MiB and error.bytes_free <= 4 * MiB and error.path == vm.root
+    assert not (vm.root / step_dir_name(6)).exists(), "no partial step directory is left"
+    assert (vm.root / step_dir_name(5)).exists(), "nothing is dropped when dropping cannot make enough room"
+
+    # The daemon heard of it: status (and the CLI's), metric, webhook.
+    failure = wait_for(lambda: vm.status()["save_failures"], 10, "the daemon to record the failed save")[-1]
+    assert (failure["step"], failure["reason"], failure["error"]) == (6, "urgent", "disk-full")
+    assert (failure["bytes_needed"], failure["bytes_free"], failure["path"]) == (
+        error.bytes_needed,
+        error.bytes_free,
+        str(vm.root),
+    )
+    shown = subprocess.run(
+        [sys.executable, "-m", "spotguard", "status", "--socket", str(vm.socket)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert "save failed: step 6 (urgent, disk-full)" in shown.stdout, shown.stdout
+    metrics_url = vm.status()["metrics_url"]
+    assert value(scrape(metrics_url), "spotguard_save_failures_total", reason="urgent", error="disk-full") == 1.0
+    hook = wait_for(
+        lambda: [m for m in receiver.messages() if m["type"] == "save-failed"], 10, "the save-failed webhook"
+    )[0]
+    assert (hook["step"], hook["error"], hook["bytes_needed"]) == (6, "disk-full", error.bytes_needed)
+    assert hook["event_id"] == failure["event_id"] and hook["kind"] == "drill"
+
+    # Not a byte left: the daemon's own state write (the event log) fails, is logged, the daemon runs on.
+    fill(vm.dir.parent, leave=0, name="filler-2")
+    request(vm.socket, "drill", deadline_s=120)
+    assert vm.status()["pending"] is not None
+    wait_for(  # the event log (events-<root>.json) is written off the daemon's loop
+        lambda: any(
+            "cannot write" in line and "/events-" in line and "No space left" in line
+            for line in vm.log.read_text().splitlines()
+        ),
+        10,
+        "the daemon to log the failed event-log write",
+    )
+    assert vm.status()["pending"] is not None  # and it still answers
+
+    # Step 5 in the bucket is intact: a fresh VM (empty local disk, no daemon) resumes it.
+    assert complete_steps(bucket) == [5]
+    loaded = {"w": torch.zeros(6 * MiB // 4)}
+    fresh = Guard(checkpoint_dir=tmp_path / "fresh", bucket=bucket, socket=tmp_path / "none.sock", handle_sigterm=False)
+    try:
+        assert fresh.resume(loaded) == 5
+    finally:
+        fresh.close()
+    assert torch.equal(loaded["w"], state5["w"])

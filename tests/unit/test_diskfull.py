@@ -1,0 +1,100 @@
+"""A full local disk on a real (small tmpfs) filesystem, without a daemon: periodic saves log and go
+on, urgent ones drop older local checkpoints (never the newest) or raise ``SpotguardDiskFull``."""
+
+from __future__ import annotations
+
+import errno
+import logging
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from spotguard import Guard, SpotguardDiskFull
+from spotguard.manifest import scan_local, step_dir_name
+from tests.diskspace import fill
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def root(tmpfs: Callable[[int], Path]) -> Path:
+    return tmpfs(8 * MiB) / "ckpt"
+
+
+@pytest.fixture
+def guard(root: Path, tmp_path: Path) -> Iterator[Guard]:
+    # No daemon listens on this socket: only local retention decides what may go.
+    guard = Guard(checkpoint_dir=root, socket=tmp_path / "none.sock", every_steps=1, handle_sigterm=False, keep=10)
+    yield guard
+    guard.close()
+
+
+def complete(root: Path) -> list[int]:
+    return [info.step for info in scan_local(root) if info.status == "complete"]
+
+
+def test_periodic_save_on_a_full_disk_is_logged_training_goes_on_and_the_next_save_succeeds(
+    root: Path, guard: Guard, caplog: pytest.LogCaptureFixture
+) -> None:
+    state = {"w": torch.arange(3 * MiB // 4, dtype=torch.float32)}
+    guard.save(state, 1)
+    guard.wait()
+    filler = fill(root.parent, leave=1 * MiB)
+
+    with caplog.at_level(logging.WARNING, logger="spotguard.trainer"):
+        guard.save(state, 2)  # periodic: staged, written in the background
+        guard.wait()  # the failure is not kept for the loop to trip over
+    assert not (root / step_dir_name(2)).exists(), "the partial step directory is removed"
+    assert complete(root) == [1], "the newest local checkpoint is never dropped without a daemon"
+    failure = next(r for r in caplog.records if "periodic checkpoint step-000000002 not written" in r.getMessage())
+    assert "bytes needed" in failure.getMessage() and str(root) in failure.getMessage()
+
+    filler.unlink()
+    guard.save(state, 3)
+    guard.wait()
+    assert complete(root) == [1, 3]
+
+
+def test_periodic_save_running_out_of_room_mid_write_removes_its_partial_directory(
+    root: Path, guard: Guard, caplog: pytest.LogCaptureFixture
+) -> None:
+    guard.save({"w": torch.ones(MiB // 4)}, 1)
+    guard.wait()
+    fill(root.parent, leave=1 * MiB)
+    # Plain bytes count only in the estimate's margin: the write itself hits ENOSPC.
+    blob = {"blob": b"x" * (3 * MiB)}
+    with caplog.at_level(logging.WARNING, logger="spotguard.trainer"):
+        guard.save(blob, 2)
+        guard.wait()
+    assert "ran out of room" in caplog.text
+    assert "periodic checkpoint step-000000002 not written" in caplog.text
+    assert sorted(p.name for p in root.iterdir()) == [step_dir_name(1)]
+
+
+def test_urgent_save_out_of_room_mid_write_drops_an_older_local_checkpoint_and_retries(
+    root: Path, guard: Guard, caplog: pytest.LogCaptureFixture
+) -> None:
+    guard.save({"blob": b"y" * (2 * MiB)}, 1, reason="urgent")
+    guard.save({"blob": b"y" * (MiB // 2)}, 2, reason="urgent")  # the size the next save expects
+    fill(root.parent, leave=1 * MiB)
+
+    with caplog.at_level(logging.WARNING, logger="spotguard.trainer"):
+        step_dir = guard.save({"blob": b"z" * (2 * MiB)}, 3, reason="urgent")  # grew past it
+    assert "ran out of room" in caplog.text
+    assert step_dir == root / step_dir_name(3)
+    assert complete(root) == [2, 3], "step 1 made room; step 2, the newest before, stays"
+
+
+def test_urgent_save_with_no_room_raises_disk_full_with_the_numbers(root: Path, guard: Guard) -> None:
+    guard.save({"w": torch.ones(MiB // 4)}, 1, reason="urgent")
+    fill(root.parent, leave=1 * MiB)
+    with pytest.raises(SpotguardDiskFull) as info:
+        guard.save({"w": torch.ones(4 * MiB // 4)}, 2, reason="urgent")
+    error = info.value
+    assert isinstance(error, OSError) and error.errno == errno.ENOSPC
+    assert error.bytes_needed >= 4 * MiB and error.bytes_free <= 1 * MiB and error.path == root
+    assert f"{error.bytes_needed} bytes needed, {error.bytes_free} free" in str(error) and str(root) in str(error)
+    assert not (root / step_dir_name(2)).exists()
+    assert complete(root) == [1]
