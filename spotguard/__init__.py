@@ -12,9 +12,9 @@ __version__ = "0.1.0"
 __all__ = ["Guard", "SpotguardDiskFull", "SpotguardMismatch", "__version__"]
 
 if TYPE_CHECKING:
+    from spotguard.space import SpotguardDiskFull
     from spotguard.trainer.contents import SpotguardMismatch
     from spotguard.trainer.guard import Guard
-    from spotguard.trainer.space import SpotguardDiskFull
 
 
 def __getattr__(name: str) -> Any:
@@ -27,7 +27,7 @@ def __getattr__(name: str) -> Any:
 
         return SpotguardMismatch
     if name == "SpotguardDiskFull":  # stdlib only: no torch
-        from spotguard.trainer.space import SpotguardDiskFull
+        from spotguard.space import SpotguardDiskFull
 
         return SpotguardDiskFull
     raise AttributeError(f"module 'spotguard' has no attribute {name!r}")

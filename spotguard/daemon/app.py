@@ -43,6 +43,7 @@ from spotguard.manifest import (
 )
 from spotguard.monitors.base import Acknowledger, Monitor, MonitorError
 from spotguard.notice import Action, Kind, Notice, utcnow
+from spotguard.space import keep_room_for_one
 from spotguard.storage.base import Storage
 
 logger = logging.getLogger("spotguard.daemon")
@@ -298,6 +299,8 @@ class Daemon:
             await asyncio.to_thread(self._prune_without_bucket)
         else:
             self.uploader.submit(resolved, urgent=urgent)
+            # Uploads failing for hours must not fill the disk the next urgent save needs.
+            await asyncio.to_thread(keep_room_for_one, self.root, protected=self.uploader.in_flight())
         return "ok", {"queued": self.storage is not None, "name": resolved.name}
 
     def _save_failed(self, peer: Peer, message: dict[str, Any]) -> None:

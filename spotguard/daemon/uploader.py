@@ -204,6 +204,11 @@ class Uploader:
     def _progress_of(self, name: str) -> UploadProgress:
         return self._progress.setdefault(name, UploadProgress())
 
+    def in_flight(self) -> frozenset[str]:
+        """The checkpoint being uploaded now, if any (not to be deleted under it)."""
+        current = self._current
+        return frozenset() if current is None else frozenset({current.name})
+
     def set_deadline(self, deadline: datetime | None) -> None:
         self._deadline = deadline
         # The store's own retries (SDK attempts and timeouts) must fit in what is left too.

@@ -30,6 +30,7 @@ from spotguard.manifest import (
     verify_dir,
 )
 from spotguard.notice import parse_iso
+from spotguard.space import SpotguardDiskFull, free_bytes, is_disk_full, make_room
 from spotguard.trainer import dist
 from spotguard.trainer.client import DaemonClient
 from spotguard.trainer.contents import (
@@ -43,7 +44,6 @@ from spotguard.trainer.contents import (
     refuse_newer_format,
 )
 from spotguard.trainer.sharded import LAYOUT, describe_dcp_model, load_sharded, save_sharded
-from spotguard.trainer.space import SpotguardDiskFull, free_bytes, is_disk_full, make_room
 from spotguard.trainer.state import (
     Payloads,
     Stager,
@@ -503,8 +503,9 @@ class Guard:
             reason=reason,
             event_id=notice["notice"]["event_id"] if notice else None,
         )
-        if self.bucket is None and not self.client.connected.is_set():
-            # Nobody uploads these; keep the disk from filling.
+        if not self.client.connected.is_set():
+            # No daemon: nobody uploads these (a bucket set only for resume changes nothing); keep the
+            # disk from filling.
             prune_local(self.checkpoint_dir, self.keep)
 
     # --- resume --------------------------------------------------------------------------

@@ -11,6 +11,7 @@ still resumes on a fresh VM.
 from __future__ import annotations
 
 import logging
+import shutil
 import subprocess
 import sys
 import uuid
@@ -21,7 +22,7 @@ import pytest
 import torch
 
 from spotguard import Guard, SpotguardDiskFull
-from spotguard.cli import request
+from spotguard.control import request
 from spotguard.demo import Vm, wait_for
 from spotguard.manifest import step_dir_name
 from tests.diskspace import fill
@@ -161,3 +162,29 @@ def test_a_state_too_big_for_any_room_raises_disk_full_and_the_daemon_reports_it
     finally:
         fresh.close()
     assert torch.equal(loaded["w"], state5["w"])
+
+
+def test_a_failing_bucket_never_fills_the_disk_the_next_checkpoint_needs(
+    tmpfs: Callable[[int], Path], tmp_path: Path
+) -> None:
+    """Uploads fail for good (the bucket's directory cannot be made): the daemon keeps room for one more
+    checkpoint by dropping older ones that never reached the bucket, never the newest."""
+    blocker = tmp_path / "blocked"
+    blocker.write_text("a file where the bucket's directory should be")
+    vm = Vm(tmpfs(40 * MiB), "vm", (blocker / "bucket").as_uri())
+    vm.log = tmp_path / "daemon.log"
+    vm.start_daemon()
+    try:
+        guard = connected_guard(vm)
+        try:
+            for step in range(1, 8):  # 7 checkpoints of 8 MiB on 40 MiB: the disk would be full by the 5th
+                guard.save(tensors(8, seed=step), step, reason="urgent")
+                # The daemon makes the room once it has handled the trainer's "saved" message.
+                wait_for(lambda: shutil.disk_usage(vm.root).free >= 8 * MiB, 10, f"room for step {step + 1}")
+                assert (vm.root / step_dir_name(step) / "manifest.json").exists()  # never the newest
+        finally:
+            guard.close()
+        assert vm.status()["uploads"]["failures"], "the bucket really failed"
+        assert "NOT in the bucket" in vm.log.read_text()
+    finally:
+        vm.kill_daemon()

@@ -98,3 +98,25 @@ def test_urgent_save_with_no_room_raises_disk_full_with_the_numbers(root: Path, 
     assert f"{error.bytes_needed} bytes needed, {error.bytes_free} free" in str(error) and str(root) in str(error)
     assert not (root / step_dir_name(2)).exists()
     assert complete(root) == [1]
+
+
+def test_without_a_daemon_a_bucket_set_for_resume_does_not_stop_local_retention(tmp_path: Path) -> None:
+    """The example trainer unit sets SPOTGUARD_BUCKET; with no daemon nothing uploads, so the hook prunes."""
+    from spotguard import Guard
+    from spotguard.manifest import scan_local
+
+    root = tmp_path / "nvme"
+    guard = Guard(
+        checkpoint_dir=root,
+        bucket=(tmp_path / "bucket").as_uri(),
+        socket=tmp_path / "none.sock",
+        keep=2,
+        handle_sigterm=False,
+        daemon_wait=0.1,
+    )
+    try:
+        for step in range(1, 6):
+            guard.save({"w": torch.full((1024,), float(step))}, step, reason="urgent")
+    finally:
+        guard.close()
+    assert [info.step for info in scan_local(root) if info.status == "complete"] == [4, 5]

@@ -1,9 +1,10 @@
-"""Room on the local disk for the next checkpoint.
+"""Room on the local disk for the next checkpoint; both sides use it.
 
 The local root is a staging tier: a checkpoint already complete in the bucket may be dropped
 to make room for a new one. Which ones are safe is the daemon's to say (it knows what it
 committed remotely); without a daemon only older complete checkpoints go, never the newest.
-Stdlib only (and the manifest helpers), so the daemon-free parts of the hook stay light.
+The daemon itself keeps room for one more checkpoint when its bucket fails for long
+(:func:`keep_room_for_one`). Stdlib only (and the manifest helpers): no torch, no SDKs.
 """
 
 from __future__ import annotations
@@ -48,7 +49,12 @@ def free_bytes(path: Path) -> int:
 
 
 def make_room(
-    root: Path, needed: int, *, safe: Callable[[], Collection[str] | None], exclude: Collection[str] = ()
+    root: Path,
+    needed: int,
+    *,
+    safe: Callable[[], Collection[str] | None],
+    exclude: Collection[str] = (),
+    unsafe_why: str = "older local checkpoints; no daemon to ask",
 ) -> list[str]:
     """Delete local checkpoints, oldest first, until ``needed`` bytes are free under ``root``.
 
@@ -83,11 +89,36 @@ def make_room(
         ", ".join(removed),
         root,
         needed,
-        "complete in the bucket" if safe_names is not None else "older local checkpoints; no daemon to ask",
+        "complete in the bucket" if safe_names is not None else unsafe_why,
     )
     if free < needed:  # another writer took the room meanwhile
         raise SpotguardDiskFull(root, needed, free, f"after dropping {', '.join(removed)}")
     return removed
 
 
-__all__ = ["SpotguardDiskFull", "free_bytes", "is_disk_full", "make_room"]
+def keep_room_for_one(root: Path, *, protected: Collection[str] = ()) -> list[str]:
+    """Keep room under ``root`` for one more checkpoint the size of the newest complete one.
+
+    For the daemon, after each local commit: a bucket that has failed for hours leaves every
+    checkpoint unsafe, and without this the disk fills until the next urgent save finds no room.
+    Older complete checkpoints go first, uploaded or not (a newer one supersedes them); never the
+    newest, nor ``protected`` ones (an upload in flight). Returns the names dropped.
+    """
+    complete = [info for info in scan_local(root) if info.status == "complete"]
+    if len(complete) < 2:
+        return []
+    newest = complete[-1]
+    try:
+        return make_room(
+            root,
+            newest.bytes,
+            safe=lambda: None,
+            exclude=frozenset(protected),
+            unsafe_why="older local checkpoints, NOT in the bucket: uploads keep failing and the next one needs room",
+        )
+    except SpotguardDiskFull as exc:
+        logger.error("spotguard: cannot keep room for another checkpoint: %s", exc)
+        return []
+
+
+__all__ = ["SpotguardDiskFull", "free_bytes", "is_disk_full", "keep_room_for_one", "make_room"]
