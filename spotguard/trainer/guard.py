@@ -292,8 +292,8 @@ class Guard:
             cancel=cancel,
             contents=describe_state(state, self.world_size),
         )
-        self._mark_saved(step, notice)
         if in_background:
+            self._mark_saved(step, notice)  # no notice here: the periodic clock restarts
             # The only part that stalls training: copying the state into reused host buffers.
             staged = self._stager.stage(Payloads(state))
             self._background = (
@@ -308,7 +308,15 @@ class Guard:
             self._background[0].start()
         else:
             needed = self._expected_bytes(state)
-            self._write_and_report(writer, Payloads(state), notice, needed, raise_error=True)
+            try:
+                self._write_and_report(writer, Payloads(state), notice, needed, raise_error=True)
+            except BaseException:
+                # The notice is handled only by a commit: it stays pending here (the daemon heard
+                # save-failed), but a hard one still ends the loop, cleanly.
+                if (notice is not None and notice["stop"]) or self._sigterm:
+                    self._stop_agreed = True
+                raise
+            self._mark_saved(step, notice)
         return writer.dir
 
     def _expected_bytes(self, state: Mapping[str, Any]) -> int:
