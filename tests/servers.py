@@ -24,6 +24,10 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import pytest
 
 FAKE_AWS_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -44,6 +48,15 @@ class GcsServer:
     endpoint_url: str  # http://127.0.0.1:PORT, the value for STORAGE_EMULATOR_HOST
     bucket: str
     project: str = "test-project"
+
+
+def point_at(server: S3Server, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Point this process (and the daemons it starts) at ``server`` with fake credentials; returns a
+    fresh prefix of its bucket (moto's state is per server, one prefix per test)."""
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    for key, value in {**FAKE_AWS_ENV, "AWS_ENDPOINT_URL_S3": server.endpoint_url}.items():
+        monkeypatch.setenv(key, value)
+    return f"s3://{server.bucket}/run-{uuid.uuid4().hex[:8]}"
 
 
 def unique_bucket(prefix: str = "sg-test") -> str:

@@ -14,7 +14,6 @@ import logging
 import shutil
 import subprocess
 import sys
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from spotguard.manifest import step_dir_name
 from tests.diskspace import fill
 from tests.integration.test_daemon_buckets import complete_steps, connected_guard
 from tests.integration.test_metrics_webhook import Receiver, scrape, value
-from tests.servers import FAKE_AWS_ENV, S3Server, moto_s3
+from tests.servers import S3Server, moto_s3, point_at
 
 MiB = 1 << 20
 
@@ -43,10 +42,7 @@ def s3() -> Iterator[S3Server]:
 @pytest.fixture
 def bucket(s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> str:
     """The daemon (a subprocess inheriting this environment) and this process reach moto directly."""
-    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
-    for key, val in {**FAKE_AWS_ENV, "AWS_ENDPOINT_URL_S3": s3.endpoint_url}.items():
-        monkeypatch.setenv(key, val)
-    return f"s3://{s3.bucket}/run-{uuid.uuid4().hex[:8]}"
+    return point_at(s3, monkeypatch)
 
 
 @pytest.fixture

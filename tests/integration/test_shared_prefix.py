@@ -12,7 +12,6 @@ import json
 import subprocess
 import sys
 import threading
-import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
@@ -45,7 +44,7 @@ from spotguard.storage.gcs import GcsStorage
 from spotguard.storage.s3 import S3Storage
 from tests.checkpoints import write_checkpoint
 from tests.faultproxy import FaultProxy
-from tests.servers import FAKE_AWS_ENV, S3Server, gcs_emulator, moto_s3
+from tests.servers import S3Server, gcs_emulator, moto_s3, point_at
 
 MiB = 1 << 20
 # moto dates every multipart upload 2010-11-10 (ListMultipartUploads' "Initiated"), so the age
@@ -61,10 +60,7 @@ def server() -> Iterator[S3Server]:
 
 @pytest.fixture
 def url(server: S3Server, monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
-    for key, value in {**FAKE_AWS_ENV, "AWS_ENDPOINT_URL_S3": server.endpoint_url}.items():
-        monkeypatch.setenv(key, value)
-    return f"s3://{server.bucket}/run-{uuid.uuid4().hex[:8]}"
+    return point_at(server, monkeypatch)
 
 
 @pytest.fixture
