@@ -39,6 +39,29 @@ def trainer_command(framework: str, root: Path, socket: Path, out: Path | None =
     return command
 
 
+def urgent_commit_in_the_bucket(vm: Vm, step: int, framework: str) -> None:
+    """The framework's urgent checkpoint of ``step`` is complete on VM A's disk and committed in the bucket."""
+    step_dir = vm.root / f"step-{step:09d}"
+    manifest = load_manifest(step_dir)
+    assert manifest.reason == "urgent" and manifest.meta["framework"] == framework
+    assert verify_dir(step_dir) == []
+    wait_for(lambda: (s := vm.status()["last_notice"]) and s.get("committed_at"), 30, "the bucket commit")
+    assert vm.status()["last_notice"]["checkpoint"] == step_dir.name
+
+
+def resume_on_a_fresh_vm(
+    vm_factory: Callable[..., Vm], framework: str, step: int, out: Path, **extra: object
+) -> list[dict]:
+    """The replacement VM (empty local disk, same bucket) resumes ``step`` and trains to the end."""
+    vm_b = vm_factory("vm-b")
+    events = run_events(trainer_command(framework, vm_b.root, vm_b.socket, out, **extra))
+    assert events[0]["event"] == "resumed" and events[0]["step"] == step
+    assert events[0]["path"].startswith(str(vm_b.root / f"step-{step:09d}"))
+    assert [e["step"] for e in events if e["event"] == "step"] == list(range(step + 1, STEPS + 1))
+    assert events[-1] == {**events[-1], "event": "finished", "step": STEPS}
+    return events
+
+
 def run_events(command: list[str], on_event: Callable[[subprocess.Popen[str], dict], None] | None = None) -> list[dict]:
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=REPO)
     assert proc.stdout is not None
@@ -80,21 +103,10 @@ def test_drill_mid_epoch_then_fresh_vm_resumes_bitwise_identical(
         assert [e["step"] for e in events if e["event"] == "saved"] == [K]
         assert events[-1]["event"] == "stopped" and events[-1]["step"] == K
         assert max(e["step"] for e in events if e["event"] == "step") == K  # a clean stop right after the save
-        step_dir = vm_a.root / f"step-{K:09d}"
-        manifest = load_manifest(step_dir)
-        assert manifest.reason == "urgent" and manifest.meta["framework"] == framework
-        assert verify_dir(step_dir) == []
-        wait_for(lambda: (s := vm_a.status()["last_notice"]) and s.get("committed_at"), 30, "the bucket commit")
-        assert vm_a.status()["last_notice"]["checkpoint"] == step_dir.name
+        urgent_commit_in_the_bucket(vm_a, K, framework)
         vm_a.stop_daemon()
-
-        vm_b = vm_factory("vm-b")  # the replacement VM: empty local disk, same bucket
         resumed_out = tmp_path / "resumed.pt"
-        events = run_events(trainer_command(framework, vm_b.root, vm_b.socket, resumed_out, bucket=bucket))
-        assert events[0]["event"] == "resumed" and events[0]["step"] == K
-        assert events[0]["path"].startswith(str(vm_b.root / f"step-{K:09d}"))
-        assert [e["step"] for e in events if e["event"] == "step"] == list(range(K + 1, STEPS + 1))
-        assert events[-1] == {**events[-1], "event": "finished", "step": STEPS}
+        resume_on_a_fresh_vm(vm_factory, framework, K, resumed_out, bucket=bucket)
         assert reference.wait(timeout=120) == 0
     finally:
         reference.kill()  # no-op when it finished
@@ -172,24 +184,13 @@ def test_drill_during_evaluation_checkpoints_the_last_finished_step_stops_and_re
             assert evaluated_after == []  # the validation loop ended at the batch where the notice was seen
         else:  # the Trainer's evaluation loop cannot be cut short; the save follows it
             assert [e["batch"] for e in evaluated_after] == list(range(2, EVAL_BATCHES))
-        step_dir = vm_a.root / f"step-{K_EVAL:09d}"
-        manifest = load_manifest(step_dir)
-        assert manifest.reason == "urgent" and manifest.meta["framework"] == framework
-        assert verify_dir(step_dir) == []
-        wait_for(lambda: (s := vm_a.status()["last_notice"]) and s.get("committed_at"), 30, "the bucket commit")
-        assert vm_a.status()["last_notice"]["checkpoint"] == step_dir.name
+        urgent_commit_in_the_bucket(vm_a, K_EVAL, framework)
         vm_a.stop_daemon()
         assert "has not reached a checkpoint point" not in vm_a.log.read_text()  # it acknowledged in time
 
         # A fresh VM resumes the step saved inside the evaluation and ends where the uninterrupted run ends.
-        vm_b = vm_factory("vm-b")
         resumed_out = tmp_path / "resumed.pt"
-        events = run_events(
-            trainer_command(framework, vm_b.root, vm_b.socket, resumed_out, bucket=bucket, eval_every=EVAL_EVERY)
-        )
-        assert events[0]["event"] == "resumed" and events[0]["step"] == K_EVAL
-        assert [e["step"] for e in events if e["event"] == "step"] == list(range(K_EVAL + 1, STEPS + 1))
-        assert events[-1] == {**events[-1], "event": "finished", "step": STEPS}
+        resume_on_a_fresh_vm(vm_factory, framework, K_EVAL, resumed_out, bucket=bucket, eval_every=EVAL_EVERY)
         assert reference.wait(timeout=120) == 0
     finally:
         reference.kill()
