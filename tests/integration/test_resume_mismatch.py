@@ -20,7 +20,7 @@ import torch
 from spotguard import Guard, SpotguardMismatch
 from spotguard.manifest import MANIFEST, ManifestFormatError, load_manifest
 from spotguard.storage import open_storage
-from spotguard.storage.checkpoints import commit_remote, upload_checkpoint
+from spotguard.storage.checkpoints import commit_remote, upload_checkpoint, upload_files
 from tests.faultproxy import FaultProxy
 from tests.servers import FAKE_AWS_ENV, S3Server, moto_s3
 
@@ -219,9 +219,9 @@ def test_a_newer_format_is_a_clear_error_locally_and_in_the_bucket(
     url = f"s3://{server.bucket}/run-{uuid.uuid4().hex[:8]}"
     storage = open_storage(url)
     try:
-        upload_checkpoint(storage, newest)
+        upload_files(storage, newest, load_manifest(newest).files)
         rewrite_format(newest, "spotguard/2")
-        commit_remote(storage, newest)  # the manifest again, now of the newer format
+        commit_remote(storage, newest)  # the manifest, of the newer format (manifests are never overwritten)
     finally:
         storage.close()
     for where in (root, tmp_path / "new-vm"):
