@@ -6,11 +6,18 @@
         manifest.json          written last: the commit marker
         <data files>
 
-Every data file is written under a temporary name, fsynced and renamed, so a
-finished file can be uploaded while the rest are still being written. The
-manifest goes last the same way, then the directory is fsynced: the manifest
-*is* the commit. A directory without a valid manifest, or whose files do not
-match it, is incomplete and never loaded.
+Every data file is written under a temporary name (``.<name>.tmp-<pid>``),
+fsynced and renamed, so a finished file can be uploaded while the rest are
+still being written. The manifest goes last the same way, then the directory is
+fsynced: the manifest *is* the commit. A directory without a valid manifest, or
+whose files do not match it, is incomplete and never loaded.
+
+Within one file the order of the bytes is free: the trainer's state files
+(``spotguard.trainer.writer``) are written skeleton first (every zip record of
+``torch.save`` with holes where the tensors' bytes go), then the holes are
+filled by several threads with ``pwrite``, in any order; only the fsync, the
+rename and the manifest are ordered. The files are standard ``torch.save``
+archives either way.
 """
 
 from __future__ import annotations
@@ -338,10 +345,15 @@ class _ChecksummingWriter:
         return self._crc.digest().hex()
 
 
+def tmp_path_for(path: Path) -> Path:
+    """Where ``path`` is written before its rename: beside it, hidden, with the temporary mark."""
+    return path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}")
+
+
 @contextlib.contextmanager
 def atomic_file(path: Path, cancel: threading.Event | None = None) -> Iterator[_ChecksummingWriter]:
     """Write ``path`` durably: temp name, fsync, rename. On error (or ``cancel``) the temp file is removed."""
-    tmp = path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}")
+    tmp = tmp_path_for(path)
     try:
         with tmp.open("wb", buffering=_CHUNK) as raw:
             writer = _ChecksummingWriter(raw, cancel)
@@ -397,10 +409,15 @@ class CheckpointWriter:
         self.dir.mkdir(parents=True)
         fsync_dir(self.root)
 
-    @contextlib.contextmanager
-    def create(self, relpath: str) -> Iterator[_ChecksummingWriter]:
+    def target(self, relpath: str) -> Path:
+        """Where ``relpath`` goes in the step directory (its parent made); the name is checked."""
         target = self.dir / check_relpath(relpath)
         target.parent.mkdir(parents=True, exist_ok=True)
+        return target
+
+    @contextlib.contextmanager
+    def create(self, relpath: str) -> Iterator[_ChecksummingWriter]:
+        target = self.target(relpath)
         with atomic_file(target, self.cancel) as writer:
             yield writer
         self.files[relpath] = FileEntry(size=writer.size, crc32c=writer.crc32c)

@@ -7,6 +7,11 @@ Client -> daemon:
   hello   {rank, world_size, pid, checkpoint_dir}    a trainer introduces itself
   file    {path, name, size, crc32c}                 one file of a checkpoint being written is complete
                                                      (uploading starts before the commit; no reply)
+  file-range {path, name, tmp, size, offset,         bytes [offset, offset+length) of a file being written under
+           length}                                   its temporary name tmp are written (not yet fsynced) and
+                                                     never written again; ranges of a file arrive in any order,
+                                                     never overlap, cover [0, size), and come before its file
+                                                     message (streaming uploads; no reply)
   saved   {path, step, reason, event_id?}           a checkpoint is committed locally
   checkpoint-started {event_id, step}                the loop reached a checkpoint point for a notice
                                                      (the daemon's stall detector; no reply)
@@ -48,6 +53,7 @@ class ProtocolError(ValueError):
 _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "hello": {"rank": int, "world_size": int, "pid": int},
     "file": {"path": str, "name": str, "size": int, "crc32c": str},
+    "file-range": {"path": str, "name": str, "tmp": str, "size": int, "offset": int, "length": int},
     "saved": {"path": str, "step": int, "reason": str},
     "checkpoint-started": {"event_id": str, "step": int},
     "save-failed": {"step": int, "reason": str, "error": str, "message": str},
@@ -60,7 +66,7 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "error": {"code": str, "message": str},
 }
 CLIENT_TYPES = frozenset(
-    {"hello", "file", "saved", "checkpoint-started", "save-failed", "safe-steps", "drill", "status"}
+    {"hello", "file", "file-range", "saved", "checkpoint-started", "save-failed", "safe-steps", "drill", "status"}
 )
 DAEMON_TYPES = frozenset({"welcome", "checkpoint-now", "ok", "safe-steps", "status", "error"})
 

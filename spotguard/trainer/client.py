@@ -4,8 +4,8 @@ The training loop never waits on this thread: messages from the daemon only
 set flags (through ``on_message``), and messages to it are queued and sent
 whenever a connection is up, so a daemon restart goes unnoticed by the loop.
 The queue is bounded: with no daemon for days, a trainer that saves often must
-not grow it without end. Full, it drops the oldest ``file`` message first (an
-early-upload hint; the checkpoint's ``saved`` covers the same files), else the
+not grow it without end. Full, it drops the oldest ``file`` or ``file-range`` message first (early-upload
+hints; the checkpoint's ``saved`` covers the same files), else the
 oldest message (the daemon rescans the checkpoint root when it starts anyway).
 """
 
@@ -25,7 +25,7 @@ from spotguard import protocol
 
 logger = logging.getLogger("spotguard.trainer")
 
-_NON_ESSENTIAL = frozenset({"file"})  # hints the daemon can do without; dropped first from a full outbox
+_NON_ESSENTIAL = frozenset({"file", "file-range"})  # hints the daemon can do without; dropped first when full
 
 
 class DaemonClient:

@@ -14,7 +14,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from spotguard.config import trainer_settings
+from spotguard.config import trainer_settings, write_threads_setting
 from spotguard.manifest import (
     CheckpointExists,
     CheckpointWriter,
@@ -54,6 +54,7 @@ from spotguard.trainer.state import (
     read_state,
     write_payloads,
 )
+from spotguard.trainer.writer import ParallelWriter, default_write_threads
 
 logger = logging.getLogger("spotguard.trainer")
 
@@ -114,8 +115,10 @@ class Guard:
         keep: int = 2,
         handle_sigterm: bool = True,
         daemon_wait: float = 2.0,
+        write_threads: int | None = None,
     ) -> None:
         check_periodic(every_steps, every_seconds)
+        threads = write_threads_setting(write_threads)
         dist.check_initialised()
         settings = trainer_settings(checkpoint_dir, bucket, socket)
         self.bucket = settings.bucket
@@ -137,6 +140,9 @@ class Guard:
         self._last_save_time = time.monotonic()
         self.timeline: dict[str, float] = {}  # wall-clock times of the last urgent save, for reports
         self._stager = Stager()
+        # Writes the state files of urgent and periodic saves (never both at once: an urgent save
+        # first cancels the periodic one); its staging buffers for CUDA tensors are kept across saves.
+        self._files_writer = ParallelWriter(threads or default_write_threads())
         self._background: tuple[threading.Thread, threading.Event] | None = None
         self._background_error: Exception | None = None
         self._node_leader = self.rank == 0  # the rank that tells this node's daemon about commits
@@ -443,7 +449,15 @@ class Guard:
             assert isinstance(payloads, Payloads), "distributed saves are written from the live state"
             self._node_leader = save_sharded(writer, payloads.state, announce=announce)
         else:
-            write_payloads(writer, payloads, on_file=lambda name: announce(name, writer.files[name]))
+            write_payloads(
+                writer,
+                payloads,
+                on_file=lambda name: announce(name, writer.files[name]),
+                on_range=lambda name, tmp, size, offset, length: self.client.send(
+                    "file-range", path=str(writer.dir), name=name, tmp=tmp, size=size, offset=offset, length=length
+                ),
+                parallel=self._files_writer,
+            )
         with dist.settled(f"committing {writer.dir.name}"):  # nobody goes on (or exits) before the commit
             if self.rank == 0:
                 writer.commit()

@@ -2,7 +2,8 @@
 
 Each entry of ``state`` becomes one file, ``<key>.pt`` (``<key>.rank<R>.pt``
 for per-rank entries under ``torch.distributed``), so that a finished file
-can be uploaded while the next is written. Everything is stored so that it
+can be uploaded while the next is written. The files are ``torch.save``
+archives written by several threads (:mod:`spotguard.trainer.writer`). Everything is stored so that it
 loads with ``torch.load(weights_only=True)``: tensors and primitives only.
 """
 
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from spotguard.manifest import CheckpointWriter, Manifest
+from spotguard.trainer.writer import OnRange, ParallelWriter, default_write_threads
 
 RNG_KEY = "_rng"
 _KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
@@ -123,8 +125,9 @@ def _payload(value: Any) -> Any:
 
 class Payloads(Mapping[str, Any]):
     """What goes into the files: every entry's ``state_dict()`` (or the value itself), then the RNG
-    states, each produced only when it is read. An urgent save writes entry by entry, so the first
-    file is complete (and uploading) before the next ``state_dict()`` is even taken. Tensors are the
+    states, each produced only when it is read. An urgent save takes the next ``state_dict()`` only
+    while the pieces before it are being written, so the first file is complete (and uploading) before
+    the last entry is even read. Tensors are the
     live ones; :class:`Stager` copies them when training must go on meanwhile."""
 
     def __init__(self, state: Mapping[str, Any]) -> None:
@@ -213,17 +216,14 @@ def write_payloads(
     *,
     rank: int | None = None,
     on_file: Callable[[str], None] | None = None,
+    on_range: OnRange | None = None,
+    parallel: ParallelWriter | None = None,
 ) -> list[str]:
-    """One file per entry (``<key>.pt``, or ``<key>.rank<R>.pt``); returns the names written."""
-    names = []
-    for key, payload in payloads.items():
-        name = entry_file(key, rank)
-        with writer.create(name) as out:
-            torch.save(payload, out)  # type: ignore[arg-type]  # a write-only file object is enough
-        names.append(name)
-        if on_file:
-            on_file(name)
-    return names
+    """One file per entry (``<key>.pt``, or ``<key>.rank<R>.pt``), written by ``parallel`` (by default
+    a :class:`ParallelWriter` with :func:`default_write_threads`); returns the names written."""
+    parallel = parallel or ParallelWriter(default_write_threads())
+    names = {key: entry_file(key, rank) for key in payloads}
+    return parallel.write(writer, payloads, names, on_file=on_file, on_range=on_range)
 
 
 def read_state(

@@ -72,3 +72,14 @@ def test_save_failed_carries_the_numbers_and_safe_steps_goes_both_ways() -> None
     answer = protocol.encode("safe-steps", names=["step-000000005"], bucket=None)
     reply = protocol.decode(answer.strip(), allowed=protocol.DAEMON_TYPES)
     assert reply["names"] == ["step-000000005"]
+
+
+def test_file_range_is_a_client_message_with_every_field_checked() -> None:
+    fields = {"path": "/c/step-000000002", "name": "model.pt", "tmp": ".model.pt.tmp-7", "size": 100}
+    line = protocol.encode("file-range", **fields, offset=64, length=36)
+    message = protocol.decode(line, allowed=protocol.CLIENT_TYPES)
+    assert (message["type"], message["offset"], message["length"]) == ("file-range", 64, 36)
+    with pytest.raises(protocol.ProtocolError, match="length"):
+        protocol.decode(protocol.encode("file-range", **fields, offset=64), allowed=protocol.CLIENT_TYPES)
+    with pytest.raises(protocol.ProtocolError, match="not accepted here"):
+        protocol.decode(line, allowed=protocol.DAEMON_TYPES)
