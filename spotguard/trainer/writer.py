@@ -44,10 +44,9 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, cast
+from typing import IO, TYPE_CHECKING, Any, cast
 
 import google_crc32c
-import numpy as np
 import torch
 
 from spotguard.manifest import (
@@ -58,6 +57,9 @@ from spotguard.manifest import (
     crc32c_hex,
     tmp_path_for,
 )
+
+if TYPE_CHECKING:
+    import numpy as np
 
 logger = logging.getLogger("spotguard.trainer")
 
@@ -196,6 +198,8 @@ def _write_skeleton(payload: Any, fd: int, path: Path) -> tuple[_SkeletonFile, l
     try:
         # An AttributeError or TypeError here means torch's internals moved (or the payload cannot be
         # pickled at all, which torch.save will then say in its own words).
+        import numpy  # noqa: F401  # the threads hand numpy views of the tensors to pwrite and crc32c
+
         data_pkl, storages = _pickle_payload(payload)
         placed = _write_records(skeleton, data_pkl, storages)
         # torch's reader must find every storage where its bytes will be written.
@@ -332,7 +336,7 @@ class StagingBuffers:
         self.device_copies = device_copies
         self._free: queue.Queue[torch.Tensor] = queue.Queue()
         self._lock = threading.Lock()
-        self._stream: Any = None
+        self._streams: dict[torch.device, Any] = {}  # a side stream per CUDA device
         self.copies = 0  # pieces copied through the buffers (for tests and reports)
         self.allocations = 0  # buffers allocated: ``count`` at the first save that needs them, then none
 
@@ -347,8 +351,6 @@ class StagingBuffers:
             for _ in range(self.count):
                 self._free.put(torch.empty(self.buffer_bytes, dtype=torch.uint8, pin_memory=pin))
                 self.allocations += 1
-            if pin:
-                self._stream = torch.cuda.Stream()
 
     @contextlib.contextmanager
     def staged(
@@ -361,21 +363,28 @@ class StagingBuffers:
             source = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
             target = buffer[:length]
             if storage.device.type == "cuda":
-                stream = self._stream
+                stream = self._stream(storage.device)
+                # Whatever the training queued on its stream before the save must land first.
                 stream.wait_stream(torch.cuda.current_stream(storage.device))
                 with torch.cuda.stream(stream):
                     target.copy_(source[start : start + length], non_blocking=True)
                     done = torch.cuda.Event()
                     done.record(stream)
-                done.synchronize()
+                done.synchronize()  # this piece only: the other threads' copies and writes go on
             else:
-                target.copy_(source[start : start + length])
+                target.copy_(source[start : start + length])  # CPU (tests) or a device without streams
             self.copies += 1
             view = target.numpy()
             view.flags.writeable = False
             yield view
         finally:
             self._free.put(buffer)
+
+    def _stream(self, device: torch.device) -> Any:
+        with self._lock:
+            if device not in self._streams:
+                self._streams[device] = torch.cuda.Stream(device=device)
+            return self._streams[device]
 
     def _take(self, cancel: threading.Event) -> torch.Tensor:
         while True:
@@ -394,6 +403,8 @@ def _pwrite_all(fd: int, data: Any, offset: int) -> None:
     view = memoryview(data).cast("B")
     while view:
         written = os.pwrite(fd, view, offset)
+        if written == 0:
+            raise OSError(f"pwrite wrote nothing at offset {offset}")
         view = view[written:]
         offset += written
 
