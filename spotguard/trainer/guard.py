@@ -102,6 +102,9 @@ class Guard:
 
     Without a daemon it still saves and resumes local checkpoints, and SIGTERM to the trainer
     works as a hard notice (the handler only sets a flag; the save happens at the next step).
+
+    ``write_threads`` threads write the state files of each save (default ``$SPOTGUARD_WRITE_THREADS``,
+    else one per CPU, at least 4 and at most 16: the disk's queue depth matters more than the cores).
     """
 
     def __init__(
