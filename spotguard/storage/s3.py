@@ -28,8 +28,8 @@ which needs ``awscrt`` (``botocore[crt]``; without it: MissingDependencyExceptio
 and it gives us no hook to combine the part checksums nor to abort on our terms.
 Computing the part CRC32C with google-crc32c (already a spotguard dependency)
 and sending it as ``ChecksumCRC32C`` keeps botocore from computing anything.
-The AWS CRT S3 client (``awscrt``) is not used: it costs about 0.25 CPU-seconds per GiB less here
-and is no faster at the same number of connections, but it cannot upload parts of a file still being
+The AWS CRT S3 client (``awscrt``) is not used: at the same number of connections it is no faster
+and saves at most a quarter of a CPU-second per GiB, but it cannot upload parts of a file still being
 written, shows us no part checksum to check against the manifest before it completes an upload, and
 drops Content-MD5 (the fallback below); see BENCHMARKS.md.
 Downloads are parallel ranged GETs through ``spotguard.storage.transfer`` (one pool of streams
