@@ -28,6 +28,10 @@ which needs ``awscrt`` (``botocore[crt]``; without it: MissingDependencyExceptio
 and it gives us no hook to combine the part checksums nor to abort on our terms.
 Computing the part CRC32C with google-crc32c (already a spotguard dependency)
 and sending it as ``ChecksumCRC32C`` keeps botocore from computing anything.
+The AWS CRT S3 client (``awscrt``) is not used: at the same number of connections it is no faster
+and saves at most a quarter of a CPU-second per GiB, but it cannot upload parts of a file still being
+written, shows us no part checksum to check against the manifest before it completes an upload, and
+drops Content-MD5 (the fallback below); see BENCHMARKS.md.
 Downloads are parallel ranged GETs through ``spotguard.storage.transfer`` (one pool of streams
 shared by every file of a checkpoint, CRC32C computed as the bytes arrive and combined per file):
 s3transfer's ``download_file`` runs a pool per file and leaves the checksum to a second read.
@@ -58,6 +62,7 @@ from urllib.parse import urlsplit
 import boto3
 import boto3.exceptions
 import botocore.exceptions
+import botocore.handlers
 import google_crc32c
 from botocore.config import Config
 
@@ -188,6 +193,19 @@ class ChecksumProbe:
 
 
 # -- helpers ------------------------------------------------------------------------------
+
+
+def _send_bodies_whole(client: Any) -> None:
+    """Let ``client`` send a ``bytes`` body of PutObject / UploadPart as it is, in one ``sendall``.
+
+    botocore wraps such a body in a ``BytesIO`` (``convert_body_to_file_like_object``), which turns
+    on ``Expect: 100-continue`` (a round trip before every part) and makes urllib3 read and send it
+    in 128 KiB blocks, each one a copy: 0.1-0.2 CPU-seconds per GiB (``bench/s3_cpu.py``). A
+    ``bytes`` body needs neither: its length is known, and a retry sends the same object again."""
+    for operation in ("PutObject", "UploadPart"):
+        client.meta.events.unregister(
+            f"before-parameter-build.s3.{operation}", botocore.handlers.convert_body_to_file_like_object
+        )
 
 
 def _error_code(exc: BaseException) -> str:
@@ -328,6 +346,7 @@ class S3Storage:
                     self._client = self._session.client(
                         "s3", endpoint_url=self._endpoint_url, region_name=self._region, config=self._config
                     )
+                    _send_bodies_whole(self._client)
         if self._deadline is not None and self._owns_client:
             return self._racing()
         return self._client
@@ -349,6 +368,7 @@ class S3Storage:
                     self._racing_client = self._session.client(
                         "s3", endpoint_url=self._endpoint_url, region_name=self._region, config=config
                     )
+                    _send_bodies_whole(self._racing_client)
         return self._racing_client
 
     def set_deadline(self, deadline: float | None) -> None:
