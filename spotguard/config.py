@@ -31,7 +31,7 @@ CHECKSUM_MODES = ("auto", "crc32c", "md5")
 WEBHOOK_FIELDS = (
     "type", "event_id", "provider", "kind", "action", "deadline", "seconds_left", "host", "message",
     "outcome", "checkpoint", "step", "bytes", "seconds", "upload_seconds", "margin_s", "error", "pid",
-    "reason", "bytes_needed", "bytes_free", "path",
+    "reason", "bytes_needed", "bytes_free", "path", "route", "plan_bytes", "rate_bytes_s", "seconds_needed",
 )  # fmt: skip
 
 

@@ -29,6 +29,7 @@ from spotguard.daemon.events import (
 )
 from spotguard.daemon.notices import EventLog, NoticeBook, NoticeState, TrackedNotice
 from spotguard.daemon.notify import SystemdNotifier, watchdog_loop
+from spotguard.daemon.plan import Planner, probe_upload
 from spotguard.daemon.server import Peer, Reply, SocketServer
 from spotguard.daemon.uploader import Uploader
 from spotguard.manifest import (
@@ -44,11 +45,12 @@ from spotguard.manifest import (
 from spotguard.monitors.base import Acknowledger, Monitor, MonitorError
 from spotguard.notice import Action, Kind, Notice, utcnow
 from spotguard.space import keep_room_for_one
-from spotguard.storage.base import Storage
+from spotguard.storage.base import Storage, StorageError
 
 logger = logging.getLogger("spotguard.daemon")
 
 _STALL_CHECK_INTERVAL = 0.25  # seconds between looks for stalled trainers while a notice is pending
+_PLAN_REVISE_INTERVAL = 1.0  # seconds between revisions of the deadline plan while a notice is pending
 _SAVE_FAILED_FIELDS = ("step", "reason", "error", "message", "bytes_needed", "bytes_free", "path", "event_id")
 
 
@@ -85,6 +87,9 @@ class Daemon:
             forecast_interval=config.forecast_interval,
         )
         self.uploader.on_committed.append(self._on_committed)
+        # The deadline plan: what it is made of (state size, upload rate) is fed by listeners.
+        self.planner = Planner()
+        self.uploader.on_committed.append(self._measure_upload)
         self.server = SocketServer(
             config.socket,
             self._handle,
@@ -102,6 +107,8 @@ class Daemon:
         self.stalled: dict[int, dict[str, Any]] = {}  # peer id -> its report, while it stays stalled
         self.save_failed_listeners: list[SaveFailedListener] = []
         self.save_failures: list[dict[str, Any]] = []  # the last few, newest last
+        self.saved_listeners.append(lambda _name, manifest: self.planner.observe_size(manifest.total_bytes))
+        self.plan_listeners = self.planner.listeners
         self.metrics_url: str | None = None  # set by build_and_run when metrics are served
         self.monitor_errors: dict[str, str] = {}
         self._stopping = asyncio.Event()
@@ -149,6 +156,8 @@ class Daemon:
         if self.last_notice is not None:
             self.last_notice["told_at"] = utcnow().isoformat()
             self.last_notice["trainers_told"] = told
+        # After the trainers are told (they must not wait for it), before the observers hear of it.
+        self.planner.plan(notice)
         await self._tell_listeners(notice, action)
         return True
 
@@ -181,6 +190,8 @@ class Daemon:
                 self.last_notice[f"{tracked.state}_at"] = utcnow().isoformat()
         current = self.notices.peek()
         self.uploader.set_deadline(None if current is None else current.notice.deadline)
+        if self.notices.current() is None:
+            self.planner.end()
         self._notices_changed.set()
 
     @property
@@ -461,9 +472,43 @@ class Daemon:
             "stalled": list(self.stalled.values()),
             "uploads": self.uploader.status(),
             "save_failures": self.save_failures[-5:],
+            "plan": self.plan_status(),
             "stopping": self._stopping.is_set(),
             "metrics_url": self.metrics_url,
         }
+
+    def plan_status(self) -> dict[str, Any] | None:
+        """The deadline plan of the pending notice (None when none is pending)."""
+        plan = self.planner.current
+        return None if plan is None or self.notices.current() is None else plan.to_dict()
+
+    def measured_rate(self) -> float | None:
+        """Bytes per second recent uploads (and the start-up probe) reached."""
+        return self.planner.meter.rate()
+
+    async def _measure_upload(self, name: str, manifest: Manifest, seconds: float) -> None:
+        self.planner.observe_upload(manifest.total_bytes, seconds)
+
+    async def _revise_plan(self) -> None:
+        """While a notice is pending, revise its plan from the uploader's live forecast."""
+        while not self._stopping.is_set():
+            if self.notices.current() is not None:
+                self.planner.revise(self.uploader.forecast())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), _PLAN_REVISE_INTERVAL)
+
+    async def _probe_rate(self) -> None:
+        """A small upload at start, so that the first notice's plan has a rate to go on."""
+        await asyncio.to_thread(self.planner.size_from_disk, self.root)
+        if self.storage is None:
+            return
+        try:
+            nbytes, seconds = await asyncio.to_thread(probe_upload, self.storage)
+        except (StorageError, OSError) as exc:
+            logger.warning("the upload-rate probe failed: %s; plans use the next upload's rate", exc)
+            return
+        self.planner.observe_upload(nbytes, seconds)
+        logger.info("upload-rate probe: %d bytes in %.2f s (%.1f MB/s)", nbytes, seconds, nbytes / seconds / 1e6)
 
     def _notice_status(self, tracked: TrackedNotice) -> dict[str, Any]:
         now = utcnow()
@@ -531,6 +576,8 @@ class Daemon:
         self._tasks = [asyncio.create_task(self.uploader.run(), name="uploader")]
         self._tasks.append(asyncio.create_task(self._watch_stalls(), name="stall-watch"))
         self._tasks.append(asyncio.create_task(self._end_notices_on_time(), name="notice-lifecycle"))
+        self._tasks.append(asyncio.create_task(self._probe_rate(), name="rate-probe"))
+        self._tasks.append(asyncio.create_task(self._revise_plan(), name="plan-revise"))
         self._tasks += [asyncio.create_task(self._watch(m), name=f"monitor-{m.name}") for m in self.monitors]
         self._tasks.append(asyncio.create_task(watchdog_loop(self.notifier, self.notifier.watchdog_interval())))
 
