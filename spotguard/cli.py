@@ -129,6 +129,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         "poll_interval": args.poll_interval,
         "state_dir": args.state_dir,
         "checksum": args.checksum,
+        "peer_listen": args.peer_listen,
+        "peers": args.peers,
+        "peer_token_file": args.peer_token_file,
     }
     config = load_config(flags, config_file=Path(args.config) if args.config else None)
     logging.basicConfig(
@@ -352,6 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--bucket", help="s3://bucket/prefix, gs://bucket/prefix or file:///dir")
     run.add_argument("--poll-interval", help="seconds between metadata polls")
     run.add_argument("--checksum", help=_CHECKSUM_HELP)
+    run.add_argument("--peer-listen", help="HOST:PORT to take other daemons' urgent checkpoints on (the peer tier)")
+    run.add_argument("--peers", help="HOST:PORT[,HOST:PORT...]: the job's other daemons, for the peer route")
+    run.add_argument("--peer-token-file", help="file holding the job's peer token (else $SPOTGUARD_PEER_TOKEN)")
     run.set_defaults(func=cmd_run)
 
     drill = sub.add_parser("drill", help="inject a simulated hard notice into the running daemon")

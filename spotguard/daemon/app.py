@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from spotguard import __version__, protocol
-from spotguard.config import DaemonConfig, with_overrides
+from spotguard.config import ConfigError, DaemonConfig, with_overrides
 from spotguard.daemon.events import (
     MonitorErrorListener,
     NoticeListener,
@@ -29,6 +29,8 @@ from spotguard.daemon.events import (
 )
 from spotguard.daemon.notices import EventLog, NoticeBook, NoticeState, TrackedNotice
 from spotguard.daemon.notify import SystemdNotifier, watchdog_loop
+from spotguard.daemon.peers import AREA as PEER_AREA
+from spotguard.daemon.peers import PeerReceiver
 from spotguard.daemon.plan import Planner, probe_upload
 from spotguard.daemon.server import Peer, Reply, SocketServer
 from spotguard.daemon.uploader import Uploader
@@ -44,6 +46,7 @@ from spotguard.manifest import (
 )
 from spotguard.monitors.base import Acknowledger, Monitor, MonitorError
 from spotguard.notice import Action, Kind, Notice, utcnow
+from spotguard.peerwire import load_token, parse_address
 from spotguard.space import keep_room_for_one
 from spotguard.storage.base import Storage, StorageError
 
@@ -63,8 +66,11 @@ class Daemon:
         monitors: Sequence[Monitor] = (),
         storage: Storage | None = None,
         notifier: SystemdNotifier | None = None,
+        peer_token: bytes | None = None,
     ) -> None:
         self.config = config
+        self._peer_token = peer_token  # the job's shared secret: never logged, never in status
+        self.peer_receiver: PeerReceiver | None = None
         self.notifier = notifier or SystemdNotifier({})
         self.provider = provider
         self.monitors = list(monitors)
@@ -88,7 +94,7 @@ class Daemon:
         )
         self.uploader.on_committed.append(self._on_committed)
         # The deadline plan: what it is made of (state size, upload rate) is fed by listeners.
-        self.planner = Planner()
+        self.planner = Planner(peer_available=lambda: bool(config.peers) and self._peer_token is not None)
         self.uploader.on_committed.append(self._measure_upload)
         self.server = SocketServer(
             config.socket,
@@ -473,9 +479,45 @@ class Daemon:
             "uploads": self.uploader.status(),
             "save_failures": self.save_failures[-5:],
             "plan": self.plan_status(),
+            "peers": self._peers_status(),
             "stopping": self._stopping.is_set(),
             "metrics_url": self.metrics_url,
         }
+
+    def _peers_status(self) -> dict[str, Any] | None:
+        if not (self.config.peer_listen or self.config.peers):
+            return None
+        receiver = self.peer_receiver.status() if self.peer_receiver is not None else {}
+        return {"peers": [f"{host}:{port}" for host, port in self.config.peer_addresses()], **receiver}
+
+    def hard_notice_pending(self) -> bool:
+        """What a peer asks before it hands this daemon a checkpoint: a VM going away is no rescue."""
+        pending = self.pending
+        return pending is not None and pending[1] is Action.STOP
+
+    async def _start_peer_receiver(self) -> None:
+        if not self.config.peer_listen or self._peer_token is None:
+            return
+        host, port = parse_address(self.config.peer_listen)
+        receiver = PeerReceiver(
+            self.root / PEER_AREA,
+            self.storage,
+            token=self._peer_token,
+            host=host,
+            port=port,
+            busy=self.hard_notice_pending,
+            max_replica_bytes=self.config.peer_max_replica_bytes,
+            max_replicas=self.config.peer_max_replicas,
+            concurrency=self.config.upload_concurrency,
+        )
+        try:
+            await receiver.start()
+        except OSError as exc:
+            logger.error(
+                "peers: cannot listen on %s: %s; running without the peer receiver", self.config.peer_listen, exc
+            )
+            return
+        self.peer_receiver = receiver
 
     def plan_status(self) -> dict[str, Any] | None:
         """The deadline plan of the pending notice (None when none is pending)."""
@@ -566,6 +608,7 @@ class Daemon:
             )
             self._start_timeline(tracked)
         await self.server.start()
+        await self._start_peer_receiver()
         # Restarted in the middle of an incident? Ask every source once before declaring READY.
         first_checks = asyncio.gather(*(self._check_once(m) for m in self.monitors))
         try:
@@ -616,6 +659,8 @@ class Daemon:
             task.cancel("daemon shutting down")
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.server.close()
+        if self.peer_receiver is not None:
+            await self.peer_receiver.close()
         for monitor in self.monitors:
             with contextlib.suppress(Exception):
                 await monitor.close()
@@ -652,8 +697,21 @@ async def build_and_run(config: DaemonConfig) -> int:
         )
         if aborted:
             logger.info("aborted %d unfinished multipart upload(s) left by an earlier run", aborted)
+    peer_token = None
+    if config.peer_listen or config.peers:
+        try:
+            peer_token = load_token(os.environ, config.peer_token_file)
+        except ValueError as exc:
+            raise ConfigError("peer_token", str(exc)) from None
     provider, monitors, session = await _build_monitors(config)
-    daemon = Daemon(config, provider=provider, monitors=monitors, storage=storage, notifier=SystemdNotifier(os.environ))
+    daemon = Daemon(
+        config,
+        provider=provider,
+        monitors=monitors,
+        storage=storage,
+        notifier=SystemdNotifier(os.environ),
+        peer_token=peer_token,
+    )
     closers = await _build_metrics_and_webhook(config, daemon)
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
