@@ -192,3 +192,30 @@ def test_peers_without_a_token_are_a_config_error(tmp_path: Path, url: str) -> N
         [*command, "--peers", "127.0.0.1:7140"], env=env, capture_output=True, text=True, timeout=60, check=False
     )
     assert done.returncode == 2 and "SPOTGUARD_PEER_TOKEN or peer_token_file" in done.stderr
+
+
+def test_a_restarted_receiver_commits_verified_replicas_and_drops_unfinished_ones(tmp_path: Path, url: str) -> None:
+    import json
+
+    vm = Vm(tmp_path, "vm-r", url, extra_args=["--provider", "none", "--peer-listen", "127.0.0.1:0"])
+    area = vm.root / AREA
+    # What a receiver killed mid-upload leaves: one replica verified (manifest written), one still arriving.
+    verified = write_checkpoint(area / "step-000000011-aaaa", 11, {"w.bin": os.urandom(MiB)})
+    unfinished = write_checkpoint(area / "step-000000012-bbbb", 12, {"w.bin": os.urandom(MiB)})
+    for step_dir, state in ((verified, "verified"), (unfinished, "receiving")):
+        meta = {"name": step_dir.name, "bucket": url, "sender": "127.0.0.1:1", "state": state}
+        (step_dir.parent / "replica.json").write_text(json.dumps(meta))
+    vm.start_daemon(env={"SPOTGUARD_PEER_TOKEN": TOKEN})
+    try:
+        storage = S3Storage(url)
+        try:
+            committed = wait_for(
+                lambda: [i.name for i in list_remote(storage) if i.status == "complete"], 30, "the verified replica"
+            )
+        finally:
+            storage.close()
+        assert committed == ["step-000000011"]
+        wait_for(lambda: replica_area(vm) == [], 10, "the replica area to be empty")
+        assert not any(key.startswith("step-000000012") for key in bucket_keys(url))
+    finally:
+        vm.kill_daemon()
