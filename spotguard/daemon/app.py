@@ -27,11 +27,12 @@ from spotguard.daemon.events import (
     SaveFailedListener,
     StallListener,
 )
+from spotguard.daemon.handoff import Handoff, HandoffState
 from spotguard.daemon.notices import EventLog, NoticeBook, NoticeState, TrackedNotice
 from spotguard.daemon.notify import SystemdNotifier, watchdog_loop
 from spotguard.daemon.peers import AREA as PEER_AREA
 from spotguard.daemon.peers import PeerReceiver
-from spotguard.daemon.plan import Planner, probe_upload
+from spotguard.daemon.plan import Plan, Planner, Route, probe_upload
 from spotguard.daemon.server import Peer, Reply, SocketServer
 from spotguard.daemon.uploader import Uploader
 from spotguard.manifest import (
@@ -94,7 +95,11 @@ class Daemon:
         )
         self.uploader.on_committed.append(self._on_committed)
         # The deadline plan: what it is made of (state size, upload rate) is fed by listeners.
-        self.planner = Planner(peer_available=lambda: bool(config.peers) and self._peer_token is not None)
+        self.handoff: Handoff | None = None  # the peer route: hands the urgent checkpoint to a peer
+        if config.peers and peer_token is not None and config.bucket is not None:
+            self.handoff = Handoff(config.peer_addresses(), peer_token, config.bucket)
+        self.planner = Planner(peer_available=self._peer_available)
+        self.planner.listeners.append(self._follow_plan)
         self.uploader.on_committed.append(self._measure_upload)
         self.server = SocketServer(
             config.socket,
@@ -198,6 +203,8 @@ class Daemon:
         self.uploader.set_deadline(None if current is None else current.notice.deadline)
         if self.notices.current() is None:
             self.planner.end()
+            if self.handoff is not None:
+                self.handoff.reset()
         self._notices_changed.set()
 
     @property
@@ -290,6 +297,11 @@ class Daemon:
             raise protocol.ProtocolError("bad-path", str(exc)) from None
         entry = FileEntry(size=message["size"], crc32c=message["crc32c"])
         self.uploader.file_ready(step_dir, name, entry, urgent=self.pending is not None)
+        if self.pending is not None:
+            self.planner.observe_file(step_dir.name, entry.size)
+            self.planner.revise(self.uploader.forecast())  # now: a big file may call for the peer route
+            if self.handoff is not None:
+                self.handoff.file_ready(step_dir, name, entry)
 
     async def _saved(self, peer: Peer, message: dict[str, Any]) -> Reply:
         resolved = self._step_dir(Path(message["path"]))
@@ -312,6 +324,10 @@ class Daemon:
         )
         self._tell_saved(resolved.name, manifest)
         self._record_saved(message.get("event_id"), resolved.name, manifest.step)
+        if self.pending is not None:
+            self.planner.revise(self.uploader.forecast())
+            if self.handoff is not None:
+                self.handoff.saved(resolved)
         if self.storage is None:
             await asyncio.to_thread(self._prune_without_bucket)
         else:
@@ -479,6 +495,7 @@ class Daemon:
             "uploads": self.uploader.status(),
             "save_failures": self.save_failures[-5:],
             "plan": self.plan_status(),
+            "upload_rate_bytes_s": None if (rate := self.measured_rate()) is None else round(rate),
             "peers": self._peers_status(),
             "stopping": self._stopping.is_set(),
             "metrics_url": self.metrics_url,
@@ -488,7 +505,11 @@ class Daemon:
         if not (self.config.peer_listen or self.config.peers):
             return None
         receiver = self.peer_receiver.status() if self.peer_receiver is not None else {}
-        return {"peers": [f"{host}:{port}" for host, port in self.config.peer_addresses()], **receiver}
+        return {
+            "peers": [f"{host}:{port}" for host, port in self.config.peer_addresses()],
+            **receiver,
+            "handoff": None if self.handoff is None else self.handoff.status(),
+        }
 
     def hard_notice_pending(self) -> bool:
         """What a peer asks before it hands this daemon a checkpoint: a VM going away is no rescue."""
@@ -518,6 +539,13 @@ class Daemon:
             )
             return
         self.peer_receiver = receiver
+
+    def _peer_available(self) -> bool:
+        return self.handoff is not None and self.handoff.state is not HandoffState.FAILED
+
+    def _follow_plan(self, notice: Notice, plan: Plan) -> None:
+        if plan.route is Route.PEER and self.handoff is not None:
+            self.handoff.start()
 
     def plan_status(self) -> dict[str, Any] | None:
         """The deadline plan of the pending notice (None when none is pending)."""
@@ -661,6 +689,8 @@ class Daemon:
         await self.server.close()
         if self.peer_receiver is not None:
             await self.peer_receiver.close()
+        if self.handoff is not None:
+            await self.handoff.close()
         for monitor in self.monitors:
             with contextlib.suppress(Exception):
                 await monitor.close()

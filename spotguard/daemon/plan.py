@@ -10,9 +10,10 @@ number) the daemon picks a route:
 
 The bucket upload runs on every route (it costs nothing to try). The plan is revised while the race
 runs from the uploader's live forecast (rate and time left of the urgent upload): an upload falling
-behind turns ``bucket`` into ``peer`` (or ``local``). Once the peer route has started it is kept: a
-replica on a peer never hurts. Each plan is logged once per change of route; its numbers are in
-``spotguard status --json`` (``plan``), the metrics and the webhook.
+behind turns ``bucket`` into ``peer`` (or ``local``). Once the peer route has started it is kept
+(a replica on a peer never hurts) unless it fails: no free peer, a broken handoff. Each plan is
+logged once per change of route; its numbers are in ``spotguard status --json`` (``plan``), the
+metrics and the webhook.
 """
 
 from __future__ import annotations
@@ -127,9 +128,14 @@ class Planner:
         self.current: Plan | None = None
         self.listeners: list[PlanListener] = []
         self._notice: Notice | None = None
+        self._announced: dict[str, int] = {}  # bytes of the files trainers finished per checkpoint, this notice
 
     def observe_size(self, nbytes: int) -> None:
         self.state_bytes = nbytes
+
+    def observe_file(self, name: str, nbytes: int) -> None:
+        """A trainer finished a file of checkpoint ``name`` while the notice is pending."""
+        self._announced[name] = self._announced.get(name, 0) + nbytes
 
     def observe_upload(self, nbytes: int, seconds: float) -> None:
         self.meter.add(nbytes, seconds)
@@ -160,18 +166,21 @@ class Planner:
             return None
         notice, old = self._notice, self.current
         left = notice.seconds_left()
-        size, rate = old.bytes, self.meter.rate()
-        if forecast is not None and forecast.get("urgent") and forecast.get("rate_bytes_s"):
-            size = max(size, int(forecast["bytes_total"]))
-            rate = float(forecast["rate_bytes_s"])
-            remaining = size - int(forecast["bytes_done"])
-            made = choose_route(remaining, rate, left, peer_available=self.peer_available())
-            made = replace(made, bytes=size)
-        else:
-            made = choose_route(size, rate, left, peer_available=self.peer_available())
+        # The urgent checkpoint's own size once it is known: announced files, or its commit.
+        newest = max(self._announced.values(), default=0)
+        size, done, rate = max(old.bytes, newest, self.state_bytes or 0), 0, self.meter.rate()
+        if forecast is not None and forecast.get("urgent"):
+            # What the trainer has announced so far is a better size than the last checkpoint's (there
+            # may be none); the live rate, once a part is in, is better than the recent uploads' one.
+            size, done = max(size, int(forecast["bytes_total"])), int(forecast["bytes_done"])
+            rate = float(forecast["rate_bytes_s"]) if forecast.get("rate_bytes_s") else rate
+        made = choose_route(max(0, size - done), rate, left, peer_available=self.peer_available())
+        made = replace(made, bytes=size)
         route = old.route
         if made.route is Route.PEER or (made.route is Route.LOCAL and old.route is Route.BUCKET):
             route = made.route
+        elif old.route is Route.PEER and not self.peer_available():
+            route = made.route  # the peer route failed (no free peer, a broken handoff)
         why = made.why if route is made.route else old.why
         revision = old.revision + (route is not old.route)
         self.current = replace(made, route=route, why=why, event_id=old.event_id, revision=revision)
@@ -183,6 +192,7 @@ class Planner:
     def end(self) -> None:
         self.current = None
         self._notice = None
+        self._announced.clear()
 
     def _tell(self, notice: Notice, plan: Plan) -> None:
         for listener in self.listeners:

@@ -57,7 +57,13 @@ def test_a_bucket_upload_falling_behind_starts_the_peer_route_and_never_goes_bac
     assert (revised := planner.revise(behind)) is not None and revised.route is Route.PEER
     fast = {"urgent": True, "rate_bytes_s": 1000 * MB, "bytes_total": 60 * MB, "bytes_done": 50 * MB}
     assert (revised := planner.revise(fast)) is not None and revised.route is Route.PEER  # kept
-    assert [(route, revision) for _, route, revision in told] == [
+    # Announced files count before any part is in: the size is known before the live rate.
+    planner.end()
+    assert planner.plan(notice).route is Route.BUCKET
+    early = {"urgent": True, "rate_bytes_s": None, "bytes_total": 5000 * MB, "bytes_done": 0}
+    assert (revised := planner.revise(early)) is not None and revised.route is Route.PEER
+    assert revised.seconds_needed == 50.0 and revised.rate_bytes_s == 100 * MB
+    assert [(route, revision) for _, route, revision in told[:3]] == [
         (Route.BUCKET, 0), (Route.LOCAL, 1), (Route.PEER, 2),
     ]  # fmt: skip
     planner.end()
