@@ -9,6 +9,7 @@ from pathlib import Path
 import boto3
 import pytest
 
+from spotguard.cli import main
 from spotguard.control import request
 from spotguard.daemon.plan import PROBE_PREFIX
 from spotguard.demo import Vm, wait_for
@@ -35,7 +36,11 @@ def server() -> Iterator[S3Server]:
 
 
 def test_plan_routes_a_notice_by_the_measured_rate_and_shows_its_numbers(
-    tmp_path: Path, server: S3Server, monkeypatch: pytest.MonkeyPatch, receiver: Receiver
+    tmp_path: Path,
+    server: S3Server,
+    monkeypatch: pytest.MonkeyPatch,
+    receiver: Receiver,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     url = point_at(server, monkeypatch)
     with PacedRelay(server.endpoint_url, RATE) as relay:
@@ -60,6 +65,8 @@ def test_plan_routes_a_notice_by_the_measured_rate_and_shows_its_numbers(
             assert plan["bytes"] == 3 * MiB
             assert plan["seconds_needed"] == pytest.approx(3 * MiB / plan["rate_bytes_s"], rel=0.01)
             assert plan["seconds_needed"] > plan["seconds_left"] and 0 < plan["seconds_left"] <= 2.0
+            assert main(["status", "--socket", str(vm.socket)]) == 0
+            assert "deadline plan: local: 3.0 MiB at" in capsys.readouterr().out
             samples = scrape(metrics)
             assert value(samples, "spotguard_plan_route", route="local") == 1
             assert value(samples, "spotguard_plan_bytes") == 3 * MiB
