@@ -54,6 +54,9 @@ _META = "replica.json"
 _AUTH_TIMEOUT = 5.0  # seconds a connection has to authenticate
 _IDLE_TIMEOUT = 30.0  # seconds without a frame before an authenticated connection is dropped
 _UPLOAD_RETRY = 5.0  # seconds between attempts to commit a verified replica
+# Disk writes of one connection in flight while its next frame is read (memory: this x MAX_DATA).
+_WRITES_IN_FLIGHT = 4
+_READ_LIMIT = 2 * peerwire.MAX_DATA  # the stream's buffer: a whole data frame without pausing the socket
 
 
 class ReplicaState(StrEnum):
@@ -73,6 +76,15 @@ class Replica:
     state: ReplicaState = ReplicaState.RECEIVING
     sizes: dict[str, int] | None = None  # declared size of each file received so far
     error: str | None = None
+    writes: set[asyncio.Future[None]] | None = None  # disk writes not yet finished
+
+    async def settle(self) -> None:
+        """Wait for every disk write in flight; raise the first that failed."""
+        pending, self.writes = self.writes or set(), set()
+        results = await asyncio.gather(*pending, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
 
     @property
     def step_dir(self) -> Path:
@@ -136,7 +148,7 @@ class PeerReceiver:
     # --- lifecycle of a replica (the one place it moves) ---------------------------------
 
     def _move(self, replica: Replica, state: ReplicaState, why: str = "") -> None:
-        old = replica.state
+        old = replica.state if replica.id in self.replicas else "new"
         replica.state = state
         logger.info(
             "replica %s (%s from %s): %s -> %s%s", replica.id, replica.name, replica.sender, old, state,
@@ -158,7 +170,7 @@ class PeerReceiver:
         await asyncio.to_thread(self.area.mkdir, parents=True, exist_ok=True)
         for replica in await asyncio.to_thread(self._recover):
             self._schedule_upload(replica)
-        self._server = await asyncio.start_server(self._serve, self.host, self.port, limit=1 << 20)
+        self._server = await asyncio.start_server(self._serve, self.host, self.port, limit=_READ_LIMIT)
         port = self._server.sockets[0].getsockname()[1]
         self.address = f"{self.host}:{port}"
         logger.info("peer receiver listening on %s", self.address)
@@ -229,6 +241,8 @@ class PeerReceiver:
             self._connections -= 1
             if replica is not None and replica.state is ReplicaState.RECEIVING:
                 # A sender that died mid-stream leaves nothing that could count as complete.
+                with contextlib.suppress(Exception):
+                    await replica.settle()  # no write may land after the removal
                 await asyncio.to_thread(self._move, replica, ReplicaState.DELETED, "the sender went away unfinished")
             with contextlib.suppress(Exception):
                 writer.close()
@@ -323,10 +337,19 @@ class PeerReceiver:
         sizes[rel] = size
         replica.sizes = sizes
         data = await reader.readexactly(length)
-        await asyncio.to_thread(_write_range, replica.step_dir, rel, offset, data)
+        # The write goes on in a thread while the next frame is read; a few at most per connection.
+        writes = replica.writes if replica.writes is not None else set()
+        replica.writes = writes
+        while len(writes) >= _WRITES_IN_FLIGHT:
+            done, _ = await asyncio.wait(writes, return_when=asyncio.FIRST_COMPLETED)
+            for finished in done:
+                writes.discard(finished)
+                finished.result()
+        writes.add(asyncio.ensure_future(asyncio.to_thread(_write_range, replica.step_dir, rel, offset, data)))
 
     async def _commit(self, replica: Replica, header: dict[str, Any]) -> None:
         text = peerwire.field(header, "manifest", str)
+        await replica.settle()
         try:
             manifest = Manifest.from_json(text.encode())
         except ManifestError as exc:
@@ -431,6 +454,8 @@ class PeerClient:
     @classmethod
     async def connect(cls, host: str, port: int, token: bytes, *, timeout: float = 5.0) -> PeerClient:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, limit=1 << 20), timeout)
+        # Enough in the socket's buffer that the next chunk is read from disk while this one goes out.
+        writer.transport.set_write_buffer_limits(high=2 * peerwire.MAX_DATA)
         client = cls(reader, writer, f"{host}:{port}")
         try:
             await asyncio.wait_for(client._authenticate(token), timeout)
@@ -476,18 +501,26 @@ class PeerClient:
         """All of ``path`` as ``rel``, read from disk in threads one chunk at a time; returns its size."""
         size = (await asyncio.to_thread(path.stat)).st_size
         fd = await asyncio.to_thread(os.open, path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        reading: asyncio.Future[bytes] | None = None
         try:
             offset = 0
+            reading = asyncio.ensure_future(asyncio.to_thread(os.pread, fd, min(chunk, size), 0))
             while True:  # at least once: an empty file is sent as one empty range
                 want = min(chunk, size - offset)
-                data = await asyncio.to_thread(os.pread, fd, want, offset)
+                data = await reading
                 if len(data) < want:
                     raise OSError(f"{path} shrank while it was sent")
+                if offset + want < size:  # the next chunk comes off the disk while this one is sent
+                    after = offset + want
+                    reading = asyncio.ensure_future(asyncio.to_thread(os.pread, fd, min(chunk, size - after), after))
                 await self.send_range(rel, size, offset, data)
-                offset += len(data)
+                offset += want
                 if offset >= size:
                     break
         finally:
+            if reading is not None and not reading.done():
+                # The descriptor is closed only once no thread reads it (its number could be reused).
+                await asyncio.gather(reading, return_exceptions=True)
             os.close(fd)
         return size
 

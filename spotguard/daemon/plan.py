@@ -173,7 +173,8 @@ class Planner:
             # What the trainer has announced so far is a better size than the last checkpoint's (there
             # may be none); the live rate, once a part is in, is better than the recent uploads' one.
             size, done = max(size, int(forecast["bytes_total"])), int(forecast["bytes_done"])
-            rate = float(forecast["rate_bytes_s"]) if forecast.get("rate_bytes_s") else rate
+            if forecast.get("rate_bytes_s") and done >= PROBE_BYTES:  # a few small files say little of a rate
+                rate = float(forecast["rate_bytes_s"])
         made = choose_route(max(0, size - done), rate, left, peer_available=self.peer_available())
         made = replace(made, bytes=size)
         route = old.route

@@ -1,8 +1,9 @@
-"""The demo's training loop with a large state: a deterministic tensor (the bulk of a big model's
-weights and optimizer moments) that every step changes. JSON progress lines on stdout, as the demo's.
+"""The demo's training loop with a large state: deterministic tensors (the bulk of a big model's
+weights and optimizer moments, one file each, as shards are) that every step changes. JSON progress
+lines on stdout, as the demo's.
 
     python -m tests.e2e.peer_trainer --checkpoint-dir D --socket S --steps N [--bucket URL]
-        [--out F] [--wait-notice-at K] [--ballast-mib M]
+        [--out F] [--wait-notice-at K] [--ballast-mib M] [--ballast-files F]
 """
 
 from __future__ import annotations
@@ -27,11 +28,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--wait-notice-at", type=int)
     parser.add_argument("--ballast-mib", type=int, default=400)
+    parser.add_argument("--ballast-files", type=int, default=8)
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
     torch.set_num_threads(1)
     state = build_training()
-    state["ballast"] = torch.rand(args.ballast_mib * (1 << 18), generator=torch.Generator().manual_seed(11))
+    generator = torch.Generator().manual_seed(11)
+    shards = [f"ballast{index}" for index in range(args.ballast_files)]
+    for shard in shards:
+        state[shard] = torch.rand(args.ballast_mib * (1 << 18) // len(shards), generator=generator)
     guard = Guard(checkpoint_dir=args.checkpoint_dir, bucket=args.bucket, socket=args.socket, handle_sigterm=False)
     step = guard.resume(state)
     emit("resumed", step=step)
@@ -44,7 +49,8 @@ def main(argv: list[str]) -> int:
             loss.backward()
             optimizer.step()
             scheduler.step()
-            state["ballast"][step :: args.steps] += loss.detach()  # every step leaves its mark in the bulk
+            for shard in shards:
+                state[shard][step :: args.steps] += loss.detach()  # every step leaves its mark in the bulk
             step += 1
             emit("step", step=step)
             if args.wait_notice_at == step:
@@ -60,7 +66,7 @@ def main(argv: list[str]) -> int:
     guard.close()
     if args.out is not None and not stopped:
         final = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
-        torch.save({**final, "ballast": state["ballast"]}, args.out)
+        torch.save({**final, **{shard: state[shard] for shard in shards}}, args.out)
     emit("stopped" if stopped else "finished", step=step)
     return 0
 

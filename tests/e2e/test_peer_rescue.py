@@ -1,7 +1,8 @@
 """Acceptance: a checkpoint too big for the bucket before the deadline is rescued by a peer.
 
 Two daemons on 127.0.0.1 stand for two VMs of one job; the bucket (moto) is behind a relay pacing
-each connection to 1 MB/s. A trainer on VM A holds a 400 MiB state; a drill gives A 10 s. A's plan
+each connection to 1 MB/s. A trainer on VM A holds a 400 MiB state (in 8 files, handed over each
+as soon as it is written); a drill gives A 10 s. A's plan
 routes the checkpoint to B, A hands it over before the deadline, and at the deadline A is SIGKILLed
 and its disk deleted. B commits the checkpoint in the bucket; a fresh process resumes that urgent
 step and ends bit for bit where an uninterrupted run ends.
