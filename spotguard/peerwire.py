@@ -49,6 +49,9 @@ VERSION = 1
 MAX_HEADER_BEFORE_AUTH = 1024
 MAX_HEADER = 16 * 1024 * 1024  # a commit frame carries the manifest, which lists every file
 MAX_DATA = 8 * 1024 * 1024
+# What a sender puts in one data frame: asyncio's stream buffer copies and reallocates per frame, and
+# measured on loopback 1 MiB frames go about four times faster than 8 MiB ones.
+SEND_CHUNK = 1024 * 1024
 MIN_TOKEN_BYTES = 16
 TOKEN_ENV = "SPOTGUARD_PEER_TOKEN"
 _LENGTH = struct.Struct(">I")

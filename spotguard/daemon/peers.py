@@ -25,7 +25,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,9 @@ from spotguard.manifest import (
     ManifestError,
     atomic_file,
     check_relpath,
+    crc32c_combine,
+    crc32c_hex_to_int,
+    crc32c_of_bytes,
     crc32c_of_file,
     fsync_dir,
     load_manifest,
@@ -54,9 +57,9 @@ _META = "replica.json"
 _AUTH_TIMEOUT = 5.0  # seconds a connection has to authenticate
 _IDLE_TIMEOUT = 30.0  # seconds without a frame before an authenticated connection is dropped
 _UPLOAD_RETRY = 5.0  # seconds between attempts to commit a verified replica
-# Disk writes of one connection in flight while its next frame is read (memory: this x MAX_DATA).
-_WRITES_IN_FLIGHT = 4
-_READ_LIMIT = 2 * peerwire.MAX_DATA  # the stream's buffer: a whole data frame without pausing the socket
+# Disk writes of one connection in flight while its next frame is read (memory: this x the frame size).
+_WRITES_IN_FLIGHT = 8
+_READ_LIMIT = 4 * peerwire.SEND_CHUNK  # the stream's buffer: a few frames (a bigger one reallocates more)
 
 
 class ReplicaState(StrEnum):
@@ -74,13 +77,15 @@ class Replica:
     sender: str
     dir: Path  # <area>/<id>
     state: ReplicaState = ReplicaState.RECEIVING
-    sizes: dict[str, int] | None = None  # declared size of each file received so far
+    sizes: dict[str, int] = field(default_factory=dict)  # declared size of each file received so far
     error: str | None = None
-    writes: set[asyncio.Future[None]] | None = None  # disk writes not yet finished
+    writes: set[asyncio.Future[None]] = field(default_factory=set)  # disk writes not yet finished
+    # (offset, length, CRC32C) of every range written, per file: verified without reading the file back.
+    ranges: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
 
     async def settle(self) -> None:
         """Wait for every disk write in flight; raise the first that failed."""
-        pending, self.writes = self.writes or set(), set()
+        pending, self.writes = self.writes, set()
         results = await asyncio.gather(*pending, return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
@@ -92,7 +97,7 @@ class Replica:
 
     @property
     def bytes(self) -> int:
-        return sum((self.sizes or {}).values())
+        return sum(self.sizes.values())
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -315,7 +320,7 @@ class PeerReceiver:
             raise peerwire.PeerError("busy", "this daemon has a hard notice of its own pending")
         if len(self.replicas) >= self.max_replicas:
             raise peerwire.PeerError("full", f"already holding {len(self.replicas)} replica(s)")
-        replica = Replica(f"{name}-{uuid.uuid4().hex[:8]}", name, bucket, who, self.area / "x", sizes={})
+        replica = Replica(f"{name}-{uuid.uuid4().hex[:8]}", name, bucket, who, self.area / "x")
         replica.dir = self.area / replica.id
         await asyncio.to_thread(replica.step_dir.mkdir, parents=True)
         await asyncio.to_thread(self._move, replica, ReplicaState.RECEIVING, f"{who} opened it")
@@ -329,23 +334,23 @@ class PeerReceiver:
         size, offset, length = (peerwire.field(header, key, int) for key in ("size", "offset", "len"))
         if not (0 <= length <= peerwire.MAX_DATA and offset >= 0 and offset + length <= size):
             raise peerwire.PeerError("bad-field", f"{rel}: a range [{offset}, +{length}) outside 0..{size}")
-        sizes = replica.sizes if replica.sizes is not None else {}
+        sizes = replica.sizes
         if sizes.get(rel, size) != size:
             raise peerwire.PeerError("bad-field", f"{rel}: size {size}, announced before as {sizes[rel]}")
         if replica.bytes - sizes.get(rel, 0) + size > self.max_replica_bytes:
             raise peerwire.PeerError("too-large", f"a replica may hold at most {self.max_replica_bytes} bytes")
         sizes[rel] = size
-        replica.sizes = sizes
         data = await reader.readexactly(length)
         # The write goes on in a thread while the next frame is read; a few at most per connection.
-        writes = replica.writes if replica.writes is not None else set()
-        replica.writes = writes
+        writes = replica.writes
         while len(writes) >= _WRITES_IN_FLIGHT:
             done, _ = await asyncio.wait(writes, return_when=asyncio.FIRST_COMPLETED)
             for finished in done:
                 writes.discard(finished)
                 finished.result()
-        writes.add(asyncio.ensure_future(asyncio.to_thread(_write_range, replica.step_dir, rel, offset, data)))
+        ranges = replica.ranges.setdefault(rel, [])
+        write = asyncio.to_thread(_write_range, replica.step_dir, rel, offset, data, ranges)
+        writes.add(asyncio.ensure_future(write))
 
     async def _commit(self, replica: Replica, header: dict[str, Any]) -> None:
         text = peerwire.field(header, "manifest", str)
@@ -356,7 +361,9 @@ class PeerReceiver:
             raise peerwire.PeerError("bad-manifest", str(exc)) from None
         if parse_step_dir(replica.name) != manifest.step:
             raise peerwire.PeerError("bad-manifest", f"{replica.name}: the manifest says step {manifest.step}")
-        problems = await asyncio.to_thread(_check_files, replica.step_dir, manifest.files, replica.sizes or {})
+        problems = await asyncio.to_thread(
+            _check_files, replica.step_dir, manifest.files, replica.sizes, replica.ranges
+        )
         if problems:
             replica.error = problems[0]
             await asyncio.to_thread(self._move, replica, ReplicaState.DELETED, f"rejected: {problems[0]}")
@@ -406,7 +413,8 @@ class PeerReceiver:
         }
 
 
-def _write_range(step_dir: Path, rel: str, offset: int, data: bytes) -> None:
+def _write_range(step_dir: Path, rel: str, offset: int, data: bytes, ranges: list[tuple[int, int, int]]) -> None:
+    """pwrite one range (in a thread) and note its CRC32C in ``ranges`` (a list append is atomic)."""
     path = step_dir / rel
     path.parent.mkdir(parents=True, exist_ok=True)
     if not path.parent.resolve().is_relative_to(step_dir.resolve()):
@@ -416,9 +424,26 @@ def _write_range(step_dir: Path, rel: str, offset: int, data: bytes) -> None:
         os.pwrite(fd, data, offset)
     finally:
         os.close(fd)
+    ranges.append((offset, len(data), crc32c_hex_to_int(crc32c_of_bytes(data))))
 
 
-def _check_files(step_dir: Path, files: dict[str, FileEntry] | Any, received: dict[str, int]) -> list[str]:
+def _combined_crc(ranges: list[tuple[int, int, int]], size: int) -> str | None:
+    """The file's CRC32C from its ranges' when they tile ``[0, size)`` exactly; else None (read it)."""
+    crc, end = 0, 0
+    for offset, length, part in sorted(ranges):
+        if offset != end:
+            return None  # a gap or an overlap: only the file itself can say
+        crc = crc32c_combine(crc, part, length)
+        end += length
+    return f"{crc:08x}" if end == size else None
+
+
+def _check_files(
+    step_dir: Path,
+    files: dict[str, FileEntry] | Any,
+    received: dict[str, int],
+    ranges: dict[str, list[tuple[int, int, int]]],
+) -> list[str]:
     """What is wrong with the received files against the manifest (empty: every one matches)."""
     problems = [f"{rel}: received but not in the manifest" for rel in sorted(set(received) - set(files))]
     for rel, entry in sorted(files.items()):
@@ -427,7 +452,7 @@ def _check_files(step_dir: Path, files: dict[str, FileEntry] | Any, received: di
             problems.append(f"{rel}: never received")
         elif path.stat().st_size != entry.size:
             problems.append(f"{rel}: {path.stat().st_size} bytes, the manifest says {entry.size}")
-        elif (crc := crc32c_of_file(path)) != entry.crc32c:
+        elif (crc := _combined_crc(ranges.get(rel, []), entry.size) or crc32c_of_file(path)) != entry.crc32c:
             problems.append(f"{rel}: crc32c {crc}, the manifest says {entry.crc32c}")
     return problems
 
@@ -497,7 +522,7 @@ class PeerClient:
         self.writer.write(data)
         await self.writer.drain()
 
-    async def send_file(self, path: Path, rel: str, *, chunk: int = peerwire.MAX_DATA) -> int:
+    async def send_file(self, path: Path, rel: str, *, chunk: int = peerwire.SEND_CHUNK) -> int:
         """All of ``path`` as ``rel``, read from disk in threads one chunk at a time; returns its size."""
         size = (await asyncio.to_thread(path.stat)).st_size
         fd = await asyncio.to_thread(os.open, path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)

@@ -57,3 +57,17 @@ def test_proofs_depend_on_the_role_both_nonces_and_the_token() -> None:
     assert proof != peerwire.receiver_proof(token, a, b)  # a receiver's answer is no sender's
     assert proof != peerwire.sender_proof(token, b, a) and proof != peerwire.sender_proof(b"j" * 16, a, b)
     assert not peerwire.proof_matches(proof, None) and not peerwire.proof_matches(proof, "\udcff")
+
+
+def test_a_file_is_verified_from_its_ranges_crcs_in_any_order_and_read_back_when_they_do_not_tile() -> None:
+    from spotguard.daemon.peers import _combined_crc
+    from spotguard.manifest import crc32c_hex_to_int, crc32c_of_bytes
+
+    data = bytes(range(256)) * 1000
+    cuts = [(0, 100), (100, 150_000), (150_000, len(data))]
+    ranges = [(start, end - start, crc32c_hex_to_int(crc32c_of_bytes(data[start:end]))) for start, end in cuts]
+    assert _combined_crc(list(reversed(ranges)), len(data)) == crc32c_of_bytes(data)
+    assert _combined_crc(ranges[:1] + ranges[2:], len(data)) is None  # a gap
+    assert _combined_crc([*ranges, ranges[1]], len(data)) is None  # an overlap
+    assert _combined_crc(ranges[:2], len(data)) is None  # short
+    assert _combined_crc([(0, 0, 0)], 0) == crc32c_of_bytes(b"")
