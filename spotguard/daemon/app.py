@@ -504,7 +504,7 @@ class Daemon:
     def _peers_status(self) -> dict[str, Any] | None:
         if not (self.config.peer_listen or self.config.peers):
             return None
-        receiver = self.peer_receiver.status() if self.peer_receiver is not None else {}
+        receiver = self.peer_receiver.status() if self.peer_receiver is not None else {"listen": None}
         return {
             "peers": [f"{host}:{port}" for host, port in self.config.peer_addresses()],
             **receiver,
@@ -635,8 +635,9 @@ class Daemon:
                 tracked.state,
             )
             self._start_timeline(tracked)
-        await self.server.start()
+        # Before the socket: whoever sees the daemon answer sees its peer receiver listening too.
         await self._start_peer_receiver()
+        await self.server.start()
         # Restarted in the middle of an incident? Ask every source once before declaring READY.
         first_checks = asyncio.gather(*(self._check_once(m) for m in self.monitors))
         try:
