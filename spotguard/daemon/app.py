@@ -316,6 +316,8 @@ class Daemon:
                 raise protocol.ProtocolError("not-committed", f"{resolved.name}: {exc}") from None
             logger.info("trainer pid %d committed this node's share of %s", peer.pid, resolved.name)
             self._record_saved(message.get("event_id"), resolved.name, parse_step_dir(resolved.name) or 0)
+            if self.handoff is not None and self.pending is not None:
+                self.handoff.saved(resolved)  # the peer route carries this node's share
             if self.storage is not None:
                 self.uploader.submit(resolved, urgent=urgent)
             return "ok", {"queued": self.storage is not None, "name": resolved.name}

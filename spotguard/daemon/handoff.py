@@ -23,7 +23,7 @@ from typing import Any
 
 from spotguard import peerwire
 from spotguard.daemon.peers import PeerClient, choose_peer
-from spotguard.manifest import FileEntry, ManifestError, load_manifest, parse_step_dir
+from spotguard.manifest import FileEntry, ManifestError, load_manifest_or_none, load_part, parse_step_dir
 
 logger = logging.getLogger("spotguard.handoff")
 
@@ -122,8 +122,8 @@ class Handoff:
                     self.bytes_sent += await client.send_file(step_dir / rel, rel)
                     sent.add(rel)
                 if self.name in self._saved:
-                    manifest = await asyncio.to_thread(load_manifest, step_dir)
-                    for rel in sorted(set(manifest.files) - sent):  # files never announced
+                    listed = await asyncio.to_thread(_committed_files, step_dir)
+                    for rel in sorted(set(listed) - sent):  # files never announced
                         self.bytes_sent += await client.send_file(step_dir / rel, rel)
                         sent.add(rel)
                     await client.commit(step_dir)
@@ -139,6 +139,17 @@ class Handoff:
             "seconds": None if self.seconds is None else round(self.seconds, 3),
             "error": self.error,
         }
+
+
+def _committed_files(step_dir: Path) -> dict[str, FileEntry]:
+    """What the trainer committed: the manifest's files, or (multi-node) this node's share."""
+    manifest = load_manifest_or_none(step_dir)
+    if manifest is not None:
+        return dict(manifest.files)
+    share = load_part(step_dir)
+    if share is None:
+        raise ManifestError(f"{step_dir.name}: neither a manifest nor this node's part")
+    return share
 
 
 __all__ = ["Handoff", "HandoffState"]

@@ -33,6 +33,7 @@ from typing import Any
 from spotguard import peerwire
 from spotguard.manifest import (
     MANIFEST,
+    PART_PREFIX,
     FileEntry,
     Manifest,
     ManifestError,
@@ -44,11 +45,13 @@ from spotguard.manifest import (
     crc32c_of_file,
     fsync_dir,
     load_manifest,
+    load_part,
     parse_step_dir,
     verify_dir,
+    write_part,
 )
 from spotguard.storage.base import Storage, StorageError
-from spotguard.storage.checkpoints import CommitLost, upload_checkpoint
+from spotguard.storage.checkpoints import CommitLost, upload_checkpoint, upload_files
 
 logger = logging.getLogger("spotguard.peers")
 
@@ -198,7 +201,7 @@ class PeerReceiver:
                 and self.storage is not None
                 and replica.bucket == self.storage.url
                 and parse_step_dir(replica.name) is not None
-                and not verify_dir(replica.step_dir)
+                and (not verify_dir(replica.step_dir) or load_part(replica.step_dir) is not None)
             ):
                 logger.warning("replica %s (%s) was verified before a restart: committing it", entry.name, replica.name)
                 self.replicas[replica.id] = replica
@@ -353,6 +356,9 @@ class PeerReceiver:
         writes.add(asyncio.ensure_future(write))
 
     async def _commit(self, replica: Replica, header: dict[str, Any]) -> None:
+        if "part" in header:
+            await self._commit_share(replica, header)
+            return
         text = peerwire.field(header, "manifest", str)
         await replica.settle()
         try:
@@ -377,6 +383,28 @@ class PeerReceiver:
 
         await asyncio.to_thread(write_manifest)
 
+    async def _commit_share(self, replica: Replica, header: dict[str, Any]) -> None:
+        """A multi-node job's dying node sends its share: its files and its ``part-<node>.json``.
+        The share's files go to the bucket (no manifest: node 0's daemon commits the global one once
+        every node's files are there)."""
+        text = peerwire.field(header, "part", str)
+        await replica.settle()
+        try:
+            node, nodes, files = _parse_part(text)
+        except (ValueError, KeyError, TypeError, AttributeError, ManifestError) as exc:
+            raise peerwire.PeerError("bad-manifest", f"a node's part that cannot be read: {exc}") from None
+        problems = await asyncio.to_thread(_check_files, replica.step_dir, files, replica.sizes, replica.ranges)
+        if problems:
+            replica.error = problems[0]
+            await asyncio.to_thread(self._move, replica, ReplicaState.DELETED, f"rejected: {problems[0]}")
+            raise peerwire.PeerError("mismatch", problems[0])
+
+        def write() -> None:
+            write_part(replica.step_dir, node, nodes, files)
+            self._move(replica, ReplicaState.VERIFIED, f"node {node}'s share: {len(files)} file(s)")
+
+        await asyncio.to_thread(write)
+
     # --- committing in the bucket ---------------------------------------------------------
 
     def _schedule_upload(self, replica: Replica) -> None:
@@ -390,7 +418,7 @@ class PeerReceiver:
         async with self._upload_slots:
             while True:
                 try:
-                    await asyncio.to_thread(upload_checkpoint, storage, replica.step_dir, concurrency=self.concurrency)
+                    await asyncio.to_thread(_send_replica, storage, replica.step_dir, self.concurrency)
                     break
                 except CommitLost as exc:
                     logger.warning("replica %s: %s", replica.id, exc)
@@ -425,6 +453,32 @@ def _write_range(step_dir: Path, rel: str, offset: int, data: bytes, ranges: lis
     finally:
         os.close(fd)
     ranges.append((offset, len(data), crc32c_hex_to_int(crc32c_of_bytes(data))))
+
+
+def _parse_part(text: str) -> tuple[int, int, dict[str, FileEntry]]:
+    document = json.loads(text)
+    node, nodes = document["node"], document["nodes"]
+    if not (isinstance(node, int) and isinstance(nodes, int) and 0 <= node < nodes):
+        raise ValueError(f"node {node!r} of {nodes!r}")
+    files = {}
+    for rel, entry in document["files"].items():
+        size, crc = entry["size"], entry["crc32c"]
+        if not isinstance(size, int) or size < 0 or not isinstance(crc, str):
+            raise ValueError(f"{rel}: a bad size or crc32c")
+        crc32c_hex_to_int(crc)
+        files[check_relpath(rel)] = FileEntry(size=size, crc32c=crc)
+    return node, nodes, files
+
+
+def _send_replica(storage: Storage, step_dir: Path, concurrency: int) -> None:
+    """A verified replica to the bucket: a whole checkpoint with its manifest last, or a node's share."""
+    if (step_dir / MANIFEST).exists():
+        upload_checkpoint(storage, step_dir, concurrency=concurrency)
+        return
+    files = load_part(step_dir)
+    if files is None:
+        raise ManifestError(f"{step_dir.name}: neither a manifest nor a node's part")
+    upload_files(storage, step_dir, files, concurrency=concurrency)
 
 
 def _combined_crc(ranges: list[tuple[int, int, int]], size: int) -> str | None:
@@ -550,9 +604,15 @@ class PeerClient:
         return size
 
     async def commit(self, step_dir: Path) -> dict[str, Any]:
-        """Send the manifest: the receiver verifies every file against it before answering."""
-        text = (await asyncio.to_thread((step_dir / MANIFEST).read_bytes)).decode()
-        return await self._ask({"t": "commit", "manifest": text})
+        """Send the manifest (or, in a multi-node job, this node's part): the receiver verifies every
+        file against it before answering."""
+        manifest = step_dir / MANIFEST
+        if await asyncio.to_thread(manifest.exists):
+            return await self._ask({"t": "commit", "manifest": (await asyncio.to_thread(manifest.read_text))})
+        parts = await asyncio.to_thread(lambda: sorted(step_dir.glob(f"{PART_PREFIX}*.json")))
+        if not parts:
+            raise ManifestError(f"{step_dir.name}: neither a manifest nor a node's part to send")
+        return await self._ask({"t": "commit", "part": (await asyncio.to_thread(parts[0].read_text))})
 
     async def close(self) -> None:
         self.writer.close()

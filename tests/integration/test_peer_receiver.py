@@ -219,3 +219,32 @@ def test_a_restarted_receiver_commits_verified_replicas_and_drops_unfinished_one
         assert not any(key.startswith("step-000000012") for key in bucket_keys(url))
     finally:
         vm.kill_daemon()
+
+
+def test_a_node_s_share_of_a_multi_node_checkpoint_goes_to_the_bucket_without_a_manifest(
+    receiver_vm: Vm, url: str, tmp_path: Path
+) -> None:
+    from spotguard.manifest import FileEntry, crc32c_of_bytes, write_part
+
+    step_dir = tmp_path / "node1" / "step-000000021"
+    step_dir.mkdir(parents=True)
+    files = {"model.rank1.pt": os.urandom(2 * MiB), "optim/rank1.pt": os.urandom(MiB)}
+    for rel, data in files.items():
+        (step_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+        (step_dir / rel).write_bytes(data)
+    write_part(step_dir, 1, 2, {rel: FileEntry(len(data), crc32c_of_bytes(data)) for rel, data in files.items()})
+
+    async def hand_over() -> dict[str, object]:
+        client = await PeerClient.connect(*address(receiver_vm), TOKEN.encode())
+        try:
+            await client.open_replica(step_dir.name, url)
+            for rel in files:
+                await client.send_file(step_dir / rel, rel)
+            return await client.commit(step_dir)
+        finally:
+            await client.close()
+
+    assert asyncio.run(hand_over())["state"] == "verified"
+    expected = sorted(f"step-000000021/{rel}" for rel in files)
+    wait_for(lambda: bucket_keys(url) == expected, 30, "the share's files in the bucket")
+    wait_for(lambda: replica_area(receiver_vm) == [], 10, "the replica to be deleted once uploaded")
