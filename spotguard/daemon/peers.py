@@ -150,6 +150,7 @@ class PeerReceiver:
         self.address: str | None = None
         self._server: asyncio.Server | None = None
         self._connections = 0
+        self._writers: set[asyncio.StreamWriter] = set()  # open connections, closed with the receiver
         self._uploads: set[asyncio.Task[None]] = set()
         self._upload_slots = asyncio.Semaphore(1)  # one replica at a time: each is parallel inside
 
@@ -214,6 +215,8 @@ class PeerReceiver:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
+            for writer in list(self._writers):
+                writer.close()  # their handlers see the connection end and clean up unfinished replicas
             with contextlib.suppress(Exception):
                 await self._server.wait_closed()
         for task in list(self._uploads):
@@ -225,6 +228,7 @@ class PeerReceiver:
         who = f"{peername[0]}:{peername[1]}" if isinstance(peername, tuple) else "?"
         replica: Replica | None = None
         self._connections += 1
+        self._writers.add(writer)
         try:
             if self._connections > self.max_connections:
                 writer.write(peerwire.error_frame("busy", f"at most {self.max_connections} peer connections"))
@@ -247,6 +251,7 @@ class PeerReceiver:
             logger.warning("peer %s: connection lost: %s", who, exc)
         finally:
             self._connections -= 1
+            self._writers.discard(writer)
             if replica is not None and replica.state is ReplicaState.RECEIVING:
                 # A sender that died mid-stream leaves nothing that could count as complete.
                 with contextlib.suppress(Exception):
