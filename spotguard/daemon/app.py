@@ -98,7 +98,7 @@ class Daemon:
         self.handoff: Handoff | None = None  # the peer route: hands the urgent checkpoint to a peer
         if config.peers and peer_token is not None and config.bucket is not None:
             self.handoff = Handoff(config.peer_addresses(), peer_token, config.bucket)
-        self.planner = Planner(peer_available=self._peer_available)
+        self.planner = Planner(peer_available=self._peer_available, bucket=storage is not None)
         self.planner.listeners.append(self._follow_plan)
         self.uploader.on_committed.append(self._measure_upload)
         self.server = SocketServer(

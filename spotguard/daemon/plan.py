@@ -83,9 +83,13 @@ class Plan:
         )
 
 
-def choose_route(size: int, rate: float | None, seconds_left: float, *, peer_available: bool) -> Plan:
+def choose_route(
+    size: int, rate: float | None, seconds_left: float, *, peer_available: bool, bucket: bool = True
+) -> Plan:
     """The route for ``size`` bytes at ``rate`` bytes/s with ``seconds_left`` to the deadline."""
     needed = 0.0 if size == 0 else (size / rate if rate else None)
+    if not bucket:
+        return Plan(Route.LOCAL, size, rate, needed, seconds_left, "no bucket is configured")
     if needed is None:
         return Plan(Route.BUCKET, size, rate, None, seconds_left, "no upload rate measured yet: trying the bucket")
     if needed <= FIT_FRACTION * seconds_left:
@@ -121,7 +125,8 @@ class RateMeter:
 class Planner:
     """Keeps what a plan is made of (size, rate) and the plan of the notice being raced."""
 
-    def __init__(self, *, peer_available: Callable[[], bool] = lambda: False) -> None:
+    def __init__(self, *, peer_available: Callable[[], bool] = lambda: False, bucket: bool = True) -> None:
+        self.bucket = bucket
         self.meter = RateMeter()
         self.state_bytes: int | None = None
         self.peer_available = peer_available
@@ -151,7 +156,11 @@ class Planner:
     def plan(self, notice: Notice) -> Plan:
         """The plan at notice time (replacing any earlier notice's)."""
         made = choose_route(
-            self.state_bytes or 0, self.meter.rate(), notice.seconds_left(), peer_available=self.peer_available()
+            self.state_bytes or 0,
+            self.meter.rate(),
+            notice.seconds_left(),
+            peer_available=self.peer_available(),
+            bucket=self.bucket,
         )
         self._notice = notice
         self.current = replace(made, event_id=notice.event_id)
@@ -175,7 +184,7 @@ class Planner:
             size, done = max(size, int(forecast["bytes_total"])), int(forecast["bytes_done"])
             if forecast.get("rate_bytes_s") and done >= PROBE_BYTES:  # a few small files say little of a rate
                 rate = float(forecast["rate_bytes_s"])
-        made = choose_route(max(0, size - done), rate, left, peer_available=self.peer_available())
+        made = choose_route(max(0, size - done), rate, left, peer_available=self.peer_available(), bucket=self.bucket)
         made = replace(made, bytes=size)
         route = old.route
         if made.route is Route.PEER or (made.route is Route.LOCAL and old.route is Route.BUCKET):

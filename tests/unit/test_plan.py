@@ -28,6 +28,7 @@ def test_no_measured_rate_tries_the_bucket_and_says_so() -> None:
     plan = choose_route(5 * MB, None, 30.0, peer_available=True)
     assert plan.route is Route.BUCKET and plan.seconds_needed is None and "no upload rate" in plan.why
     assert choose_route(0, None, 30.0, peer_available=False).seconds_needed == 0.0
+    assert choose_route(0, None, 30.0, peer_available=True, bucket=False).route is Route.LOCAL
 
 
 def test_rate_is_weighted_by_bytes_over_recent_uploads() -> None:
