@@ -24,6 +24,8 @@ modules open it only between the job's own VMs).
 After the handshake the sender sends requests, each answered by one frame (``error`` frames carry
 ``code`` and ``message``):
 
+* ``{"t": "ping"}`` -> nothing (keeps a connection waiting for the trainer's next file alive: an
+  authenticated connection idle for 30 s is dropped);
 * ``{"t": "query"}`` -> ``{"t": "state", "busy": bool, "bucket": url, "replicas": n}``; ``busy`` is true
   while the receiver has a hard notice of its own pending (it is no rescue);
 * ``{"t": "replica", "name": "step-NNNNNNNNN", "bucket": url}`` -> ``ok``: one replica per connection;

@@ -27,6 +27,8 @@ from spotguard.manifest import FileEntry, ManifestError, load_manifest_or_none, 
 
 logger = logging.getLogger("spotguard.handoff")
 
+_KEEPALIVE = 10.0  # seconds without a file to send before a ping (the receiver's idle limit is 30 s)
+
 
 class HandoffState(StrEnum):
     IDLE = "idle"
@@ -128,7 +130,10 @@ class Handoff:
                         sent.add(rel)
                     await client.commit(step_dir)
                     return
-            await self._wake.wait()
+            try:
+                await asyncio.wait_for(self._wake.wait(), _KEEPALIVE)
+            except TimeoutError:
+                await client.ping()  # a big file takes long to write; the peer drops idle connections
 
     def status(self) -> dict[str, Any]:
         return {

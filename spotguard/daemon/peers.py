@@ -286,6 +286,8 @@ class PeerReceiver:
         replica: Replica | None,
     ) -> Replica | None:
         kind = header["t"]
+        if kind == "ping":
+            return replica  # a sender waiting for its trainer's next file keeps the connection alive
         if kind == "query":
             writer.write(peerwire.encode(self.state_frame()))
             return replica
@@ -571,6 +573,11 @@ class PeerClient:
 
     async def query(self) -> dict[str, Any]:
         return await self._ask({"t": "query"}, "state")
+
+    async def ping(self) -> None:
+        """Keep the connection alive while there is nothing to send (no answer comes)."""
+        self.writer.write(peerwire.encode({"t": "ping"}))
+        await self.writer.drain()
 
     async def open_replica(self, name: str, bucket: str) -> None:
         await self._ask({"t": "replica", "name": name, "bucket": bucket})

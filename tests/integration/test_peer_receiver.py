@@ -239,6 +239,7 @@ def test_a_node_s_share_of_a_multi_node_checkpoint_goes_to_the_bucket_without_a_
         try:
             await client.open_replica(step_dir.name, url)
             for rel in files:
+                await client.ping()  # what a sender waiting for the trainer's next file sends
                 await client.send_file(step_dir / rel, rel)
             return await client.commit(step_dir)
         finally:
