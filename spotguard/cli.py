@@ -129,6 +129,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         "poll_interval": args.poll_interval,
         "state_dir": args.state_dir,
         "checksum": args.checksum,
+        "peer_listen": args.peer_listen,
+        "peers": args.peers,
+        "peer_token_file": args.peer_token_file,
     }
     config = load_config(flags, config_file=Path(args.config) if args.config else None)
     logging.basicConfig(
@@ -162,6 +165,21 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"checkpoints: {reply['checkpoint_dir']} -> {reply['uploads']['bucket'] or '(no bucket)'}")
     print(f"trainers connected: {len(reply['trainers'])}")
     print("notice: " + _notice_line(reply["pending"]))
+    if reply.get("plan"):
+        print("deadline plan: " + _plan_line(reply["plan"]))
+    peers = reply.get("peers")
+    if peers:
+        print(f"peers: listening on {peers.get('listen') or '-'}; sending to {', '.join(peers['peers']) or '-'}")
+        for replica in peers.get("replicas", []):
+            print(
+                f"  replica {replica['name']} from {replica['sender']}: {replica['state']} ({_human(replica['bytes'])})"
+            )
+        handoff = peers.get("handoff")
+        if handoff and handoff["state"] != "idle":
+            print(
+                f"  handoff of {handoff['name']} to {handoff['peer']}: {handoff['state']} "
+                f"({_human(handoff['bytes_sent'])} sent)"
+            )
     if reply["last_notice"]:
         print("last notice: " + ", ".join(f"{k}={v}" for k, v in reply["last_notice"].items()))
     for stalled in reply.get("stalled", []):
@@ -188,6 +206,15 @@ def _notice_line(notice: dict[str, Any] | None) -> str:
     if notice["seconds_left"] > 0:
         return line + f"{notice['seconds_left']:.0f} s to the deadline"
     return line + f"deadline passed; over in {notice.get('over_in_s', 0):.0f} s"
+
+
+def _plan_line(plan: dict[str, Any]) -> str:
+    rate = "no rate measured" if plan["rate_bytes_s"] is None else f"{plan['rate_bytes_s'] / 1e6:.1f} MB/s"
+    needed = "?" if plan["seconds_needed"] is None else f"{plan['seconds_needed']:.0f}"
+    return (
+        f"{plan['route']}: {_human(plan['bytes'])} at {rate} needs {needed} s, "
+        f"{plan['seconds_left']:.0f} s left ({plan['why']})"
+    )
 
 
 def _upload_line(cur: dict[str, Any]) -> str:
@@ -352,6 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--bucket", help="s3://bucket/prefix, gs://bucket/prefix or file:///dir")
     run.add_argument("--poll-interval", help="seconds between metadata polls")
     run.add_argument("--checksum", help=_CHECKSUM_HELP)
+    run.add_argument("--peer-listen", help="HOST:PORT to take other daemons' urgent checkpoints on (the peer tier)")
+    run.add_argument("--peers", help="HOST:PORT[,HOST:PORT...]: the job's other daemons, for the peer route")
+    run.add_argument("--peer-token-file", help="file holding the job's peer token (else $SPOTGUARD_PEER_TOKEN)")
     run.set_defaults(func=cmd_run)
 
     drill = sub.add_parser("drill", help="inject a simulated hard notice into the running daemon")

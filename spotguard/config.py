@@ -18,6 +18,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from spotguard.notice import Action
+from spotguard.peerwire import parse_address
 
 DEFAULT_CONFIG_FILE = Path("/etc/spotguard/spotguard.toml")
 DEFAULT_SOCKET = Path("/run/spotguard/spotguard.sock")
@@ -31,7 +32,7 @@ CHECKSUM_MODES = ("auto", "crc32c", "md5")
 WEBHOOK_FIELDS = (
     "type", "event_id", "provider", "kind", "action", "deadline", "seconds_left", "host", "message",
     "outcome", "checkpoint", "step", "bytes", "seconds", "upload_seconds", "margin_s", "error", "pid",
-    "reason", "bytes_needed", "bytes_free", "path",
+    "reason", "bytes_needed", "bytes_free", "path", "route", "plan_bytes", "rate_bytes_s", "seconds_needed",
 )  # fmt: skip
 
 
@@ -96,6 +97,12 @@ class DaemonConfig:
     metrics_host: str = "127.0.0.1"
     webhook_url: str | None = None  # POST JSON here on each notice and its outcome; None = off
     webhook_template: str | None = None  # a JSON document with ${field} placeholders; None = the full event
+    # The peer tier (spotguard/daemon/peers.py): the token is SPOTGUARD_PEER_TOKEN or this file's contents.
+    peer_listen: str | None = None  # HOST:PORT this daemon takes other daemons' checkpoints on; None = off
+    peers: str | None = None  # HOST:PORT[,HOST:PORT...]: the job's other daemons; None = no peer route
+    peer_token_file: Path | None = None
+    peer_max_replica_bytes: int = 1 << 40  # the most one replica may hold
+    peer_max_replicas: int = 2  # replicas held at once (each until it is committed in the bucket)
 
     def __post_init__(self) -> None:
         if self.provider not in PROVIDERS:
@@ -153,6 +160,21 @@ class DaemonConfig:
                 raise ConfigError("webhook_url", f"{self.webhook_url!r} is not an http:// or https:// URL")
         if self.webhook_template is not None:
             parse_webhook_template(self.webhook_template)
+        for key in ("peer_listen", "peers"):
+            for address in _addresses(getattr(self, key)):
+                try:
+                    parse_address(address)
+                except ValueError as exc:
+                    raise ConfigError(key, str(exc)) from None
+        if (self.peer_listen or self.peers) and self.bucket is None:
+            raise ConfigError("peers" if self.peers else "peer_listen", "peers share one bucket: set bucket too")
+        for name in ("peer_max_replica_bytes", "peer_max_replicas"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
+
+    def peer_addresses(self) -> list[tuple[str, int]]:
+        """``peers`` as (host, port) pairs."""
+        return [parse_address(address) for address in _addresses(self.peers)]
 
     def action_for_soft(self, kind: str) -> Action:
         return self.on_rebalance if kind == "rebalance" else self.on_maintenance
@@ -167,6 +189,10 @@ class DaemonConfig:
         if scheme == "s3":
             options["checksum"] = self.checksum
         return options
+
+
+def _addresses(value: str | None) -> list[str]:
+    return [item.strip() for item in (value or "").split(",") if item.strip()]
 
 
 def check_bucket_url(url: str, *, key: str = "bucket") -> str:
@@ -256,6 +282,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "str": str,
     "str | None": _as_optional_str,
     "Path": lambda v: Path(str(v)).expanduser(),
+    "Path | None": lambda v: Path(str(v)).expanduser() if str(v).strip() else None,
     "float": _as_number(float),
     "int": _as_number(int),
     "int | None": _as_optional_int,

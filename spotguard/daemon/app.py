@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from spotguard import __version__, protocol
-from spotguard.config import DaemonConfig, with_overrides
+from spotguard.config import ConfigError, DaemonConfig, with_overrides
 from spotguard.daemon.events import (
     MonitorErrorListener,
     NoticeListener,
@@ -27,8 +27,12 @@ from spotguard.daemon.events import (
     SaveFailedListener,
     StallListener,
 )
+from spotguard.daemon.handoff import Handoff, HandoffState
 from spotguard.daemon.notices import EventLog, NoticeBook, NoticeState, TrackedNotice
 from spotguard.daemon.notify import SystemdNotifier, watchdog_loop
+from spotguard.daemon.peers import AREA as PEER_AREA
+from spotguard.daemon.peers import PeerReceiver
+from spotguard.daemon.plan import Plan, Planner, Route, probe_upload
 from spotguard.daemon.server import Peer, Reply, SocketServer
 from spotguard.daemon.uploader import Uploader
 from spotguard.manifest import (
@@ -43,12 +47,14 @@ from spotguard.manifest import (
 )
 from spotguard.monitors.base import Acknowledger, Monitor, MonitorError
 from spotguard.notice import Action, Kind, Notice, utcnow
+from spotguard.peerwire import load_token, parse_address
 from spotguard.space import keep_room_for_one
-from spotguard.storage.base import Storage
+from spotguard.storage.base import Storage, StorageError
 
 logger = logging.getLogger("spotguard.daemon")
 
 _STALL_CHECK_INTERVAL = 0.25  # seconds between looks for stalled trainers while a notice is pending
+_PLAN_REVISE_INTERVAL = 1.0  # seconds between revisions of the deadline plan while a notice is pending
 _SAVE_FAILED_FIELDS = ("step", "reason", "error", "message", "bytes_needed", "bytes_free", "path", "event_id")
 
 
@@ -61,8 +67,11 @@ class Daemon:
         monitors: Sequence[Monitor] = (),
         storage: Storage | None = None,
         notifier: SystemdNotifier | None = None,
+        peer_token: bytes | None = None,
     ) -> None:
         self.config = config
+        self._peer_token = peer_token  # the job's shared secret: never logged, never in status
+        self.peer_receiver: PeerReceiver | None = None
         self.notifier = notifier or SystemdNotifier({})
         self.provider = provider
         self.monitors = list(monitors)
@@ -85,6 +94,13 @@ class Daemon:
             forecast_interval=config.forecast_interval,
         )
         self.uploader.on_committed.append(self._on_committed)
+        # The deadline plan: what it is made of (state size, upload rate) is fed by listeners.
+        self.handoff: Handoff | None = None  # the peer route: hands the urgent checkpoint to a peer
+        if config.peers and peer_token is not None and config.bucket is not None:
+            self.handoff = Handoff(config.peer_addresses(), peer_token, config.bucket)
+        self.planner = Planner(peer_available=self._peer_available, bucket=storage is not None)
+        self.planner.listeners.append(self._follow_plan)
+        self.uploader.on_committed.append(self._measure_upload)
         self.server = SocketServer(
             config.socket,
             self._handle,
@@ -102,6 +118,8 @@ class Daemon:
         self.stalled: dict[int, dict[str, Any]] = {}  # peer id -> its report, while it stays stalled
         self.save_failed_listeners: list[SaveFailedListener] = []
         self.save_failures: list[dict[str, Any]] = []  # the last few, newest last
+        self.saved_listeners.append(lambda _name, manifest: self.planner.observe_size(manifest.total_bytes))
+        self.plan_listeners = self.planner.listeners
         self.metrics_url: str | None = None  # set by build_and_run when metrics are served
         self.monitor_errors: dict[str, str] = {}
         self._stopping = asyncio.Event()
@@ -149,6 +167,8 @@ class Daemon:
         if self.last_notice is not None:
             self.last_notice["told_at"] = utcnow().isoformat()
             self.last_notice["trainers_told"] = told
+        # After the trainers are told (they must not wait for it), before the observers hear of it.
+        self.planner.plan(notice)
         await self._tell_listeners(notice, action)
         return True
 
@@ -181,6 +201,10 @@ class Daemon:
                 self.last_notice[f"{tracked.state}_at"] = utcnow().isoformat()
         current = self.notices.peek()
         self.uploader.set_deadline(None if current is None else current.notice.deadline)
+        if self.notices.current() is None:
+            self.planner.end()
+            if self.handoff is not None:
+                self.handoff.reset()
         self._notices_changed.set()
 
     @property
@@ -273,6 +297,11 @@ class Daemon:
             raise protocol.ProtocolError("bad-path", str(exc)) from None
         entry = FileEntry(size=message["size"], crc32c=message["crc32c"])
         self.uploader.file_ready(step_dir, name, entry, urgent=self.pending is not None)
+        if self.pending is not None:
+            self.planner.observe_file(step_dir.name, entry.size)
+            self.planner.revise(self.uploader.forecast())  # now: a big file may call for the peer route
+            if self.handoff is not None:
+                self.handoff.file_ready(step_dir, name, entry)
 
     async def _saved(self, peer: Peer, message: dict[str, Any]) -> Reply:
         resolved = self._step_dir(Path(message["path"]))
@@ -287,6 +316,8 @@ class Daemon:
                 raise protocol.ProtocolError("not-committed", f"{resolved.name}: {exc}") from None
             logger.info("trainer pid %d committed this node's share of %s", peer.pid, resolved.name)
             self._record_saved(message.get("event_id"), resolved.name, parse_step_dir(resolved.name) or 0)
+            if self.handoff is not None and self.pending is not None:
+                self.handoff.saved(resolved)  # the peer route carries this node's share
             if self.storage is not None:
                 self.uploader.submit(resolved, urgent=urgent)
             return "ok", {"queued": self.storage is not None, "name": resolved.name}
@@ -295,6 +326,10 @@ class Daemon:
         )
         self._tell_saved(resolved.name, manifest)
         self._record_saved(message.get("event_id"), resolved.name, manifest.step)
+        if self.pending is not None:
+            self.planner.revise(self.uploader.forecast())
+            if self.handoff is not None:
+                self.handoff.saved(resolved)
         if self.storage is None:
             await asyncio.to_thread(self._prune_without_bucket)
         else:
@@ -461,9 +496,91 @@ class Daemon:
             "stalled": list(self.stalled.values()),
             "uploads": self.uploader.status(),
             "save_failures": self.save_failures[-5:],
+            "plan": self.plan_status(),
+            "upload_rate_bytes_s": None if (rate := self.measured_rate()) is None else round(rate),
+            "peers": self._peers_status(),
             "stopping": self._stopping.is_set(),
             "metrics_url": self.metrics_url,
         }
+
+    def _peers_status(self) -> dict[str, Any] | None:
+        if not (self.config.peer_listen or self.config.peers):
+            return None
+        receiver = self.peer_receiver.status() if self.peer_receiver is not None else {"listen": None}
+        return {
+            "peers": [f"{host}:{port}" for host, port in self.config.peer_addresses()],
+            **receiver,
+            "handoff": None if self.handoff is None else self.handoff.status(),
+        }
+
+    def hard_notice_pending(self) -> bool:
+        """What a peer asks before it hands this daemon a checkpoint: a VM going away is no rescue."""
+        pending = self.pending
+        return pending is not None and pending[1] is Action.STOP
+
+    async def _start_peer_receiver(self) -> None:
+        if not self.config.peer_listen or self._peer_token is None:
+            return
+        host, port = parse_address(self.config.peer_listen)
+        receiver = PeerReceiver(
+            self.root / PEER_AREA,
+            self.storage,
+            token=self._peer_token,
+            host=host,
+            port=port,
+            busy=self.hard_notice_pending,
+            max_replica_bytes=self.config.peer_max_replica_bytes,
+            max_replicas=self.config.peer_max_replicas,
+            concurrency=self.config.upload_concurrency,
+        )
+        try:
+            await receiver.start()
+        except OSError as exc:
+            logger.error(
+                "peers: cannot listen on %s: %s; running without the peer receiver", self.config.peer_listen, exc
+            )
+            return
+        self.peer_receiver = receiver
+
+    def _peer_available(self) -> bool:
+        return self.handoff is not None and self.handoff.state is not HandoffState.FAILED
+
+    def _follow_plan(self, notice: Notice, plan: Plan) -> None:
+        if plan.route is Route.PEER and self.handoff is not None:
+            self.handoff.start()
+
+    def plan_status(self) -> dict[str, Any] | None:
+        """The deadline plan of the pending notice (None when none is pending)."""
+        plan = self.planner.current
+        return None if plan is None or self.notices.current() is None else plan.to_dict()
+
+    def measured_rate(self) -> float | None:
+        """Bytes per second recent uploads (and the start-up probe) reached."""
+        return self.planner.meter.rate()
+
+    async def _measure_upload(self, name: str, manifest: Manifest, seconds: float) -> None:
+        self.planner.observe_upload(manifest.total_bytes, seconds)
+
+    async def _revise_plan(self) -> None:
+        """While a notice is pending, revise its plan from the uploader's live forecast."""
+        while not self._stopping.is_set():
+            if self.notices.current() is not None:
+                self.planner.revise(self.uploader.forecast())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), _PLAN_REVISE_INTERVAL)
+
+    async def _probe_rate(self) -> None:
+        """A small upload at start, so that the first notice's plan has a rate to go on."""
+        await asyncio.to_thread(self.planner.size_from_disk, self.root)
+        if self.storage is None:
+            return
+        try:
+            nbytes, seconds = await asyncio.to_thread(probe_upload, self.storage)
+        except (StorageError, OSError) as exc:
+            logger.warning("the upload-rate probe failed: %s; plans use the next upload's rate", exc)
+            return
+        self.planner.observe_upload(nbytes, seconds)
+        logger.info("upload-rate probe: %d bytes in %.2f s (%.1f MB/s)", nbytes, seconds, nbytes / seconds / 1e6)
 
     def _notice_status(self, tracked: TrackedNotice) -> dict[str, Any]:
         now = utcnow()
@@ -520,6 +637,8 @@ class Daemon:
                 tracked.state,
             )
             self._start_timeline(tracked)
+        # Before the socket: whoever sees the daemon answer sees its peer receiver listening too.
+        await self._start_peer_receiver()
         await self.server.start()
         # Restarted in the middle of an incident? Ask every source once before declaring READY.
         first_checks = asyncio.gather(*(self._check_once(m) for m in self.monitors))
@@ -531,6 +650,8 @@ class Daemon:
         self._tasks = [asyncio.create_task(self.uploader.run(), name="uploader")]
         self._tasks.append(asyncio.create_task(self._watch_stalls(), name="stall-watch"))
         self._tasks.append(asyncio.create_task(self._end_notices_on_time(), name="notice-lifecycle"))
+        self._tasks.append(asyncio.create_task(self._probe_rate(), name="rate-probe"))
+        self._tasks.append(asyncio.create_task(self._revise_plan(), name="plan-revise"))
         self._tasks += [asyncio.create_task(self._watch(m), name=f"monitor-{m.name}") for m in self.monitors]
         self._tasks.append(asyncio.create_task(watchdog_loop(self.notifier, self.notifier.watchdog_interval())))
 
@@ -569,6 +690,10 @@ class Daemon:
             task.cancel("daemon shutting down")
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.server.close()
+        if self.peer_receiver is not None:
+            await self.peer_receiver.close()
+        if self.handoff is not None:
+            await self.handoff.close()
         for monitor in self.monitors:
             with contextlib.suppress(Exception):
                 await monitor.close()
@@ -605,8 +730,21 @@ async def build_and_run(config: DaemonConfig) -> int:
         )
         if aborted:
             logger.info("aborted %d unfinished multipart upload(s) left by an earlier run", aborted)
+    peer_token = None
+    if config.peer_listen or config.peers:
+        try:
+            peer_token = load_token(os.environ, config.peer_token_file)
+        except ValueError as exc:
+            raise ConfigError("peer_token", str(exc)) from None
     provider, monitors, session = await _build_monitors(config)
-    daemon = Daemon(config, provider=provider, monitors=monitors, storage=storage, notifier=SystemdNotifier(os.environ))
+    daemon = Daemon(
+        config,
+        provider=provider,
+        monitors=monitors,
+        storage=storage,
+        notifier=SystemdNotifier(os.environ),
+        peer_token=peer_token,
+    )
     closers = await _build_metrics_and_webhook(config, daemon)
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

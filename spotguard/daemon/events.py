@@ -7,10 +7,13 @@ them and they never import it back.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from spotguard.manifest import Manifest
 from spotguard.notice import Action, Notice
+
+if TYPE_CHECKING:
+    from spotguard.daemon.plan import Plan
 
 NoticeListener = Callable[[Notice, Action], Awaitable[None]]
 SavedListener = Callable[[str, Manifest], None]  # a trainer committed this checkpoint locally
@@ -21,6 +24,7 @@ UploadFailureListener = Callable[[str, BaseException], None]  # checkpoint name,
 # entry in status()["stalled"] (pid, rank, event_id, seconds, bound_s, deadline_s, message).
 StallListener = Callable[[Notice, Action, dict[str, Any]], None]
 SaveFailedListener = Callable[[dict[str, Any]], None]  # a trainer's save failed; the failure as in status
+PlanListener = Callable[[Notice, "Plan"], None]  # a notice's deadline plan, and each change of its route
 
 
 class UploaderEvents(Protocol):
@@ -39,6 +43,7 @@ class DaemonEvents(Protocol):
     monitor_error_listeners: list[MonitorErrorListener]
     stall_listeners: list[StallListener]
     save_failed_listeners: list[SaveFailedListener]
+    plan_listeners: list[PlanListener]
 
     @property
     def uploader(self) -> UploaderEvents: ...
@@ -54,12 +59,17 @@ class DaemonEvents(Protocol):
 
     def trainer_count(self) -> int: ...
 
+    def plan_status(self) -> dict[str, Any] | None: ...  # the pending notice's deadline plan (Plan.to_dict())
+
+    def measured_rate(self) -> float | None: ...  # bytes/s of recent uploads and the start-up probe
+
 
 __all__ = [
     "CommittedListener",
     "DaemonEvents",
     "MonitorErrorListener",
     "NoticeListener",
+    "PlanListener",
     "SaveFailedListener",
     "SavedListener",
     "StallListener",

@@ -51,6 +51,8 @@ class _LiveCollector:
         self.trainers: Callable[[], int] = lambda: 0
         self.pending_seconds: Callable[[], float | None] = lambda: None
         self.stalled: Callable[[], int] = lambda: 0
+        self.plan: Callable[[], dict[str, Any] | None] = lambda: None
+        self.measured_rate: Callable[[], float | None] = lambda: None
 
     def collect(self) -> Iterator[Metric]:
         yield GaugeMetricFamily(
@@ -70,6 +72,43 @@ class _LiveCollector:
             "Trainers told of the pending notice that have not reached a checkpoint point within the bound",
             value=self.stalled(),
         )
+        yield from self._plan_families()
+
+    def _plan_families(self) -> Iterator[Metric]:
+        """The deadline plan of the pending notice; every family is empty while none is pending."""
+        plan = self.plan()
+        route = GaugeMetricFamily(
+            "spotguard_plan_route",
+            "The pending notice's deadline plan: 1 for its route (bucket, peer, local)",
+            labels=["route"],
+        )
+        families = {
+            "bytes": GaugeMetricFamily("spotguard_plan_bytes", "The state's size the deadline plan counts with"),
+            "rate_bytes_s": GaugeMetricFamily(
+                "spotguard_plan_rate_bytes_per_second", "The upload rate the deadline plan counts with"
+            ),
+            "seconds_needed": GaugeMetricFamily(
+                "spotguard_plan_seconds_needed", "Seconds the deadline plan expects the bucket upload to take"
+            ),
+            "seconds_left": GaugeMetricFamily(
+                "spotguard_plan_seconds_left", "Seconds to the deadline when the plan was last revised"
+            ),
+        }
+        if plan is not None:
+            route.add_metric([plan["route"]], 1)
+            for key, family in families.items():
+                if plan[key] is not None:
+                    family.add_metric([], plan[key])
+        yield route
+        yield from families.values()
+        measured = GaugeMetricFamily(
+            "spotguard_upload_rate_bytes_per_second",
+            "Upload rate of recent uploads and the start-up probe (absent before any was measured)",
+        )
+        rate = self.measured_rate()
+        if rate is not None:
+            measured.add_metric([], rate)
+        yield measured
 
 
 class DaemonMetrics:
@@ -170,6 +209,8 @@ class DaemonMetrics:
         self._live.trainers = daemon.trainer_count
         self._live.pending_seconds = pending_seconds
         self._live.stalled = lambda: len(daemon.stalled)
+        self._live.plan = daemon.plan_status
+        self._live.measured_rate = daemon.measured_rate
 
     # --- listeners (all on the daemon's loop; none blocks) --------------------------------
 

@@ -15,7 +15,11 @@ Besides, every checkpoint a trainer fails to write (a full disk, any write error
 a periodic save) gets one ``"type": "save-failed"`` POST at once, with ``error`` (``disk-full``,
 ``write-failed``), ``step``, ``reason``, ``bytes_needed``, ``bytes_free`` and ``path``.
 
-and, between the two, ``"type": "stalled"`` for each trainer (``pid``) that has not reached a
+The notice message carries the deadline plan (``route``: bucket, peer or local; ``plan_bytes``,
+``rate_bytes_s``, ``seconds_needed``; see spotguard/daemon/plan.py); a revision that starts the peer
+route while the race runs gets a ``"type": "plan"`` message of its own.
+
+And, between the two, ``"type": "stalled"`` for each trainer (``pid``) that has not reached a
 checkpoint point within the daemon's bound (``seconds`` waited, ``seconds_left`` to the deadline).
 
 Never on the urgent path: the daemon's listeners only put a message on a queue; one worker task
@@ -46,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 from spotguard.config import WEBHOOK_FIELDS
 from spotguard.daemon.events import DaemonEvents
+from spotguard.daemon.plan import Plan, Route
 from spotguard.manifest import Manifest
 from spotguard.notice import Action, Notice, utcnow
 
@@ -91,6 +96,22 @@ def _seconds(value: float) -> str:
     return f"{value:.1f}"
 
 
+def _plan_fields(plan: dict[str, Any] | None) -> dict[str, Any]:
+    if plan is None:
+        return {}
+    return {
+        "route": plan["route"],
+        "plan_bytes": plan["bytes"],
+        "rate_bytes_s": plan["rate_bytes_s"],
+        "seconds_needed": plan["seconds_needed"],
+    }
+
+
+def _plan_words(plan: dict[str, Any]) -> str:
+    needed = "unknown" if plan["seconds_needed"] is None else f"{plan['seconds_needed']:.1f} s"
+    return f"{plan['route']} ({plan['bytes']} bytes, {needed} needed, {plan['seconds_left']:.1f} s left)"
+
+
 class WebhookNotifier:
     """POSTs notice and outcome messages to ``url``; :meth:`attach` hooks it into a daemon.
 
@@ -132,6 +153,7 @@ class WebhookNotifier:
         self._resolved: dict[str, None] = {}  # insertion-ordered set
         self._queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(_MAX_QUEUED)
         self._worker: asyncio.Task[None] | None = None
+        self._plan_of: Callable[[], dict[str, Any] | None] = lambda: None
 
     def attach(self, daemon: DaemonEvents) -> None:
         self.bucket = daemon.bucket_url
@@ -141,6 +163,8 @@ class WebhookNotifier:
         daemon.save_failed_listeners.append(self.on_save_failed)
         daemon.uploader.on_committed.append(self.on_committed)
         daemon.uploader.on_failure.append(self.on_upload_failure)
+        daemon.plan_listeners.append(self.on_plan)
+        self._plan_of = daemon.plan_status
 
     # --- the event's story --------------------------------------------------------------
 
@@ -151,11 +175,14 @@ class WebhookNotifier:
         self._events[notice.event_id] = event
         left = notice.seconds_left(self._clock())
         what = "checkpoint and stop" if action is Action.STOP else "checkpoint, training goes on"
+        plan = self._plan_of()
         self._enqueue(
             event,
             "notice",
             f"{notice.provider} {notice.kind} notice on {self.host}: {what}; "
-            f"deadline {notice.deadline.strftime('%H:%M:%S')} UTC ({_seconds(left)} s left)",
+            f"deadline {notice.deadline.strftime('%H:%M:%S')} UTC ({_seconds(left)} s left)"
+            + ("" if plan is None else f"; plan: {_plan_words(plan)}"),
+            **_plan_fields(plan),
         )
         loop = asyncio.get_running_loop()
         event.timer = loop.call_later(max(0.0, left), self._deadline_passed, notice.event_id)
@@ -172,6 +199,20 @@ class WebhookNotifier:
                 "local-only",
                 f"{name} committed locally on {self.host}; no bucket is configured, so it dies with the VM",
             )
+
+    def on_plan(self, notice: Notice, plan: Plan) -> None:
+        """A revision that starts the peer route is worth a message of its own (the first plan rides
+        on the notice's)."""
+        event = self._events.get(notice.event_id)
+        if event is None or plan.revision == 0 or plan.route is not Route.PEER:
+            return
+        values = plan.to_dict()
+        self._enqueue(
+            event,
+            "plan",
+            f"{notice.event_id} on {self.host}: plan revised: {_plan_words(values)}",
+            **_plan_fields(values),
+        )
 
     def on_stall(self, notice: Notice, action: Action, report: dict[str, Any]) -> None:
         event = self._events.get(notice.event_id) or _Event(notice, action)

@@ -1,0 +1,154 @@
+"""The peer tier's transfer against the floor: a plain loopback TCP copy of the same bytes.
+
+In one run, interleaved, several runs each, medians:
+
+- floor: the checkpoint's files sent over one loopback TCP connection (``socket.sendfile``) to a
+  receiver process that writes them to its disk: what the link and the disk can do at most;
+- peer: the same checkpoint handed to a real daemon's peer receiver (``spotguard run --peer-listen``,
+  its own process) with ``PeerClient``: authenticated, framed, written, every file's CRC32C checked;
+  the time runs to the receiver's ``verified`` answer ("safe on a peer").
+
+The acceptance target is peer throughput >= 0.8 of the floor.
+
+    python bench/peer_rescue.py --gib 1 --files 8 --runs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from common import machine, median, write_results
+
+from spotguard.daemon.peers import PeerClient, send_checkpoint
+from spotguard.demo import Vm, wait_for
+from spotguard.manifest import CheckpointWriter, load_manifest
+from spotguard.peerwire import parse_address
+
+MiB = 1 << 20
+TOKEN = "bench-peer-token-0123456789abcdef"
+
+
+def make_checkpoint(root: Path, gib: float, files: int) -> Path:
+    writer = CheckpointWriter(root, 1, reason="urgent")
+    writer.prepare()
+    each = int(gib * 1024 * MiB) // files
+    block = os.urandom(16 * MiB)
+    for index in range(files):
+        with writer.create(f"shard-{index}.bin") as out:
+            left = each
+            while left:
+                out.write(block[: min(left, len(block))])
+                left -= min(left, len(block))
+    writer.commit()
+    return writer.dir
+
+
+def sink_main(out_dir: str) -> None:
+    """The floor's receiver: one connection, a stream of (name length, name, size, bytes), to disk."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    print(listener.getsockname()[1], flush=True)
+    conn, _ = listener.accept()
+    with conn, conn.makefile("rb") as stream:
+        while header := stream.read(4):
+            name = stream.read(int.from_bytes(header, "big")).decode()
+            size = int.from_bytes(stream.read(8), "big")
+            with open(Path(out_dir) / name, "wb") as out:
+                left = size
+                while left:
+                    chunk = stream.read(min(left, 8 * MiB))
+                    out.write(chunk)
+                    left -= len(chunk)
+                out.flush()
+        conn.sendall(b"k")
+
+
+def floor_copy(step_dir: Path, scratch: Path) -> float:
+    out = scratch / "floor"
+    out.mkdir()
+    proc = subprocess.Popen([sys.executable, __file__, "sink", str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        files = sorted(load_manifest(step_dir).files)
+        started = time.perf_counter()
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            for rel in files:
+                path = step_dir / rel
+                sock.sendall(len(rel).to_bytes(4, "big") + rel.encode() + path.stat().st_size.to_bytes(8, "big"))
+                with path.open("rb") as handle:
+                    sock.sendfile(handle)
+            sock.shutdown(socket.SHUT_WR)
+            assert sock.recv(1) == b"k"
+        return time.perf_counter() - started
+    finally:
+        proc.wait(timeout=60)
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def peer_copy(step_dir: Path, where: tuple[str, int], bucket: str) -> float:
+    async def hand_over() -> float:
+        started = time.perf_counter()
+        client = await PeerClient.connect(*where, TOKEN.encode())
+        try:
+            reply = await send_checkpoint(client, step_dir, bucket)
+        finally:
+            await client.close()
+        assert reply["state"] == "verified", reply
+        return time.perf_counter() - started
+
+    return asyncio.run(hand_over())
+
+
+def main() -> int:
+    cli = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    cli.add_argument("--gib", type=float, default=1.0)
+    cli.add_argument("--files", type=int, default=8)
+    cli.add_argument("--runs", type=int, default=3)
+    args = cli.parse_args()
+    with tempfile.TemporaryDirectory(prefix="spotguard-peer-bench-") as tmp:
+        scratch = Path(tmp)
+        step_dir = make_checkpoint(scratch / "sender", args.gib, args.files)
+        nbytes = load_manifest(step_dir).total_bytes
+        bucket = (scratch / "bucket").as_uri()
+        (scratch / "bucket").mkdir()
+        receiver = Vm(scratch, "peer", bucket, extra_args=["--provider", "none", "--peer-listen", "127.0.0.1:0"])
+        receiver.start_daemon(env={"SPOTGUARD_PEER_TOKEN": TOKEN})
+        times: dict[str, list[float]] = {"floor": [], "peer": []}
+        try:
+            where = parse_address(receiver.status()["peers"]["listen"])
+            for _ in range(args.runs):
+                times["floor"].append(floor_copy(step_dir, scratch))
+                times["peer"].append(peer_copy(step_dir, where, bucket))
+                # The replica goes on to the (file://) bucket: let it finish before the next run.
+                wait_for(lambda: receiver.status()["peers"]["replicas"] == [], 120, "the replica to be committed")
+                shutil.rmtree(scratch / "bucket" / step_dir.name, ignore_errors=True)
+        finally:
+            receiver.kill_daemon()
+    rates = {name: nbytes / median(samples) / 1e6 for name, samples in times.items()}
+    ratio = rates["peer"] / rates["floor"]
+    for name, samples in times.items():
+        print(
+            f"{name:6s} median {median(samples):6.2f} s  {rates[name]:7.0f} MB/s  runs {[round(s, 2) for s in samples]}"
+        )
+    print(f"peer / floor throughput: {ratio:.2f} (target >= 0.80)")
+    report: dict[str, Any] = {"machine": machine(), "bytes": nbytes, "files": args.files, "seconds": times}
+    report.update(rates_mb_s=rates, ratio=ratio)
+    print(f"results: {write_results('peer_rescue', report)}")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "sink":
+        sink_main(sys.argv[2])
+        sys.exit(0)
+    sys.exit(main())

@@ -1,0 +1,668 @@
+"""The peer tier: a daemon holds another's urgent checkpoint and commits it in the shared bucket.
+
+:class:`PeerReceiver` serves ``peer_listen`` (wire format and authentication: spotguard/peerwire.py).
+A replica lives under ``<checkpoint root>/peer-replicas/<id>/`` (``peer-replicas`` is never a step
+directory, so the daemon's own scans, retention and resume never see it) as ``replica.json`` (its
+state and bucket) and the checkpoint's own step directory. Its lifecycle, moved in one place:
+
+``receiving`` -> ``verified`` (every file matches the sender's manifest, CRC32C included; the
+manifest is then written last, as a trainer would) -> ``uploaded`` (committed in the bucket at the
+keys the sender would have used, manifest last) -> ``deleted``.
+
+A connection that ends before its replica is verified leaves nothing: the replica is deleted. After a
+restart the area is read again: verified replicas are uploaded, anything else is deleted.
+
+:class:`PeerClient` is the sending side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from spotguard import peerwire
+from spotguard.manifest import (
+    MANIFEST,
+    PART_PREFIX,
+    FileEntry,
+    Manifest,
+    ManifestError,
+    atomic_file,
+    check_relpath,
+    crc32c_combine,
+    crc32c_hex_to_int,
+    crc32c_of_bytes,
+    crc32c_of_file,
+    fsync_dir,
+    load_manifest,
+    load_part,
+    parse_step_dir,
+    verify_dir,
+    write_part,
+)
+from spotguard.storage.base import Storage, StorageError
+from spotguard.storage.checkpoints import CommitLost, upload_checkpoint, upload_files
+
+logger = logging.getLogger("spotguard.peers")
+
+AREA = "peer-replicas"
+_META = "replica.json"
+_AUTH_TIMEOUT = 5.0  # seconds a connection has to authenticate
+_IDLE_TIMEOUT = 30.0  # seconds without a frame before an authenticated connection is dropped
+_UPLOAD_RETRY = 5.0  # seconds between attempts to commit a verified replica
+# Disk writes of one connection in flight while its next frame is read (memory: this x the frame size).
+_WRITES_IN_FLIGHT = 8
+_READ_LIMIT = 4 * peerwire.SEND_CHUNK  # the stream's buffer: a few frames (a bigger one reallocates more)
+
+
+class ReplicaState(StrEnum):
+    RECEIVING = "receiving"
+    VERIFIED = "verified"
+    UPLOADED = "uploaded"
+    DELETED = "deleted"
+
+
+@dataclass
+class Replica:
+    id: str
+    name: str  # the checkpoint's step directory, as in the bucket
+    bucket: str
+    sender: str
+    dir: Path  # <area>/<id>
+    state: ReplicaState = ReplicaState.RECEIVING
+    sizes: dict[str, int] = field(default_factory=dict)  # declared size of each file received so far
+    error: str | None = None
+    writes: set[asyncio.Future[None]] = field(default_factory=set)  # disk writes not yet finished
+    # (offset, length, CRC32C) of every range written, per file: verified without reading the file back.
+    ranges: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
+
+    async def settle(self) -> None:
+        """Wait for every disk write in flight; raise the first that failed."""
+        pending, self.writes = self.writes, set()
+        results = await asyncio.gather(*pending, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+
+    @property
+    def step_dir(self) -> Path:
+        return self.dir / self.name
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.sizes.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "name": self.name,
+            "state": str(self.state),
+            "sender": self.sender,
+            "bytes": self.bytes,
+            "error": self.error,
+        }
+
+
+class PeerReceiver:
+    """Takes replicas from authenticated peers and commits them in ``storage``.
+
+    >>> receiver = PeerReceiver(root / "peer-replicas", storage, token=token, host="0.0.0.0", port=7140,
+    ...                         busy=lambda: daemon_has_a_hard_notice)
+    >>> address = await receiver.start()
+    """
+
+    def __init__(
+        self,
+        area: Path,
+        storage: Storage | None,
+        *,
+        token: bytes,
+        host: str,
+        port: int,
+        busy: Callable[[], bool] = lambda: False,
+        max_replica_bytes: int = 1 << 40,
+        max_replicas: int = 2,
+        max_connections: int = 8,
+        concurrency: int = 8,
+    ) -> None:
+        self.area = area
+        self.storage = storage
+        self._token = token  # never logged, never sent
+        self.host = host
+        self.port = port
+        self.busy = busy
+        self.max_replica_bytes = max_replica_bytes
+        self.max_replicas = max_replicas
+        self.max_connections = max_connections
+        self.concurrency = concurrency
+        self.replicas: dict[str, Replica] = {}
+        self.refused = 0  # connections that failed to authenticate or broke the protocol
+        self.address: str | None = None
+        self._server: asyncio.Server | None = None
+        self._connections = 0
+        self._writers: set[asyncio.StreamWriter] = set()  # open connections, closed with the receiver
+        self._uploads: set[asyncio.Task[None]] = set()
+        self._upload_slots = asyncio.Semaphore(1)  # one replica at a time: each is parallel inside
+
+    # --- lifecycle of a replica (the one place it moves) ---------------------------------
+
+    def _move(self, replica: Replica, state: ReplicaState, why: str = "") -> None:
+        old = replica.state if replica.id in self.replicas else "new"
+        replica.state = state
+        logger.info(
+            "replica %s (%s from %s): %s -> %s%s", replica.id, replica.name, replica.sender, old, state,
+            f" ({why})" if why else "",
+        )  # fmt: skip
+        if state is ReplicaState.DELETED:
+            self.replicas.pop(replica.id, None)
+            shutil.rmtree(replica.dir, ignore_errors=True)
+            return
+        self.replicas[replica.id] = replica
+        meta = {"name": replica.name, "bucket": replica.bucket, "sender": replica.sender, "state": str(state)}
+        with atomic_file(replica.dir / _META) as out:
+            out.write(json.dumps(meta).encode())
+
+    # --- serving ----------------------------------------------------------------------
+
+    async def start(self) -> str:
+        """Resume what a restart left in the area, then listen; returns ``host:port`` (the real port)."""
+        await asyncio.to_thread(self.area.mkdir, parents=True, exist_ok=True)
+        for replica in await asyncio.to_thread(self._recover):
+            self._schedule_upload(replica)
+        self._server = await asyncio.start_server(self._serve, self.host, self.port, limit=_READ_LIMIT)
+        port = self._server.sockets[0].getsockname()[1]
+        self.address = f"{self.host}:{port}"
+        logger.info("peer receiver listening on %s", self.address)
+        return self.address
+
+    def _recover(self) -> list[Replica]:
+        """Verified replicas to upload again; everything else in the area is removed."""
+        found = []
+        for entry in sorted(self.area.iterdir()):
+            replica = None
+            try:
+                meta = json.loads((entry / _META).read_bytes())
+                replica = Replica(entry.name, meta["name"], meta["bucket"], meta["sender"], entry)
+                replica.state = ReplicaState(meta["state"])
+            except (OSError, ValueError, KeyError, TypeError):
+                pass
+            if (
+                replica is not None
+                and replica.state is ReplicaState.VERIFIED
+                and self.storage is not None
+                and replica.bucket == self.storage.url
+                and parse_step_dir(replica.name) is not None
+                and (not verify_dir(replica.step_dir) or load_part(replica.step_dir) is not None)
+            ):
+                logger.warning("replica %s (%s) was verified before a restart: committing it", entry.name, replica.name)
+                self.replicas[replica.id] = replica
+                found.append(replica)
+                continue
+            logger.warning("removing %s: a replica never verified before a restart", entry)
+            shutil.rmtree(entry, ignore_errors=True)
+        return found
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            for writer in list(self._writers):
+                writer.close()  # their handlers see the connection end and clean up unfinished replicas
+            with contextlib.suppress(Exception):
+                await self._server.wait_closed()
+        for task in list(self._uploads):
+            task.cancel("daemon shutting down")
+        await asyncio.gather(*self._uploads, return_exceptions=True)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peername = writer.get_extra_info("peername")
+        who = f"{peername[0]}:{peername[1]}" if isinstance(peername, tuple) else "?"
+        replica: Replica | None = None
+        self._connections += 1
+        self._writers.add(writer)
+        try:
+            if self._connections > self.max_connections:
+                writer.write(peerwire.error_frame("busy", f"at most {self.max_connections} peer connections"))
+                return
+            await asyncio.wait_for(self._authenticate(reader, writer), _AUTH_TIMEOUT)
+            while True:
+                header = await asyncio.wait_for(peerwire.read_frame(reader), _IDLE_TIMEOUT)
+                replica = await self._request(header, reader, writer, who, replica)
+                await writer.drain()
+        except peerwire.PeerError as exc:
+            if exc.code != "closed":
+                self.refused += 1
+                logger.warning("peer %s: %s; closing the connection", who, exc)
+                with contextlib.suppress(OSError):
+                    writer.write(peerwire.error_frame(exc.code, exc.message))
+        except TimeoutError:
+            self.refused += 1
+            logger.warning("peer %s: too slow (authentication or an idle connection); closing it", who)
+        except (OSError, asyncio.IncompleteReadError) as exc:
+            logger.warning("peer %s: connection lost: %s", who, exc)
+        finally:
+            self._connections -= 1
+            self._writers.discard(writer)
+            if replica is not None and replica.state is ReplicaState.RECEIVING:
+                # A sender that died mid-stream leaves nothing that could count as complete.
+                with contextlib.suppress(Exception):
+                    await replica.settle()  # no write may land after the removal
+                await asyncio.to_thread(self._move, replica, ReplicaState.DELETED, "the sender went away unfinished")
+            with contextlib.suppress(Exception):
+                writer.close()
+                await writer.wait_closed()
+
+    async def _authenticate(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonce = peerwire.new_nonce()
+        writer.write(peerwire.encode({"t": "challenge", "v": peerwire.VERSION, "nonce": nonce}))
+        await writer.drain()
+        header = await peerwire.read_frame(reader, peerwire.MAX_HEADER_BEFORE_AUTH)
+        theirs = header.get("nonce")
+        if (
+            header["t"] != "auth"
+            or header.get("v") != peerwire.VERSION
+            or not peerwire.is_nonce(theirs)
+            or not peerwire.proof_matches(peerwire.sender_proof(self._token, nonce, str(theirs)), header.get("mac"))
+        ):
+            raise peerwire.PeerError("auth", "authentication failed")
+        proof = peerwire.receiver_proof(self._token, str(theirs), nonce)
+        writer.write(peerwire.encode({"t": "welcome", "v": peerwire.VERSION, "mac": proof}))
+
+    async def _request(
+        self,
+        header: dict[str, Any],
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        who: str,
+        replica: Replica | None,
+    ) -> Replica | None:
+        kind = header["t"]
+        if kind == "ping":
+            return replica  # a sender waiting for its trainer's next file keeps the connection alive
+        if kind == "query":
+            writer.write(peerwire.encode(self.state_frame()))
+            return replica
+        if kind == "replica":
+            if replica is not None:
+                raise peerwire.PeerError("bad-frame", "one replica per connection")
+            replica = await self._open(header, who)
+            writer.write(peerwire.encode({"t": "ok", "id": replica.id}))
+            return replica
+        if replica is None:
+            raise peerwire.PeerError("bad-frame", f"{kind!r} before a replica was opened")
+        if kind == "data":
+            await self._data(replica, header, reader)
+            return replica
+        if kind == "commit":
+            await self._commit(replica, header)
+            writer.write(peerwire.encode({"t": "ok", "state": str(replica.state)}))
+            self._schedule_upload(replica)
+            return None  # the connection no longer holds it
+        raise peerwire.PeerError("bad-frame", f"unknown frame type {kind!r}")
+
+    def state_frame(self) -> dict[str, Any]:
+        return {
+            "t": "state",
+            "busy": self.busy(),
+            "bucket": self.storage.url if self.storage is not None else None,
+            "replicas": len(self.replicas),
+        }
+
+    async def _open(self, header: dict[str, Any], who: str) -> Replica:
+        name = peerwire.field(header, "name", str)
+        bucket = peerwire.field(header, "bucket", str)
+        if self.storage is None or bucket != self.storage.url:
+            raise peerwire.PeerError(
+                "bucket", f"this daemon commits only to {self.storage.url if self.storage else 'no bucket'}"
+            )
+        if parse_step_dir(name) is None:
+            raise peerwire.PeerError("bad-field", f"{name!r} is not a checkpoint name")
+        if self.busy():
+            raise peerwire.PeerError("busy", "this daemon has a hard notice of its own pending")
+        if len(self.replicas) >= self.max_replicas:
+            raise peerwire.PeerError("full", f"already holding {len(self.replicas)} replica(s)")
+        replica = Replica(f"{name}-{uuid.uuid4().hex[:8]}", name, bucket, who, self.area / "x")
+        replica.dir = self.area / replica.id
+        await asyncio.to_thread(replica.step_dir.mkdir, parents=True)
+        await asyncio.to_thread(self._move, replica, ReplicaState.RECEIVING, f"{who} opened it")
+        return replica
+
+    async def _data(self, replica: Replica, header: dict[str, Any], reader: asyncio.StreamReader) -> None:
+        try:
+            rel = check_relpath(peerwire.field(header, "name", str))
+        except ManifestError as exc:
+            raise peerwire.PeerError("bad-path", str(exc)) from None
+        size, offset, length = (peerwire.field(header, key, int) for key in ("size", "offset", "len"))
+        if not (0 <= length <= peerwire.MAX_DATA and offset >= 0 and offset + length <= size):
+            raise peerwire.PeerError("bad-field", f"{rel}: a range [{offset}, +{length}) outside 0..{size}")
+        sizes = replica.sizes
+        if sizes.get(rel, size) != size:
+            raise peerwire.PeerError("bad-field", f"{rel}: size {size}, announced before as {sizes[rel]}")
+        if replica.bytes - sizes.get(rel, 0) + size > self.max_replica_bytes:
+            raise peerwire.PeerError("too-large", f"a replica may hold at most {self.max_replica_bytes} bytes")
+        sizes[rel] = size
+        data = await reader.readexactly(length)
+        # The write goes on in a thread while the next frame is read; a few at most per connection.
+        writes = replica.writes
+        while len(writes) >= _WRITES_IN_FLIGHT:
+            done, _ = await asyncio.wait(writes, return_when=asyncio.FIRST_COMPLETED)
+            for finished in done:
+                writes.discard(finished)
+                finished.result()
+        ranges = replica.ranges.setdefault(rel, [])
+        write = asyncio.to_thread(_write_range, replica.step_dir, rel, offset, data, ranges)
+        writes.add(asyncio.ensure_future(write))
+
+    async def _commit(self, replica: Replica, header: dict[str, Any]) -> None:
+        if "part" in header:
+            await self._commit_share(replica, header)
+            return
+        text = peerwire.field(header, "manifest", str)
+        await replica.settle()
+        try:
+            manifest = Manifest.from_json(text.encode())
+        except ManifestError as exc:
+            raise peerwire.PeerError("bad-manifest", str(exc)) from None
+        if parse_step_dir(replica.name) != manifest.step:
+            raise peerwire.PeerError("bad-manifest", f"{replica.name}: the manifest says step {manifest.step}")
+        problems = await asyncio.to_thread(
+            _check_files, replica.step_dir, manifest.files, replica.sizes, replica.ranges
+        )
+        if problems:
+            replica.error = problems[0]
+            await asyncio.to_thread(self._move, replica, ReplicaState.DELETED, f"rejected: {problems[0]}")
+            raise peerwire.PeerError("mismatch", problems[0])
+
+        def write_manifest() -> None:
+            with atomic_file(replica.step_dir / MANIFEST) as out:
+                out.write(text.encode())
+            fsync_dir(replica.step_dir)
+            self._move(replica, ReplicaState.VERIFIED, f"{len(manifest.files)} file(s), {manifest.total_bytes} bytes")
+
+        await asyncio.to_thread(write_manifest)
+
+    async def _commit_share(self, replica: Replica, header: dict[str, Any]) -> None:
+        """A multi-node job's dying node sends its share: its files and its ``part-<node>.json``.
+        The share's files go to the bucket (no manifest: node 0's daemon commits the global one once
+        every node's files are there)."""
+        text = peerwire.field(header, "part", str)
+        await replica.settle()
+        try:
+            node, nodes, files = _parse_part(text)
+        except (ValueError, KeyError, TypeError, AttributeError, ManifestError) as exc:
+            raise peerwire.PeerError("bad-manifest", f"a node's part that cannot be read: {exc}") from None
+        problems = await asyncio.to_thread(_check_files, replica.step_dir, files, replica.sizes, replica.ranges)
+        if problems:
+            replica.error = problems[0]
+            await asyncio.to_thread(self._move, replica, ReplicaState.DELETED, f"rejected: {problems[0]}")
+            raise peerwire.PeerError("mismatch", problems[0])
+
+        def write() -> None:
+            write_part(replica.step_dir, node, nodes, files)
+            self._move(replica, ReplicaState.VERIFIED, f"node {node}'s share: {len(files)} file(s)")
+
+        await asyncio.to_thread(write)
+
+    # --- committing in the bucket ---------------------------------------------------------
+
+    def _schedule_upload(self, replica: Replica) -> None:
+        task = asyncio.create_task(self._upload(replica), name=f"replica-{replica.id}")
+        self._uploads.add(task)
+        task.add_done_callback(self._uploads.discard)
+
+    async def _upload(self, replica: Replica) -> None:
+        assert self.storage is not None
+        storage = self.storage
+        async with self._upload_slots:
+            while True:
+                try:
+                    await asyncio.to_thread(_send_replica, storage, replica.step_dir, self.concurrency)
+                    break
+                except CommitLost as exc:
+                    logger.warning("replica %s: %s", replica.id, exc)
+                    await asyncio.to_thread(
+                        self._move, replica, ReplicaState.DELETED, "another checkpoint holds its name"
+                    )
+                    return
+                except (StorageError, OSError, ManifestError) as exc:
+                    replica.error = str(exc)
+                    logger.error("replica %s: committing %s failed: %s; retrying", replica.id, replica.name, exc)
+                    await asyncio.sleep(_UPLOAD_RETRY)
+        await asyncio.to_thread(self._move, replica, ReplicaState.UPLOADED, f"committed in {storage.url}")
+        await asyncio.to_thread(self._move, replica, ReplicaState.DELETED, "safe in the bucket")
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "listen": self.address,
+            "replicas": [replica.to_json() for replica in self.replicas.values()],
+            "refused": self.refused,
+        }
+
+
+def _write_range(step_dir: Path, rel: str, offset: int, data: bytes, ranges: list[tuple[int, int, int]]) -> None:
+    """pwrite one range (in a thread) and note its CRC32C in ``ranges`` (a list append is atomic)."""
+    path = step_dir / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.parent.resolve().is_relative_to(step_dir.resolve()):
+        raise peerwire.PeerError("bad-path", f"{rel} leaves the replica")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.pwrite(fd, data, offset)
+    finally:
+        os.close(fd)
+    ranges.append((offset, len(data), crc32c_hex_to_int(crc32c_of_bytes(data))))
+
+
+def _parse_part(text: str) -> tuple[int, int, dict[str, FileEntry]]:
+    document = json.loads(text)
+    node, nodes = document["node"], document["nodes"]
+    if not (isinstance(node, int) and isinstance(nodes, int) and 0 <= node < nodes):
+        raise ValueError(f"node {node!r} of {nodes!r}")
+    files = {}
+    for rel, entry in document["files"].items():
+        size, crc = entry["size"], entry["crc32c"]
+        if not isinstance(size, int) or size < 0 or not isinstance(crc, str):
+            raise ValueError(f"{rel}: a bad size or crc32c")
+        crc32c_hex_to_int(crc)
+        files[check_relpath(rel)] = FileEntry(size=size, crc32c=crc)
+    return node, nodes, files
+
+
+def _send_replica(storage: Storage, step_dir: Path, concurrency: int) -> None:
+    """A verified replica to the bucket: a whole checkpoint with its manifest last, or a node's share."""
+    if (step_dir / MANIFEST).exists():
+        upload_checkpoint(storage, step_dir, concurrency=concurrency)
+        return
+    files = load_part(step_dir)
+    if files is None:
+        raise ManifestError(f"{step_dir.name}: neither a manifest nor a node's part")
+    upload_files(storage, step_dir, files, concurrency=concurrency)
+
+
+def _combined_crc(ranges: list[tuple[int, int, int]], size: int) -> str | None:
+    """The file's CRC32C from its ranges' when they tile ``[0, size)`` exactly; else None (read it)."""
+    crc, end = 0, 0
+    for offset, length, part in sorted(ranges):
+        if offset != end:
+            return None  # a gap or an overlap: only the file itself can say
+        crc = crc32c_combine(crc, part, length)
+        end += length
+    return f"{crc:08x}" if end == size else None
+
+
+def _check_files(
+    step_dir: Path,
+    files: dict[str, FileEntry] | Any,
+    received: dict[str, int],
+    ranges: dict[str, list[tuple[int, int, int]]],
+) -> list[str]:
+    """What is wrong with the received files against the manifest (empty: every one matches)."""
+    problems = [f"{rel}: received but not in the manifest" for rel in sorted(set(received) - set(files))]
+    for rel, entry in sorted(files.items()):
+        path = step_dir / rel
+        if not path.is_file() or path.is_symlink():
+            problems.append(f"{rel}: never received")
+        elif path.stat().st_size != entry.size:
+            problems.append(f"{rel}: {path.stat().st_size} bytes, the manifest says {entry.size}")
+        elif (crc := _combined_crc(ranges.get(rel, []), entry.size) or crc32c_of_file(path)) != entry.crc32c:
+            problems.append(f"{rel}: crc32c {crc}, the manifest says {entry.crc32c}")
+    return problems
+
+
+# --- the sending side ----------------------------------------------------------------------
+
+
+class PeerClient:
+    """One authenticated connection to a peer's receiver.
+
+    >>> client = await PeerClient.connect("10.0.0.2", 7140, token)
+    >>> (await client.query())["busy"]
+    False
+    >>> await client.open_replica("step-000000100", "s3://b/run1")
+    >>> await client.send_file(step_dir / "weights.bin", "weights.bin")
+    >>> await client.commit(step_dir)
+    """
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, address: str) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.address = address
+
+    @classmethod
+    async def connect(cls, host: str, port: int, token: bytes, *, timeout: float = 5.0) -> PeerClient:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, limit=1 << 20), timeout)
+        # Enough in the socket's buffer that the next chunk is read from disk while this one goes out.
+        writer.transport.set_write_buffer_limits(high=2 * peerwire.MAX_DATA)
+        client = cls(reader, writer, f"{host}:{port}")
+        try:
+            await asyncio.wait_for(client._authenticate(token), timeout)
+        except BaseException:
+            await client.close()
+            raise
+        return client
+
+    async def _authenticate(self, token: bytes) -> None:
+        challenge = await peerwire.read_frame(self.reader, peerwire.MAX_HEADER_BEFORE_AUTH)
+        peerwire.expect(challenge, "challenge")
+        theirs = challenge.get("nonce")
+        if challenge.get("v") != peerwire.VERSION or not peerwire.is_nonce(theirs):
+            raise peerwire.PeerError("bad-frame", "a challenge of another version")
+        ours = peerwire.new_nonce()
+        proof = peerwire.sender_proof(token, str(theirs), ours)
+        self.writer.write(peerwire.encode({"t": "auth", "v": peerwire.VERSION, "nonce": ours, "mac": proof}))
+        welcome = await peerwire.read_frame(self.reader, peerwire.MAX_HEADER_BEFORE_AUTH)
+        peerwire.expect(welcome, "welcome")
+        if not peerwire.proof_matches(peerwire.receiver_proof(token, ours, str(theirs)), welcome.get("mac")):
+            raise peerwire.PeerError("auth", f"{self.address} does not know the job's token")
+
+    async def _ask(self, header: dict[str, Any], answer: str = "ok") -> dict[str, Any]:
+        self.writer.write(peerwire.encode(header))
+        await self.writer.drain()
+        reply = await peerwire.read_frame(self.reader)
+        peerwire.expect(reply, answer)
+        return reply
+
+    async def query(self) -> dict[str, Any]:
+        return await self._ask({"t": "query"}, "state")
+
+    async def ping(self) -> None:
+        """Keep the connection alive while there is nothing to send (no answer comes)."""
+        self.writer.write(peerwire.encode({"t": "ping"}))
+        await self.writer.drain()
+
+    async def open_replica(self, name: str, bucket: str) -> None:
+        await self._ask({"t": "replica", "name": name, "bucket": bucket})
+
+    async def send_range(self, rel: str, size: int, offset: int, data: bytes) -> None:
+        header = {"t": "data", "name": rel, "size": size, "offset": offset, "len": len(data)}
+        self.writer.write(peerwire.encode(header))
+        self.writer.write(data)
+        await self.writer.drain()
+
+    async def send_file(self, path: Path, rel: str, *, chunk: int = peerwire.SEND_CHUNK) -> int:
+        """All of ``path`` as ``rel``, read from disk in threads one chunk at a time; returns its size."""
+        size = (await asyncio.to_thread(path.stat)).st_size
+        fd = await asyncio.to_thread(os.open, path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        reading: asyncio.Future[bytes] | None = None
+        try:
+            offset = 0
+            reading = asyncio.ensure_future(asyncio.to_thread(os.pread, fd, min(chunk, size), 0))
+            while True:  # at least once: an empty file is sent as one empty range
+                want = min(chunk, size - offset)
+                data = await reading
+                if len(data) < want:
+                    raise OSError(f"{path} shrank while it was sent")
+                if offset + want < size:  # the next chunk comes off the disk while this one is sent
+                    after = offset + want
+                    reading = asyncio.ensure_future(asyncio.to_thread(os.pread, fd, min(chunk, size - after), after))
+                await self.send_range(rel, size, offset, data)
+                offset += want
+                if offset >= size:
+                    break
+        finally:
+            if reading is not None and not reading.done():
+                # The descriptor is closed only once no thread reads it (its number could be reused).
+                await asyncio.gather(reading, return_exceptions=True)
+            os.close(fd)
+        return size
+
+    async def commit(self, step_dir: Path) -> dict[str, Any]:
+        """Send the manifest (or, in a multi-node job, this node's part): the receiver verifies every
+        file against it before answering."""
+        manifest = step_dir / MANIFEST
+        if await asyncio.to_thread(manifest.exists):
+            return await self._ask({"t": "commit", "manifest": (await asyncio.to_thread(manifest.read_text))})
+        parts = await asyncio.to_thread(lambda: sorted(step_dir.glob(f"{PART_PREFIX}*.json")))
+        if not parts:
+            raise ManifestError(f"{step_dir.name}: neither a manifest nor a node's part to send")
+        return await self._ask({"t": "commit", "part": (await asyncio.to_thread(parts[0].read_text))})
+
+    async def close(self) -> None:
+        self.writer.close()
+        with contextlib.suppress(Exception):
+            await self.writer.wait_closed()
+
+
+async def send_checkpoint(client: PeerClient, step_dir: Path, bucket: str) -> dict[str, Any]:
+    """A whole locally committed checkpoint to ``client``'s peer (for tests and resends)."""
+    manifest = await asyncio.to_thread(load_manifest, step_dir)
+    await client.open_replica(step_dir.name, bucket)
+    for rel in sorted(manifest.files):
+        await client.send_file(step_dir / rel, rel)
+    return await client.commit(step_dir)
+
+
+async def choose_peer(addresses: list[tuple[str, int]], token: bytes, bucket: str) -> PeerClient | None:
+    """The first peer that answers, shares ``bucket`` and has no hard notice of its own; None if none."""
+    for host, port in addresses:
+        try:
+            client = await PeerClient.connect(host, port, token)
+        except (OSError, TimeoutError, peerwire.PeerError) as exc:
+            logger.warning("peer %s:%d unreachable: %s", host, port, exc)
+            continue
+        try:
+            state = await client.query()
+        except (OSError, peerwire.PeerError) as exc:
+            logger.warning("peer %s:%d did not answer: %s", host, port, exc)
+            await client.close()
+            continue
+        if state.get("busy"):
+            logger.warning("peer %s:%d has a hard notice of its own: not choosing it", host, port)
+        elif state.get("bucket") != bucket:
+            logger.warning("peer %s:%d commits to %s, not %s: not choosing it", host, port, state.get("bucket"), bucket)
+        else:
+            return client
+        await client.close()
+    return None
+
+
+__all__ = ["AREA", "PeerClient", "PeerReceiver", "Replica", "ReplicaState", "choose_peer", "send_checkpoint"]

@@ -1,0 +1,233 @@
+"""The deadline plan: at notice time, will the state reach the bucket before the deadline?
+
+From the state's size (the last checkpoint a trainer committed, or the newest one on local disk) and
+the measured upload rate (recent uploads, and a small probe at start so the first notice has a
+number) the daemon picks a route:
+
+* ``bucket``: it fits (``seconds_needed <= FIT_FRACTION x seconds_left``);
+* ``peer``: it does not, and a peer can take it (peers are configured and one is free);
+* ``local``: neither; the newest complete checkpoint in the bucket stays the resume point.
+
+The bucket upload runs on every route (it costs nothing to try). The plan is revised while the race
+runs from the uploader's live forecast (rate and time left of the urgent upload): an upload falling
+behind turns ``bucket`` into ``peer`` (or ``local``). Once the peer route has started it is kept
+(a replica on a peer never hurts) unless it fails: no free peer, a broken handoff. Each plan is
+logged once per change of route; its numbers are in ``spotguard status --json`` (``plan``), the
+metrics and the webhook.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from spotguard.daemon.events import PlanListener
+from spotguard.manifest import crc32c_of_bytes, scan_local
+from spotguard.notice import Notice
+from spotguard.storage.base import Storage
+
+logger = logging.getLogger("spotguard.plan")
+
+# The bucket route is chosen only with room to spare: a link's rate wobbles, and the last files
+# still need their commit after the data.
+FIT_FRACTION = 0.8
+PROBE_BYTES = 1 << 20
+PROBE_PREFIX = ".spotguard-rate-probe"  # never a step directory: listings and retention ignore it
+_SAMPLES = 5  # recent uploads the rate is measured over
+
+
+class Route(StrEnum):
+    BUCKET = "bucket"
+    PEER = "peer"
+    LOCAL = "local"
+
+
+@dataclass(frozen=True)
+class Plan:
+    route: Route
+    bytes: int
+    rate_bytes_s: float | None  # None: nothing measured yet
+    seconds_needed: float | None  # None: unknown (no rate)
+    seconds_left: float
+    why: str
+    event_id: str = ""
+    revision: int = 0  # 0 at notice time, +1 per change of route while the race runs
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "route": str(self.route),
+            "bytes": self.bytes,
+            "rate_bytes_s": None if self.rate_bytes_s is None else round(self.rate_bytes_s),
+            "seconds_needed": None if self.seconds_needed is None else round(self.seconds_needed, 2),
+            "seconds_left": round(self.seconds_left, 2),
+            "why": self.why,
+            "event_id": self.event_id,
+            "revision": self.revision,
+        }
+
+    def describe(self) -> str:
+        rate = "no rate measured yet" if self.rate_bytes_s is None else f"{self.rate_bytes_s / 1e6:.1f} MB/s"
+        needed = "?" if self.seconds_needed is None else f"{self.seconds_needed:.1f}"
+        return (
+            f"route {self.route}: {self.bytes / (1 << 20):.0f} MiB at {rate} needs {needed} s, "
+            f"{self.seconds_left:.1f} s left ({self.why})"
+        )
+
+
+def choose_route(
+    size: int, rate: float | None, seconds_left: float, *, peer_available: bool, bucket: bool = True
+) -> Plan:
+    """The route for ``size`` bytes at ``rate`` bytes/s with ``seconds_left`` to the deadline."""
+    needed = 0.0 if size == 0 else (size / rate if rate else None)
+    if not bucket:
+        return Plan(Route.LOCAL, size, rate, needed, seconds_left, "no bucket is configured")
+    if needed is None:
+        return Plan(Route.BUCKET, size, rate, None, seconds_left, "no upload rate measured yet: trying the bucket")
+    if needed <= FIT_FRACTION * seconds_left:
+        return Plan(Route.BUCKET, size, rate, needed, seconds_left, "the bucket makes the deadline")
+    if peer_available:
+        return Plan(Route.PEER, size, rate, needed, seconds_left, "the bucket cannot make the deadline; a peer can")
+    return Plan(
+        Route.LOCAL,
+        size,
+        rate,
+        needed,
+        seconds_left,
+        "neither the bucket nor a peer makes the deadline: the newest complete checkpoint in the bucket "
+        "is the resume point",
+    )
+
+
+class RateMeter:
+    """Upload rate over the last few transfers, weighted by bytes (one tiny upload cannot swing it)."""
+
+    def __init__(self, keep: int = _SAMPLES) -> None:
+        self._samples: deque[tuple[int, float]] = deque(maxlen=keep)
+
+    def add(self, nbytes: int, seconds: float) -> None:
+        if nbytes > 0 and seconds > 0:
+            self._samples.append((nbytes, seconds))
+
+    def rate(self) -> float | None:
+        seconds = sum(s for _, s in self._samples)
+        return sum(b for b, _ in self._samples) / seconds if seconds > 0 else None
+
+
+class Planner:
+    """Keeps what a plan is made of (size, rate) and the plan of the notice being raced."""
+
+    def __init__(self, *, peer_available: Callable[[], bool] = lambda: False, bucket: bool = True) -> None:
+        self.bucket = bucket
+        self.meter = RateMeter()
+        self.state_bytes: int | None = None
+        self.peer_available = peer_available
+        self.current: Plan | None = None
+        self.listeners: list[PlanListener] = []
+        self._notice: Notice | None = None
+        self._announced: dict[str, int] = {}  # bytes of the files trainers finished per checkpoint, this notice
+
+    def observe_size(self, nbytes: int) -> None:
+        self.state_bytes = nbytes
+
+    def observe_file(self, name: str, nbytes: int) -> None:
+        """A trainer finished a file of checkpoint ``name`` while the notice is pending."""
+        self._announced[name] = self._announced.get(name, 0) + nbytes
+
+    def observe_upload(self, nbytes: int, seconds: float) -> None:
+        self.meter.add(nbytes, seconds)
+
+    def size_from_disk(self, root: Path) -> None:
+        """The newest complete local checkpoint's size, when no trainer has told one yet (blocking)."""
+        if self.state_bytes is not None:
+            return
+        complete = [info for info in scan_local(root) if info.status == "complete"]
+        if complete and self.state_bytes is None:
+            self.state_bytes = complete[-1].bytes
+
+    def plan(self, notice: Notice) -> Plan:
+        """The plan at notice time (replacing any earlier notice's)."""
+        made = choose_route(
+            self.state_bytes or 0,
+            self.meter.rate(),
+            notice.seconds_left(),
+            peer_available=self.peer_available(),
+            bucket=self.bucket,
+        )
+        self._notice = notice
+        self.current = replace(made, event_id=notice.event_id)
+        logger.warning("deadline plan for %s: %s", notice.event_id, self.current.describe())
+        self._tell(notice, self.current)
+        return self.current
+
+    def revise(self, forecast: dict[str, Any] | None) -> Plan | None:
+        """Update the current plan from the uploader's forecast of the urgent upload; the route moves
+        only towards more safety (bucket -> peer or local, local -> peer), never back."""
+        if self.current is None or self._notice is None:
+            return None
+        notice, old = self._notice, self.current
+        left = notice.seconds_left()
+        # The urgent checkpoint's own size once it is known: announced files, or its commit.
+        newest = max(self._announced.values(), default=0)
+        size, done, rate = max(old.bytes, newest, self.state_bytes or 0), 0, self.meter.rate()
+        if forecast is not None and forecast.get("urgent"):
+            # What the trainer has announced so far is a better size than the last checkpoint's (there
+            # may be none); the live rate, once a part is in, is better than the recent uploads' one.
+            size, done = max(size, int(forecast["bytes_total"])), int(forecast["bytes_done"])
+            if forecast.get("rate_bytes_s") and done >= PROBE_BYTES:  # a few small files say little of a rate
+                rate = float(forecast["rate_bytes_s"])
+        made = choose_route(max(0, size - done), rate, left, peer_available=self.peer_available(), bucket=self.bucket)
+        made = replace(made, bytes=size)
+        route = old.route
+        if made.route is Route.PEER or (made.route is Route.LOCAL and old.route is Route.BUCKET):
+            route = made.route
+        elif old.route is Route.PEER and not self.peer_available():
+            route = made.route  # the peer route failed (no free peer, a broken handoff)
+        why = made.why if route is made.route else old.why
+        revision = old.revision + (route is not old.route)
+        self.current = replace(made, route=route, why=why, event_id=old.event_id, revision=revision)
+        if route is not old.route:
+            logger.warning("deadline plan for %s revised: %s", notice.event_id, self.current.describe())
+            self._tell(notice, self.current)
+        return self.current
+
+    def end(self) -> None:
+        self.current = None
+        self._notice = None
+        self._announced.clear()
+
+    def _tell(self, notice: Notice, plan: Plan) -> None:
+        for listener in self.listeners:
+            try:
+                listener(notice, plan)
+            except Exception:
+                logger.exception("a plan listener failed for %s", notice.event_id)
+
+
+def probe_upload(storage: Storage, size: int = PROBE_BYTES) -> tuple[int, float]:
+    """Upload ``size`` random bytes under ``.spotguard-rate-probe/``, time it, delete it (blocking).
+
+    One object on one stream: a lower bound of what the uploader's parallel streams get, which is
+    the safe side for a plan."""
+    key = f"{PROBE_PREFIX}/{uuid.uuid4().hex}.bin"
+    data = os.urandom(size)
+    with tempfile.TemporaryDirectory(prefix="spotguard-probe-") as scratch:
+        local = Path(scratch) / "probe"
+        local.write_bytes(data)
+        started = time.monotonic()
+        try:
+            storage.put_file(local, key, crc32c=crc32c_of_bytes(data))
+            return size, time.monotonic() - started
+        finally:
+            storage.delete([key])
+
+
+__all__ = ["FIT_FRACTION", "PROBE_PREFIX", "Plan", "Planner", "RateMeter", "Route", "choose_route", "probe_upload"]

@@ -1,0 +1,251 @@
+"""The peer receiver of a real daemon (moto as the shared bucket): authentication, bounds, checks."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from spotguard import peerwire
+from spotguard.control import request
+from spotguard.daemon.peers import AREA, PeerClient, choose_peer, send_checkpoint
+from spotguard.daemon.plan import PROBE_PREFIX
+from spotguard.demo import Vm, wait_for
+from spotguard.manifest import load_manifest
+from spotguard.storage.checkpoints import list_remote
+from spotguard.storage.s3 import S3Storage
+from tests.checkpoints import write_checkpoint
+from tests.servers import S3Server, moto_s3, point_at
+
+TOKEN = "a-shared-secret-of-the-job-0123456789"
+MiB = 1 << 20
+
+
+@pytest.fixture
+def server() -> Iterator[S3Server]:
+    with moto_s3() as s3:
+        yield s3
+
+
+@pytest.fixture
+def url(server: S3Server, monkeypatch: pytest.MonkeyPatch) -> str:
+    return point_at(server, monkeypatch)
+
+
+@pytest.fixture
+def receiver_vm(tmp_path: Path, url: str) -> Iterator[Vm]:
+    vm = Vm(tmp_path, "vm-b", url, extra_args=["--provider", "none", "--peer-listen", "127.0.0.1:0"])
+    vm.start_daemon(env={"SPOTGUARD_PEER_TOKEN": TOKEN})
+    yield vm
+    vm.kill_daemon()
+
+
+def address(vm: Vm) -> tuple[str, int]:
+    return peerwire.parse_address(vm.status()["peers"]["listen"])
+
+
+def bucket_keys(url: str) -> list[str]:
+    storage = S3Storage(url)
+    try:
+        return sorted(o.key for o in storage.list() if not o.key.startswith(PROBE_PREFIX))
+    finally:
+        storage.close()
+
+
+def replica_area(vm: Vm) -> list[str]:
+    area = vm.root / AREA
+    return sorted(p.name for p in area.iterdir()) if area.exists() else []
+
+
+def raw_exchange(where: tuple[str, int], data: bytes) -> bytes:
+    """Send ``data`` on a fresh connection and read until the receiver closes it."""
+    with socket.create_connection(where, timeout=10) as sock:
+        sock.sendall(data)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+        return received
+
+
+def test_wrong_tokens_and_garbage_are_refused_and_change_nothing(receiver_vm: Vm, url: str, tmp_path: Path) -> None:
+    where = address(receiver_vm)
+    step_dir = write_checkpoint(tmp_path / "sender", 7, {"weights.bin": os.urandom(MiB)})
+
+    async def wrong_token() -> str:
+        with pytest.raises(peerwire.PeerError) as caught:
+            await PeerClient.connect(*where, b"not-the-job-s-token-at-all")
+        return caught.value.code
+
+    assert asyncio.run(wrong_token()) == "auth"
+    # Garbage from the first byte: an HTTP request is a frame of ~1.2 GB, far over the pre-auth limit.
+    assert b'"code":"too-large"' in raw_exchange(where, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    # A payload frame instead of the answer to the challenge: refused before any byte of it is kept.
+    frame = peerwire.encode({"t": "data", "name": "weights.bin", "size": 4, "offset": 0, "len": 4}) + b"abcd"
+    assert b'"code":"auth"' in raw_exchange(where, frame)
+    # A replay of someone's answer to another challenge.
+    replay = {"t": "auth", "v": 1, "nonce": "0" * 32, "mac": peerwire.sender_proof(TOKEN.encode(), "1" * 32, "0" * 32)}
+    assert b'"code":"auth"' in raw_exchange(where, peerwire.encode(replay))
+
+    status = receiver_vm.status()["peers"]
+    assert status["refused"] == 4 and status["replicas"] == []
+    assert replica_area(receiver_vm) == [] and bucket_keys(url) == []
+    log = receiver_vm.log.read_text()
+    assert TOKEN not in log and "authentication failed" in log
+
+    # Still serving: the right token gets in and the checkpoint is committed in the bucket.
+    async def hand_over() -> dict[str, object]:
+        client = await PeerClient.connect(*where, TOKEN.encode())
+        try:
+            return await send_checkpoint(client, step_dir, url)
+        finally:
+            await client.close()
+
+    assert asyncio.run(hand_over())["state"] == "verified"
+    storage = S3Storage(url)
+    try:
+        committed = wait_for(
+            lambda: [i for i in list_remote(storage) if i.status == "complete"], 30, "the replica in the bucket"
+        )
+    finally:
+        storage.close()
+    assert [info.name for info in committed] == ["step-000000007"]
+    assert committed[0].manifest is not None and committed[0].manifest.files == load_manifest(step_dir).files
+    wait_for(lambda: replica_area(receiver_vm) == [], 10, "the replica to be deleted once committed")
+    assert receiver_vm.status()["peers"]["replicas"] == []
+    assert not (receiver_vm.root / "step-000000007").exists()  # never taken for its own checkpoint
+
+
+def test_a_replica_with_one_flipped_byte_is_rejected(receiver_vm: Vm, url: str, tmp_path: Path) -> None:
+    step_dir = write_checkpoint(tmp_path / "sender", 8, {"a.bin": os.urandom(3 * MiB), "sub/b.bin": b"bytes"})
+
+    async def send_flipped() -> str:
+        client = await PeerClient.connect(*address(receiver_vm), TOKEN.encode())
+        try:
+            await client.open_replica(step_dir.name, url)
+            data = bytearray((step_dir / "a.bin").read_bytes())
+            data[MiB + 12345] ^= 0x01
+            await client.send_range("a.bin", len(data), 0, bytes(data[: 2 * MiB]))
+            await client.send_range("a.bin", len(data), 2 * MiB, bytes(data[2 * MiB :]))
+            await client.send_file(step_dir / "sub" / "b.bin", "sub/b.bin")
+            with pytest.raises(peerwire.PeerError) as caught:
+                await client.commit(step_dir)
+            return caught.value.message
+        finally:
+            await client.close()
+
+    assert "a.bin: crc32c" in asyncio.run(send_flipped())
+    wait_for(lambda: replica_area(receiver_vm) == [], 10, "the rejected replica to be removed")
+    assert bucket_keys(url) == []
+
+
+def test_names_buckets_and_sizes_are_bounded(receiver_vm: Vm, url: str, tmp_path: Path) -> None:
+    where = address(receiver_vm)
+
+    async def refused(*frames: dict[str, object], bucket: str = url) -> str:
+        client = await PeerClient.connect(*where, TOKEN.encode())
+        try:
+            with pytest.raises(peerwire.PeerError) as caught:
+                await client.open_replica("step-000000009", bucket)
+                for frame in frames:
+                    await client.send_range(str(frame["name"]), int(frame["size"]), int(frame["offset"]), b"x")  # type: ignore[call-overload]
+                await client.query()  # an error, if any, comes back here
+            return caught.value.code
+        finally:
+            await client.close()
+
+    assert asyncio.run(refused(bucket="s3://another-bucket/run")) == "bucket"
+    assert asyncio.run(refused({"name": "../escape.bin", "size": 1, "offset": 0})) == "bad-path"
+    assert asyncio.run(refused({"name": "/etc/passwd", "size": 1, "offset": 0})) == "bad-path"
+    assert asyncio.run(refused({"name": "big.bin", "size": 1 << 41, "offset": 0})) == "too-large"
+    assert asyncio.run(refused({"name": "a.bin", "size": 1, "offset": 5})) == "bad-field"
+    wait_for(lambda: replica_area(receiver_vm) == [], 10, "unfinished replicas to be removed")
+    assert bucket_keys(url) == [] and not (receiver_vm.dir / "escape.bin").exists()
+
+
+def test_a_peer_with_its_own_hard_notice_is_not_chosen(receiver_vm: Vm, url: str) -> None:
+    where = address(receiver_vm)
+
+    async def choose() -> str | None:
+        client = await choose_peer([("127.0.0.1", 1), where], TOKEN.encode(), url)  # the first is down
+        if client is None:
+            return None
+        await client.close()
+        return client.address
+
+    assert asyncio.run(choose()) == f"{where[0]}:{where[1]}"
+    request(receiver_vm.socket, "drill", deadline_s=60.0)
+    assert asyncio.run(choose()) is None
+
+
+def test_peers_without_a_token_are_a_config_error(tmp_path: Path, url: str) -> None:
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != peerwire.TOKEN_ENV}
+    command = [sys.executable, "-m", "spotguard", "run", "--provider", "none", "--socket", str(tmp_path / "s.sock")]
+    command += ["--checkpoint-dir", str(tmp_path / "ck"), "--state-dir", str(tmp_path / "st"), "--bucket", url]
+    done = subprocess.run(
+        [*command, "--peers", "127.0.0.1:7140"], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 2 and "SPOTGUARD_PEER_TOKEN or peer_token_file" in done.stderr
+
+
+def test_a_restarted_receiver_commits_verified_replicas_and_drops_unfinished_ones(tmp_path: Path, url: str) -> None:
+    import json
+
+    vm = Vm(tmp_path, "vm-r", url, extra_args=["--provider", "none", "--peer-listen", "127.0.0.1:0"])
+    area = vm.root / AREA
+    # What a receiver killed mid-upload leaves: one replica verified (manifest written), one still arriving.
+    verified = write_checkpoint(area / "step-000000011-aaaa", 11, {"w.bin": os.urandom(MiB)})
+    unfinished = write_checkpoint(area / "step-000000012-bbbb", 12, {"w.bin": os.urandom(MiB)})
+    for step_dir, state in ((verified, "verified"), (unfinished, "receiving")):
+        meta = {"name": step_dir.name, "bucket": url, "sender": "127.0.0.1:1", "state": state}
+        (step_dir.parent / "replica.json").write_text(json.dumps(meta))
+    vm.start_daemon(env={"SPOTGUARD_PEER_TOKEN": TOKEN})
+    try:
+        storage = S3Storage(url)
+        try:
+            committed = wait_for(
+                lambda: [i.name for i in list_remote(storage) if i.status == "complete"], 30, "the verified replica"
+            )
+        finally:
+            storage.close()
+        assert committed == ["step-000000011"]
+        wait_for(lambda: replica_area(vm) == [], 10, "the replica area to be empty")
+        assert not any(key.startswith("step-000000012") for key in bucket_keys(url))
+    finally:
+        vm.kill_daemon()
+
+
+def test_a_node_s_share_of_a_multi_node_checkpoint_goes_to_the_bucket_without_a_manifest(
+    receiver_vm: Vm, url: str, tmp_path: Path
+) -> None:
+    from spotguard.manifest import FileEntry, crc32c_of_bytes, write_part
+
+    step_dir = tmp_path / "node1" / "step-000000021"
+    step_dir.mkdir(parents=True)
+    files = {"model.rank1.pt": os.urandom(2 * MiB), "optim/rank1.pt": os.urandom(MiB)}
+    for rel, data in files.items():
+        (step_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+        (step_dir / rel).write_bytes(data)
+    write_part(step_dir, 1, 2, {rel: FileEntry(len(data), crc32c_of_bytes(data)) for rel, data in files.items()})
+
+    async def hand_over() -> dict[str, object]:
+        client = await PeerClient.connect(*address(receiver_vm), TOKEN.encode())
+        try:
+            await client.open_replica(step_dir.name, url)
+            for rel in files:
+                await client.ping()  # what a sender waiting for the trainer's next file sends
+                await client.send_file(step_dir / rel, rel)
+            return await client.commit(step_dir)
+        finally:
+            await client.close()
+
+    assert asyncio.run(hand_over())["state"] == "verified"
+    expected = sorted(f"step-000000021/{rel}" for rel in files)
+    wait_for(lambda: bucket_keys(url) == expected, 30, "the share's files in the bucket")
+    wait_for(lambda: replica_area(receiver_vm) == [], 10, "the replica to be deleted once uploaded")

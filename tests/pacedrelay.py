@@ -1,0 +1,66 @@
+"""A TCP relay on 127.0.0.1 that paces each connection's uploads (client to server) to a byte rate.
+
+Standing for a slow link to the bucket: point the S3 client at ``relay.url`` instead of moto's::
+
+    with PacedRelay(s3.endpoint_url, 1_000_000) as relay:
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", relay.url)
+
+Answers (server to client) pass at full speed. Threads, not a process: pacing sleeps, which leaves
+the GIL to whatever else the test runs (moto).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from types import TracebackType
+
+
+class PacedRelay:
+    def __init__(self, upstream: str, bytes_per_s: float) -> None:
+        host, _, port = upstream.removeprefix("http://").rstrip("/").partition(":")
+        self.upstream = (host, int(port))
+        self.rate = bytes_per_s
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self._closed = threading.Event()
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> PacedRelay:
+        threading.Thread(target=self._accept, daemon=True).start()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self._closed.set()
+        self.listener.close()
+        with self._lock:
+            for sock in self._sockets:
+                sock.close()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                client, _ = self.listener.accept()
+                server = socket.create_connection(self.upstream)
+            except OSError:
+                return
+            with self._lock:
+                self._sockets += [client, server]
+            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, paced: bool) -> None:
+        started, sent = time.monotonic(), 0
+        try:
+            while data := source.recv(64 * 1024):
+                if paced:
+                    sent += len(data)
+                    ahead = started + sent / self.rate - time.monotonic()
+                    if ahead > 0:
+                        time.sleep(ahead)  # this connection's cap
+                sink.sendall(data)
+            sink.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass

@@ -1,0 +1,71 @@
+"""The deadline plan's choice of route and its revision from the uploader's forecast."""
+
+from __future__ import annotations
+
+from spotguard.daemon.plan import FIT_FRACTION, Planner, RateMeter, Route, choose_route
+from spotguard.notice import Kind, Notice
+
+MB = 1_000_000
+
+
+def test_the_bucket_route_needs_room_to_spare() -> None:
+    fits = choose_route(80 * MB, 10 * MB, 10.0, peer_available=True)
+    assert fits.route is Route.BUCKET and fits.seconds_needed == 8.0 and FIT_FRACTION * 10 >= 8.0
+    tight = choose_route(90 * MB, 10 * MB, 10.0, peer_available=True)
+    assert tight.route is Route.PEER and tight.seconds_needed == 9.0
+
+
+def test_without_a_free_peer_a_state_too_big_for_the_deadline_stays_local() -> None:
+    plan = choose_route(400 * MB, 1 * MB, 10.0, peer_available=False)
+    assert plan.route is Route.LOCAL
+    assert plan.to_dict() | {"why": ""} == {
+        "route": "local", "bytes": 400 * MB, "rate_bytes_s": MB, "seconds_needed": 400.0, "seconds_left": 10.0,
+        "why": "", "event_id": "", "revision": 0,
+    }  # fmt: skip
+
+
+def test_no_measured_rate_tries_the_bucket_and_says_so() -> None:
+    plan = choose_route(5 * MB, None, 30.0, peer_available=True)
+    assert plan.route is Route.BUCKET and plan.seconds_needed is None and "no upload rate" in plan.why
+    assert choose_route(0, None, 30.0, peer_available=False).seconds_needed == 0.0
+    assert choose_route(0, None, 30.0, peer_available=True, bucket=False).route is Route.LOCAL
+
+
+def test_rate_is_weighted_by_bytes_over_recent_uploads() -> None:
+    meter = RateMeter(keep=2)
+    assert meter.rate() is None
+    meter.add(1 * MB, 10.0)  # pushed out below
+    meter.add(100 * MB, 1.0)
+    meter.add(1 * MB, 1.0)
+    assert meter.rate() == 101 * MB / 2.0
+
+
+def test_a_bucket_upload_falling_behind_starts_the_peer_route_and_never_goes_back() -> None:
+    free_peer = [False]
+    planner = Planner(peer_available=lambda: free_peer[0])
+    told: list[tuple[str, Route, int]] = []
+    planner.listeners.append(lambda notice, plan: told.append((notice.event_id, plan.route, plan.revision)))
+    planner.observe_size(50 * MB)
+    planner.observe_upload(100 * MB, 1.0)
+    notice = Notice.in_seconds("none", Kind.DRILL, 30.0, identity="x")
+    assert planner.plan(notice).route is Route.BUCKET
+
+    behind = {"urgent": True, "rate_bytes_s": 1 * MB, "bytes_total": 60 * MB, "bytes_done": 10 * MB}
+    revised = planner.revise(behind)
+    assert revised is not None and revised.route is Route.LOCAL and revised.bytes == 60 * MB
+    assert revised.seconds_needed == 50.0
+    free_peer[0] = True
+    assert (revised := planner.revise(behind)) is not None and revised.route is Route.PEER
+    fast = {"urgent": True, "rate_bytes_s": 1000 * MB, "bytes_total": 60 * MB, "bytes_done": 50 * MB}
+    assert (revised := planner.revise(fast)) is not None and revised.route is Route.PEER  # kept
+    # Announced files count before any part is in: the size is known before the live rate.
+    planner.end()
+    assert planner.plan(notice).route is Route.BUCKET
+    early = {"urgent": True, "rate_bytes_s": None, "bytes_total": 5000 * MB, "bytes_done": 0}
+    assert (revised := planner.revise(early)) is not None and revised.route is Route.PEER
+    assert revised.seconds_needed == 50.0 and revised.rate_bytes_s == 100 * MB
+    assert [(route, revision) for _, route, revision in told[:3]] == [
+        (Route.BUCKET, 0), (Route.LOCAL, 1), (Route.PEER, 2),
+    ]  # fmt: skip
+    planner.end()
+    assert planner.revise(fast) is None and planner.current is None
