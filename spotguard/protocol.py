@@ -7,6 +7,10 @@ Client -> daemon:
   hello   {rank, world_size, pid, checkpoint_dir}    a trainer introduces itself
   file    {path, name, size, crc32c}                 one file of a checkpoint being written is complete
                                                      (uploading starts before the commit; no reply)
+  file-range {path, name, tmp, size, offset,        bytes [offset, offset+length) of file ``name`` (final size
+           length}                                    ``size``), written under the temporary name ``tmp``
+                                                     (beside it), are written and never written again: its
+                                                     upload may start before the file is finished (no reply)
   saved   {path, step, reason, event_id?}           a checkpoint is committed locally
   checkpoint-started {event_id, step}                the loop reached a checkpoint point for a notice
                                                      (the daemon's stall detector; no reply)
@@ -48,6 +52,7 @@ class ProtocolError(ValueError):
 _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "hello": {"rank": int, "world_size": int, "pid": int},
     "file": {"path": str, "name": str, "size": int, "crc32c": str},
+    "file-range": {"path": str, "name": str, "tmp": str, "size": int, "offset": int, "length": int},
     "saved": {"path": str, "step": int, "reason": str},
     "checkpoint-started": {"event_id": str, "step": int},
     "save-failed": {"step": int, "reason": str, "error": str, "message": str},
@@ -60,7 +65,7 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "error": {"code": str, "message": str},
 }
 CLIENT_TYPES = frozenset(
-    {"hello", "file", "saved", "checkpoint-started", "save-failed", "safe-steps", "drill", "status"}
+    {"hello", "file", "file-range", "saved", "checkpoint-started", "save-failed", "safe-steps", "drill", "status"}
 )
 DAEMON_TYPES = frozenset({"welcome", "checkpoint-now", "ok", "safe-steps", "status", "error"})
 
@@ -89,7 +94,17 @@ def decode(line: bytes, *, allowed: frozenset[str] | None = None, limit: int = M
     if allowed is not None and message_type not in allowed:
         raise ProtocolError("unknown-type", f"message type {message_type!r} not accepted here")
     _check_fields(message_type, message)
+    if message_type == "file-range":
+        _check_range(message)
     return message
+
+
+def _check_range(message: Mapping[str, Any]) -> None:
+    size, offset, length = message["size"], message["offset"], message["length"]
+    if size < 0 or offset < 0 or length < 0:
+        raise ProtocolError("bad-field", "file-range: size, offset and length must not be negative")
+    if offset + length > size:
+        raise ProtocolError("bad-field", f"file-range: [{offset}, {offset + length}) is past the file's {size} bytes")
 
 
 def _check_fields(message_type: str, message: Mapping[str, Any]) -> None:

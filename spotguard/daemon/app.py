@@ -15,7 +15,7 @@ import signal
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from spotguard import __version__, protocol
@@ -32,6 +32,7 @@ from spotguard.daemon.notify import SystemdNotifier, watchdog_loop
 from spotguard.daemon.server import Peer, Reply, SocketServer
 from spotguard.daemon.uploader import Uploader
 from spotguard.manifest import (
+    _TMP_MARK,
     FileEntry,
     Manifest,
     ManifestError,
@@ -40,6 +41,7 @@ from spotguard.manifest import (
     load_part,
     parse_step_dir,
     prune_local,
+    step_dir_name,
 )
 from spotguard.monitors.base import Acknowledger, Monitor, MonitorError
 from spotguard.notice import Action, Kind, Notice, utcnow
@@ -215,6 +217,9 @@ class Daemon:
         if kind == "file":
             self._file(message)
             return []  # fire and forget: the trainer is busy writing the next file
+        if kind == "file-range":
+            self._file_range(peer, message)
+            return []  # no reply either: a range per written chunk, the trainer does not wait
         if kind == "saved":
             return [await self._saved(peer, message)]
         if kind == "checkpoint-started":
@@ -274,8 +279,41 @@ class Daemon:
         entry = FileEntry(size=message["size"], crc32c=message["crc32c"])
         self.uploader.file_ready(step_dir, name, entry, urgent=self.pending is not None)
 
+    def _file_range(self, peer: Peer, message: dict[str, Any]) -> None:
+        step_dir = self._step_dir(Path(message["path"]))
+        try:
+            name = check_relpath(message["name"])
+        except ManifestError as exc:
+            raise protocol.ProtocolError("bad-path", str(exc)) from None
+        tmp = PurePosixPath(message["tmp"])
+        # The writer's temporary name sits beside the file it becomes, and says it is one.
+        if tmp.is_absolute() or tmp.parent != PurePosixPath(name).parent or _TMP_MARK not in tmp.name:
+            raise protocol.ProtocolError(
+                "bad-path", f"file-range: {message['tmp']!r} is not a temporary name beside {name!r}"
+            )
+        # Writers that gave up on a file (its temporary name removed) leave no upload open.
+        self.uploader.abort_streams("its temporary file was removed before it was finished")
+        try:
+            self.uploader.file_range(
+                step_dir,
+                name,
+                tmp=str(tmp),
+                size=message["size"],
+                offset=message["offset"],
+                length=message["length"],
+                owner=peer.id,
+                urgent=self.pending is not None,
+            )
+        except FileNotFoundError:
+            raise protocol.ProtocolError("bad-path", f"file-range: {step_dir / tmp} does not exist") from None
+        except ValueError as exc:
+            raise protocol.ProtocolError("bad-field", str(exc)) from None
+        except OSError as exc:  # a symlink (refused), a directory, no permission
+            raise protocol.ProtocolError("bad-path", f"file-range: {step_dir / tmp}: {exc}") from None
+
     async def _saved(self, peer: Peer, message: dict[str, Any]) -> Reply:
         resolved = self._step_dir(Path(message["path"]))
+        self.uploader.abort_streams("its temporary file was removed before it was finished")
         urgent = message["reason"] in ("urgent", "soft", "final")
         if isinstance(message.get("event_id"), str):
             self._acted(peer, message["event_id"], f"committed {resolved.name}")
@@ -314,6 +352,8 @@ class Daemon:
             message["error"],
             message["message"],
         )
+        if self.storage is not None:
+            self.uploader.abort_streams("the save failed", name=step_dir_name(message["step"]))
         self.save_failures.append(failure)
         del self.save_failures[:-20]
         event_id = message.get("event_id")
@@ -353,6 +393,8 @@ class Daemon:
 
     def _on_disconnect(self, peer: Peer) -> None:
         self.stalled.pop(peer.id, None)
+        # Nothing it was writing can be finished now (a reconnected writer's file goes whole).
+        self.uploader.abort_streams("the writer disconnected before finishing it", owner=peer.id)
         if peer.is_trainer:
             logger.info("trainer pid %d disconnected", peer.pid)
 
@@ -568,6 +610,7 @@ class Daemon:
         for task in self._tasks:
             task.cancel("daemon shutting down")
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.uploader.close_streams()  # nothing left open in the bucket for files never finished
         await self.server.close()
         for monitor in self.monitors:
             with contextlib.suppress(Exception):
