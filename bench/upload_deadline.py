@@ -1,8 +1,9 @@
 """Notice -> "committed in the bucket" for a ~1 GiB state, against moto (S3) on 127.0.0.1.
 
-Three ways, in one run, interleaved and rotated, several runs each, medians:
+Several ways, in one run, interleaved and rotated, several runs each, medians:
 
 - naive: ``torch.save`` of the state to one file, then boto3 ``upload_file`` with its defaults;
+- local write alone: the urgent ``Guard.save`` with no daemon (what the disk and the writer take);
 - link limit: a pure parallel upload of the same bytes straight from memory (one object per
   tensor, all parts of all objects in one thread pool, no checksums, no disk), with the best
   part size and concurrency found by a sweep at the start of the run (``max_pool_connections``
@@ -12,6 +13,12 @@ Three ways, in one run, interleaved and rotated, several runs each, medians:
   sees the notice at its next step, ``guard.save`` writes the urgent checkpoint (one file per
   tensor, announced to the daemon file by file, uploaded while the next is written), the daemon
   uploads the rest and the manifest; the end is the daemon's ``last_notice.committed_at``.
+
+The floor is max(local write alone, link limit): a notice -> committed near it means the upload ran
+while the state was being written (files stream while the trainer writes them, announced in
+``file-range`` messages, where the writer sends them). ``--per-connection-mb-s`` runs the same over a
+relay capping each connection (a real link); choose it so that the write and the upload take about
+as long to see the overlap at its largest.
 
 Overlap saving: for each spotguard run, the same committed checkpoint is uploaded again with
 ``upload_checkpoint`` alone (what the daemon would do without the early per-file uploads); "serial"
@@ -82,7 +89,7 @@ guard.close()
 """
 
 WRITER = """
-import sys
+import sys, time
 sys.path.insert(0, sys.argv[1])
 import torch
 from common import make_state
@@ -92,11 +99,14 @@ state = make_state(float(sys.argv[3]), int(sys.argv[4]))
 guard = Guard(checkpoint_dir=sys.argv[2], socket=sys.argv[2] + "/no-daemon.sock", handle_sigterm=False)
 print("ready", flush=True)
 sys.stdin.readline()
+started = time.perf_counter()
 guard.save(state, 1, reason="urgent")
+print(time.perf_counter() - started, flush=True)
 guard.close()
 """
 
 NAIVE = "naive: torch.save + upload_file (defaults)"
+WRITE = "local write alone: urgent Guard.save, no daemon"
 LINK = "link limit: parallel multipart from memory"
 LINK_CRC = "  same, with per-part + full-object CRC32C"
 LINK_WRITING = "  same, while the state is also written to local disk"
@@ -200,6 +210,30 @@ def sweep(
         print(f"  sweep: part {part_mib:>2} MiB, {concurrency:>2} in flight: {results[-1]['mb_s']:6.0f} MB/s")
     best = max(results, key=lambda r: r["mb_s"])
     return best, results
+
+
+def write_alone(args: argparse.Namespace, work: Path, prefix: str) -> float:
+    """The urgent save to local disk with nothing uploading: seconds of ``Guard.save`` in its process."""
+    local = work / f"{prefix}-local"
+    local.mkdir()
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(Path(__file__).parent), str(local), str(args.gib), str(args.tensors)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert writer.stdin is not None and writer.stdout is not None
+        assert writer.stdout.readline().strip() == "ready"
+        writer.stdin.write("go\n")
+        writer.stdin.flush()
+        seconds = float(writer.stdout.readline())
+        assert writer.wait(timeout=120) == 0
+        return seconds
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+        shutil.rmtree(local, ignore_errors=True)
 
 
 def link_while_writing(
@@ -321,7 +355,7 @@ def main() -> None:
     state = make_state(args.gib, args.tensors)
     nbytes = state_bytes(state)
     work = Path(tempfile.mkdtemp(prefix="upload-deadline-", dir=args.dir))
-    times: dict[str, list[float]] = {NAIVE: [], LINK: [], LINK_CRC: [], LINK_WRITING: [], SPOTGUARD: []}
+    times: dict[str, list[float]] = {NAIVE: [], WRITE: [], LINK: [], LINK_CRC: [], LINK_WRITING: [], SPOTGUARD: []}
     crcs = whole_crcs(views(state))
     details: list[dict[str, float]] = []
     try:
@@ -340,6 +374,8 @@ def main() -> None:
                     prefix = f"r{run}-m{methods.index(name)}"
                     if name == NAIVE:
                         seconds = naive(moto, state, work, prefix)
+                    elif name == WRITE:
+                        seconds = write_alone(args, work, prefix)
                     elif name == LINK_WRITING:
                         seconds = link_while_writing(moto, state, args, work, prefix, best)
                     elif name in (LINK, LINK_CRC):
@@ -366,6 +402,8 @@ def main() -> None:
     lines = table(rows, nbytes, reference=LINK)
     sg, link, nv, ser = (median(times[SPOTGUARD]), median(times[LINK]), median(times[NAIVE]), median(serial))
     parts = {k: median([d[k] for d in details]) for k in details[0]}
+    # The floor of notice -> committed: neither the disk nor the link can go faster alone.
+    write, floor = median(times[WRITE]), max(median(times[WRITE]), link)
     summary = {
         "moto_loopback_ceiling_mb_s": best["mb_s"],
         "single_connection_mb_s": max((r["mb_s"] for r in sweep_results if r["concurrency"] == 1), default=None),
@@ -374,6 +412,10 @@ def main() -> None:
         "spotguard_throughput_over_link_limit": link / sg,
         "spotguard_throughput_over_link_limit_with_crc32c": median(times[LINK_CRC]) / sg,
         "spotguard_throughput_over_link_limit_while_writing": median(times[LINK_WRITING]) / sg,
+        "write_alone_s": write,
+        "link_limit_s": link,
+        "write_over_upload": write / link,
+        "spotguard_time_over_max_write_upload": sg / floor,
         "spotguard_time_over_naive": sg / nv,
         "naive_time_over_spotguard": nv / sg,
         "overlap_saving_s": ser - sg,
@@ -391,6 +433,11 @@ def main() -> None:
         f"spotguard throughput / link limit: {summary['spotguard_throughput_over_link_limit']:.2f} (target >= 0.9); "
         f"/ link limit with CRC32C: {summary['spotguard_throughput_over_link_limit_with_crc32c']:.2f}; "
         f"/ link limit while writing locally: {summary['spotguard_throughput_over_link_limit_while_writing']:.2f}"
+    )
+    print(
+        f"spotguard time / max(write alone {write:.2f} s, link-limit upload {link:.2f} s): "
+        f"{summary['spotguard_time_over_max_write_upload']:.2f} (target <= 1.15 on a capped link); "
+        f"write / upload: {summary['write_over_upload']:.2f}"
     )
     print(f"spotguard time / naive time: {summary['spotguard_time_over_naive']:.2f}")
     print(

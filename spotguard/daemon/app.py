@@ -305,6 +305,8 @@ class Daemon:
                 urgent=self.pending is not None,
             )
         except FileNotFoundError:
+            if (step_dir / name).is_file():
+                return  # announced late: the file is finished already, and goes whole at its file message
             raise protocol.ProtocolError("bad-path", f"file-range: {step_dir / tmp} does not exist") from None
         except ValueError as exc:
             raise protocol.ProtocolError("bad-field", str(exc)) from None
