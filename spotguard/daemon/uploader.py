@@ -354,6 +354,7 @@ class Uploader:
         if self.storage is None:
             return
         storage = self.storage
+        self.abort_streams("its temporary file was removed before it was finished")
         self._early = {name: [t for t in tasks if not t.done()] for name, tasks in self._early.items()}
         self._early = {name: tasks for name, tasks in self._early.items() if tasks}
         remote = {
