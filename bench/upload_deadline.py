@@ -120,6 +120,7 @@ from spotguard.manifest import _TMP_MARK, CheckpointWriter, FileEntry, crc32c_he
 from spotguard.trainer.client import DaemonClient
 torch.set_num_threads(1)
 root, sock, alone = Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[6] == "alone"
+pace = float(sys.argv[7])  # bytes/s the writer may not exceed (a slower disk); 0: as fast as it goes
 state = make_state(float(sys.argv[4]), int(sys.argv[5]))
 told, ok, notice = threading.Event(), threading.Event(), {}
 def on_message(message):
@@ -138,6 +139,7 @@ if alone:
 else:
     told.wait(300)
 t_told = time.time()
+start, written = time.perf_counter(), 0
 writer = CheckpointWriter(root, 1, reason="urgent")
 writer.prepare()
 for name, tensor in state.items():
@@ -148,8 +150,11 @@ for name, tensor in state.items():
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     crc = 0
     for offset in range(0, len(view), 8 << 20):
-        chunk = view[offset : offset + (8 << 20)]
+        chunk = bytes(view[offset : offset + (8 << 20)])  # google-crc32c takes bytes only
         os.pwrite(fd, chunk, offset)
+        written += len(chunk)
+        if pace and (ahead := written / pace - (time.perf_counter() - start)) > 0:
+            time.sleep(ahead)  # pacing the simulated disk
         crc = google_crc32c.extend(crc, chunk)
         client.send("file-range", path=str(writer.dir), name=rel, tmp=tmp.name, size=len(view), offset=offset,
                     length=len(chunk))
@@ -307,7 +312,10 @@ def range_write_alone(args: argparse.Namespace, work: Path, prefix: str) -> floa
     local.mkdir()
     command = [sys.executable, "-c", RANGE_WRITER, str(Path(__file__).parent), str(local), str(local / "none.sock")]
     writer = subprocess.Popen(
-        [*command, str(args.gib), str(args.tensors), "alone"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [*command, str(args.gib), str(args.tensors), "alone", str(args.write_mb_s * 1e6)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert writer.stdin is not None and writer.stdout is not None
@@ -374,7 +382,7 @@ def spotguard_run(
     # scan_interval 2 s: the default (Vm's is 0.5 for tests).
     vm.start_daemon(env={"SPOTGUARD_SCAN_INTERVAL": "2", "SPOTGUARD_UPLOAD_CONCURRENCY": str(streams)})
     bench_dir, size = str(Path(__file__).parent), [str(args.gib), str(args.tensors)]
-    script, mode = (RANGE_WRITER, ["daemon"]) if ranges else (TRAINER, [])
+    script, mode = (RANGE_WRITER, ["daemon", str(args.write_mb_s * 1e6)]) if ranges else (TRAINER, [])
     trainer = subprocess.Popen(
         [sys.executable, "-c", script, bench_dir, str(vm.root), str(vm.socket), *size, *mode],
         stdout=subprocess.PIPE,
@@ -437,6 +445,12 @@ def main() -> None:
         type=float,
         default=None,
         help="route every upload through a relay capping each connection at this many MB/s (a real link)",
+    )
+    parser.add_argument(
+        "--write-mb-s",
+        type=float,
+        default=0.0,
+        help="pace the range writer (alone and with the daemon) to this many MB/s: a disk as slow as the link",
     )
     args = parser.parse_args()
     points = [(int(p), int(c)) for p, c in (item.split("x") for item in args.sweep.split(","))]
