@@ -291,6 +291,9 @@ class Daemon:
             raise protocol.ProtocolError(
                 "bad-path", f"file-range: {message['tmp']!r} is not a temporary name beside {name!r}"
             )
+        if not (step_dir / tmp).parent.resolve().is_relative_to(step_dir):
+            # A subdirectory that is a symlink: O_NOFOLLOW guards only the last component.
+            raise protocol.ProtocolError("bad-path", f"file-range: {message['tmp']!r} leads out of {step_dir}")
         # Writers that gave up on a file (its temporary name removed) leave no upload open.
         self.uploader.abort_streams("its temporary file was removed before it was finished")
         try:

@@ -145,6 +145,9 @@ def test_garbage_file_ranges_are_refused_and_the_daemon_keeps_serving(vm: Vm, tm
     outside = tmp_path / "outside"
     outside.write_bytes(b"secret")
     (step_dir / ".link.bin.tmp-1").symlink_to(outside)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / ".x.bin.tmp-1").write_bytes(b"secret")
+    (step_dir / "sub").symlink_to(tmp_path / "elsewhere")
     good = {"path": str(step_dir), "name": "model.bin", "tmp": ".model.bin.tmp-1", "size": 100}
 
     def message(**fields: object) -> bytes:
@@ -160,6 +163,7 @@ def test_garbage_file_ranges_are_refused_and_the_daemon_keeps_serving(vm: Vm, tm
         (message(tmp="/tmp/.model.bin.tmp-1"), "bad-path"),
         (message(tmp="../.model.bin.tmp-1"), "bad-path"),
         (message(name="link.bin", tmp=".link.bin.tmp-1"), "bad-path"),  # a symlink: never followed
+        (message(name="sub/x.bin", tmp="sub/.x.bin.tmp-1"), "bad-path"),  # through a symlinked directory
         (message(name="other.bin", tmp=".other.bin.tmp-404"), "bad-path"),  # does not exist
         (message(offset=95, length=10), "bad-field"),  # past the end
         (message(offset=-1), "bad-field"),
