@@ -121,6 +121,7 @@ from spotguard.trainer.client import DaemonClient
 torch.set_num_threads(1)
 root, sock, alone = Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[6] == "alone"
 pace = float(sys.argv[7])  # bytes/s the writer may not exceed (a slower disk); 0: as fast as it goes
+ranges = sys.argv[8] == "ranges"  # else only a file message per finished file (the A/B of streaming)
 state = make_state(float(sys.argv[4]), int(sys.argv[5]))
 told, ok, notice = threading.Event(), threading.Event(), {}
 def on_message(message):
@@ -156,8 +157,9 @@ for name, tensor in state.items():
         if pace and (ahead := written / pace - (time.perf_counter() - start)) > 0:
             time.sleep(ahead)  # pacing the simulated disk
         crc = google_crc32c.extend(crc, chunk)
-        client.send("file-range", path=str(writer.dir), name=rel, tmp=tmp.name, size=len(view), offset=offset,
-                    length=len(chunk))
+        if ranges:
+            client.send("file-range", path=str(writer.dir), name=rel, tmp=tmp.name, size=len(view), offset=offset,
+                        length=len(chunk))
     os.fsync(fd)
     os.close(fd)
     tmp.rename(target)
@@ -312,7 +314,7 @@ def range_write_alone(args: argparse.Namespace, work: Path, prefix: str) -> floa
     local.mkdir()
     command = [sys.executable, "-c", RANGE_WRITER, str(Path(__file__).parent), str(local), str(local / "none.sock")]
     writer = subprocess.Popen(
-        [*command, str(args.gib), str(args.tensors), "alone", str(args.write_mb_s * 1e6)],
+        [*command, str(args.gib), str(args.tensors), "alone", str(args.write_mb_s * 1e6), "ranges"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -372,7 +374,14 @@ def naive(moto: Moto, state: dict[str, torch.Tensor], work: Path, prefix: str) -
 
 
 def spotguard_run(
-    moto: Moto, args: argparse.Namespace, work: Path, prefix: str, streams: int, *, ranges: bool = False
+    moto: Moto,
+    args: argparse.Namespace,
+    work: Path,
+    prefix: str,
+    streams: int,
+    *,
+    ranges: bool = False,
+    announce: str = "ranges",
 ) -> dict[str, float]:
     """One notice, end to end; plus the same checkpoint uploaded again without overlap.
 
@@ -382,7 +391,7 @@ def spotguard_run(
     # scan_interval 2 s: the default (Vm's is 0.5 for tests).
     vm.start_daemon(env={"SPOTGUARD_SCAN_INTERVAL": "2", "SPOTGUARD_UPLOAD_CONCURRENCY": str(streams)})
     bench_dir, size = str(Path(__file__).parent), [str(args.gib), str(args.tensors)]
-    script, mode = (RANGE_WRITER, ["daemon", str(args.write_mb_s * 1e6)]) if ranges else (TRAINER, [])
+    script, mode = (RANGE_WRITER, ["daemon", str(args.write_mb_s * 1e6), announce]) if ranges else (TRAINER, [])
     trainer = subprocess.Popen(
         [sys.executable, "-c", script, bench_dir, str(vm.root), str(vm.socket), *size, *mode],
         stdout=subprocess.PIPE,
