@@ -1,8 +1,9 @@
 """Notice -> "committed in the bucket" for a ~1 GiB state, against moto (S3) on 127.0.0.1.
 
-Three ways, in one run, interleaved and rotated, several runs each, medians:
+Several ways, in one run, interleaved and rotated, several runs each, medians:
 
 - naive: ``torch.save`` of the state to one file, then boto3 ``upload_file`` with its defaults;
+- local write alone: the urgent ``Guard.save`` with no daemon (what the disk and the writer take);
 - link limit: a pure parallel upload of the same bytes straight from memory (one object per
   tensor, all parts of all objects in one thread pool, no checksums, no disk), with the best
   part size and concurrency found by a sweep at the start of the run (``max_pool_connections``
@@ -12,6 +13,17 @@ Three ways, in one run, interleaved and rotated, several runs each, medians:
   sees the notice at its next step, ``guard.save`` writes the urgent checkpoint (one file per
   tensor, announced to the daemon file by file, uploaded while the next is written), the daemon
   uploads the rest and the manifest; the end is the daemon's ``last_notice.committed_at``.
+
+- spotguard, ranges announced: the same daemon, and a trainer side that writes each tensor's file
+  in 8 MiB ``pwrite`` chunks and sends a ``file-range`` message per chunk (what the parallel writer
+  sends), so that the daemon uploads each part as soon as it is written; its floor is that writer
+  alone, with no daemon.
+
+The floor is max(local write alone, link limit): a notice -> committed near it means the upload ran
+while the state was being written (files stream while the trainer writes them, announced in
+``file-range`` messages, where the writer sends them). ``--per-connection-mb-s`` runs the same over a
+relay capping each connection (a real link); choose it so that the write and the upload take about
+as long to see the overlap at its largest.
 
 Overlap saving: for each spotguard run, the same committed checkpoint is uploaded again with
 ``upload_checkpoint`` alone (what the daemon would do without the early per-file uploads); "serial"
@@ -82,7 +94,7 @@ guard.close()
 """
 
 WRITER = """
-import sys
+import sys, time
 sys.path.insert(0, sys.argv[1])
 import torch
 from common import make_state
@@ -92,16 +104,86 @@ state = make_state(float(sys.argv[3]), int(sys.argv[4]))
 guard = Guard(checkpoint_dir=sys.argv[2], socket=sys.argv[2] + "/no-daemon.sock", handle_sigterm=False)
 print("ready", flush=True)
 sys.stdin.readline()
+started = time.perf_counter()
 guard.save(state, 1, reason="urgent")
+print(time.perf_counter() - started, flush=True)
 guard.close()
 """
 
+RANGE_WRITER = """
+import json, os, sys, threading, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import google_crc32c, torch
+from common import make_state
+from spotguard.manifest import _TMP_MARK, CheckpointWriter, FileEntry, crc32c_hex
+from spotguard.trainer.client import DaemonClient
+torch.set_num_threads(1)
+root, sock, alone = Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[6] == "alone"
+pace = float(sys.argv[7])  # bytes/s the writer may not exceed (a slower disk); 0: as fast as it goes
+ranges = sys.argv[8] == "ranges"  # else only a file message per finished file (the A/B of streaming)
+state = make_state(float(sys.argv[4]), int(sys.argv[5]))
+told, ok, notice = threading.Event(), threading.Event(), {}
+def on_message(message):
+    if message["type"] == "checkpoint-now":
+        notice.update(message["notice"])
+        told.set()
+    elif message["type"] == "ok":
+        ok.set()
+client = DaemonClient(sock, {"rank": 0, "world_size": 1, "pid": os.getpid(), "checkpoint_dir": str(root)}, on_message)
+if not alone:
+    client.start()
+    client.welcomed.wait(30)
+print(json.dumps({"ready": True}), flush=True)
+if alone:
+    sys.stdin.readline()
+else:
+    told.wait(300)
+t_told = time.time()
+start, written = time.perf_counter(), 0
+writer = CheckpointWriter(root, 1, reason="urgent")
+writer.prepare()
+for name, tensor in state.items():
+    view = tensor.numpy().data.cast("B")
+    rel = name + ".bin"
+    target = writer.dir / rel
+    tmp = target.with_name("." + rel + _TMP_MARK + str(os.getpid()))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    crc = 0
+    for offset in range(0, len(view), 8 << 20):
+        chunk = bytes(view[offset : offset + (8 << 20)])  # google-crc32c takes bytes only
+        os.pwrite(fd, chunk, offset)
+        written += len(chunk)
+        if pace and (ahead := written / pace - (time.perf_counter() - start)) > 0:
+            time.sleep(ahead)  # pacing the simulated disk
+        crc = google_crc32c.extend(crc, chunk)
+        if ranges:
+            client.send("file-range", path=str(writer.dir), name=rel, tmp=tmp.name, size=len(view), offset=offset,
+                        length=len(chunk))
+    os.fsync(fd)
+    os.close(fd)
+    tmp.rename(target)
+    writer.files[rel] = FileEntry(len(view), crc32c_hex(crc))
+    client.send("file", path=str(writer.dir), name=rel, size=len(view), crc32c=crc32c_hex(crc))
+writer.commit()
+t_local = time.time()
+if not alone:
+    client.send("saved", path=str(writer.dir), step=1, reason="urgent", event_id=notice["event_id"])
+    ok.wait(30)
+print(json.dumps({"saved": str(writer.dir), "seconds": t_local - t_told,
+                  "timeline": {"told": t_told, "committed_local": t_local}}), flush=True)
+client.close()
+"""
+
 NAIVE = "naive: torch.save + upload_file (defaults)"
+WRITE = "local write alone: urgent Guard.save, no daemon"
 LINK = "link limit: parallel multipart from memory"
 LINK_CRC = "  same, with per-part + full-object CRC32C"
 LINK_WRITING = "  same, while the state is also written to local disk"
 SPOTGUARD = "spotguard: drill -> urgent save -> daemon upload"
 SERIAL = "  spotguard without overlap (local commit + upload)"
+RANGES = "spotguard, ranges announced: drill -> range writer -> daemon upload"
+RANGE_WRITE = "  range writer alone (no daemon)"
 
 
 def views(state: dict[str, torch.Tensor]) -> dict[str, memoryview]:
@@ -202,6 +284,55 @@ def sweep(
     return best, results
 
 
+def write_alone(args: argparse.Namespace, work: Path, prefix: str) -> float:
+    """The urgent save to local disk with nothing uploading: seconds of ``Guard.save`` in its process."""
+    local = work / f"{prefix}-local"
+    local.mkdir()
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(Path(__file__).parent), str(local), str(args.gib), str(args.tensors)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert writer.stdin is not None and writer.stdout is not None
+        assert writer.stdout.readline().strip() == "ready"
+        writer.stdin.write("go\n")
+        writer.stdin.flush()
+        seconds = float(writer.stdout.readline())
+        assert writer.wait(timeout=120) == 0
+        return seconds
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+        shutil.rmtree(local, ignore_errors=True)
+
+
+def range_write_alone(args: argparse.Namespace, work: Path, prefix: str) -> float:
+    """The writer that announces ranges, with no daemon: what its local write takes alone."""
+    local = work / f"{prefix}-local"
+    local.mkdir()
+    command = [sys.executable, "-c", RANGE_WRITER, str(Path(__file__).parent), str(local), str(local / "none.sock")]
+    writer = subprocess.Popen(
+        [*command, str(args.gib), str(args.tensors), "alone", str(args.write_mb_s * 1e6), "ranges"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert writer.stdin is not None and writer.stdout is not None
+        assert json.loads(writer.stdout.readline()) == {"ready": True}
+        writer.stdin.write("go\n")
+        writer.stdin.flush()
+        seconds = float(json.loads(writer.stdout.readline())["seconds"])
+        assert writer.wait(timeout=120) == 0
+        return seconds
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+        shutil.rmtree(local, ignore_errors=True)
+
+
 def link_while_writing(
     moto: Moto, state: dict[str, torch.Tensor], args: argparse.Namespace, work: Path, prefix: str, best: dict[str, Any]
 ) -> float:
@@ -242,7 +373,16 @@ def naive(moto: Moto, state: dict[str, torch.Tensor], work: Path, prefix: str) -
         path.unlink(missing_ok=True)
 
 
-def spotguard_run(moto: Moto, args: argparse.Namespace, work: Path, prefix: str, streams: int) -> dict[str, float]:
+def spotguard_run(
+    moto: Moto,
+    args: argparse.Namespace,
+    work: Path,
+    prefix: str,
+    streams: int,
+    *,
+    ranges: bool = False,
+    announce: str = "ranges",
+) -> dict[str, float]:
     """One notice, end to end; plus the same checkpoint uploaded again without overlap.
 
     ``streams``: the daemon's ``upload_concurrency``, set to the link limit's best concurrency (the
@@ -251,8 +391,9 @@ def spotguard_run(moto: Moto, args: argparse.Namespace, work: Path, prefix: str,
     # scan_interval 2 s: the default (Vm's is 0.5 for tests).
     vm.start_daemon(env={"SPOTGUARD_SCAN_INTERVAL": "2", "SPOTGUARD_UPLOAD_CONCURRENCY": str(streams)})
     bench_dir, size = str(Path(__file__).parent), [str(args.gib), str(args.tensors)]
+    script, mode = (RANGE_WRITER, ["daemon", str(args.write_mb_s * 1e6), announce]) if ranges else (TRAINER, [])
     trainer = subprocess.Popen(
-        [sys.executable, "-c", TRAINER, bench_dir, str(vm.root), str(vm.socket), *size],
+        [sys.executable, "-c", script, bench_dir, str(vm.root), str(vm.socket), *size, *mode],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -314,6 +455,12 @@ def main() -> None:
         default=None,
         help="route every upload through a relay capping each connection at this many MB/s (a real link)",
     )
+    parser.add_argument(
+        "--write-mb-s",
+        type=float,
+        default=0.0,
+        help="pace the range writer (alone and with the daemon) to this many MB/s: a disk as slow as the link",
+    )
     args = parser.parse_args()
     points = [(int(p), int(c)) for p, c in (item.split("x") for item in args.sweep.split(","))]
 
@@ -321,7 +468,9 @@ def main() -> None:
     state = make_state(args.gib, args.tensors)
     nbytes = state_bytes(state)
     work = Path(tempfile.mkdtemp(prefix="upload-deadline-", dir=args.dir))
-    times: dict[str, list[float]] = {NAIVE: [], LINK: [], LINK_CRC: [], LINK_WRITING: [], SPOTGUARD: []}
+    times: dict[str, list[float]] = {NAIVE: [], WRITE: [], LINK: [], LINK_CRC: [], LINK_WRITING: [], SPOTGUARD: []}
+    times.update({RANGE_WRITE: [], RANGES: []})
+    range_details: list[dict[str, float]] = []
     crcs = whole_crcs(views(state))
     details: list[dict[str, float]] = []
     try:
@@ -340,6 +489,14 @@ def main() -> None:
                     prefix = f"r{run}-m{methods.index(name)}"
                     if name == NAIVE:
                         seconds = naive(moto, state, work, prefix)
+                    elif name == WRITE:
+                        seconds = write_alone(args, work, prefix)
+                    elif name == RANGE_WRITE:
+                        seconds = range_write_alone(args, work, prefix)
+                    elif name == RANGES:
+                        detail = spotguard_run(moto, args, work, prefix, best["concurrency"], ranges=True)
+                        range_details.append(detail)
+                        seconds = detail["notice_to_committed"]
                     elif name == LINK_WRITING:
                         seconds = link_while_writing(moto, state, args, work, prefix, best)
                     elif name in (LINK, LINK_CRC):
@@ -366,6 +523,8 @@ def main() -> None:
     lines = table(rows, nbytes, reference=LINK)
     sg, link, nv, ser = (median(times[SPOTGUARD]), median(times[LINK]), median(times[NAIVE]), median(serial))
     parts = {k: median([d[k] for d in details]) for k in details[0]}
+    # The floor of notice -> committed: neither the disk nor the link can go faster alone.
+    write, floor = median(times[WRITE]), max(median(times[WRITE]), link)
     summary = {
         "moto_loopback_ceiling_mb_s": best["mb_s"],
         "single_connection_mb_s": max((r["mb_s"] for r in sweep_results if r["concurrency"] == 1), default=None),
@@ -374,7 +533,16 @@ def main() -> None:
         "spotguard_throughput_over_link_limit": link / sg,
         "spotguard_throughput_over_link_limit_with_crc32c": median(times[LINK_CRC]) / sg,
         "spotguard_throughput_over_link_limit_while_writing": median(times[LINK_WRITING]) / sg,
+        "write_alone_s": write,
+        "link_limit_s": link,
+        "write_over_upload": write / link,
+        "spotguard_time_over_max_write_upload": sg / floor,
         "spotguard_time_over_naive": sg / nv,
+        "ranges_time_over_max_write_upload": median(times[RANGES]) / max(median(times[RANGE_WRITE]), link),
+        "ranges_time_over_naive": median(times[RANGES]) / nv,
+        "ranges_throughput_over_link_limit": link / median(times[RANGES]),
+        "range_writer_alone_s": median(times[RANGE_WRITE]),
+        "ranges_phases_median_s": {k: median([d[k] for d in range_details]) for k in range_details[0]},
         "naive_time_over_spotguard": nv / sg,
         "overlap_saving_s": ser - sg,
         "overlap_saving_fraction": (ser - sg) / ser,
@@ -392,7 +560,18 @@ def main() -> None:
         f"/ link limit with CRC32C: {summary['spotguard_throughput_over_link_limit_with_crc32c']:.2f}; "
         f"/ link limit while writing locally: {summary['spotguard_throughput_over_link_limit_while_writing']:.2f}"
     )
+    print(
+        f"spotguard time / max(write alone {write:.2f} s, link-limit upload {link:.2f} s): "
+        f"{summary['spotguard_time_over_max_write_upload']:.2f} (target <= 1.15 on a capped link); "
+        f"write / upload: {summary['write_over_upload']:.2f}"
+    )
     print(f"spotguard time / naive time: {summary['spotguard_time_over_naive']:.2f}")
+    print(
+        f"with ranges announced: time / max(range writer alone {summary['range_writer_alone_s']:.2f} s, link "
+        f"{link:.2f} s): {summary['ranges_time_over_max_write_upload']:.2f} (target <= 1.15 capped); "
+        f"throughput / link limit {summary['ranges_throughput_over_link_limit']:.2f} (target >= 0.9 loopback); "
+        f"time / naive {summary['ranges_time_over_naive']:.2f} (target <= 1)"
+    )
     print(
         f"overlap saving: {summary['overlap_saving_s']:.2f} s ({summary['overlap_saving_fraction']:.0%}) "
         f"of {ser:.2f} s serial; phases (median s): " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items())

@@ -95,7 +95,17 @@ def decode(line: bytes, *, allowed: frozenset[str] | None = None, limit: int = M
     if allowed is not None and message_type not in allowed:
         raise ProtocolError("unknown-type", f"message type {message_type!r} not accepted here")
     _check_fields(message_type, message)
+    if message_type == "file-range":
+        _check_range(message)
     return message
+
+
+def _check_range(message: Mapping[str, Any]) -> None:
+    size, offset, length = message["size"], message["offset"], message["length"]
+    if size < 0 or offset < 0 or length < 0:
+        raise ProtocolError("bad-field", "file-range: size, offset and length must not be negative")
+    if offset + length > size:
+        raise ProtocolError("bad-field", f"file-range: [{offset}, {offset + length}) is past the file's {size} bytes")
 
 
 def _check_fields(message_type: str, message: Mapping[str, Any]) -> None:

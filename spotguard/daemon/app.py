@@ -15,7 +15,7 @@ import signal
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from spotguard import __version__, protocol
@@ -36,6 +36,7 @@ from spotguard.daemon.plan import Plan, Planner, Route, probe_upload
 from spotguard.daemon.server import Peer, Reply, SocketServer
 from spotguard.daemon.uploader import Uploader
 from spotguard.manifest import (
+    _TMP_MARK,
     FileEntry,
     Manifest,
     ManifestError,
@@ -44,6 +45,7 @@ from spotguard.manifest import (
     load_part,
     parse_step_dir,
     prune_local,
+    step_dir_name,
 )
 from spotguard.monitors.base import Acknowledger, Monitor, MonitorError
 from spotguard.notice import Action, Kind, Notice, utcnow
@@ -239,6 +241,9 @@ class Daemon:
         if kind == "file":
             self._file(message)
             return []  # fire and forget: the trainer is busy writing the next file
+        if kind == "file-range":
+            self._file_range(peer, message)
+            return []  # no reply either: a range per written chunk, the trainer does not wait
         if kind == "saved":
             return [await self._saved(peer, message)]
         if kind == "checkpoint-started":
@@ -303,8 +308,46 @@ class Daemon:
             if self.handoff is not None:
                 self.handoff.file_ready(step_dir, name, entry)
 
+    def _file_range(self, peer: Peer, message: dict[str, Any]) -> None:
+        step_dir = self._step_dir(Path(message["path"]))
+        try:
+            name = check_relpath(message["name"])
+        except ManifestError as exc:
+            raise protocol.ProtocolError("bad-path", str(exc)) from None
+        tmp = PurePosixPath(message["tmp"])
+        # The writer's temporary name sits beside the file it becomes, and says it is one.
+        if tmp.is_absolute() or tmp.parent != PurePosixPath(name).parent or _TMP_MARK not in tmp.name:
+            raise protocol.ProtocolError(
+                "bad-path", f"file-range: {message['tmp']!r} is not a temporary name beside {name!r}"
+            )
+        if not (step_dir / tmp).parent.resolve().is_relative_to(step_dir):
+            # A subdirectory that is a symlink: O_NOFOLLOW guards only the last component.
+            raise protocol.ProtocolError("bad-path", f"file-range: {message['tmp']!r} leads out of {step_dir}")
+        # Writers that gave up on a file (its temporary name removed) leave no upload open.
+        self.uploader.abort_streams("its temporary file was removed before it was finished")
+        try:
+            self.uploader.file_range(
+                step_dir,
+                name,
+                tmp=str(tmp),
+                size=message["size"],
+                offset=message["offset"],
+                length=message["length"],
+                owner=peer.id,
+                urgent=self.pending is not None,
+            )
+        except FileNotFoundError:
+            if (step_dir / name).is_file():
+                return  # announced late: the file is finished already, and goes whole at its file message
+            raise protocol.ProtocolError("bad-path", f"file-range: {step_dir / tmp} does not exist") from None
+        except ValueError as exc:
+            raise protocol.ProtocolError("bad-field", str(exc)) from None
+        except OSError as exc:  # a symlink (refused), a directory, no permission
+            raise protocol.ProtocolError("bad-path", f"file-range: {step_dir / tmp}: {exc}") from None
+
     async def _saved(self, peer: Peer, message: dict[str, Any]) -> Reply:
         resolved = self._step_dir(Path(message["path"]))
+        self.uploader.abort_streams("its temporary file was removed before it was finished")
         urgent = message["reason"] in ("urgent", "soft", "final")
         if isinstance(message.get("event_id"), str):
             self._acted(peer, message["event_id"], f"committed {resolved.name}")
@@ -349,6 +392,8 @@ class Daemon:
             message["error"],
             message["message"],
         )
+        if self.storage is not None:
+            self.uploader.abort_streams("the save failed", name=step_dir_name(message["step"]))
         self.save_failures.append(failure)
         del self.save_failures[:-20]
         event_id = message.get("event_id")
@@ -388,6 +433,8 @@ class Daemon:
 
     def _on_disconnect(self, peer: Peer) -> None:
         self.stalled.pop(peer.id, None)
+        # Nothing it was writing can be finished now (a reconnected writer's file goes whole).
+        self.uploader.abort_streams("the writer disconnected before finishing it", owner=peer.id)
         if peer.is_trainer:
             logger.info("trainer pid %d disconnected", peer.pid)
 
@@ -689,6 +736,7 @@ class Daemon:
         for task in self._tasks:
             task.cancel("daemon shutting down")
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.uploader.close_streams()  # nothing left open in the bucket for files never finished
         await self.server.close()
         if self.peer_receiver is not None:
             await self.peer_receiver.close()

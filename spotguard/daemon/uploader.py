@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 import random
 import threading
 import time
@@ -32,6 +33,7 @@ from spotguard.manifest import (
     SymlinkRefused,
     load_manifest_or_none,
     load_part,
+    open_nofollow,
     parse_step_dir,
     prune_local,
     scan_local,
@@ -51,6 +53,7 @@ from spotguard.storage.checkpoints import (
     upload_files,
     wait_for_other_nodes,
 )
+from spotguard.storage.stream import Streaming, UploadStream
 
 logger = logging.getLogger("spotguard.uploader")
 
@@ -60,6 +63,19 @@ class _Job:
     priority: int  # 0 urgent, 1 periodic
     neg_step: int  # newest first within a priority
     name: str = field(compare=False)
+
+
+@dataclass
+class _Stream:
+    """A file of a checkpoint being written, uploading as its ranges are announced."""
+
+    name: str  # the checkpoint
+    rel: str
+    tmp: str  # where it is being written, relative to the step directory
+    size: int
+    owner: int | None  # the connection announcing it
+    fd: int  # opened once at the first range: still the file after the writer renames it
+    upload: UploadStream
 
 
 @dataclass
@@ -122,6 +138,9 @@ class Uploader:
         self._early: dict[str, list[asyncio.Task[None]]] = {}
         self._early_slots = asyncio.Semaphore(concurrency)
         self._manifest_seen: dict[str, asyncio.Future[ObjectInfo | None]] = {}  # per checkpoint uploading early
+        # Files still being written whose parts go up as they are announced (by checkpoint, file).
+        self._streams: dict[tuple[str, str], _Stream] = {}
+        self._aborting: set[asyncio.Task[None]] = set()
         # Early uploads (at most `concurrency`) and the one checkpoint job; more would only wait.
         self._executor = ThreadPoolExecutor(max_workers=concurrency + 1, thread_name_prefix="upload")
         # What is in the bucket of each checkpoint not yet committed there, early uploads included.
@@ -157,10 +176,123 @@ class Uploader:
         if self.storage is None or step_dir.name in self.committed:
             return
         self._progress_of(step_dir.name).expect(rel, entry.size)
-        task = asyncio.create_task(self._early_upload(step_dir, rel, entry), name=f"early-{step_dir.name}/{rel}")
+        stream = self._streams.pop((step_dir.name, rel), None)
+        if stream is not None:
+            work = self._finish_stream(step_dir, stream, entry)
+        else:
+            work = self._early_upload(step_dir, rel, entry)
+        task = asyncio.create_task(work, name=f"early-{step_dir.name}/{rel}")
         self._early.setdefault(step_dir.name, []).append(task)
         if urgent:
             self._urgent.add(step_dir.name)
+
+    def file_range(
+        self,
+        step_dir: Path,
+        rel: str,
+        *,
+        tmp: str,
+        size: int,
+        offset: int,
+        length: int,
+        owner: int | None,
+        urgent: bool,
+    ) -> None:
+        """Bytes ``[offset, offset + length)`` of ``rel`` (final size ``size``), being written under
+        ``tmp``, are on disk: upload every part they complete now. Raises ValueError for a range
+        that contradicts what was announced of the file before, OSError if ``tmp`` cannot be opened.
+
+        Backends that cannot stream, and files too small to be worth it, go whole at ``file_ready``.
+        """
+        storage = self.storage
+        if not isinstance(storage, Streaming) or step_dir.name in self.committed or step_dir.name in self.conflicts:
+            return
+        stream = self._streams.get((step_dir.name, rel))
+        if stream is None:
+            stream = self._begin_stream(storage, step_dir, rel, tmp=tmp, size=size, owner=owner)
+            if stream is None:
+                return
+        elif (stream.tmp, stream.size) != (tmp, size):
+            raise ValueError(
+                f"{step_dir.name}/{rel}: announced as {stream.tmp} of {stream.size} bytes, now as {tmp} of {size}"
+            )
+        if urgent:
+            self._urgent.add(step_dir.name)
+        stream.upload.add(offset, length)
+
+    def _begin_stream(
+        self, storage: Streaming, step_dir: Path, rel: str, *, tmp: str, size: int, owner: int | None
+    ) -> _Stream | None:
+        # Opened once, here: refusing a symlink, and following the file across the writer's rename.
+        fd = open_nofollow(step_dir / tmp)
+        try:
+            progress = self._progress_of(step_dir.name)
+            progress.expect(rel, size)
+            upload = storage.begin_stream(f"{step_dir.name}/{rel}", size, fd, progress=progress.sender(rel))
+        except BaseException:
+            os.close(fd)
+            raise
+        if upload is None:
+            os.close(fd)
+            return None
+        stream = _Stream(step_dir.name, rel, tmp, size, owner, fd, upload)
+        self._streams[(step_dir.name, rel)] = stream
+        logger.debug("%s/%s: streaming its upload as it is written (%d bytes)", step_dir.name, rel, size)
+        return stream
+
+    async def close_streams(self) -> None:
+        """At shutdown: abort every streamed upload whose file is not finished, and wait for it."""
+        self.abort_streams("the daemon is stopping", every=True)
+        await asyncio.gather(*self._aborting, return_exceptions=True)
+
+    def abort_streams(
+        self, why: str, *, name: str | None = None, owner: int | None = None, every: bool = False
+    ) -> None:
+        """Abort the streamed uploads of files that will never be finished: of checkpoint ``name``,
+        of the connection ``owner``, or (neither given) those whose temporary file is gone (the
+        writer removed it: a failed or cancelled save, a leftover cleared by the next save)."""
+        for key, stream in list(self._streams.items()):
+            if name is not None and stream.name != name:
+                continue
+            if owner is not None and stream.owner != owner:
+                continue
+            if name is None and owner is None and not every and not _unlinked(stream.fd):
+                continue
+            del self._streams[key]
+            logger.info("%s/%s: aborting its streamed upload: %s", stream.name, stream.rel, why)
+            task = asyncio.create_task(self._abort_stream(stream), name=f"abort-{stream.name}/{stream.rel}")
+            self._aborting.add(task)
+            task.add_done_callback(self._aborting.discard)
+
+    async def _abort_stream(self, stream: _Stream) -> None:
+        try:
+            await asyncio.to_thread(stream.upload.abort)
+        except Exception:
+            logger.exception("%s/%s: aborting its streamed upload failed", stream.name, stream.rel)
+        finally:
+            os.close(stream.fd)
+
+    async def _finish_stream(self, step_dir: Path, stream: _Stream, entry: FileEntry) -> None:
+        """The file is finished: complete its streamed upload, or send it whole if that fails."""
+        key = f"{stream.name}/{stream.rel}"
+        progress = self._progress_of(stream.name)
+        try:
+            if await self._committed_elsewhere(stream.name):
+                await asyncio.to_thread(stream.upload.abort)
+                return
+            if entry.size != stream.size:
+                await asyncio.to_thread(stream.upload.abort)
+                raise StorageError(f"{key}: finished with {entry.size} bytes, announced as {stream.size}")
+            await self._in_upload_thread(stream.upload.finish, entry.crc32c)
+            progress.present(stream.rel)
+            progress.mark_sent(stream.rel)
+            return
+        except (StorageError, OSError) as exc:
+            # finish() aborted the multipart upload: nothing of it is visible or left open.
+            logger.info("streamed upload of %s failed (%s); sending it whole", key, exc)
+        finally:
+            os.close(stream.fd)
+        await self._early_upload(step_dir, stream.rel, entry)
 
     async def _early_upload(self, step_dir: Path, rel: str, entry: FileEntry) -> None:
         assert self.storage is not None
@@ -222,6 +354,7 @@ class Uploader:
         if self.storage is None:
             return
         storage = self.storage
+        self.abort_streams("its temporary file was removed before it was finished")
         self._early = {name: [t for t in tasks if not t.done()] for name, tasks in self._early.items()}
         self._early = {name: tasks for name, tasks in self._early.items() if tasks}
         remote = {
@@ -295,6 +428,10 @@ class Uploader:
         if early:
             await asyncio.gather(*early, return_exceptions=True)
         manifest, share = await asyncio.to_thread(_what_to_send, step_dir)  # disk reads: off the loop
+        if await self._settle_streams(step_dir, share if share is not None else manifest.files if manifest else {}):
+            # Streams whose file message never came but whose file the commit lists: finished now.
+            early = self._early.pop(job.name, [])
+            await asyncio.gather(*early, return_exceptions=True)
         if manifest is None and share is None:
             logger.warning("not uploading %s: neither a complete checkpoint nor a node's committed share", job.name)
             return
@@ -334,6 +471,20 @@ class Uploader:
             return
         # From the first byte sent, files sent ahead of the commit included.
         await self._committed(job.name, manifest, current.progress.elapsed())
+
+    async def _settle_streams(self, step_dir: Path, files: Mapping[str, FileEntry]) -> bool:
+        """At the commit, a file still streaming is finished if the commit lists it, else aborted
+        (a file the writer gave up on). True if any was finished."""
+        left = [stream for stream in self._streams.values() if stream.name == step_dir.name]
+        finished = False
+        for stream in left:
+            entry = files.get(stream.rel)
+            if entry is None:
+                continue
+            finished = True
+            self.file_ready(step_dir, stream.rel, entry, urgent=step_dir.name in self._urgent)
+        self.abort_streams("the committed checkpoint does not list it", name=step_dir.name)
+        return finished
 
     def _send(
         self,
@@ -507,6 +658,7 @@ class Uploader:
             name, urgent, progress = current.name, current.urgent, current.progress
         else:
             early = [n for n, tasks in self._early.items() if any(not t.done() for t in tasks) and n in self._progress]
+            early += [stream.name for stream in self._streams.values() if stream.name in self._progress]
             if not early:
                 return None
             name = max(early, key=lambda n: (n in self._urgent, n))
@@ -582,6 +734,14 @@ def _what_to_send(step_dir: Path) -> tuple[Manifest | None, dict[str, FileEntry]
     manifest = load_manifest_or_none(step_dir)
     share = None if manifest is not None and not verify_dir(step_dir, checksums=False) else load_part(step_dir)
     return manifest, share
+
+
+def _unlinked(fd: int) -> bool:
+    """Whether the file open at ``fd`` has no name left on disk (its writer removed it)."""
+    try:
+        return os.fstat(fd).st_nlink == 0
+    except OSError:
+        return True
 
 
 def _mib(count: int) -> str:

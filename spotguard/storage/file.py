@@ -13,8 +13,19 @@ from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import urlparse
 
+import google_crc32c
+
 from spotguard.manifest import _TMP_MARK, atomic_file, crc32c_of_file, fsync_dir, open_nofollow
-from spotguard.storage.base import ObjectExists, ObjectInfo, ObjectNotFound, Progress, Sink, StorageError
+from spotguard.storage.base import (
+    ObjectExists,
+    ObjectInfo,
+    ObjectNotFound,
+    Progress,
+    Sink,
+    StorageError,
+    read_exactly,
+)
+from spotguard.storage.stream import PartStream, StreamPool
 
 _COPY_CHUNK = 8 * 1024 * 1024
 # Errors a shared filesystem (NFS) can clear up by itself.
@@ -28,6 +39,7 @@ class FileStorage:
             raise ValueError(f"{url!r} is not a file:///absolute/path URL")
         self.url = url
         self.root = Path(parsed.path)
+        self._stream_pool = StreamPool(4, "file-stream")
 
     def _path(self, key: str) -> Path:
         path = (self.root / key).resolve()
@@ -47,6 +59,11 @@ class FileStorage:
             target.unlink(missing_ok=True)
             raise StorageError(f"{key}: crc32c {out.crc32c} while copying, expected {crc32c}")
         fsync_dir(target.parent)
+
+    def begin_stream(self, key: str, size: int, fd: int, *, progress: Progress | None = None) -> _FileStream:
+        """Chunks copied into a temporary file beside ``key`` as the file is written; renamed into
+        place once the whole is checked."""
+        return _FileStream(self._path(key), size, fd, self._stream_pool, progress)
 
     def put_bytes_if_absent(self, key: str, data: bytes, *, crc32c: str) -> None:
         target = self._path(key)
@@ -134,8 +151,42 @@ class FileStorage:
         return isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS
 
     def close(self) -> None:
-        pass
+        self._stream_pool.close()
 
 
 def _info(key: str, stat: os.stat_result) -> ObjectInfo:
     return ObjectInfo(key=key, size=stat.st_size, modified=datetime.fromtimestamp(stat.st_mtime, UTC))
+
+
+class _FileStream(PartStream):
+    def __init__(self, target: Path, size: int, fd: int, pool: StreamPool, progress: Progress | None) -> None:
+        plan = [(i + 1, off, min(_COPY_CHUNK, size - off)) for i, off in enumerate(range(0, size, _COPY_CHUNK))]
+        super().__init__(str(target), size, plan, pool.get(), progress=progress)
+        self._target = target
+        self._tmp = target.with_name(f".{target.name}{_TMP_MARK}{uuid.uuid4().hex[:8]}")
+        self._source = fd
+        self._out: int | None = None
+
+    def _start(self) -> None:
+        self._target.parent.mkdir(parents=True, exist_ok=True)
+        self._out = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+
+    def _send_part(self, number: int, offset: int, length: int) -> tuple[int, None]:
+        assert self._out is not None
+        data = read_exactly(self._source, offset, length, f"{self.what} (part {number})")
+        os.pwrite(self._out, data, offset)
+        return int(google_crc32c.value(data)), None
+
+    def _complete(self, tokens: list[None], crc: int) -> None:
+        assert self._out is not None
+        os.fsync(self._out)
+        os.close(self._out)
+        self._out = None
+        self._tmp.rename(self._target)
+        fsync_dir(self._target.parent)
+
+    def _abort_upload(self) -> None:
+        if self._out is not None:
+            os.close(self._out)
+            self._out = None
+        self._tmp.unlink(missing_ok=True)

@@ -72,6 +72,7 @@ from spotguard.storage.base import (
     TransientStorageError,
     read_exactly,
 )
+from spotguard.storage.stream import PartStream, StreamPool
 from spotguard.storage.transfer import fetch_object
 
 try:  # the class moved between google-cloud-storage 2.x (resumable_media) and 3.x
@@ -210,6 +211,10 @@ class GcsStorage:
         # One budget of upload streams for the whole instance, shared by every file in flight.
         self._streams = threading.BoundedSemaphore(max_concurrency)
         self._deadline: float | None = None
+        self._created = dt.datetime.now(dt.UTC)
+        self._leftovers_lock = threading.Lock()
+        self._leftovers_checked: set[str] = set()  # keys whose parts left by an earlier run are deleted
+        self._stream_pool = StreamPool(max_concurrency, "gcs-stream")
         self.retry = Retry(
             predicate=self.is_transient, initial=0.2, maximum=5.0, multiplier=2.0, timeout=retry_deadline
         )
@@ -310,6 +315,7 @@ class GcsStorage:
             raise self._wrap(f"list gs://{self.bucket_name}/{self.prefix}", exc) from exc
 
     def close(self) -> None:
+        self._stream_pool.close()
         if self._owns_client and self._client is not None:
             self._client.close()
             self._client = None
@@ -397,7 +403,8 @@ class GcsStorage:
         return blob
 
     def _put_composed(self, local: Path, full: str, size: int, expected: int, progress: Progress | None) -> Any:
-        parts_prefix = f"{self.prefix}{PARTS_DIR}/{uuid.uuid4().hex}/"
+        self._drop_leftovers(full)
+        parts_prefix = self._parts_prefix(full)
         plan = self._part_plan(size)
         uploaded: list[Any] = []
         fd = open_nofollow(local)
@@ -426,28 +433,64 @@ class GcsStorage:
                         f.result() for f in futures if f.done() and not f.cancelled() and f.exception() is None
                     )
                     raise
-            sources = [f.result() for f in futures]
-            # Over 32 parts (capped part sizes on a very large file): compose in rounds of 32.
-            level = 0
-            while len(sources) > _MAX_COMPOSE:
-                level += 1
-                groups = [sources[i : i + _MAX_COMPOSE] for i in range(0, len(sources), _MAX_COMPOSE)]
-                sources = []
-                for n, group in enumerate(groups):
-                    joined = self.bucket.blob(f"{parts_prefix}join-{level}-{n:05d}")
-                    joined.content_type = "application/octet-stream"
-                    joined.compose(group, retry=self._retry_now(), timeout=self.timeout)
-                    uploaded.append(joined)
-                    sources.append(joined)
-            dest = self._new_blob(full, expected)
-            dest.content_type = "application/octet-stream"
-            dest.compose(sources, retry=self._retry_now(), timeout=self.timeout)
-            return dest
+            return self._compose(parts_prefix, [f.result() for f in futures], full, expected, uploaded)
         except Exception as exc:
             raise self._wrap(f"upload {full} in {len(plan)} parts", exc) from exc
         finally:
             os.close(fd)
             self._delete_blobs({b.name for b in uploaded})
+
+    def _compose(self, parts_prefix: str, sources: list[Any], full: str, expected: int, made: list[Any]) -> Any:
+        """Join the parts into ``full``; every intermediate object made is added to ``made``."""
+        # Over 32 parts (capped part sizes on a very large file): compose in rounds of 32.
+        level = 0
+        while len(sources) > _MAX_COMPOSE:
+            level += 1
+            groups = [sources[i : i + _MAX_COMPOSE] for i in range(0, len(sources), _MAX_COMPOSE)]
+            sources = []
+            for n, group in enumerate(groups):
+                joined = self.bucket.blob(f"{parts_prefix}join-{level}-{n:05d}")
+                joined.content_type = "application/octet-stream"
+                joined.compose(group, retry=self._retry_now(), timeout=self.timeout)
+                made.append(joined)
+                sources.append(joined)
+        dest = self._new_blob(full, expected)
+        dest.content_type = "application/octet-stream"
+        dest.compose(sources, retry=self._retry_now(), timeout=self.timeout)
+        return dest
+
+    def _parts_prefix(self, full: str) -> str:
+        """Where the parts of one upload of ``full`` go: under the key, so that a later upload of
+        the same key finds what a killed one left (``_drop_leftovers``)."""
+        return f"{self.prefix}{PARTS_DIR}/{full[len(self.prefix) :]}/{uuid.uuid4().hex}/"
+
+    def _drop_leftovers(self, full: str) -> None:
+        """Delete the parts of ``full`` written before this instance was made (a killed daemon's).
+        Once per key; a failure only leaves them to ``abort_stale_multipart_uploads``."""
+        with self._leftovers_lock:
+            if full in self._leftovers_checked:
+                return
+            self._leftovers_checked.add(full)
+        where = f"{self.prefix}{PARTS_DIR}/{full[len(self.prefix) :]}/"
+        try:
+            stale = {
+                b.name
+                for b in self.client.list_blobs(self.bucket_name, prefix=where, timeout=self.timeout)
+                if b.time_created is None or b.time_created < self._created
+            }
+        except Exception as exc:
+            log.warning("gcs: cannot list the leftover parts of %s: %s", full, exc)
+            return
+        if stale:
+            log.info("gcs: deleting %d parts of %s left by an earlier run", len(stale), full)
+            self._delete_blobs(stale)
+
+    def begin_stream(self, key: str, size: int, fd: int, *, progress: Progress | None = None) -> _GcsStream | None:
+        """Parts uploaded as the file is written, composed at the finish; None for a file that
+        ``put_file`` would send in one upload."""
+        if size < self.parallel_threshold or self.max_concurrency == 1 or size <= self.part_size:
+            return None
+        return _GcsStream(self, self._key(key), size, fd, progress)
 
     def _verify(self, blob: Any, full: str, size: int, expected: int) -> None:
         stored = gcs_crc_to_hex(blob.crc32c)
@@ -580,3 +623,52 @@ class GcsStorage:
                 assert exc is not None
                 raise self._wrap(f"delete {len(errors)} objects, first {name}", exc) from exc
             log.warning("gcs: could not delete %d objects, first %s: %s", len(errors), name, exc)
+
+
+class _GcsStream(PartStream):
+    """Parts as temporary objects, each with its declared CRC32C, composed once the file is done."""
+
+    def __init__(self, storage: GcsStorage, full: str, size: int, fd: int, progress: Progress | None) -> None:
+        super().__init__(f"gcs: {full}", size, storage._part_plan(size), storage._stream_pool.get(), progress=progress)
+        self._storage = storage
+        self._full = full
+        self._fd = fd
+        self._parts_prefix = storage._parts_prefix(full)
+        self._made: list[Any] = []
+        self._made_lock = threading.Lock()
+
+    def _start(self) -> None:
+        self._storage._drop_leftovers(self._full)
+
+    def _send_part(self, number: int, offset: int, length: int) -> tuple[int, Any]:
+        storage = self._storage
+        name = f"{self._parts_prefix}{number:05d}"
+        try:
+            with storage._streams:
+                blob = storage._put_part(self._fd, name, offset, length)
+        except Exception as exc:
+            raise storage._wrap(f"upload {name}", exc) from exc
+        with self._made_lock:
+            self._made.append(blob)
+        crc = gcs_crc_to_hex(blob.crc32c)
+        if crc is None:
+            raise StorageError(f"gcs: {name}: the store reported no CRC32C for the part")
+        return int(crc, 16), blob
+
+    def _complete(self, tokens: list[Any], crc: int) -> None:
+        storage = self._storage
+        try:
+            dest = storage._compose(self._parts_prefix, tokens, self._full, crc, self._made)
+        except Exception as exc:
+            raise storage._wrap(f"compose {self._full} of {len(tokens)} parts", exc) from exc
+        finally:
+            self._drop_parts()
+        storage._verify(dest, self._full, self.size, crc)
+
+    def _abort_upload(self) -> None:
+        self._drop_parts()
+
+    def _drop_parts(self) -> None:
+        with self._made_lock:
+            made, self._made = self._made, []
+        self._storage._delete_blobs({blob.name for blob in made})

@@ -82,6 +82,7 @@ from spotguard.storage.base import (
     read_exactly,
     retry,
 )
+from spotguard.storage.stream import PartStream, StreamPool
 from spotguard.storage.transfer import fetch_object
 
 log = logging.getLogger(__name__)
@@ -310,6 +311,10 @@ class S3Storage:
         self._md5 = checksum == "md5"
         self._disagreements = 0
         self._refusal: ChecksumMismatch | None = None  # pinned crc32c, attempts spent
+        self._created = dt.datetime.now(dt.UTC)
+        self._leftovers_lock = threading.Lock()
+        self._leftovers_checked: set[str] = set()  # keys whose leftover multipart uploads are aborted
+        self._stream_pool = StreamPool(max_concurrency, "s3-stream")
         self._endpoint_url = endpoint_url
         self._region = region
         self._owns_client = client is None
@@ -441,6 +446,7 @@ class S3Storage:
             raise StorageError(f"s3: bucket {self.bucket} does not exist") from None
 
     def close(self) -> None:
+        self._stream_pool.close()
         if self._owns_client:
             for client in (self._client, self._racing_client):
                 if client is not None:
@@ -566,14 +572,7 @@ class S3Storage:
     def _put_multipart(
         self, local: Path, full: str, size: int, expected: int, progress: Progress | None, *, md5: bool
     ) -> None:
-        created = self._call(
-            f"create_multipart_upload {full}",
-            self.client.create_multipart_upload,
-            Bucket=self.bucket,
-            Key=full,
-            **({} if md5 else {"ChecksumAlgorithm": "CRC32C", "ChecksumType": "FULL_OBJECT"}),
-        )
-        upload_id = created["UploadId"]
+        upload_id = self._create_multipart(full, md5=md5)
         try:
             # The part CRC32Cs are computed either way: combined, they must equal the manifest's.
             parts = self._upload_parts(local, full, upload_id, self._part_plan(size), progress, md5=md5)
@@ -590,6 +589,45 @@ class S3Storage:
             self._abort(full, upload_id)
             raise
 
+    def _create_multipart(self, full: str, *, md5: bool) -> str:
+        self._abort_leftovers(full)
+        created = self._call(
+            f"create_multipart_upload {full}",
+            self.client.create_multipart_upload,
+            Bucket=self.bucket,
+            Key=full,
+            **({} if md5 else {"ChecksumAlgorithm": "CRC32C", "ChecksumType": "FULL_OBJECT"}),
+        )
+        return str(created["UploadId"])
+
+    def _abort_leftovers(self, full: str) -> None:
+        """Abort the multipart uploads of exactly ``full`` opened before this instance was made: an
+        earlier daemon's, killed mid-upload (at start only those older than ``stale_upload_age`` go,
+        since other nodes share the prefix; this key is ours to write now). Once per key."""
+        with self._leftovers_lock:
+            if full in self._leftovers_checked:
+                return
+            self._leftovers_checked.add(full)
+        try:
+            pages = list(self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=full))
+        except Exception as exc:
+            # Not worth failing the upload for: abort_stale_multipart_uploads() gets them later.
+            log.warning("s3: cannot list the open multipart uploads of %s: %s", full, exc)
+            return
+        for page in pages:
+            for upload in page.get("Uploads", []):
+                initiated = upload.get("Initiated")
+                if upload["Key"] == full and (initiated is None or initiated < self._created):
+                    log.info("s3: aborting multipart upload %s of %s left by an earlier run", upload["UploadId"], full)
+                    self._abort(full, upload["UploadId"])
+
+    def begin_stream(self, key: str, size: int, fd: int, *, progress: Progress | None = None) -> _S3Stream | None:
+        """Multipart parts sent as the file is written (``spotguard.storage.stream``); None for a
+        file below ``multipart_threshold`` (one PUT once it is finished)."""
+        if size < self.multipart_threshold or size == 0:
+            return None
+        return _S3Stream(self, self._key(key), size, fd, progress)
+
     def _upload_parts(
         self,
         local: Path,
@@ -604,23 +642,12 @@ class S3Storage:
         try:
 
             def one(number: int, offset: int, length: int) -> tuple[int, str, int, int]:
-                # The budget before the read: only parts about to be sent are in memory.
-                with self._streams:
-                    data = read_exactly(fd, offset, length, f"s3: {local} (part {number})")
-                    crc = _crc_of(data)
-                    resp = self._call(
-                        f"upload_part {full} #{number}",
-                        self.client.upload_part,
-                        Bucket=self.bucket,
-                        Key=full,
-                        UploadId=upload_id,
-                        PartNumber=number,
-                        Body=data,
-                        **_integrity_args(data, crc, md5),
-                    )
+                etag, crc = self._send_part(
+                    fd, full, upload_id, number=number, offset=offset, length=length, what=f"s3: {local}", md5=md5
+                )
                 if progress:
                     progress(length)
-                return number, resp["ETag"], crc, length
+                return number, etag, crc, length
 
             workers = min(self.max_concurrency, len(plan))
             with cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="s3-part") as pool:
@@ -635,6 +662,26 @@ class S3Storage:
                 return sorted(f.result() for f in futures)
         finally:
             os.close(fd)
+
+    def _send_part(
+        self, fd: int, full: str, upload_id: str, *, number: int, offset: int, length: int, what: str, md5: bool
+    ) -> tuple[str, int]:
+        """One part read from ``fd`` and sent with its checksum; its ETag and CRC32C."""
+        # The budget before the read: only parts about to be sent are in memory.
+        with self._streams:
+            data = read_exactly(fd, offset, length, f"{what} (part {number})")
+            crc = _crc_of(data)
+            resp = self._call(
+                f"upload_part {full} #{number}",
+                self.client.upload_part,
+                Bucket=self.bucket,
+                Key=full,
+                UploadId=upload_id,
+                PartNumber=number,
+                Body=data,
+                **_integrity_args(data, crc, md5),
+            )
+        return str(resp["ETag"]), crc
 
     def _complete(
         self, full: str, upload_id: str, parts: list[tuple[int, str, int, int]], expected: int, size: int, *, md5: bool
@@ -855,3 +902,45 @@ class S3Storage:
                 f"s3: delete_objects: {len(errors)} keys failed, first {first.get('Key')}: "
                 f"{first.get('Code')} {first.get('Message')}"
             )
+
+
+class _S3Stream(PartStream):
+    """A multipart upload fed as the file is written; the checksum mode is fixed at its start."""
+
+    def __init__(self, storage: S3Storage, full: str, size: int, fd: int, progress: Progress | None) -> None:
+        super().__init__(f"s3: {full}", size, storage._part_plan(size), storage._stream_pool.get(), progress=progress)
+        self._storage = storage
+        self._full = full
+        self._fd = fd
+        self._md5 = False
+        self._upload_id: str | None = None
+
+    def _start(self) -> None:
+        self._md5 = self._storage._use_md5()
+        self._upload_id = self._storage._create_multipart(self._full, md5=self._md5)
+
+    def _send_part(self, number: int, offset: int, length: int) -> tuple[int, Any]:
+        assert self._upload_id is not None
+        where = {"number": number, "offset": offset, "length": length}
+        etag, crc = self._storage._send_part(
+            self._fd, self._full, self._upload_id, **where, what=self.what, md5=self._md5
+        )
+        return crc, (number, etag, crc, length)
+
+    def _complete(self, tokens: list[Any], crc: int) -> None:
+        assert self._upload_id is not None
+        storage = self._storage
+        storage._complete(self._full, self._upload_id, tokens, crc, self.size, md5=self._md5)
+        self._upload_id = None  # completed: nothing left to abort
+        if not storage.verify_after_upload:
+            return
+        try:
+            storage._verify_remote(self._full, self.size, crc, md5=self._md5)
+        except ChecksumMismatch as exc:
+            storage._disagreed(self._full, exc)  # raises when no retry or fallback is left
+            raise StorageError(f"{exc}; to be sent again") from exc
+
+    def _abort_upload(self) -> None:
+        if self._upload_id is not None:
+            self._storage._abort(self._full, self._upload_id)
+            self._upload_id = None

@@ -408,3 +408,63 @@ def test_racing_a_deadline_the_librarys_retries_stop_at_it(
             assert proxy.injected["503"] >= 2  # it did retry, within the deadline
         finally:
             storage.close()
+
+
+def _streaming(url: str) -> GcsStorage:
+    return GcsStorage(url, parallel_threshold=8 * MiB, part_size=4 * MiB, max_concurrency=2)
+
+
+def test_gcs_stream_composes_the_parts_announced_while_writing(url: str, tmp_path: Path) -> None:
+    storage = _streaming(url)
+    data, crc = write(tmp_path / "f", 18 * MiB + 7, seed=11)
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        stream = storage.begin_stream("step-1/f", len(data), fd)
+        assert stream is not None
+        stream.add(4 * MiB, 4 * MiB)  # part 2 is whole: it goes up now
+        deadline = time.monotonic() + 30
+        while not any(PARTS_DIR in name for name in all_names(storage)):
+            assert time.monotonic() < deadline, "no part uploaded before the file was finished"
+            time.sleep(0.05)
+        assert [o.key for o in storage.list()] == []  # nothing visible yet
+        stream.add(0, 4 * MiB)
+        stream.finish(crc)  # the rest was never announced: sent at the finish
+    finally:
+        os.close(fd)
+    assert all_names(storage) == ["step-1/f"]  # parts deleted
+    assert storage.read_bytes("step-1/f") == data
+
+
+def test_gcs_stream_abort_and_a_wrong_crc32c_leave_nothing(url: str, tmp_path: Path) -> None:
+    storage = _streaming(url)
+    data, _ = write(tmp_path / "f", 12 * MiB, seed=12)
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        stream = storage.begin_stream("step-1/f", len(data), fd)
+        assert stream is not None
+        stream.add(0, 8 * MiB)
+        stream.abort()
+        assert all_names(storage) == []
+        stream = storage.begin_stream("step-1/f", len(data), fd)
+        assert stream is not None
+        stream.add(0, len(data))
+        with pytest.raises(StorageError, match="CRC32C"):
+            stream.finish(crc_hex(data + b"!"))
+        assert all_names(storage) == []
+    finally:
+        os.close(fd)
+
+
+def test_gcs_upload_deletes_parts_of_the_same_key_left_by_an_earlier_run(url: str, tmp_path: Path) -> None:
+    killed = GcsStorage(url)
+    leftover = f"{killed.prefix}{PARTS_DIR}/step-1/f/0123abcd/00000"
+    killed.bucket.blob(leftover).upload_from_string(b"part")
+    other = f"{killed.prefix}{PARTS_DIR}/step-1/g/0123abcd/00000"
+    killed.bucket.blob(other).upload_from_string(b"part")
+    storage = GcsStorage(url, parallel_threshold=8 * MiB, part_size=4 * MiB, max_concurrency=2)
+    data, crc = write(tmp_path / "f", 9 * MiB, seed=13)
+    storage.put_file(tmp_path / "f", "step-1/f", crc32c=crc)
+    names = all_names(storage)
+    assert leftover[len(storage.prefix) :] not in names  # that key's leftover: gone
+    assert other[len(storage.prefix) :] in names  # another key's: not this upload's business
+    assert storage.read_bytes("step-1/f") == data

@@ -83,3 +83,35 @@ def test_file_range_is_a_client_message_with_every_field_checked() -> None:
         protocol.decode(protocol.encode("file-range", **fields, offset=64), allowed=protocol.CLIENT_TYPES)
     with pytest.raises(protocol.ProtocolError, match="not accepted here"):
         protocol.decode(line, allowed=protocol.DAEMON_TYPES)
+
+def _range(**fields: object) -> bytes:
+    message = {"v": 1, "type": "file-range", "path": "/x/step-000000001", "name": "model.pt"}
+    message.update({"tmp": ".model.pt.tmp-12", "size": 100, "offset": 0, "length": 10})
+    message.update(fields)
+    return json.dumps(message).encode()
+
+
+def test_file_range_is_a_client_message() -> None:
+    line = protocol.encode(
+        "file-range", path="/x/step-000000001", name="a/b.pt", tmp="a/.b.pt.tmp-1", size=9, offset=4, length=5
+    )
+    message = protocol.decode(line.strip(), allowed=protocol.CLIENT_TYPES)
+    assert (message["type"], message["offset"], message["length"]) == ("file-range", 4, 5)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"offset": -1},
+        {"length": -5},
+        {"size": -1, "length": 0},
+        {"offset": 95, "length": 10},  # past the end
+        {"length": True},
+        {"offset": 1.5},
+        {"tmp": None},
+    ],
+)
+def test_file_range_numbers_are_checked(fields: dict[str, object]) -> None:
+    with pytest.raises(protocol.ProtocolError) as info:
+        protocol.decode(_range(**fields), allowed=protocol.CLIENT_TYPES)
+    assert info.value.code == "bad-field"
