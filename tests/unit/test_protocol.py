@@ -84,6 +84,7 @@ def test_file_range_is_a_client_message_with_every_field_checked() -> None:
     with pytest.raises(protocol.ProtocolError, match="not accepted here"):
         protocol.decode(line, allowed=protocol.DAEMON_TYPES)
 
+
 def _range(**fields: object) -> bytes:
     message = {"v": 1, "type": "file-range", "path": "/x/step-000000001", "name": "model.pt"}
     message.update({"tmp": ".model.pt.tmp-12", "size": 100, "offset": 0, "length": 10})
