@@ -54,6 +54,7 @@ from spotguard.trainer.state import (
     read_state,
     write_payloads,
 )
+from spotguard.trainer.threads import write_threads
 
 logger = logging.getLogger("spotguard.trainer")
 
@@ -124,6 +125,7 @@ class Guard:
         self.keep = keep
         self.rank = dist.rank()
         self.world_size = dist.world_size()
+        self._io_threads = write_threads()  # threads that write and read this rank's files
 
         self._lock = threading.Lock()
         self._notice: dict[str, Any] | None = None  # the checkpoint-now message not yet saved for
@@ -441,7 +443,7 @@ class Guard:
 
         if per_rank:
             assert isinstance(payloads, Payloads), "distributed saves are written from the live state"
-            self._node_leader = save_sharded(writer, payloads.state, announce=announce)
+            self._node_leader = save_sharded(writer, payloads.state, announce=announce, threads=self._io_threads)
         else:
             write_payloads(writer, payloads, on_file=lambda name: announce(name, writer.files[name]))
         with dist.settled(f"committing {writer.dir.name}"):  # nobody goes on (or exits) before the commit
@@ -554,7 +556,14 @@ class Guard:
         with dist.settled(f"loading {name}"):
             manifest = load_manifest(step_dir)
             load = load_sharded if manifest.meta.get("layout") == LAYOUT else read_state
-            load(step_dir, manifest, state, skip_entries=report.skipped_entries, skip_keys=report.skipped_keys)
+            load(
+                step_dir,
+                manifest,
+                state,
+                skip_entries=report.skipped_entries,
+                skip_keys=report.skipped_keys,
+                threads=self._io_threads,
+            )
         self._last_save_step = manifest.step
         self.last_resume_report = report
         if report.differences:
@@ -592,7 +601,7 @@ class Guard:
             if info.status != "complete":
                 refuse_newer_format(load_manifest, self.checkpoint_dir / info.name)
                 continue
-            problems = verify_dir(self.checkpoint_dir / info.name)
+            problems = verify_dir(self.checkpoint_dir / info.name, threads=self._io_threads)
             if not problems and info.manifest is not None:
                 return [(info.name, info.manifest)]
             logger.warning("spotguard: skipping %s: %s", info.name, "; ".join(problems))
