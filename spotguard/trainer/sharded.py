@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.futures import Future
 
-from spotguard.manifest import CheckpointWriter, FileEntry, Manifest, crc32c_of_file, write_part
+from spotguard.manifest import CheckpointWriter, FileEntry, Manifest, crc32c_of_files, write_part
 from spotguard.trainer import dist
 from spotguard.trainer.contents import flatten
 from spotguard.trainer.state import (
@@ -129,9 +129,7 @@ def save_sharded(
         # On another node's disk the directory exists only once DCP (or the first file) made it.
         paths = sorted(writer.dir.iterdir()) if writer.dir.is_dir() else []
         written = [p for p in paths if p.name.startswith(f"__{rank}_") or (rank == 0 and p.name == ".metadata")]
-        with ThreadPoolExecutor(max(1, min(threads, len(written)))) as pool:  # the reads wait on the disk
-            checksums = list(pool.map(crc32c_of_file, written))
-        for path, crc in zip(written, checksums, strict=True):
+        for path, crc in zip(written, crc32c_of_files(written, threads), strict=True):
             mine[path.name] = FileEntry(size=path.stat().st_size, crc32c=crc)
             announce(path.name, mine[path.name])
         per_rank = Payloads({key: state[key] for key in rest})
