@@ -28,7 +28,8 @@ import torch
 from common import machine, median, write_results
 
 from spotguard import Guard
-from spotguard.trainer.writer import DEFAULT_CHUNK_BYTES, StagingBuffers, default_write_threads
+from spotguard.trainer.threads import default_threads
+from spotguard.trainer.writer import DEFAULT_CHUNK_BYTES, StagingBuffers
 
 
 def timed(run: Any, runs: int) -> list[float]:
@@ -75,7 +76,7 @@ def main() -> None:
     base = args.dir or Path(__file__).parent / "results"
     base.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="gpu-staging-", dir=base))
-    threads = default_write_threads()
+    threads = default_threads()
     staging = StagingBuffers()
     results: dict[str, list[float]] = {}
     try:

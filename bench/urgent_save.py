@@ -26,7 +26,7 @@ import torch
 from common import machine, make_state, median, table, write_results
 
 from spotguard import Guard
-from spotguard.trainer.writer import default_write_threads
+from spotguard.trainer.threads import default_threads
 
 RAW_WRITERS = (1, 2, 4, 8)
 WRITE = 32 << 20
@@ -109,7 +109,7 @@ def main() -> None:
     base = args.dir or Path(__file__).parent / "results"
     base.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="urgent-save-", dir=base))
-    default = default_write_threads()
+    default = default_threads()
     methods: dict[str, Method] = {f"raw x{n} + fsync": raw_parallel(n) for n in RAW_WRITERS}
     methods["torch.save + fsync"] = torch_save
     methods[f"Guard.save (default: {default} threads)"] = guard_save(None)

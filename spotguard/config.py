@@ -381,26 +381,3 @@ def trainer_settings(
         bucket=bucket,
         socket=Path(sock),
     )
-
-
-MAX_WRITE_THREADS = 64
-
-
-def write_threads_setting(value: int | None, env: Mapping[str, str] | None = None) -> int | None:
-    """Threads that write a checkpoint's files: the argument, else ``SPOTGUARD_WRITE_THREADS``, else None
-    (the writer's default, from the CPU count). Raises :class:`ConfigError` naming what was wrong."""
-    env = os.environ if env is None else env
-    key, raw = (
-        ("write_threads", value)
-        if value is not None
-        else ("SPOTGUARD_WRITE_THREADS", env.get("SPOTGUARD_WRITE_THREADS"))
-    )
-    if raw is None or raw == "":
-        return None
-    try:
-        threads = raw if isinstance(raw, int) and not isinstance(raw, bool) else int(str(raw).strip())
-    except ValueError:
-        raise ConfigError(key, f"must be a whole number of threads, got {raw!r}") from None
-    if not 1 <= threads <= MAX_WRITE_THREADS:
-        raise ConfigError(key, f"must be from 1 to {MAX_WRITE_THREADS}, got {raw!r}")
-    return threads

@@ -14,7 +14,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from spotguard.config import trainer_settings, write_threads_setting
+from spotguard.config import trainer_settings
 from spotguard.manifest import (
     CheckpointExists,
     CheckpointWriter,
@@ -54,7 +54,7 @@ from spotguard.trainer.state import (
     read_state,
     write_payloads,
 )
-from spotguard.trainer.writer import ParallelWriter, default_write_threads
+from spotguard.trainer.writer import ParallelWriter
 
 logger = logging.getLogger("spotguard.trainer")
 
@@ -121,7 +121,7 @@ class Guard:
         write_threads: int | None = None,
     ) -> None:
         check_periodic(every_steps, every_seconds)
-        threads = write_threads_setting(write_threads)
+        io_threads = threads.write_threads(write_threads)  # checked before anything starts
         dist.check_initialised()
         settings = trainer_settings(checkpoint_dir, bucket, socket)
         self.bucket = settings.bucket
@@ -130,6 +130,7 @@ class Guard:
         self.keep = keep
         self.rank = dist.rank()
         self.world_size = dist.world_size()
+        self._io_threads = io_threads  # threads that write and read this rank's files
 
         self._lock = threading.Lock()
         self._notice: dict[str, Any] | None = None  # the checkpoint-now message not yet saved for
@@ -145,7 +146,7 @@ class Guard:
         self._stager = Stager()
         # Writes the state files of urgent and periodic saves (never both at once: an urgent save
         # first cancels the periodic one); its staging buffers for CUDA tensors are kept across saves.
-        self._files_writer = ParallelWriter(threads or default_write_threads())
+        self._files_writer = ParallelWriter(io_threads)
         self._background: tuple[threading.Thread, threading.Event] | None = None
         self._background_error: Exception | None = None
         self._node_leader = self.rank == 0  # the rank that tells this node's daemon about commits
@@ -450,7 +451,7 @@ class Guard:
 
         if per_rank:
             assert isinstance(payloads, Payloads), "distributed saves are written from the live state"
-            self._node_leader = save_sharded(writer, payloads.state, announce=announce)
+            self._node_leader = save_sharded(writer, payloads.state, announce=announce, threads=self._io_threads)
         else:
             write_payloads(
                 writer,
@@ -571,7 +572,14 @@ class Guard:
         with dist.settled(f"loading {name}"):
             manifest = load_manifest(step_dir)
             load = load_sharded if manifest.meta.get("layout") == LAYOUT else read_state
-            load(step_dir, manifest, state, skip_entries=report.skipped_entries, skip_keys=report.skipped_keys)
+            load(
+                step_dir,
+                manifest,
+                state,
+                skip_entries=report.skipped_entries,
+                skip_keys=report.skipped_keys,
+                threads=self._io_threads,
+            )
         self._last_save_step = manifest.step
         self.last_resume_report = report
         if report.differences:
@@ -609,7 +617,7 @@ class Guard:
             if info.status != "complete":
                 refuse_newer_format(load_manifest, self.checkpoint_dir / info.name)
                 continue
-            problems = verify_dir(self.checkpoint_dir / info.name)
+            problems = verify_dir(self.checkpoint_dir / info.name, threads=self._io_threads)
             if not problems and info.manifest is not None:
                 return [(info.name, info.manifest)]
             logger.warning("spotguard: skipping %s: %s", info.name, "; ".join(problems))

@@ -14,24 +14,28 @@ and commits one manifest for the whole job.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import warnings
 from collections.abc import Callable, Collection, Mapping, MutableMapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as torch_dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_state_dict,
 )
+from torch.futures import Future
 
-from spotguard.manifest import CheckpointWriter, FileEntry, Manifest, crc32c_of_file, write_part
+from spotguard.manifest import CheckpointWriter, FileEntry, Manifest, crc32c_of_files, write_part
 from spotguard.trainer import dist
 from spotguard.trainer.contents import flatten
 from spotguard.trainer.state import (
@@ -84,17 +88,32 @@ def _tree(state: Mapping[str, Any], model: str | None, optimizers: list[str]) ->
     return tree
 
 
+def _tensor_count(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return 1
+    if isinstance(value, Mapping):
+        return sum(_tensor_count(item) for item in value.values())
+    if isinstance(value, list | tuple):
+        return sum(_tensor_count(item) for item in value)
+    return 0
+
+
 def save_sharded(
     writer: CheckpointWriter,
     state: Mapping[str, Any],
     *,
     announce: Callable[[str, FileEntry], None],
+    threads: int = 1,
 ) -> bool:
     """Write this rank's part of a sharded checkpoint; rank 0 then commits the manifest.
 
     Collective: every rank must call it for the same step. Returns whether this rank leads its
     node (the lowest rank writing to this disk): the leader tells the node's daemon. With several
     nodes the leader first commits the node's share locally (``part-<node>.json``).
+
+    DCP writes this rank's tensors with ``threads`` threads, one file each
+    (``__<rank>_0.distcp`` .. ``__<rank>_<threads-1>.distcp``, balanced by size); every one of them
+    is in the manifest. DCP's ``per_thread_copy_ahead`` applies only to one thread with CUDA.
     """
     rank = dist.rank()
     model, optimizers, rest = _parts(state)
@@ -103,12 +122,16 @@ def save_sharded(
     with dist.settled(f"writing {writer.dir.name}"):
         tree = _tree(state, model, optimizers)
         if tree:
-            dcp.save(tree, storage_writer=dcp.FileSystemWriter(writer.dir, sync_files=True, overwrite=False))
+            # No more threads than tensors: DCP writes one file per thread, an empty one for an idle thread.
+            thread_count = max(1, min(threads, _tensor_count(tree)))
+            dcp_writer = dcp.FileSystemWriter(writer.dir, sync_files=True, overwrite=False, thread_count=thread_count)
+            dcp.save(tree, storage_writer=dcp_writer)
         # On another node's disk the directory exists only once DCP (or the first file) made it.
-        for path in sorted(writer.dir.iterdir()) if writer.dir.is_dir() else []:
-            if path.name.startswith(f"__{rank}_") or (rank == 0 and path.name == ".metadata"):
-                mine[path.name] = FileEntry(size=path.stat().st_size, crc32c=crc32c_of_file(path))
-                announce(path.name, mine[path.name])
+        paths = sorted(writer.dir.iterdir()) if writer.dir.is_dir() else []
+        written = [p for p in paths if p.name.startswith(f"__{rank}_") or (rank == 0 and p.name == ".metadata")]
+        for path, crc in zip(written, crc32c_of_files(written, threads), strict=True):
+            mine[path.name] = FileEntry(size=path.stat().st_size, crc32c=crc)
+            announce(path.name, mine[path.name])
         per_rank = Payloads({key: state[key] for key in rest})
         write_payloads(writer, per_rank, rank=rank, on_file=lambda name: announce(name, writer.files[name]))
         mine.update(writer.files)
@@ -140,6 +163,33 @@ def save_sharded(
     return rank == leader
 
 
+class _ThreadedReader(dcp.FileSystemReader):
+    """DCP's ``FileSystemReader`` reads one file after another (it has no ``thread_count``): this one
+    reads up to ``threads`` files at once, each through DCP's own ``read_data`` with a plan of that
+    file's items only. A checkpoint written with N threads per rank has N files per rank to spread."""
+
+    def __init__(self, path: Path, threads: int) -> None:
+        super().__init__(path)
+        self.threads = threads
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        by_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        if self.threads <= 1 or len(by_file) <= 1:
+            return super().read_data(plan, planner)
+        read_file = super().read_data
+        with ThreadPoolExecutor(min(self.threads, len(by_file))) as pool:
+            parts = [
+                pool.submit(read_file, dataclasses.replace(plan, items=items), planner) for items in by_file.values()
+            ]
+            for part in parts:
+                part.result().wait()
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+
 def load_sharded(
     step_dir: Path,
     manifest: Manifest,
@@ -147,11 +197,13 @@ def load_sharded(
     *,
     skip_entries: Collection[str] = (),
     skip_keys: Mapping[str, Collection[str]] | None = None,
+    threads: int = 1,
 ) -> None:
     """Load a sharded checkpoint into this rank's ``state``, resharding if the world size changed.
 
     ``skip_entries`` are left as they are; ``skip_keys`` (the model's keys that do not fit) are left
-    out and the rest of the model loads non-strictly. Every rank must pass the same ones.
+    out and the rest of the model loads non-strictly. Every rank must pass the same ones. ``threads``
+    read DCP's files in parallel.
     """
     rank = dist.rank()
     model, optimizers, rest = _parts(state)
@@ -173,7 +225,7 @@ def load_sharded(
         with warnings.catch_warnings():
             # Loading a sharded checkpoint into one process is a feature here, not an accident.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(tree, storage_reader=dcp.FileSystemReader(step_dir))
+            dcp.load(tree, storage_reader=_ThreadedReader(step_dir, threads))
         set_state_dict(
             state[model],
             [state[key] for key in optimizers],

@@ -14,13 +14,15 @@ import random
 import re
 import warnings
 from collections.abc import Callable, Collection, Iterator, Mapping, MutableMapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from spotguard.manifest import CheckpointWriter, Manifest
-from spotguard.trainer.writer import OnRange, ParallelWriter, default_write_threads
+from spotguard.trainer.threads import write_threads
+from spotguard.trainer.writer import OnRange, ParallelWriter
 
 RNG_KEY = "_rng"
 _KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
@@ -220,8 +222,8 @@ def write_payloads(
     parallel: ParallelWriter | None = None,
 ) -> list[str]:
     """One file per entry (``<key>.pt``, or ``<key>.rank<R>.pt``), written by ``parallel`` (by default
-    a :class:`ParallelWriter` with :func:`default_write_threads`); returns the names written."""
-    parallel = parallel or ParallelWriter(default_write_threads())
+    a :class:`ParallelWriter` with :func:`~spotguard.trainer.threads.write_threads`); returns the names written."""
+    parallel = parallel or ParallelWriter(write_threads())
     names = {key: entry_file(key, rank) for key in payloads}
     return parallel.write(writer, payloads, names, on_file=on_file, on_range=on_range)
 
@@ -234,10 +236,16 @@ def read_state(
     rank: int | None = None,
     skip_entries: Collection[str] = (),
     skip_keys: Mapping[str, Collection[str]] | None = None,
+    threads: int = 1,
 ) -> None:
     """Load every entry of ``state`` from ``step_dir``, then the RNG states (last, so that nothing
     done while loading draws from a restored generator). Entries in ``skip_entries`` are left as they
-    are; ``skip_keys`` (entry -> keys) are left out of a module's ``load_state_dict``."""
+    are; ``skip_keys`` (entry -> keys) are left out of a module's ``load_state_dict``.
+
+    Every file is opened (and unpickled) before anything in ``state`` changes; then up to ``threads``
+    entries are put back at once, each by its own ``load_state_dict`` (or copy): the bytes come out of
+    the page cache through page faults on the mapped files, which one thread cannot keep up with.
+    """
     loaded: dict[str, Any] = {}
     keys = [key for key in state if key not in skip_entries]
     for key in [*keys, RNG_KEY]:
@@ -257,8 +265,17 @@ def read_state(
                 f"{step_dir.name}/{name} cannot be loaded with weights_only=True ({exc}); keep state to "
                 "tensors, primitives and objects with state_dict()/load_state_dict()"
             ) from exc
-    for key in keys:
+
+    def apply(key: str) -> None:
         apply_saved(state, key, loaded[key], (skip_keys or {}).get(key, ()))
+
+    if threads <= 1 or len(keys) <= 1:
+        for key in keys:
+            apply(key)
+    else:
+        with ThreadPoolExecutor(min(threads, len(keys))) as pool:
+            for _ in pool.map(apply, keys):  # re-raises the first entry that failed, once all are done
+                pass
     restore_rng(loaded[RNG_KEY])
 
 

@@ -70,13 +70,6 @@ OnRange = Callable[[str, str, int, int, int], None]  # name, tmp relpath, size, 
 OnFile = Callable[[str], None]
 
 
-def default_write_threads(cpus: int | None = None) -> int:
-    """Threads that keep a local disk busy: the queue depth matters more than the cores (``pwrite``
-    waits on the device, not the CPU), so at least 4, and one per core on larger machines, up to 16."""
-    cpus = cpus if cpus is not None else (os.cpu_count() or 1)
-    return max(4, min(16, cpus))
-
-
 class _Unsupported(Exception):
     """This torch cannot build the skeleton (an API is missing or changed): use ``torch.save``."""
 

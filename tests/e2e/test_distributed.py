@@ -18,7 +18,7 @@ import torch
 
 from spotguard.control import request
 from spotguard.demo import Vm, compare_final, wait_for
-from spotguard.manifest import load_manifest, scan_local
+from spotguard.manifest import load_manifest, scan_local, verify_dir
 
 STEPS = 20  # 8 steps per epoch per rank with 2 ranks
 
@@ -141,6 +141,31 @@ def test_checkpoint_saved_by_two_ranks_reshards(world: int, tmp_path: Path) -> N
     assert events[-1] == {"event": "finished", "step": 14}  # and training goes on
     assert compare_final(saved, loaded) == []  # every parameter and optimizer tensor as saved
     assert torch.load(loaded, weights_only=True)["model"]
+
+
+@pytest.mark.slow
+def test_dcp_writes_several_files_per_rank_with_threads_and_resumes_bitwise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SPOTGUARD_WRITE_THREADS", "3")  # every rank: DCP's thread_count, and the readers
+    root = tmp_path / "ckpt"
+    saved = tmp_path / "saved.pt"
+    launch(2, "--root", str(root), "--steps", "12", "--every-steps", "12", "--dump-saved", str(saved))
+    [info] = scan_local(root)
+    step_dir = root / info.name
+    files = load_manifest(step_dir).files
+    for rank in range(2):
+        assert sorted(name for name in files if name.startswith(f"__{rank}_")) == [
+            f"__{rank}_{i}.distcp" for i in range(3)
+        ]
+    # Every file DCP (or anyone) wrote is in the manifest, and the manifest verifies.
+    assert {p.name for p in step_dir.iterdir()} == {*files, "manifest.json"}
+    assert verify_dir(step_dir) == []
+
+    loaded = tmp_path / "loaded.pt"
+    events = launch(2, "--root", str(root), "--steps", "13", "--dump-loaded", str(loaded))
+    assert events[0] == {"event": "resumed", "step": 12}
+    assert compare_final(saved, loaded) == []
 
 
 @pytest.mark.slow

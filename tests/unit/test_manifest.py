@@ -17,6 +17,7 @@ from spotguard.manifest import (
     base64_to_hex,
     crc32c_of_bytes,
     crc32c_of_file,
+    crc32c_of_files,
     hex_to_base64,
     load_manifest,
     load_manifest_or_none,
@@ -57,6 +58,29 @@ def test_verify_detects_a_single_flipped_byte(tmp_path: Path) -> None:
     problems = verify_dir(step_dir)
     assert len(problems) == 1 and "crc32c" in problems[0]
     assert verify_dir(step_dir, checksums=False) == []  # same size: only the checksum catches it
+
+
+def test_crc32c_of_files_read_in_ranges_by_threads_matches_one_pass(tmp_path: Path) -> None:
+    paths = []
+    for size in (0, 1, 4095, 4096, 4097, 3 * 4096 + 5, 100):
+        path = tmp_path / f"f{size}"
+        path.write_bytes(bytes((i * 7 + size) % 251 for i in range(size)))
+        paths.append(path)
+    one_pass = [crc32c_of_file(path) for path in paths]
+    assert crc32c_of_files(paths, 1) == one_pass
+    assert crc32c_of_files(paths, 3, range_bytes=4096) == one_pass  # ranges combined per file
+    assert crc32c_of_files(paths, 8, range_bytes=1000) == one_pass
+
+
+def test_verify_with_threads_names_the_one_file_with_a_flipped_byte(tmp_path: Path) -> None:
+    files = {f"w{i}.bin": bytes([i]) * 50_000 for i in range(6)}
+    step_dir = write_checkpoint(tmp_path, 1, files)
+    assert verify_dir(step_dir, threads=4) == []
+    data = bytearray((step_dir / "w4.bin").read_bytes())
+    data[-1] ^= 0x80
+    (step_dir / "w4.bin").write_bytes(bytes(data))
+    problems = verify_dir(step_dir, threads=4)
+    assert len(problems) == 1 and problems[0].startswith("step-000000001/w4.bin: crc32c")
 
 
 def test_verify_reports_missing_and_truncated_files(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import random
+import threading
 import warnings
 from pathlib import Path
 
@@ -11,8 +12,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import RandomSampler
 
 from spotguard import Guard
-from spotguard.manifest import scan_local
-from spotguard.trainer.state import StateError, capture_rng, restore_rng
+from spotguard.manifest import load_manifest, scan_local
+from spotguard.trainer.state import StateError, capture_rng, read_state, restore_rng
 
 
 @pytest.fixture
@@ -174,3 +175,42 @@ def test_sigterm_between_the_checks_never_stops_without_a_save(guard: Guard) -> 
     assert not guard.stop_requested  # ... so the loop must not leave yet
     assert guard.should_checkpoint(1)  # the next step boundary takes the checkpoint
     assert guard.stop_requested
+
+
+class MeetsAnother:
+    """An entry whose load_state_dict returns only once another entry is being loaded at the same time."""
+
+    def __init__(self, meeting: threading.Barrier | None = None, fail: bool = False) -> None:
+        self.meeting, self.fail, self.value = meeting, fail, torch.zeros(3)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"value": self.value}
+
+    def load_state_dict(self, saved: dict[str, torch.Tensor]) -> None:
+        if self.meeting is not None:
+            self.meeting.wait()
+        if self.fail:
+            raise RuntimeError("this entry refuses its state")
+        self.value = saved["value"].clone()
+
+
+def test_entries_are_put_back_by_several_threads_at_once(guard: Guard) -> None:
+    saved = {"a": MeetsAnother(), "b": MeetsAnother(), "t": torch.arange(5.0)}
+    saved["a"].value, saved["b"].value = torch.ones(3), torch.full((3,), 2.0)
+    step_dir = guard.save(saved, 4, reason="urgent")
+
+    meeting = threading.Barrier(2, timeout=30)  # broken (and raising) if the entries went one by one
+    live = {"a": MeetsAnother(meeting), "b": MeetsAnother(meeting), "t": torch.zeros(5)}
+    read_state(step_dir, load_manifest(step_dir), live, threads=4)
+    assert torch.equal(live["a"].value, torch.ones(3)) and torch.equal(live["b"].value, torch.full((3,), 2.0))
+    assert torch.equal(live["t"], torch.arange(5.0))
+
+
+def test_an_entry_that_fails_to_load_among_threads_raises_and_leaves_the_rng_alone(guard: Guard) -> None:
+    step_dir = guard.save({"a": MeetsAnother(), "b": MeetsAnother(), "t": torch.arange(5.0)}, 4, reason="urgent")
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    live = {"a": MeetsAnother(fail=True), "b": MeetsAnother(), "t": torch.zeros(5)}
+    with pytest.raises(RuntimeError, match="refuses its state"):
+        read_state(step_dir, load_manifest(step_dir), live, threads=4)
+    assert torch.equal(torch.get_rng_state(), before)  # the RNG states go last, after every entry

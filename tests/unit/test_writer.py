@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from spotguard import Guard
-from spotguard.config import ConfigError, write_threads_setting
 from spotguard.manifest import CheckpointWriter, SaveCancelled, crc32c_of_file
-from spotguard.trainer.writer import ParallelWriter, StagingBuffers, _pickle_payload, default_write_threads
+from spotguard.trainer.writer import ParallelWriter, StagingBuffers, _pickle_payload
 
 SMALL_CHUNK = 4096  # so that even small test tensors are split into several pieces
 
@@ -217,19 +216,6 @@ def test_falls_back_to_torch_save_when_torch_lacks_what_the_writer_needs(
     for key, name in zip(entries, names, strict=True):
         same(torch.load(writer.dir / name, weights_only=True), entries[key])
         assert crc32c_of_file(writer.dir / name) == writer.files[name].crc32c
-
-
-def test_write_threads_come_from_the_argument_then_the_environment() -> None:
-    assert write_threads_setting(3, {"SPOTGUARD_WRITE_THREADS": "5"}) == 3
-    assert write_threads_setting(None, {"SPOTGUARD_WRITE_THREADS": " 5 "}) == 5
-    assert write_threads_setting(None, {}) is None
-    assert default_write_threads(2) == 4 and default_write_threads(32) == 16
-
-
-@pytest.mark.parametrize("raw", ["four", "0", "-2", "65", "2.5"])
-def test_a_bad_write_threads_variable_is_named_in_the_error(raw: str) -> None:
-    with pytest.raises(ConfigError, match="SPOTGUARD_WRITE_THREADS"):
-        write_threads_setting(None, {"SPOTGUARD_WRITE_THREADS": raw})
 
 
 def test_guard_refuses_a_bad_write_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
