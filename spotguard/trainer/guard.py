@@ -31,7 +31,7 @@ from spotguard.manifest import (
 )
 from spotguard.notice import parse_iso
 from spotguard.space import SpotguardDiskFull, free_bytes, is_disk_full, make_room
-from spotguard.trainer import dist
+from spotguard.trainer import dist, threads
 from spotguard.trainer.client import DaemonClient
 from spotguard.trainer.contents import (
     SHOWN,
