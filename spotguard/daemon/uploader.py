@@ -289,7 +289,7 @@ class Uploader:
             return
         except (StorageError, OSError) as exc:
             # finish() aborted the multipart upload: nothing of it is visible or left open.
-            logger.info("streamed upload of %s failed (%s); sending it whole", key, exc)
+            logger.info("the stream of %s was not completed (%s); sending the file whole", key, exc)
         finally:
             os.close(stream.fd)
         await self._early_upload(step_dir, stream.rel, entry)

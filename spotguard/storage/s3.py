@@ -62,7 +62,6 @@ from urllib.parse import urlsplit
 import boto3
 import boto3.exceptions
 import botocore.exceptions
-import botocore.handlers
 import google_crc32c
 from botocore.config import Config
 
@@ -194,19 +193,6 @@ class ChecksumProbe:
 
 
 # -- helpers ------------------------------------------------------------------------------
-
-
-def _send_bodies_whole(client: Any) -> None:
-    """Let ``client`` send a ``bytes`` body of PutObject / UploadPart as it is, in one ``sendall``.
-
-    botocore wraps such a body in a ``BytesIO`` (``convert_body_to_file_like_object``), which turns
-    on ``Expect: 100-continue`` (a round trip before every part) and makes urllib3 read and send it
-    in 128 KiB blocks, each one a copy: 0.1-0.2 CPU-seconds per GiB (``bench/s3_cpu.py``). A
-    ``bytes`` body needs neither: its length is known, and a retry sends the same object again."""
-    for operation in ("PutObject", "UploadPart"):
-        client.meta.events.unregister(
-            f"before-parameter-build.s3.{operation}", botocore.handlers.convert_body_to_file_like_object
-        )
 
 
 def _error_code(exc: BaseException) -> str:
@@ -351,7 +337,6 @@ class S3Storage:
                     self._client = self._session.client(
                         "s3", endpoint_url=self._endpoint_url, region_name=self._region, config=self._config
                     )
-                    _send_bodies_whole(self._client)
         if self._deadline is not None and self._owns_client:
             return self._racing()
         return self._client
@@ -373,7 +358,6 @@ class S3Storage:
                     self._racing_client = self._session.client(
                         "s3", endpoint_url=self._endpoint_url, region_name=self._region, config=config
                     )
-                    _send_bodies_whole(self._racing_client)
         return self._racing_client
 
     def set_deadline(self, deadline: float | None) -> None:

@@ -86,34 +86,6 @@ def test_s3_connection_pool_covers_concurrency(url: str) -> None:
     assert storage.client.meta.config.retries["mode"] == "standard"
 
 
-def test_s3_bodies_go_whole_without_a_continue_round_trip(url: str, tmp_path: Path) -> None:
-    """Every PutObject / UploadPart body reaches the wire as the bytes read, not a stream botocore
-    reads back in 128 KiB copies after an ``Expect: 100-continue`` round trip (CPU per GiB, a round
-    trip per part), with the normal client and the one used while racing a deadline."""
-    storage = S3Storage(url, part_size=5 * MiB, max_concurrency=2)
-    seen: list[tuple[str, type, str | None]] = []
-
-    def record(request: object, event_name: str, **_: object) -> None:
-        headers = request.headers  # type: ignore[attr-defined]
-        seen.append((event_name.rsplit(".", 1)[1], type(request.body), headers.get("Expect")))  # type: ignore[attr-defined]
-
-    try:
-        files = {"step-1/big": 12 * MiB, "step-1/small": 1000}
-        sent = {key: write(tmp_path / key, size, seed=i) for i, (key, size) in enumerate(files.items())}
-        for racing in (False, True):
-            storage.set_deadline(time.monotonic() + 60 if racing else None)
-            storage.client.meta.events.register("before-send.s3", record)
-            seen.clear()
-            for key, (_, crc) in sent.items():
-                storage.put_file(tmp_path / key, key, crc32c=crc)
-            bodies = sorted((op, body, expect) for op, body, expect in seen if op in ("PutObject", "UploadPart"))
-            assert bodies == [("PutObject", bytes, None)] + [("UploadPart", bytes, None)] * 3, racing
-            for key, (data, _) in sent.items():
-                assert storage.read_bytes(key) == data
-    finally:
-        storage.close()
-
-
 def test_s3_round_trip_small_files_and_40mib_multipart(url: str, env: S3Server, raw: object, tmp_path: Path) -> None:
     files = {
         "step-1/__0_0.distcp": 40 * MiB,  # 5 parts of 8 MiB
