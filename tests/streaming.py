@@ -16,6 +16,8 @@ import boto3
 import google_crc32c
 
 from spotguard.manifest import _TMP_MARK, CheckpointWriter, FileEntry, crc32c_hex, fsync_dir
+from spotguard.storage import open_storage
+from spotguard.storage.checkpoints import is_committed
 from spotguard.trainer.client import DaemonClient
 
 MiB = 1 << 20
@@ -117,3 +119,12 @@ class S3Look:
 
     def close(self) -> None:
         self.client.close()
+
+
+def complete_in(bucket: str, name: str) -> bool:
+    """Whether ``name`` is a complete checkpoint in the bucket at URL ``bucket``."""
+    storage = open_storage(bucket)
+    try:
+        return is_committed(storage, name)
+    finally:
+        storage.close()

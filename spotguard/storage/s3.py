@@ -593,17 +593,26 @@ class S3Storage:
                 return
             self._leftovers_checked.add(full)
         try:
-            pages = list(self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=full))
-        except Exception as exc:
+            uploads = self._open_uploads(full)
+        except StorageError as exc:
             # Not worth failing the upload for: abort_stale_multipart_uploads() gets them later.
             log.warning("s3: cannot list the open multipart uploads of %s: %s", full, exc)
             return
-        for page in pages:
-            for upload in page.get("Uploads", []):
-                initiated = upload.get("Initiated")
-                if upload["Key"] == full and (initiated is None or initiated < self._created):
-                    log.info("s3: aborting multipart upload %s of %s left by an earlier run", upload["UploadId"], full)
-                    self._abort(full, upload["UploadId"])
+        for upload in uploads:
+            initiated = upload.get("Initiated")
+            if upload["Key"] == full and (initiated is None or initiated < self._created):
+                log.info("s3: aborting multipart upload %s of %s left by an earlier run", upload["UploadId"], full)
+                self._abort(full, upload["UploadId"])
+
+    def _open_uploads(self, prefix: str) -> builtins.list[dict[str, Any]]:
+        """The unfinished multipart uploads of every key starting with ``prefix``."""
+        try:
+            pages = list(
+                self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=prefix)
+            )
+        except Exception as exc:
+            raise self._wrap("list_multipart_uploads", exc) from exc
+        return [upload for page in pages for upload in page.get("Uploads", [])]
 
     def begin_stream(self, key: str, size: int, fd: int, *, progress: Progress | None = None) -> _S3Stream | None:
         """Multipart parts sent as the file is written (``spotguard.storage.stream``); None for a
@@ -766,18 +775,12 @@ class S3Storage:
         """
         cutoff = dt.datetime.now(dt.UTC) - older_than if older_than is not None else None
         aborted = 0
-        paginator = self.client.get_paginator("list_multipart_uploads")
-        try:
-            pages = list(paginator.paginate(Bucket=self.bucket, Prefix=self.prefix))
-        except Exception as exc:
-            raise self._wrap("list_multipart_uploads", exc) from exc
-        for page in pages:
-            for upload in page.get("Uploads", []):
-                initiated = upload.get("Initiated")
-                if cutoff is not None and initiated is not None and initiated > cutoff:
-                    continue
-                self._abort(upload["Key"], upload["UploadId"])
-                aborted += 1
+        for upload in self._open_uploads(self.prefix):
+            initiated = upload.get("Initiated")
+            if cutoff is not None and initiated is not None and initiated > cutoff:
+                continue
+            self._abort(upload["Key"], upload["UploadId"])
+            aborted += 1
         if aborted:
             log.info("s3: aborted %d stale multipart uploads under %s", aborted, self.url)
         return aborted

@@ -451,7 +451,9 @@ class Guard:
 
         if per_rank:
             assert isinstance(payloads, Payloads), "distributed saves are written from the live state"
-            self._node_leader = save_sharded(writer, payloads.state, announce=announce, threads=self._io_threads)
+            self._node_leader = save_sharded(
+                writer, payloads.state, announce=announce, threads=self._io_threads, parallel=self._files_writer
+            )
         else:
             write_payloads(
                 writer,

@@ -47,6 +47,7 @@ from spotguard.trainer.state import (
     restore_rng,
     write_payloads,
 )
+from spotguard.trainer.writer import ParallelWriter
 
 logger = logging.getLogger("spotguard.trainer")
 
@@ -104,6 +105,7 @@ def save_sharded(
     *,
     announce: Callable[[str, FileEntry], None],
     threads: int = 1,
+    parallel: ParallelWriter | None = None,
 ) -> bool:
     """Write this rank's part of a sharded checkpoint; rank 0 then commits the manifest.
 
@@ -114,6 +116,8 @@ def save_sharded(
     DCP writes this rank's tensors with ``threads`` threads, one file each
     (``__<rank>_0.distcp`` .. ``__<rank>_<threads-1>.distcp``, balanced by size); every one of them
     is in the manifest. DCP's ``per_thread_copy_ahead`` applies only to one thread with CUDA.
+    The other entries go through ``parallel`` (the caller's writer, whose staging buffers are kept
+    across saves; a fresh one with ``write_threads()`` threads when None).
     """
     rank = dist.rank()
     model, optimizers, rest = _parts(state)
@@ -133,7 +137,9 @@ def save_sharded(
             mine[path.name] = FileEntry(size=path.stat().st_size, crc32c=crc)
             announce(path.name, mine[path.name])
         per_rank = Payloads({key: state[key] for key in rest})
-        write_payloads(writer, per_rank, rank=rank, on_file=lambda name: announce(name, writer.files[name]))
+        write_payloads(
+            writer, per_rank, rank=rank, on_file=lambda name: announce(name, writer.files[name]), parallel=parallel
+        )
         mine.update(writer.files)
     # A node is the set of ranks writing to one local disk: same host, same checkpoint root.
     node_key = (socket.gethostname(), str(writer.root.resolve()))

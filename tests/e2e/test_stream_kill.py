@@ -18,9 +18,9 @@ import pytest
 from spotguard.demo import Vm, wait_for
 from spotguard.manifest import MANIFEST
 from spotguard.storage import open_storage
-from spotguard.storage.checkpoints import list_remote, verify_remote
+from spotguard.storage.checkpoints import verify_remote
 from tests.servers import S3Server, moto_s3, point_at
-from tests.streaming import MiB, ProgressiveWriter, S3Look
+from tests.streaming import MiB, ProgressiveWriter, S3Look, complete_in
 
 PART = 16 * MiB
 # moto dates every multipart upload 2010-11-10: the daemon's start-up clean-up (uploads older than
@@ -34,14 +34,6 @@ def s3() -> Iterator[S3Server]:
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
     with moto_s3() as server:
         yield server
-
-
-def complete_in(bucket: str, name: str) -> bool:
-    storage = open_storage(bucket)
-    try:
-        return any(info.name == name and info.status == "complete" for info in list_remote(storage))
-    finally:
-        storage.close()
 
 
 @pytest.mark.parametrize("trainer", ["keeps-writing", "commits-while-down"])

@@ -20,10 +20,10 @@ from spotguard import protocol
 from spotguard.demo import Vm, wait_for
 from spotguard.manifest import MANIFEST
 from spotguard.storage import open_storage
-from spotguard.storage.checkpoints import list_remote, verify_remote
+from spotguard.storage.checkpoints import verify_remote
 from tests.integration.test_daemon_socket import assert_alive, exchange
 from tests.servers import S3Server, moto_s3, point_at
-from tests.streaming import MiB, ProgressiveWriter, S3Look
+from tests.streaming import MiB, ProgressiveWriter, S3Look, complete_in
 
 PART = 16 * MiB  # the S3 backend's default part size
 
@@ -52,14 +52,6 @@ def s3_vm(vm_factory: Callable[..., Vm], bucket: str) -> Vm:
     vm.bucket = bucket
     vm.start_daemon()
     return vm
-
-
-def complete_in(bucket: str, name: str) -> bool:
-    storage = open_storage(bucket)
-    try:
-        return any(info.name == name and info.status == "complete" for info in list_remote(storage))
-    finally:
-        storage.close()
 
 
 def test_parts_go_up_while_the_file_is_still_being_written(
