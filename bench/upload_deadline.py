@@ -44,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
@@ -284,53 +285,54 @@ def sweep(
     return best, results
 
 
-def write_alone(args: argparse.Namespace, work: Path, prefix: str) -> float:
-    """The urgent save to local disk with nothing uploading: seconds of ``Guard.save`` in its process."""
+@contextlib.contextmanager
+def started_writer(
+    work: Path, prefix: str, script: str, args_for: Callable[[Path], list[str]], is_ready: Callable[[str], bool]
+) -> Iterator[subprocess.Popen[str]]:
+    """A writer process on a fresh local directory, told to go once it says it is ready; it must
+    exit cleanly after the block; the directory is removed either way."""
     local = work / f"{prefix}-local"
     local.mkdir()
     writer = subprocess.Popen(
-        [sys.executable, "-c", WRITER, str(Path(__file__).parent), str(local), str(args.gib), str(args.tensors)],
+        [sys.executable, "-c", script, str(Path(__file__).parent), str(local), *args_for(local)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
     try:
         assert writer.stdin is not None and writer.stdout is not None
-        assert writer.stdout.readline().strip() == "ready"
+        assert is_ready(writer.stdout.readline())
         writer.stdin.write("go\n")
         writer.stdin.flush()
-        seconds = float(writer.stdout.readline())
+        yield writer
         assert writer.wait(timeout=120) == 0
-        return seconds
     finally:
         if writer.poll() is None:
             writer.kill()
         shutil.rmtree(local, ignore_errors=True)
+
+
+def guard_writer(args: argparse.Namespace, work: Path, prefix: str) -> contextlib.AbstractContextManager[Any]:
+    """The urgent ``Guard.save`` of the state, in its own process (prints ``ready``, then its seconds)."""
+    return started_writer(
+        work, prefix, WRITER, lambda _: [str(args.gib), str(args.tensors)], lambda line: line.strip() == "ready"
+    )
+
+
+def write_alone(args: argparse.Namespace, work: Path, prefix: str) -> float:
+    """The urgent save to local disk with nothing uploading: seconds of ``Guard.save`` in its process."""
+    with guard_writer(args, work, prefix) as writer:
+        return float(writer.stdout.readline())
 
 
 def range_write_alone(args: argparse.Namespace, work: Path, prefix: str) -> float:
     """The writer that announces ranges, with no daemon: what its local write takes alone."""
-    local = work / f"{prefix}-local"
-    local.mkdir()
-    command = [sys.executable, "-c", RANGE_WRITER, str(Path(__file__).parent), str(local), str(local / "none.sock")]
-    writer = subprocess.Popen(
-        [*command, str(args.gib), str(args.tensors), "alone", str(args.write_mb_s * 1e6), "ranges"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert writer.stdin is not None and writer.stdout is not None
-        assert json.loads(writer.stdout.readline()) == {"ready": True}
-        writer.stdin.write("go\n")
-        writer.stdin.flush()
-        seconds = float(json.loads(writer.stdout.readline())["seconds"])
-        assert writer.wait(timeout=120) == 0
-        return seconds
-    finally:
-        if writer.poll() is None:
-            writer.kill()
-        shutil.rmtree(local, ignore_errors=True)
+    extra = [str(args.gib), str(args.tensors), "alone", str(args.write_mb_s * 1e6), "ranges"]
+    with started_writer(
+        work, prefix, RANGE_WRITER, lambda local: [str(local / "none.sock"), *extra],
+        lambda line: json.loads(line) == {"ready": True},
+    ) as writer:  # fmt: skip
+        return float(json.loads(writer.stdout.readline())["seconds"])
 
 
 def link_while_writing(
@@ -338,26 +340,8 @@ def link_while_writing(
 ) -> float:
     """The link limit while another process writes the same state to local disk (``Guard.save``,
     urgent): what the design's local staging alone costs the upload on this machine."""
-    local = work / f"{prefix}-local"
-    local.mkdir()
-    writer = subprocess.Popen(
-        [sys.executable, "-c", WRITER, str(Path(__file__).parent), str(local), str(args.gib), str(args.tensors)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert writer.stdin is not None and writer.stdout is not None
-        assert writer.stdout.readline().strip() == "ready"
-        writer.stdin.write("go\n")
-        writer.stdin.flush()
-        seconds = parallel_upload(moto, views(state), prefix, best["part_mib"] * MiB, best["concurrency"])
-        assert writer.wait(timeout=120) == 0
-        return seconds
-    finally:
-        if writer.poll() is None:
-            writer.kill()
-        shutil.rmtree(local, ignore_errors=True)
+    with guard_writer(args, work, prefix):
+        return parallel_upload(moto, views(state), prefix, best["part_mib"] * MiB, best["concurrency"])
 
 
 def naive(moto: Moto, state: dict[str, torch.Tensor], work: Path, prefix: str) -> float:
