@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -22,11 +23,17 @@ def exchange(path: Path, payload: bytes, timeout: float = 5.0) -> list[dict]:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
         sock.connect(os.fspath(path))
-        sock.sendall(payload)
-        sock.shutdown(socket.SHUT_WR)
+        try:
+            sock.sendall(payload)
+            sock.shutdown(socket.SHUT_WR)
+        except BrokenPipeError:
+            pass  # the daemon may refuse and hang up before reading: its reply is still there to read
         data = b""
-        while chunk := sock.recv(65536):
-            data += chunk
+        # A daemon that hangs up on unread bytes makes the kernel end the stream with ECONNRESET
+        # after what it did send: the replies are all read by then.
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := sock.recv(65536):
+                data += chunk
     return [json.loads(line) for line in data.splitlines() if line.strip()]
 
 
