@@ -43,8 +43,8 @@ from spotguard.trainer.contents import (
     make_report,
     refuse_newer_format,
 )
-from spotguard.trainer.sharded import LAYOUT, describe_dcp_model, load_sharded, save_sharded
 from spotguard.trainer.state import (
+    DCP_LAYOUT,
     Payloads,
     Stager,
     StateError,
@@ -450,6 +450,8 @@ class Guard:
             self.client.send("file", path=str(writer.dir), name=name, size=entry.size, crc32c=entry.crc32c)
 
         if per_rank:
+            from spotguard.trainer.sharded import save_sharded  # DCP: seconds to import, only multi-rank jobs
+
             assert isinstance(payloads, Payloads), "distributed saves are written from the live state"
             self._node_leader = save_sharded(
                 writer, payloads.state, announce=announce, threads=self._io_threads, parallel=self._files_writer
@@ -573,7 +575,10 @@ class Guard:
         step_dir = self.checkpoint_dir / name
         with dist.settled(f"loading {name}"):
             manifest = load_manifest(step_dir)
-            load = load_sharded if manifest.meta.get("layout") == LAYOUT else read_state
+            if manifest.meta.get("layout") == DCP_LAYOUT:
+                from spotguard.trainer.sharded import load_sharded as load
+            else:
+                load = read_state
             load(
                 step_dir,
                 manifest,
@@ -595,10 +600,12 @@ class Guard:
 
     def _check(self, name: str, manifest: Manifest, state: Mapping[str, Any]) -> ResumeReport:
         """Compare the checkpoint's recorded contents with ``state``; every rank gets the same answer."""
-        sharded = manifest.meta.get("layout") == LAYOUT
+        sharded = manifest.meta.get("layout") == DCP_LAYOUT
         # Sharded: no plain state_dict() (a collective under FSDP); the model's keys as DCP sees them.
         live = {key: describe_entry(value, shapes=not sharded) for key, value in state.items()}
         if sharded:
+            from spotguard.trainer.sharded import describe_dcp_model
+
             describe_dcp_model(state, live)
         differences = compare(manifest, live, per_rank=sharded)
         if dist.active():

@@ -39,6 +39,7 @@ from spotguard.manifest import CheckpointWriter, FileEntry, Manifest, crc32c_of_
 from spotguard.trainer import dist
 from spotguard.trainer.contents import flatten
 from spotguard.trainer.state import (
+    DCP_LAYOUT,
     RNG_KEY,
     Payloads,
     StateError,
@@ -51,7 +52,7 @@ from spotguard.trainer.writer import ParallelWriter
 
 logger = logging.getLogger("spotguard.trainer")
 
-LAYOUT = "dcp"
+LAYOUT = DCP_LAYOUT
 OPTIMIZERS_KEY = "__optimizers__"
 
 

@@ -25,6 +25,8 @@ from spotguard.trainer.threads import write_threads
 from spotguard.trainer.writer import OnRange, ParallelWriter
 
 RNG_KEY = "_rng"
+# manifest.meta["layout"] of a sharded checkpoint (spotguard.trainer.sharded, written through DCP).
+DCP_LAYOUT = "dcp"
 _KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 
 

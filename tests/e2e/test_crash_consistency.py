@@ -4,7 +4,9 @@ resume loads partially; leftovers list as incomplete; verify catches a single fl
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -17,16 +19,25 @@ from spotguard import Guard
 from spotguard.manifest import scan_local, verify_dir
 
 # Saves back to back, so a kill at a random time lands inside a save; each entry holds the step
-# number everywhere, so a checkpoint mixing two saves cannot pass the check below.
+# number everywhere, so a checkpoint mixing two saves cannot pass the check below. Importing torch
+# takes seconds: the parent imports it once and forks one writer per line on stdin; the writer
+# prints "ready PID" once it has resumed, and is the process that gets SIGKILLed.
 WRITER = """
-import sys, torch
+import os, sys, torch
 from spotguard import Guard
-guard = Guard(checkpoint_dir=sys.argv[1], socket=sys.argv[1] + "/none.sock", keep=3)
-start = guard.resume({"a": torch.zeros(1 << 20), "b": torch.zeros(1 << 19), "meta": {}}) + 1
-print("ready", flush=True)
-for step in range(start, start + 10**6):
-    state = {"a": torch.full((1 << 20,), float(step)), "b": torch.full((1 << 19,), float(step)), "meta": {"step": step}}
-    guard.save(state, step)
+torch.set_num_threads(1)  # no OpenMP pool in the parent for the forks to break
+torch.full((1,), 0.0)
+for _ in sys.stdin:
+    pid = os.fork()
+    if pid == 0:
+        guard = Guard(checkpoint_dir=sys.argv[1], socket=sys.argv[1] + "/none.sock", keep=3, handle_sigterm=False)
+        start = guard.resume({"a": torch.zeros(1 << 20), "b": torch.zeros(1 << 19), "meta": {}}) + 1
+        print("ready", os.getpid(), flush=True)
+        for step in range(start, start + 10**6):
+            a, b = torch.full((1 << 20,), float(step)), torch.full((1 << 19,), float(step))
+            guard.save({"a": a, "b": b, "meta": {"step": step}}, step)
+    os.waitpid(pid, 0)
+    print("reaped", pid, flush=True)
 """
 KILLS = 20
 
@@ -52,18 +63,26 @@ def test_sigkill_during_save_never_leaves_a_partial_checkpoint(tmp_path: Path) -
     rng = random.Random(1234)
     steps_seen = []
     incomplete_seen = 0
+    writers = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(root)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert writers.stdin is not None and writers.stdout is not None
     for _ in range(KILLS):
-        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(root)], stdout=subprocess.PIPE, text=True)
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        writers.stdin.write("go\n")
+        writers.stdin.flush()
+        ready, pid = writers.stdout.readline().split()
+        assert ready == "ready", ready
         time.sleep(rng.uniform(0.0, 0.4))  # the kill point: random, not a synchronisation
-        proc.kill()
-        proc.wait()
+        os.kill(int(pid), signal.SIGKILL)
+        assert writers.stdout.readline().split() == ["reaped", pid]
         for info in scan_local(root):
             if info.status == "complete":
                 assert verify_dir(root / info.name) == [], info.name
             else:
                 incomplete_seen += 1
         steps_seen.append(check_loadable(root))
+    writers.stdin.close()
+    assert writers.wait(timeout=30) == 0
     assert steps_seen == sorted(steps_seen) and steps_seen[-1] > 0  # progress survives every kill
     assert incomplete_seen > 0  # the kills did land inside saves
 
