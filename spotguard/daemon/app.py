@@ -20,6 +20,7 @@ from typing import Any
 
 from spotguard import __version__, protocol
 from spotguard.config import ConfigError, DaemonConfig, with_overrides
+from spotguard.daemon.discovery import PREFIX as DISCOVERY_PREFIX
 from spotguard.daemon.discovery import PeerRegistry, advertised_address
 from spotguard.daemon.events import (
     MonitorErrorListener,
@@ -597,7 +598,13 @@ class Daemon:
             return
         self.peer_receiver = receiver
         if self.registry is not None and receiver.address is not None:
-            self.registry.advertise(advertised_address(receiver.address, self.config.peer_advertise))
+            try:
+                address = await asyncio.to_thread(advertised_address, receiver.address, self.config.peer_advertise)
+            except OSError as exc:  # no route and a host name that does not resolve
+                logger.error("peers: cannot tell this host's address (%s); set peer_advertise. Not registering", exc)
+                return
+            self.registry.advertise(address)
+            logger.info("peers: registering %s under %s/", address, DISCOVERY_PREFIX)
             self._registry_task = asyncio.create_task(self.registry.run(), name="peer-registry")
 
     async def _peer_candidates(self) -> list[tuple[str, int]]:

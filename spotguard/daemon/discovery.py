@@ -168,11 +168,18 @@ class PeerRegistry:
 
     def read(self) -> list[PeerEntry]:
         """Every readable entry (blocking); entries past :data:`PRUNE_AFTER` periods are deleted."""
-        keys = [info.key for info in self.storage.list(f"{PREFIX}/") if info.key.endswith(".json")]
-        with ThreadPoolExecutor(max_workers=max(1, min(16, len(keys)))) as pool:
-            entries = [entry for entry in pool.map(self._entry, keys) if entry is not None]
-        now = self.clock()
-        dead = [e.key for e in entries if e.key != self.key and now - e.heartbeat > PRUNE_AFTER * self.heartbeat]
+        listing = [info for info in self.storage.list(f"{PREFIX}/") if info.key.endswith(".json")]
+        with ThreadPoolExecutor(max_workers=max(1, min(16, len(listing)))) as pool:
+            entries = [entry for entry in pool.map(self._entry, [info.key for info in listing]) if entry is not None]
+        now, limit = self.clock(), PRUNE_AFTER * self.heartbeat
+        dead = [e.key for e in entries if e.key != self.key and now - e.heartbeat > limit]
+        readable = {entry.key for entry in entries}
+        # An entry that cannot be read goes by the store's time of its last write instead.
+        dead += [
+            info.key
+            for info in listing
+            if info.key not in readable and info.modified is not None and now - info.modified.timestamp() > limit
+        ]
         if dead:
             logger.info("peer registry: removing %d entry(ies) not refreshed for long: %s", len(dead), ", ".join(dead))
             self.storage.delete(dead)

@@ -69,6 +69,12 @@ def test_stale_entries_are_skipped_and_long_dead_ones_pruned(storage: FileStorag
     assert asyncio.run(reader.candidates()) == [("127.0.0.1", 7141)]
     assert f"{PREFIX}/dead-7143.json" not in keys(storage)
     assert f"{PREFIX}/stale-7142.json" in keys(storage)  # kept: it may only have missed a few writes
+    # An entry that cannot be read is pruned by the store's time of its last write.
+    assert f"{PREFIX}/garbage.json" in keys(storage)
+    old = clock.now - (PRUNE_AFTER + 1) * HEARTBEAT
+    os.utime(Path(storage.url.removeprefix("file://")) / PREFIX / "garbage.json", (old, old))
+    asyncio.run(reader.candidates())
+    assert f"{PREFIX}/garbage.json" not in keys(storage)
     # The live one stops refreshing: after STALE_AFTER periods it is no candidate either.
     clock.now += STALE_AFTER * HEARTBEAT + 1
     assert asyncio.run(reader.candidates()) == []
