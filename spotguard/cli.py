@@ -131,6 +131,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         "checksum": args.checksum,
         "peer_listen": args.peer_listen,
         "peers": args.peers,
+        "peer_advertise": args.peer_advertise,
         "peer_token_file": args.peer_token_file,
     }
     config = load_config(flags, config_file=Path(args.config) if args.config else None)
@@ -169,7 +170,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print("deadline plan: " + _plan_line(reply["plan"]))
     peers = reply.get("peers")
     if peers:
-        print(f"peers: listening on {peers.get('listen') or '-'}; sending to {', '.join(peers['peers']) or '-'}")
+        found = " (found in the bucket)" if peers.get("discovery") else ""
+        print(f"peers: listening on {peers.get('listen') or '-'}; sending to {', '.join(peers['peers']) or '-'}{found}")
         for replica in peers.get("replicas", []):
             print(
                 f"  replica {replica['name']} from {replica['sender']}: {replica['state']} ({_human(replica['bytes'])})"
@@ -380,7 +382,16 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--poll-interval", help="seconds between metadata polls")
     run.add_argument("--checksum", help=_CHECKSUM_HELP)
     run.add_argument("--peer-listen", help="HOST:PORT to take other daemons' urgent checkpoints on (the peer tier)")
-    run.add_argument("--peers", help="HOST:PORT[,HOST:PORT...]: the job's other daemons, for the peer route")
+    run.add_argument(
+        "--peers",
+        help="HOST:PORT[,HOST:PORT...]: the job's other daemons, for the peer route; or 'bucket': find them "
+        "under the bucket's .spotguard-peers/",
+    )
+    run.add_argument(
+        "--peer-advertise",
+        help="HOST:PORT other daemons reach --peer-listen on (registered with --peers bucket); default: the listen "
+        "address, or this host's own address when it listens on a wildcard",
+    )
     run.add_argument("--peer-token-file", help="file holding the job's peer token (else $SPOTGUARD_PEER_TOKEN)")
     run.set_defaults(func=cmd_run)
 

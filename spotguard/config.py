@@ -28,6 +28,8 @@ PROVIDERS = ("auto", "aws", "gcp", "azure", "none")
 BUCKET_SCHEMES = ("s3", "gs", "file")
 #: How uploads to s3:// are verified: see README, "Buckets" (``checksum``).
 CHECKSUM_MODES = ("auto", "crc32c", "md5")
+#: ``peers = "bucket"``: find the job's other daemons under the bucket's ``.spotguard-peers/``.
+PEERS_FROM_BUCKET = "bucket"
 #: What a ``webhook_template`` may name (``${name}``); see spotguard/daemon/webhook.py.
 WEBHOOK_FIELDS = (
     "type", "event_id", "provider", "kind", "action", "deadline", "seconds_left", "host", "message",
@@ -99,7 +101,12 @@ class DaemonConfig:
     webhook_template: str | None = None  # a JSON document with ${field} placeholders; None = the full event
     # The peer tier (spotguard/daemon/peers.py): the token is SPOTGUARD_PEER_TOKEN or this file's contents.
     peer_listen: str | None = None  # HOST:PORT this daemon takes other daemons' checkpoints on; None = off
-    peers: str | None = None  # HOST:PORT[,HOST:PORT...]: the job's other daemons; None = no peer route
+    # HOST:PORT[,HOST:PORT...]: the job's other daemons, or "bucket": find them under the bucket's
+    # .spotguard-peers/ (spotguard/daemon/discovery.py); None = no peer route
+    peers: str | None = None
+    # HOST:PORT other daemons connect to (registered under .spotguard-peers/ with peers = "bucket");
+    # None = peer_listen when its host is not a wildcard, else this host's own address
+    peer_advertise: str | None = None
     peer_token_file: Path | None = None
     peer_max_replica_bytes: int = 1 << 40  # the most one replica may hold
     peer_max_replicas: int = 2  # replicas held at once (each until it is committed in the bucket)
@@ -160,8 +167,14 @@ class DaemonConfig:
                 raise ConfigError("webhook_url", f"{self.webhook_url!r} is not an http:// or https:// URL")
         if self.webhook_template is not None:
             parse_webhook_template(self.webhook_template)
-        for key in ("peer_listen", "peers"):
+        if self.peers is not None and PEERS_FROM_BUCKET in _addresses(self.peers) and self.peers.strip() != "bucket":
+            raise ConfigError("peers", f'{self.peers!r}: either "bucket" or a list of HOST:PORT, not both')
+        if self.peer_advertise is not None and not self.peer_listen:
+            raise ConfigError("peer_advertise", "is the address of peer_listen: set peer_listen too")
+        for key in ("peer_listen", "peers", "peer_advertise"):
             for address in _addresses(getattr(self, key)):
+                if key == "peers" and self.peer_discovery:
+                    continue
                 try:
                     parse_address(address)
                 except ValueError as exc:
@@ -172,9 +185,14 @@ class DaemonConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
 
+    @property
+    def peer_discovery(self) -> bool:
+        """``peers = "bucket"``: the peers are found in the bucket, not listed."""
+        return (self.peers or "").strip() == PEERS_FROM_BUCKET
+
     def peer_addresses(self) -> list[tuple[str, int]]:
-        """``peers`` as (host, port) pairs."""
-        return [parse_address(address) for address in _addresses(self.peers)]
+        """``peers`` as (host, port) pairs (none when they are found in the bucket)."""
+        return [] if self.peer_discovery else [parse_address(address) for address in _addresses(self.peers)]
 
     def action_for_soft(self, kind: str) -> Action:
         return self.on_rebalance if kind == "rebalance" else self.on_maintenance

@@ -20,6 +20,8 @@ from typing import Any
 
 from spotguard import __version__, protocol
 from spotguard.config import ConfigError, DaemonConfig, with_overrides
+from spotguard.daemon.discovery import PREFIX as DISCOVERY_PREFIX
+from spotguard.daemon.discovery import PeerRegistry, advertised_address
 from spotguard.daemon.events import (
     MonitorErrorListener,
     NoticeListener,
@@ -98,8 +100,13 @@ class Daemon:
         self.uploader.on_committed.append(self._on_committed)
         # The deadline plan: what it is made of (state size, upload rate) is fed by listeners.
         self.handoff: Handoff | None = None  # the peer route: hands the urgent checkpoint to a peer
+        # peers = "bucket": the peers register under the bucket's .spotguard-peers/ (and so does this one).
+        self.registry: PeerRegistry | None = None
+        self._registry_task: asyncio.Task[None] | None = None
+        if config.peer_discovery and peer_token is not None and storage is not None:
+            self.registry = PeerRegistry(storage)
         if config.peers and peer_token is not None and config.bucket is not None:
-            self.handoff = Handoff(config.peer_addresses(), peer_token, config.bucket)
+            self.handoff = Handoff(self._peer_candidates, peer_token, config.bucket)
         self.planner = Planner(peer_available=self._peer_available, bucket=storage is not None)
         self.planner.listeners.append(self._follow_plan)
         self.uploader.on_committed.append(self._measure_upload)
@@ -554,8 +561,10 @@ class Daemon:
         if not (self.config.peer_listen or self.config.peers):
             return None
         receiver = self.peer_receiver.status() if self.peer_receiver is not None else {"listen": None}
+        listed = [f"{host}:{port}" for host, port in self.config.peer_addresses()]
         return {
-            "peers": [f"{host}:{port}" for host, port in self.config.peer_addresses()],
+            "peers": self.registry.last_seen if self.registry is not None else listed,
+            "discovery": None if self.registry is None else self.registry.status(),
             **receiver,
             "handoff": None if self.handoff is None else self.handoff.status(),
         }
@@ -588,6 +597,20 @@ class Daemon:
             )
             return
         self.peer_receiver = receiver
+        if self.registry is not None and receiver.address is not None:
+            try:
+                address = await asyncio.to_thread(advertised_address, receiver.address, self.config.peer_advertise)
+            except OSError as exc:  # no route and a host name that does not resolve
+                logger.error("peers: cannot tell this host's address (%s); set peer_advertise. Not registering", exc)
+                return
+            self.registry.advertise(address)
+            logger.info("peers: registering %s under %s/", address, DISCOVERY_PREFIX)
+            self._registry_task = asyncio.create_task(self.registry.run(), name="peer-registry")
+
+    async def _peer_candidates(self) -> list[tuple[str, int]]:
+        if self.registry is not None:
+            return await self.registry.candidates()
+        return self.config.peer_addresses()
 
     def _peer_available(self) -> bool:
         return self.handoff is not None and self.handoff.state is not HandoffState.FAILED
@@ -717,6 +740,11 @@ class Daemon:
         """Stop taking new work, finish uploads until the pending deadline (or the grace time), exit."""
         self._stopping.set()
         await self.server.stop_accepting()
+        if self._registry_task is not None and self.registry is not None:
+            # No candidate any more (the heartbeat first, or it could write the entry again).
+            self._registry_task.cancel("daemon shutting down")
+            await asyncio.gather(self._registry_task, return_exceptions=True)
+            await self.registry.close()
         current = self.notices.current()
         budget = self.config.shutdown_grace
         if current is not None:

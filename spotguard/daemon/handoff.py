@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -38,9 +39,12 @@ class HandoffState(StrEnum):
     FAILED = "failed"
 
 
+Candidates = Callable[[], Awaitable[list[tuple[str, int]]]]  # the peers to ask, preferred first
+
+
 class Handoff:
-    def __init__(self, addresses: list[tuple[str, int]], token: bytes, bucket: str) -> None:
-        self.addresses = addresses
+    def __init__(self, candidates: Candidates, token: bytes, bucket: str) -> None:
+        self._candidates = candidates  # asked at each handoff: with discovery, the fleet changes
         self._token = token
         self.bucket = bucket
         self.state = HandoffState.IDLE
@@ -93,8 +97,9 @@ class Handoff:
 
     async def _run(self) -> None:
         started = time.monotonic()
-        self._move(HandoffState.CHOOSING, f"asking {len(self.addresses)} peer(s)")
-        client = await choose_peer(self.addresses, self._token, self.bucket)
+        addresses = await self._candidates()
+        self._move(HandoffState.CHOOSING, f"asking {len(addresses)} peer(s)")
+        client = await choose_peer(addresses, self._token, self.bucket)
         if client is None:
             self.error = "no peer answered with the same bucket and no hard notice of its own"
             self._move(HandoffState.FAILED, self.error)

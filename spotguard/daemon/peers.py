@@ -641,28 +641,71 @@ async def send_checkpoint(client: PeerClient, step_dir: Path, bucket: str) -> di
     return await client.commit(step_dir)
 
 
-async def choose_peer(addresses: list[tuple[str, int]], token: bytes, bucket: str) -> PeerClient | None:
-    """The first peer that answers, shares ``bucket`` and has no hard notice of its own; None if none."""
-    for host, port in addresses:
+_CHOOSE_TIMEOUT = 2.0  # seconds a candidate has to connect, authenticate and answer
+_PREFER_GRACE = 0.25  # seconds an earlier-listed candidate still answering may take once another is found
+
+
+async def choose_peer(
+    addresses: list[tuple[str, int]], token: bytes, bucket: str, *, timeout: float = _CHOOSE_TIMEOUT
+) -> PeerClient | None:
+    """The first peer in ``addresses`` that answers, shares ``bucket`` and has no hard notice of its
+    own; None if none. All are asked at once (connect, authenticate, query: ``timeout`` seconds for
+    the three), so dead or stale candidates cost no time while another answers; once one is found,
+    earlier-listed ones still answering get ``_PREFER_GRACE`` more. The others are closed."""
+
+    async def ask(host: str, port: int) -> PeerClient | None:
+        client: PeerClient | None = None
         try:
-            client = await PeerClient.connect(host, port, token)
+            async with asyncio.timeout(timeout):
+                client = await PeerClient.connect(host, port, token, timeout=timeout)
+                state = await client.query()
         except (OSError, TimeoutError, peerwire.PeerError) as exc:
-            logger.warning("peer %s:%d unreachable: %s", host, port, exc)
-            continue
-        try:
-            state = await client.query()
-        except (OSError, peerwire.PeerError) as exc:
-            logger.warning("peer %s:%d did not answer: %s", host, port, exc)
-            await client.close()
-            continue
-        if state.get("busy"):
+            logger.warning("peer %s:%d did not answer: %s", host, port, exc or type(exc).__name__)
+            state = None
+        except BaseException:  # cancelled: another peer was chosen
+            if client is not None:
+                await client.close()
+            raise
+        if state is None:
+            pass
+        elif state.get("busy"):
             logger.warning("peer %s:%d has a hard notice of its own: not choosing it", host, port)
         elif state.get("bucket") != bucket:
             logger.warning("peer %s:%d commits to %s, not %s: not choosing it", host, port, state.get("bucket"), bucket)
         else:
             return client
-        await client.close()
-    return None
+        if client is not None:
+            await client.close()
+        return None
+
+    def answer(task: asyncio.Task[PeerClient | None]) -> PeerClient | None:
+        return task.result() if task.done() and not task.cancelled() and task.exception() is None else None
+
+    tasks = [asyncio.create_task(ask(host, port), name=f"ask-peer-{host}:{port}") for host, port in addresses]
+    chosen: PeerClient | None = None
+    loop = asyncio.get_running_loop()
+    grace_ends: float | None = None
+    try:
+        while True:
+            possible = [task for task in tasks if not task.done() or answer(task) is not None]
+            found = [task for task in possible if task.done()]
+            if found and grace_ends is None:
+                grace_ends = loop.time() + _PREFER_GRACE
+            preferred_or_late = found and (found[0] is possible[0] or loop.time() >= (grace_ends or 0.0))
+            if not possible or preferred_or_late:
+                chosen = answer(found[0]) if found else None
+                break
+            wait = None if grace_ends is None else grace_ends - loop.time()
+            await asyncio.wait([t for t in possible if not t.done()], timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel("another peer was chosen")
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for task in tasks:
+            other = answer(task)
+            if other is not None and other is not chosen:
+                await other.close()
+    return chosen
 
 
 __all__ = ["AREA", "PeerClient", "PeerReceiver", "Replica", "ReplicaState", "choose_peer", "send_checkpoint"]

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 import time
 import uuid
 from collections import deque
@@ -31,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from spotguard.daemon.events import PlanListener
-from spotguard.manifest import crc32c_of_bytes, scan_local
+from spotguard.manifest import scan_local
 from spotguard.notice import Notice
-from spotguard.storage.base import Storage
+from spotguard.storage.base import Storage, put_bytes
 
 logger = logging.getLogger("spotguard.plan")
 
@@ -218,16 +217,12 @@ def probe_upload(storage: Storage, size: int = PROBE_BYTES) -> tuple[int, float]
     One object on one stream: a lower bound of what the uploader's parallel streams get, which is
     the safe side for a plan."""
     key = f"{PROBE_PREFIX}/{uuid.uuid4().hex}.bin"
-    data = os.urandom(size)
-    with tempfile.TemporaryDirectory(prefix="spotguard-probe-") as scratch:
-        local = Path(scratch) / "probe"
-        local.write_bytes(data)
-        started = time.monotonic()
-        try:
-            storage.put_file(local, key, crc32c=crc32c_of_bytes(data))
-            return size, time.monotonic() - started
-        finally:
-            storage.delete([key])
+    started = time.monotonic()  # the scratch file it goes through costs nothing beside the upload
+    try:
+        put_bytes(storage, key, os.urandom(size))
+        return size, time.monotonic() - started
+    finally:
+        storage.delete([key])
 
 
 __all__ = ["FIT_FRACTION", "PROBE_PREFIX", "Plan", "Planner", "RateMeter", "Route", "choose_route", "probe_upload"]

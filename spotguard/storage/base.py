@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import os
 import random
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Protocol, TypeVar, runtime_checkable
+
+from spotguard.manifest import crc32c_of_bytes
 
 T = TypeVar("T")
 
@@ -106,6 +109,15 @@ class Storage(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def put_bytes(storage: Storage, key: str, data: bytes) -> None:
+    """Write a small object holding ``data`` (replacing any at ``key``) through ``put_file``, the one
+    write every backend has: the bytes go through a scratch file (blocking)."""
+    with tempfile.TemporaryDirectory(prefix="spotguard-put-") as scratch:
+        local = Path(scratch) / "object"
+        local.write_bytes(data)
+        storage.put_file(local, key, crc32c=crc32c_of_bytes(data))
 
 
 _MAX_PREAD = 1 << 30  # Linux returns at most 0x7ffff000 bytes from one read

@@ -474,10 +474,12 @@ STUBS = {
     "mountpoint": "exit 1\n",
     "python3": """if [[ $1 == -m && $2 == venv ]]; then
     mkdir -p "$3/bin"
-    for tool in pip spotguard; do cp "$STUBS/venv-$tool" "$3/bin/$tool"; done
+    for tool in pip spotguard python; do cp "$STUBS/venv-$tool" "$3/bin/$tool"; done
 fi
 """,
     "venv-pip": "",
+    # The peer token read from the cloud's secret store.
+    "venv-python": 'echo "${STUB_PEER_TOKEN:-a-peer-token-from-the-secret-store}"\n',
     "venv-spotguard": 'if [[ $1 == restore ]]; then exit "${STUB_RESTORE_RC:-0}"; fi\n',
 }
 
@@ -527,6 +529,8 @@ def bootstrap_values(cloud: str) -> dict[str, str]:
         "trainer_command": "/opt/conda/bin/python /home/ubuntu/train.py --lr 3e-4 $NOT_EXPANDED",
         "trainer_env": "HF_HOME=/mnt/nvme/hf\nWANDB_MODE=offline",
         "extra_config": 'on_rebalance = "stop"\nkeep_local = 3',
+        "peer_port": "",
+        "peer_secret": "",
         "spotguard_unit": (SYSTEMD / "spotguard.service").read_text().rstrip("\n"),
         "trainer_unit": (SYSTEMD / "example-trainer.service").read_text().rstrip("\n"),
     }
@@ -597,6 +601,9 @@ def test_bootstrap_writes_config_installs_units_and_restores_before_training(boo
     assert f"chown -R ubuntu:spotguard {root}/mnt/nvme/spotguard" in bootstrap.calls
     # No NVMe device in the scratch root: nothing formatted or mounted.
     assert not any(c.startswith(("mkfs.ext4", "mount ")) for c in bootstrap.calls)
+    # The peer tier is off: no token, no peer keys, no credential for the unit.
+    assert not (root / "etc/spotguard/peer-token").exists() and "peer_listen" not in config
+    assert not (units / "spotguard.service.d/peer-token.conf").exists()
 
 
 def test_bootstrap_formats_and_mounts_local_nvme(bootstrap: Bootstrap) -> None:
@@ -636,3 +643,99 @@ def test_bootstrap_fails_loudly_when_install_fails(bootstrap: Bootstrap) -> None
     result = bootstrap.run()
     assert result.returncode != 0
     assert not any(c.startswith("systemctl") for c in bootstrap.calls)
+
+
+def test_bootstrap_with_peers_writes_the_token_root_only_and_the_peer_config(bootstrap: Bootstrap) -> None:
+    cloud = bootstrap.values["provider"]
+    secret = (
+        "arn:aws:secretsmanager:eu-west-1:123456789012:secret:peer-token-AbCdEf"
+        if cloud == "aws"
+        else "projects/p/secrets/peer-token"
+    )
+    values = {**bootstrap.values, "peer_port": "7140", "peer_secret": secret}
+    bootstrap.script.write_text(render(AWS_TEMPLATE if cloud == "aws" else GCP_TEMPLATE, values))
+    result = bootstrap.run()
+    assert result.returncode == 0, result.stderr
+    root = bootstrap.root
+    assert f"python - {cloud} {secret}" in bootstrap.calls  # the secret store read through the venv's SDK
+    token = root / "etc/spotguard/peer-token"
+    assert token.read_text() == "a-peer-token-from-the-secret-store\n"
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600 and token.stat().st_uid == 0
+    config_path = root / "etc/spotguard/spotguard.toml"
+    config = tomllib.loads(config_path.read_text())
+    assert config["peer_listen"] == "0.0.0.0:7140" and config["peers"] == "bucket"
+    assert config["on_rebalance"] == "stop", "extra_config still applies"
+    # The daemon (user spotguard) gets the root-only file from systemd, under the credential's name.
+    credential = (root / "etc/systemd/system/spotguard.service.d/peer-token.conf").read_text()
+    assert "LoadCredential=peer-token:/etc/spotguard/peer-token" in credential
+    assert config["peer_token_file"] == "/run/credentials/spotguard.service/peer-token"
+    from spotguard.config import load_config
+
+    loaded = load_config(env={}, config_file=config_path)
+    assert loaded.peer_discovery and loaded.peer_listen == "0.0.0.0:7140"
+
+    # Turned off again (GCP reruns the script on every boot): the token and the credential go.
+    bootstrap.script.write_text(render(AWS_TEMPLATE if cloud == "aws" else GCP_TEMPLATE, bootstrap.values))
+    assert bootstrap.run().returncode == 0
+    assert not token.exists() and "peer_listen" not in tomllib.loads(config_path.read_text())
+    assert not (root / "etc/systemd/system/spotguard.service.d/peer-token.conf").exists()
+
+
+def test_bootstrap_fails_loudly_when_the_peer_token_cannot_be_read(bootstrap: Bootstrap) -> None:
+    (bootstrap.stubs / "venv-python").write_text(STUB + "exit 1\n")
+    values = {**bootstrap.values, "peer_port": "7140", "peer_secret": "projects/p/secrets/peer-token"}
+    bootstrap.script.write_text(render(GCP_TEMPLATE, values))
+    result = bootstrap.run()
+    assert result.returncode != 0
+    assert not (bootstrap.root / "etc/spotguard/peer-token").exists()
+    assert not any(c.startswith("systemctl") for c in bootstrap.calls)
+
+
+def resources_of(module: str) -> dict[tuple[str, str], Any]:
+    main = load_hcl(MODULES / module / "main.tf")
+    found = {}
+    for kind in ("resource", "data"):
+        for block in main.get(kind, []):
+            for type_, named in block.items():
+                for name, body in named.items():
+                    found[(type_, name)] = body
+    return found
+
+
+def test_aws_peer_tier_opens_the_port_only_within_the_fleet_and_reads_one_secret() -> None:
+    resources = resources_of("aws-spot-fleet")
+    group = resources[("aws_security_group", "peers")]
+    assert group["count"] == "${var.enable_peers ? 1 : 0}"
+    for kind in ("ingress", "egress"):
+        rule = resources[(f"aws_vpc_security_group_{kind}_rule", "peers")]
+        # From (and to) the fleet's own group, on the peer port only; no address range at all.
+        assert rule["referenced_security_group_id"] == rule["security_group_id"] == "${aws_security_group.peers[0].id}"
+        assert rule["ip_protocol"] == "tcp" and rule["from_port"] == rule["to_port"] == "${var.peer_port}"
+        assert not {"cidr_ipv4", "cidr_ipv6", "prefix_list_id"} & set(rule)
+    template = resources[("aws_launch_template", "this")]
+    assert "aws_security_group.peers[*].id" in template["vpc_security_group_ids"]
+    assert "var.peer_token_secret_arn != null" in template["lifecycle"][0]["precondition"][0]["condition"]
+    policy = resources[("aws_iam_policy_document", "peer_token")]
+    assert policy["statement"] == [
+        {
+            "sid": "ReadPeerToken",
+            "actions": ["secretsmanager:GetSecretValue"],
+            "resources": ["${var.peer_token_secret_arn}"],
+        }
+    ]
+    assert resources[("aws_iam_role_policy", "peer_token")]["role"] == "${aws_iam_role.this.id}"
+
+
+def test_gcp_peer_tier_opens_the_port_only_between_tagged_vms_and_reads_one_secret() -> None:
+    resources = resources_of("gcp-spot-fleet")
+    rule = resources[("google_compute_firewall", "peers")]
+    assert rule["direction"] == "INGRESS"
+    assert rule["source_tags"] == rule["target_tags"] == ["${local.peer_tag}"]
+    assert rule["allow"] == [{"protocol": "tcp", "ports": ["${tostring(var.peer_port)}"]}]
+    assert "source_ranges" not in rule
+    template = resources[("google_compute_instance_template", "this")]
+    assert "[local.peer_tag]" in template["tags"]
+    member = resources[("google_secret_manager_secret_iam_member", "peer_token")]
+    assert member["role"] == "roles/secretmanager.secretAccessor"
+    assert member["secret_id"] == "${var.peer_token_secret}"
+    assert member["member"] == "serviceAccount:${google_service_account.this.email}"

@@ -26,6 +26,10 @@ module "fleet" {
   }
   extra_config = "on_rebalance = \"checkpoint\""
 
+  # The peer tier, once the job's token is in Secrets Manager (and more than one VM runs).
+  enable_peers          = var.peer_token_secret_arn != null
+  peer_token_secret_arn = var.peer_token_secret_arn
+
   additional_policy_arns = ["arn:aws:iam::aws:policy/AmazonSSMManagedInstanceCore"]
 
   tags = {

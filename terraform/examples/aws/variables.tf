@@ -18,3 +18,9 @@ variable "bucket_name" {
   description = "Globally unique name for the checkpoint bucket this example creates."
   type        = string
 }
+
+variable "peer_token_secret_arn" {
+  description = "Secrets Manager secret holding the job's peer token; null leaves the peer tier off."
+  type        = string
+  default     = null
+}

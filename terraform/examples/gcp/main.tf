@@ -24,6 +24,10 @@ module "fleet" {
   bucket_location   = upper(var.region)
   checkpoint_prefix = "runs/llm-finetune-1"
 
+  # The peer tier, once the job's token is in Secret Manager (and more than one VM runs).
+  enable_peers      = var.peer_token_secret != null
+  peer_token_secret = var.peer_token_secret
+
   trainer_user    = "trainer"
   trainer_command = "/opt/conda/bin/python /home/trainer/train.py --config /home/trainer/run.yaml"
 

@@ -24,3 +24,9 @@ variable "bucket_name" {
   description = "Globally unique name for the checkpoint bucket this example creates."
   type        = string
 }
+
+variable "peer_token_secret" {
+  description = "Secret Manager secret (projects/PROJECT/secrets/NAME) holding the job's peer token; null leaves the peer tier off."
+  type        = string
+  default     = null
+}

@@ -1,5 +1,7 @@
 data "aws_partition" "current" {}
 
+data "aws_region" "current" {}
+
 locals {
   lifecycle_hook = "spotguard-drain"
   bucket_name    = var.create_bucket ? aws_s3_bucket.checkpoints[0].id : var.bucket_name
@@ -19,6 +21,9 @@ locals {
     trainer_user     = var.trainer_user
     trainer_command  = var.trainer_command
     trainer_env      = join("\n", [for k, v in var.trainer_environment : "${k}=${v}"])
+    # The peer tier (empty: off): the port, and the secret the bootstrap reads the token from.
+    peer_port   = var.enable_peers ? tostring(var.peer_port) : ""
+    peer_secret = var.enable_peers ? coalesce(var.peer_token_secret_arn, "-") : ""
     # spotguard completes the termination lifecycle hook below once the checkpoint is in the bucket.
     extra_config = join("\n", compact(["asg_lifecycle_hook = \"${local.lifecycle_hook}\"", var.extra_config]))
     # The units are the repository's own files, so the fleet runs exactly what was verified.
@@ -233,6 +238,40 @@ resource "aws_iam_role_policy" "lifecycle" {
   policy = data.aws_iam_policy_document.lifecycle.json
 }
 
+# The peer tier's token: this one secret, read once at boot by the bootstrap script.
+data "aws_iam_policy_document" "peer_token" {
+  count = var.enable_peers ? 1 : 0
+
+  statement {
+    sid       = "ReadPeerToken"
+    actions   = ["secretsmanager:GetSecretValue"]
+    resources = [var.peer_token_secret_arn]
+  }
+
+  dynamic "statement" {
+    for_each = var.peer_token_kms_key_arn == null ? [] : [var.peer_token_kms_key_arn]
+
+    content {
+      sid       = "DecryptPeerToken"
+      actions   = ["kms:Decrypt"]
+      resources = [statement.value]
+
+      condition {
+        test     = "StringEquals"
+        variable = "kms:ViaService"
+        values   = ["secretsmanager.${data.aws_region.current.name}.amazonaws.com"]
+      }
+    }
+  }
+}
+
+resource "aws_iam_role_policy" "peer_token" {
+  count  = var.enable_peers ? 1 : 0
+  name   = "spotguard-peer-token"
+  role   = aws_iam_role.this.id
+  policy = data.aws_iam_policy_document.peer_token[0].json
+}
+
 resource "aws_iam_role_policy_attachment" "additional" {
   for_each = toset(var.additional_policy_arns)
 
@@ -246,6 +285,47 @@ resource "aws_iam_instance_profile" "this" {
   tags        = var.tags
 }
 
+# --- the peer tier: the peer port between the group's own instances, nothing else ---------
+
+data "aws_subnet" "first" {
+  count = var.enable_peers ? 1 : 0
+  id    = var.subnet_ids[0]
+}
+
+resource "aws_security_group" "peers" {
+  count       = var.enable_peers ? 1 : 0
+  name_prefix = "${var.name}-peers-"
+  description = "spotguard peer tier of ${var.name}: the peer port, between the fleet's own instances only"
+  vpc_id      = data.aws_subnet.first[0].vpc_id
+  tags        = merge(var.tags, { Name = "${var.name}-peers" })
+
+  lifecycle {
+    create_before_destroy = true
+  }
+}
+
+# Members of the group reach each other's peer port; nothing else does (the rules name the group
+# itself, never an address range).
+resource "aws_vpc_security_group_ingress_rule" "peers" {
+  count                        = var.enable_peers ? 1 : 0
+  security_group_id            = aws_security_group.peers[0].id
+  referenced_security_group_id = aws_security_group.peers[0].id
+  ip_protocol                  = "tcp"
+  from_port                    = var.peer_port
+  to_port                      = var.peer_port
+  description                  = "spotguard peer port, from the fleet's own instances"
+}
+
+resource "aws_vpc_security_group_egress_rule" "peers" {
+  count                        = var.enable_peers ? 1 : 0
+  security_group_id            = aws_security_group.peers[0].id
+  referenced_security_group_id = aws_security_group.peers[0].id
+  ip_protocol                  = "tcp"
+  from_port                    = var.peer_port
+  to_port                      = var.peer_port
+  description                  = "spotguard peer port, to the fleet's own instances"
+}
+
 # --- launch template and Spot Auto Scaling group ----------------------------------------
 
 resource "aws_launch_template" "this" {
@@ -254,7 +334,7 @@ resource "aws_launch_template" "this" {
   description            = "spotguard training fleet ${var.name}"
   image_id               = var.ami_id
   key_name               = var.key_name
-  vpc_security_group_ids = var.security_group_ids
+  vpc_security_group_ids = concat(var.security_group_ids, aws_security_group.peers[*].id)
   ebs_optimized          = true
   update_default_version = true
   user_data              = base64encode(templatefile("${path.module}/templates/cloud-init.sh.tftpl", local.cloud_init_vars))
@@ -299,6 +379,13 @@ resource "aws_launch_template" "this" {
   }
 
   tags = var.tags
+
+  lifecycle {
+    precondition {
+      condition     = !var.enable_peers || var.peer_token_secret_arn != null
+      error_message = "enable_peers needs peer_token_secret_arn: the Secrets Manager secret holding the job's peer token."
+    }
+  }
 }
 
 resource "aws_autoscaling_group" "this" {

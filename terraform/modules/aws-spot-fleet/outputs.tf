@@ -37,3 +37,8 @@ output "checkpoint_url" {
   description = "Where checkpoints go (spotguard's bucket setting; `spotguard list` it from anywhere with access)."
   value       = local.bucket_url
 }
+
+output "peer_security_group_id" {
+  description = "Security group that opens the peer port between the group's own instances; null when enable_peers is false."
+  value       = one(aws_security_group.peers[*].id)
+}

@@ -248,3 +248,39 @@ variable "tags" {
   type        = map(string)
   default     = {}
 }
+
+# --- the peer tier ----------------------------------------------------------------------
+
+variable "enable_peers" {
+  description = "Run spotguard's peer tier: each instance's daemon listens on peer_port, registers under the bucket's .spotguard-peers/ (peers = \"bucket\") and, when an urgent checkpoint cannot reach the bucket before the deadline, hands it to another instance of the group, which commits it there. Needs peer_token_secret_arn."
+  type        = bool
+  default     = false
+}
+
+variable "peer_port" {
+  description = "TCP port the daemons take each other's checkpoints on; open only between the group's own instances (a security group of its own)."
+  type        = number
+  default     = 7140
+
+  validation {
+    condition     = var.peer_port >= 1024 && var.peer_port <= 65535
+    error_message = "peer_port must be between 1024 and 65535."
+  }
+}
+
+variable "peer_token_secret_arn" {
+  description = "ARN of the Secrets Manager secret holding the job's peer token (a SecretString of at least 16 bytes, e.g. openssl rand -hex 32). Created outside this module, so the token never sits in Terraform state; the instance role may read this secret and no other."
+  type        = string
+  default     = null
+
+  validation {
+    condition     = var.peer_token_secret_arn == null || can(regex("^arn:[a-z-]+:secretsmanager:[a-z0-9-]+:[0-9]{12}:secret:.+$", var.peer_token_secret_arn))
+    error_message = "peer_token_secret_arn must be a Secrets Manager secret ARN (arn:aws:secretsmanager:REGION:ACCOUNT:secret:NAME-xxxxxx)."
+  }
+}
+
+variable "peer_token_kms_key_arn" {
+  description = "Customer-managed KMS key the peer token secret is encrypted with, if any (the role gets kms:Decrypt on it); null for the account's aws/secretsmanager key."
+  type        = string
+  default     = null
+}

@@ -1,6 +1,8 @@
 locals {
   bucket_name = var.create_bucket ? google_storage_bucket.checkpoints[0].name : var.bucket_name
   bucket_url  = "gs://${local.bucket_name}/${var.checkpoint_prefix}"
+  # The peer tier's firewall rule opens the peer port between VMs with this tag, and only them.
+  peer_tag = "${var.name}-spotguard-peer"
 
   # Everything the startup script needs. tests/deploy renders the template with these keys,
   # so a placeholder without a key here (or the reverse) fails the tests, not a boot.
@@ -16,6 +18,9 @@ locals {
     trainer_command  = var.trainer_command
     trainer_env      = join("\n", [for k, v in var.trainer_environment : "${k}=${v}"])
     extra_config     = var.extra_config
+    # The peer tier (empty: off): the port, and the secret the startup script reads the token from.
+    peer_port   = var.enable_peers ? tostring(var.peer_port) : ""
+    peer_secret = var.enable_peers ? coalesce(var.peer_token_secret, "-") : ""
     # The units are the repository's own files, so the fleet runs exactly what was verified.
     spotguard_unit = chomp(file("${path.module}/../../../systemd/spotguard.service"))
     trainer_unit   = chomp(file("${path.module}/../../../systemd/example-trainer.service"))
@@ -44,6 +49,41 @@ resource "google_storage_bucket_iam_member" "checkpoints" {
     title       = "spotguard-prefix-${var.name}"
     description = "Objects under ${var.checkpoint_prefix}/ only"
     expression  = "resource.type == \"storage.googleapis.com/Bucket\" || resource.name.startsWith(\"projects/_/buckets/${var.bucket_name}/objects/${var.checkpoint_prefix}/\")"
+  }
+}
+
+# --- the peer tier: the token's secret, and the peer port between the fleet's own VMs -------
+
+resource "google_secret_manager_secret_iam_member" "peer_token" {
+  count     = var.enable_peers ? 1 : 0
+  project   = split("/", var.peer_token_secret)[1]
+  secret_id = var.peer_token_secret
+  role      = "roles/secretmanager.secretAccessor"
+  member    = "serviceAccount:${google_service_account.this.email}"
+}
+
+# The network the subnetwork belongs to (a shared VPC's host project included): the rule lives there.
+data "google_compute_subnetwork" "this" {
+  count     = var.enable_peers ? 1 : 0
+  self_link = strcontains(var.subnetwork, "/") ? var.subnetwork : null
+  name      = basename(var.subnetwork)
+  project   = var.project_id
+  region    = var.region
+}
+
+resource "google_compute_firewall" "peers" {
+  count       = var.enable_peers ? 1 : 0
+  project     = data.google_compute_subnetwork.this[0].project
+  name        = "${var.name}-spotguard-peers"
+  description = "spotguard peer tier of ${var.name}: the peer port, between the fleet's own VMs only"
+  network     = data.google_compute_subnetwork.this[0].network
+  direction   = "INGRESS"
+  source_tags = [local.peer_tag]
+  target_tags = [local.peer_tag]
+
+  allow {
+    protocol = "tcp"
+    ports    = [tostring(var.peer_port)]
   }
 }
 
@@ -103,7 +143,7 @@ resource "google_compute_instance_template" "this" {
   description  = "spotguard Spot training fleet ${var.name}"
   machine_type = var.machine_type
   region       = var.region
-  tags         = var.network_tags
+  tags         = concat(var.network_tags, var.enable_peers ? [local.peer_tag] : [])
   labels       = var.labels
 
   # Spot: preemptible with ~30 s notice. spotguard long-polls instance/preempted.
@@ -178,6 +218,11 @@ resource "google_compute_instance_template" "this" {
 
   lifecycle {
     create_before_destroy = true
+
+    precondition {
+      condition     = !var.enable_peers || var.peer_token_secret != null
+      error_message = "enable_peers needs peer_token_secret: the Secret Manager secret (projects/PROJECT/secrets/NAME) holding the job's peer token."
+    }
   }
 }
 

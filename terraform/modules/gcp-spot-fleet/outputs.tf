@@ -27,3 +27,8 @@ output "checkpoint_url" {
   description = "Where checkpoints go (spotguard's bucket setting)."
   value       = local.bucket_url
 }
+
+output "peer_network_tag" {
+  description = "Network tag of the fleet's VMs that the peer firewall rule opens the peer port between; null when enable_peers is false."
+  value       = var.enable_peers ? local.peer_tag : null
+}

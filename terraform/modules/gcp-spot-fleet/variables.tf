@@ -253,3 +253,33 @@ variable "labels" {
   type        = map(string)
   default     = {}
 }
+
+# --- the peer tier ----------------------------------------------------------------------
+
+variable "enable_peers" {
+  description = "Run spotguard's peer tier: each VM's daemon listens on peer_port, registers under the bucket's .spotguard-peers/ (peers = \"bucket\") and, when an urgent checkpoint cannot reach the bucket before the deadline, hands it to another VM of the group, which commits it there. Needs peer_token_secret."
+  type        = bool
+  default     = false
+}
+
+variable "peer_port" {
+  description = "TCP port the daemons take each other's checkpoints on; a firewall rule opens it only between VMs carrying the fleet's peer network tag."
+  type        = number
+  default     = 7140
+
+  validation {
+    condition     = var.peer_port >= 1024 && var.peer_port <= 65535
+    error_message = "peer_port must be between 1024 and 65535."
+  }
+}
+
+variable "peer_token_secret" {
+  description = "Secret Manager secret holding the job's peer token, as projects/PROJECT/secrets/NAME (at least 16 bytes, e.g. openssl rand -hex 32). Created outside this module, so the token never sits in Terraform state; the service account gets secretAccessor on this secret only."
+  type        = string
+  default     = null
+
+  validation {
+    condition     = var.peer_token_secret == null || can(regex("^projects/[^/]+/secrets/[A-Za-z0-9_-]+$", var.peer_token_secret))
+    error_message = "peer_token_secret must be projects/PROJECT/secrets/NAME."
+  }
+}

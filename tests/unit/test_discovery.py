@@ -1,0 +1,125 @@
+"""Peer discovery through the bucket (a file:// bucket): registration, staleness, and staying out of
+the way of checkpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from spotguard.cli import main
+from spotguard.config import ConfigError, DaemonConfig
+from spotguard.daemon.discovery import HEARTBEAT, PREFIX, PRUNE_AFTER, STALE_AFTER, PeerRegistry, advertised_address
+from spotguard.storage.base import put_bytes
+from spotguard.storage.checkpoints import list_remote, prune_remote, restore, upload_checkpoint
+from spotguard.storage.file import FileStorage
+from tests.checkpoints import write_checkpoint
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_700_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def storage(tmp_path: Path) -> FileStorage:
+    return FileStorage(f"file://{tmp_path}/bucket/run1")
+
+
+def keys(storage: FileStorage) -> list[str]:
+    return sorted(info.key for info in storage.list(f"{PREFIX}/"))
+
+
+def test_a_listening_daemon_is_found_and_a_sender_skips_itself(storage: FileStorage) -> None:
+    clock = Clock()
+    b = PeerRegistry(storage, address="127.0.0.1:7141", clock=clock)
+    a = PeerRegistry(storage, address="127.0.0.1:7140", clock=clock)
+    sender_only = PeerRegistry(storage, clock=clock)
+    b.register()
+    a.register()
+    sender_only.register()  # nothing to register: it listens nowhere
+    assert len(keys(storage)) == 2
+    assert asyncio.run(a.candidates()) == [("127.0.0.1", 7141)]
+    assert asyncio.run(b.candidates()) == [("127.0.0.1", 7140)]
+    assert asyncio.run(sender_only.candidates()) == [("127.0.0.1", 7140), ("127.0.0.1", 7141)]  # freshest first
+    assert sender_only.status() == {"advertised": None, "candidates": ["127.0.0.1:7140", "127.0.0.1:7141"]}
+    # A clean shutdown removes the entry: no candidate any more.
+    asyncio.run(b.close())
+    assert asyncio.run(a.candidates()) == []
+
+
+def test_stale_entries_are_skipped_and_long_dead_ones_pruned(storage: FileStorage) -> None:
+    clock = Clock()
+    alive = PeerRegistry(storage, address="127.0.0.1:7141", clock=clock)
+    reader = PeerRegistry(storage, clock=clock)
+    alive.register()
+    # A VM preempted without a clean shutdown: its entry stays, its heartbeat ages.
+    stale = {"address": "127.0.0.1:7142", "heartbeat": clock.now - (STALE_AFTER + 1) * HEARTBEAT}
+    dead = {"address": "127.0.0.1:7143", "heartbeat": clock.now - (PRUNE_AFTER + 1) * HEARTBEAT}
+    put_bytes(storage, f"{PREFIX}/stale-7142.json", json.dumps(stale).encode())
+    put_bytes(storage, f"{PREFIX}/dead-7143.json", json.dumps(dead).encode())
+    put_bytes(storage, f"{PREFIX}/garbage.json", b"not json")
+    assert asyncio.run(reader.candidates()) == [("127.0.0.1", 7141)]
+    assert f"{PREFIX}/dead-7143.json" not in keys(storage)
+    assert f"{PREFIX}/stale-7142.json" in keys(storage)  # kept: it may only have missed a few writes
+    # An entry that cannot be read is pruned by the store's time of its last write.
+    assert f"{PREFIX}/garbage.json" in keys(storage)
+    old = clock.now - (PRUNE_AFTER + 1) * HEARTBEAT
+    os.utime(Path(storage.url.removeprefix("file://")) / PREFIX / "garbage.json", (old, old))
+    asyncio.run(reader.candidates())
+    assert f"{PREFIX}/garbage.json" not in keys(storage)
+    # The live one stops refreshing: after STALE_AFTER periods it is no candidate either.
+    clock.now += STALE_AFTER * HEARTBEAT + 1
+    assert asyncio.run(reader.candidates()) == []
+
+
+def test_registry_objects_never_show_up_as_checkpoints(storage: FileStorage, tmp_path: Path) -> None:
+    registry = PeerRegistry(storage, address="127.0.0.1:7140")
+    registry.register()
+    for step in (1, 2):
+        upload_checkpoint(storage, write_checkpoint(tmp_path / "local", step, {"w.bin": os.urandom(4096)}))
+    assert [info.name for info in list_remote(storage)] == ["step-000000001", "step-000000002"]
+    # Retention, even with every incomplete leftover long stale: the entry is not one.
+    later = datetime.now(UTC) + timedelta(days=30)
+    assert prune_remote(storage, keep=1, grace=timedelta(seconds=1), now=later) == ["step-000000001"]
+    assert keys(storage) == [registry.key]
+    restored = restore(storage, tmp_path / "fresh")
+    assert restored is not None and restored.name == "step-000000002"
+    assert sorted(p.name for p in (tmp_path / "fresh").iterdir()) == ["step-000000002"]
+
+
+def test_spotguard_list_does_not_show_registry_objects(
+    storage: FileStorage, capsys: pytest.CaptureFixture[str]
+) -> None:
+    PeerRegistry(storage, address="127.0.0.1:7140").register()
+    assert main(["list", storage.url]) == 0
+    assert "no checkpoints" in capsys.readouterr().out
+
+
+def test_the_advertised_address() -> None:
+    def no_lookup() -> str:
+        raise AssertionError("a listen address that is not a wildcard needs no lookup")
+
+    assert advertised_address("127.0.0.1:7140", None, lookup=no_lookup) == "127.0.0.1:7140"
+    assert advertised_address("0.0.0.0:7140", "10.0.1.7:7140", lookup=no_lookup) == "10.0.1.7:7140"
+    assert advertised_address("0.0.0.0:7140", None, lookup=lambda: "10.0.1.7") == "10.0.1.7:7140"
+    assert advertised_address("[::]:7140", None, lookup=lambda: "fd00::7") == "[fd00::7]:7140"
+
+
+def test_peers_bucket_in_the_config(tmp_path: Path) -> None:
+    config = DaemonConfig(bucket="s3://b/run1", peer_listen="0.0.0.0:7140", peers="bucket")
+    assert config.peer_discovery and config.peer_addresses() == []
+    assert not DaemonConfig(bucket="s3://b/run1", peers="10.0.0.2:7140").peer_discovery
+    with pytest.raises(ConfigError, match="either"):
+        DaemonConfig(bucket="s3://b/run1", peers="bucket,10.0.0.2:7140")
+    with pytest.raises(ConfigError, match="peer_advertise"):
+        DaemonConfig(bucket="s3://b/run1", peers="bucket", peer_advertise="10.0.0.2:7140")
+    with pytest.raises(ConfigError, match="peer_advertise"):
+        DaemonConfig(bucket="s3://b/run1", peer_listen="0.0.0.0:7140", peer_advertise="10.0.0.2")
