@@ -8,6 +8,7 @@ resumes: the window in which only a peer holds the newest checkpoint.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -90,6 +91,27 @@ def hand(vm: Vm, step_dir: Path, url: str, token: str = TOKEN) -> None:
     assert asyncio.run(go())["state"] == "verified"
 
 
+def hand_share(vm: Vm, where: Path, step: int, url: str) -> Path:
+    """Node 1's share of a two-node checkpoint (its files and its part, no manifest) to ``vm``."""
+    share = where / f"step-{step:09d}"
+    share.mkdir(parents=True)
+    data = os.urandom(MiB + 7)
+    (share / "w.bin").write_bytes(data)
+    write_part(share, 1, 2, {"w.bin": FileEntry(len(data), crc32c_of_bytes(data))})
+
+    async def go() -> dict[str, object]:
+        client = await PeerClient.connect(*listen(vm), TOKEN.encode())
+        try:
+            await client.open_replica(share.name, url)
+            await client.send_file(share / "w.bin", "w.bin")
+            return await client.commit(share)
+        finally:
+            await client.close()
+
+    assert asyncio.run(go())["state"] == "verified"
+    return share
+
+
 def fresh_vm(tmp_path: Path, url: str, *peers: Vm) -> Vm:
     addresses = ",".join(vm.status()["peers"]["listen"] for vm in peers)
     vm = Vm(tmp_path, "fresh", url, extra_args=["--provider", "none", "--peers", addresses])
@@ -111,22 +133,31 @@ def replicas(vm: Vm) -> list[tuple[str, str]]:
 
 
 def test_a_fresh_vm_resumes_the_newer_checkpoint_a_peer_holds_bit_identical(
-    tmp_path: Path, url: str, relay: PacedRelay, checkpoints: dict[int, tuple[Path, dict[str, object]]]
+    tmp_path: Path,
+    url: str,
+    relay: PacedRelay,
+    checkpoints: dict[int, tuple[Path, dict[str, object]]],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     step_dir, state = checkpoints[9]
     vm_b = holder(tmp_path, "vm-b", url, relay)
     vm_a: Vm | None = None
     try:
         hand(vm_b, step_dir, url)
+        hand_share(vm_b, tmp_path / "node1", 12, url)  # newer, but only one node's share of step 12
         vm_a = fresh_vm(tmp_path, url, vm_b)
-        step, loaded = resume(vm_a, url, state)
+        with caplog.at_level(logging.WARNING, logger="spotguard.trainer"):
+            step, loaded = resume(vm_a, url, state)
         assert step == 9
+        warned = [r.getMessage() for r in caplog.records if "step-000000012" in r.getMessage()]
+        assert warned and f"step-000000012 on {vm_b.status()['peers']['listen']}" in warned[0]
         for key, tensor in state.items():
             assert bool((loaded[key] == tensor).all()), key  # type: ignore[attr-defined]
         assert same_files(step_dir, vm_a.root / step_dir.name) == []
         assert not (vm_a.root / STAGING).exists()
         # Still only on the peer when fetched: its own upload is held back by the relay.
-        assert replicas(vm_b) == [("step-000000009", "verified")]
+        assert replicas(vm_b) == [("step-000000009", "verified"), ("step-000000012", "verified")]
+        assert not (vm_a.root / "step-000000012").exists()
         assert "step-000000009" in vm_a.log.read_text() and "fetched and verified" in vm_a.log.read_text()
         # The fresh VM's uploader commits the fetched copy itself ...
         wait_for(lambda: remote(url).get(9) == "complete", 60, "the fetched checkpoint committed from the fresh VM")
@@ -181,25 +212,10 @@ def test_list_and_fetch_frames(tmp_path: Path, url: str, relay: PacedRelay) -> N
     vm_b = holder(tmp_path, "vm-b", url, relay)
     try:
         whole = write_checkpoint(tmp_path / "sender", 31, {"w.bin": os.urandom(MiB + 7), "sub/x.bin": b""})
-        share = tmp_path / "node1" / "step-000000032"
-        share.mkdir(parents=True)
-        data = os.urandom(MiB + 7)
-        (share / "w.bin").write_bytes(data)
-        write_part(share, 1, 2, {"w.bin": FileEntry(len(data), crc32c_of_bytes(data))})
+        hand(vm_b, whole, url)
+        hand_share(vm_b, tmp_path / "node1", 32, url)
 
         async def go() -> None:
-            sender = await PeerClient.connect(*listen(vm_b), TOKEN.encode())
-            try:
-                await send_checkpoint(sender, whole, url)
-            finally:
-                await sender.close()
-            sender = await PeerClient.connect(*listen(vm_b), TOKEN.encode())
-            try:
-                await sender.open_replica(share.name, url)
-                await sender.send_file(share / "w.bin", "w.bin")
-                await sender.commit(share)
-            finally:
-                await sender.close()
             client = await PeerClient.connect(*listen(vm_b), TOKEN.encode())
             try:
                 items = sorted(await list_replicas(client), key=lambda item: item["name"])
