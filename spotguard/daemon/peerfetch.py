@@ -34,7 +34,14 @@ from pathlib import Path
 from typing import Any
 
 from spotguard import peerwire
-from spotguard.daemon.peers import PeerClient, PeerReceiver, ReplicaState, _check_files, _write_range
+from spotguard.daemon.peers import (
+    _WRITES_IN_FLIGHT,
+    PeerClient,
+    PeerReceiver,
+    ReplicaState,
+    _check_files,
+    _write_range,
+)
 from spotguard.manifest import (
     MANIFEST,
     Manifest,
@@ -186,8 +193,9 @@ async def fetch_replica(client: PeerClient, replica_id: str, root: Path) -> Path
     step_dir = staging / name
     await asyncio.to_thread(step_dir.mkdir, parents=True)
     try:
-        sizes, ranges = await _receive_files(client, manifest, step_dir)
-        problems = await asyncio.to_thread(_check_files, step_dir, manifest.files, sizes, ranges)
+        incoming = _Incoming(client, manifest, step_dir)
+        await incoming.receive()
+        problems = await asyncio.to_thread(_check_files, step_dir, manifest.files, incoming.sizes, incoming.ranges)
         if problems:
             raise peerwire.PeerError("mismatch", problems[0])
         return await asyncio.to_thread(_commit, step_dir, text, root / name)
@@ -195,33 +203,57 @@ async def fetch_replica(client: PeerClient, replica_id: str, root: Path) -> Path
         await asyncio.to_thread(shutil.rmtree, staging, True)
 
 
-async def _receive_files(
-    client: PeerClient, manifest: Manifest, step_dir: Path
-) -> tuple[dict[str, int], dict[str, list[tuple[int, int, int]]]]:
-    """Data frames until ``end``, each checked against the manifest before a byte of it is written."""
-    sizes: dict[str, int] = {}
-    ranges: dict[str, list[tuple[int, int, int]]] = {}
-    while True:
-        frame = await peerwire.read_frame(client.reader)
+@dataclass
+class _Incoming:
+    """The files of one fetch as they arrive: what was received, and the disk writes in flight."""
+
+    client: PeerClient
+    manifest: Manifest
+    step_dir: Path
+    sizes: dict[str, int] = field(default_factory=dict)
+    ranges: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)  # as the receiver keeps them
+    writes: set[asyncio.Future[None]] = field(default_factory=set)  # going on while the next frame is read
+
+    async def receive(self) -> None:
+        """Data frames until ``end``, each checked against the manifest before a byte of it is written."""
+        try:
+            while await self._one_frame():
+                pass
+        finally:
+            # Every write has landed (or failed) before the caller checks the files or removes them.
+            results = await asyncio.gather(*self.writes, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+
+    async def _one_frame(self) -> bool:
+        frame = await peerwire.read_frame(self.client.reader)
         if frame["t"] == "end":
-            return sizes, ranges
+            return False
         peerwire.expect(frame, "data")
         try:
             rel = check_relpath(peerwire.field(frame, "name", str))
         except ManifestError as exc:
             raise peerwire.PeerError("bad-path", str(exc)) from None
         size, offset, length = (peerwire.field(frame, key, int) for key in ("size", "offset", "len"))
-        entry = manifest.files.get(rel)
+        entry = self.manifest.files.get(rel)
         if entry is None or size != entry.size:
             raise peerwire.PeerError("bad-field", f"{rel}: {size} bytes, not a file of the manifest")
         if not (0 <= length <= peerwire.MAX_DATA and offset >= 0 and offset + length <= size):
             raise peerwire.PeerError("bad-field", f"{rel}: a range [{offset}, +{length}) outside 0..{size}")
         try:
-            data = await client.reader.readexactly(length)
+            data = await self.client.reader.readexactly(length)
         except asyncio.IncompleteReadError:
             raise peerwire.PeerError("closed", "the connection closed mid-frame") from None
-        sizes[rel] = size
-        await asyncio.to_thread(_write_range, step_dir, rel, offset, data, ranges.setdefault(rel, []))
+        self.sizes[rel] = size
+        while len(self.writes) >= _WRITES_IN_FLIGHT:
+            done, _ = await asyncio.wait(self.writes, return_when=asyncio.FIRST_COMPLETED)
+            for finished in done:
+                self.writes.discard(finished)
+                finished.result()
+        write = asyncio.to_thread(_write_range, self.step_dir, rel, offset, data, self.ranges.setdefault(rel, []))
+        self.writes.add(asyncio.ensure_future(write))
+        return True
 
 
 def _commit(step_dir: Path, manifest_text: str, target: Path) -> Path:
