@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -69,10 +70,11 @@ def checkpoints(tmp_path: Path, url: str) -> dict[int, tuple[Path, dict[str, obj
     return saved  # type: ignore[return-value]
 
 
-def holder(tmp_path: Path, name: str, url: str, relay: PacedRelay, token: str = TOKEN) -> Vm:
+def holder(tmp_path: Path, name: str, url: str, relay: PacedRelay, token: str = TOKEN, replicas: int = 2) -> Vm:
     """A peer's daemon holding replicas; its way to the bucket is the slow relay."""
     vm = Vm(tmp_path, name, url, extra_args=["--provider", "none", "--peer-listen", "127.0.0.1:0"])
-    vm.start_daemon(env={"SPOTGUARD_PEER_TOKEN": token, "AWS_ENDPOINT_URL_S3": relay.url})
+    env = {"SPOTGUARD_PEER_TOKEN": token, "AWS_ENDPOINT_URL_S3": relay.url}
+    vm.start_daemon(env={**env, "SPOTGUARD_PEER_MAX_REPLICAS": str(replicas)})
     return vm
 
 
@@ -208,12 +210,17 @@ def test_a_corrupt_replica_and_a_peer_without_the_token_are_not_used(
 
 def test_list_and_fetch_frames(tmp_path: Path, url: str, relay: PacedRelay) -> None:
     """Only verified replicas of the holder's bucket are listed; a share is listed as one and not
-    fetchable; an unknown id is refused; a fetch is verified and committed into the given root."""
-    vm_b = holder(tmp_path, "vm-b", url, relay)
+    fetchable; an unknown id is refused; a fetch is verified and committed into the given root; a
+    replica removed from the holder's disk while it is sent ends in an error frame, not in ``end``."""
+    vm_b = holder(tmp_path, "vm-b", url, relay, replicas=3)
     try:
         whole = write_checkpoint(tmp_path / "sender", 31, {"w.bin": os.urandom(MiB + 7), "sub/x.bin": b""})
         hand(vm_b, whole, url)
         hand_share(vm_b, tmp_path / "node1", 32, url)
+        # Files bigger than what the socket and the sender's buffer hold: the third is opened only
+        # once the fetching side reads on.
+        big = write_checkpoint(tmp_path / "sender", 33, {f"{i}.bin": os.urandom(24 * MiB) for i in range(3)})
+        hand(vm_b, big, url)
 
         async def go() -> None:
             client = await PeerClient.connect(*listen(vm_b), TOKEN.encode())
@@ -222,6 +229,7 @@ def test_list_and_fetch_frames(tmp_path: Path, url: str, relay: PacedRelay) -> N
                 assert [(i["name"], i["state"], i["bucket"], i["bytes"], i["share"]) for i in items] == [
                     ("step-000000031", "verified", url, MiB + 7, False),
                     ("step-000000032", "verified", url, MiB + 7, True),
+                    ("step-000000033", "verified", url, 72 * MiB, False),
                 ]
                 with pytest.raises(peerwire.PeerError) as caught:
                     await fetch_replica(client, items[1]["id"], tmp_path / "fresh")
@@ -234,6 +242,15 @@ def test_list_and_fetch_frames(tmp_path: Path, url: str, relay: PacedRelay) -> N
                 assert fetched == tmp_path / "fresh" / "step-000000031"
                 assert load_manifest(fetched).files == load_manifest(whole).files
                 assert same_files(whole, fetched) == [] and not (tmp_path / "fresh" / STAGING).exists()
+
+                client.writer.write(peerwire.encode({"t": "fetch", "id": items[2]["id"]}))
+                assert (await peerwire.read_frame(client.reader))["name"] == "step-000000033"
+                shutil.rmtree(next((vm_b.root / AREA).glob("step-000000033-*")))  # as a deletion does
+                with pytest.raises(peerwire.PeerError) as caught:
+                    while (frame := await peerwire.read_frame(client.reader))["t"] == "data":
+                        await client.reader.readexactly(frame["len"])
+                assert caught.value.code == "gone"
+                assert await list_replicas(client)  # the connection still serves
             finally:
                 await client.close()
 
