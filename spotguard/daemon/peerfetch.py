@@ -38,6 +38,7 @@ from spotguard.daemon.peers import (
     _WRITES_IN_FLIGHT,
     PeerClient,
     PeerReceiver,
+    Replica,
     ReplicaState,
     _check_files,
     _write_range,
@@ -73,7 +74,9 @@ async def serve(
 ) -> None:
     """Answer a ``list`` or ``fetch`` request on an authenticated connection."""
     if header["t"] == "list":
-        items = await asyncio.to_thread(_describe_all, receiver)
+        bucket = receiver.storage.url if receiver.storage is not None else None
+        held = [r for r in receiver.replicas.values() if r.state in _FETCHABLE and r.bucket == bucket]
+        items = await asyncio.to_thread(lambda: [item for r in held if (item := _describe(r)) is not None])
         writer.write(peerwire.encode({"t": "replicas", "items": items}))
         return
     replica_id = peerwire.field(header, "id", str)
@@ -111,25 +114,20 @@ def attach(receiver: PeerReceiver) -> None:
     receiver.handlers.update(list=serve, fetch=serve)
 
 
-def _describe_all(receiver: PeerReceiver) -> list[dict[str, Any]]:
-    bucket = receiver.storage.url if receiver.storage is not None else None
-    items = []
-    for replica in list(receiver.replicas.values()):
-        if replica.state not in _FETCHABLE or replica.bucket != bucket:
-            continue
-        try:
-            manifest = Manifest.from_json((replica.step_dir / MANIFEST).read_bytes())
-            size, share = manifest.total_bytes, False
-        except FileNotFoundError:
-            files = load_part(replica.step_dir)
-            size, share = sum(entry.size for entry in (files or {}).values()), True
-        except (OSError, ManifestError):
-            continue  # deleted while listed
-        items.append(
-            {"id": replica.id, "name": replica.name, "bucket": replica.bucket, "state": str(replica.state),
-             "bytes": size, "share": share}
-        )  # fmt: skip
-    return items
+def _describe(replica: Replica) -> dict[str, Any] | None:
+    """A held replica as ``list`` shows it; None if it is gone meanwhile."""
+    try:
+        manifest = Manifest.from_json((replica.step_dir / MANIFEST).read_bytes())
+        size, share = manifest.total_bytes, False
+    except FileNotFoundError:
+        files = load_part(replica.step_dir)
+        if files is None:
+            return None
+        size, share = sum(entry.size for entry in files.values()), True
+    except (OSError, ManifestError):
+        return None
+    return {"id": replica.id, "name": replica.name, "bucket": replica.bucket, "state": str(replica.state),
+            "bytes": size, "share": share}  # fmt: skip
 
 
 # --- the fetching side ---------------------------------------------------------------------------

@@ -544,7 +544,10 @@ class Guard:
     def resume(self, state: MutableMapping[str, Any], strict: bool = True) -> int:
         """Load the newest complete checkpoint into ``state``; returns the step to run next (0 if none).
 
-        Looks in the local root first, then in the bucket. A checkpoint that fails verification is
+        Looks in the local root first, then in the bucket. With a daemon that has peers configured,
+        asks it first whether a peer holds a verified checkpoint newer than both (a rescued one not yet
+        committed in the bucket); the daemon fetches that into the local root (the rule:
+        spotguard/daemon/peerfetch.py). A checkpoint that fails verification is
         skipped for the previous complete one. Under ``torch.distributed`` rank 0 chooses and every
         rank loads the same checkpoint; one saved by another number of ranks is resharded.
 
