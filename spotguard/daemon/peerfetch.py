@@ -6,8 +6,9 @@ takes a while for a big state. A replacement VM that starts before that is done 
 daemon asks its configured peers (``list``, then ``fetch``: spotguard/peerwire.py) on the same
 authenticated channel the handoff uses.
 
-The consistency rule: **the newest complete checkpoint wins, wherever it is** -- on the local disk, in
-the bucket, or as a peer's replica of the same bucket. A replica counts only once its receiver has
+The consistency rule: **the newest complete checkpoint wins**: a peer's replica of the same bucket is
+fetched when it is newer than every complete checkpoint on the local disk and in the bucket (between
+those two, ``Guard.resume`` keeps its order). A replica counts only once its receiver has
 verified it against its sender's manifest (state ``verified``, or ``uploaded`` and not yet deleted),
 and only if it is a whole checkpoint (a manifest of its own) of this daemon's bucket: never a
 replica of another bucket, and never a peer that does not prove it knows the job's token. A node's
