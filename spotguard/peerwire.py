@@ -33,6 +33,19 @@ After the handshake the sender sends requests, each answered by one frame (``err
   (errors only: the sender streams without waiting);
 * ``{"t": "commit", "manifest": manifest.json's text}`` -> ``{"t": "ok", "state": "verified"}`` once
   every file the manifest lists is there with its size and CRC32C.
+
+A fresh VM's daemon resuming from a peer (spotguard/daemon/peerfetch.py) asks on the same kind of
+authenticated connection:
+
+* ``{"t": "list"}`` -> ``{"t": "replicas", "items": [{"id", "name", "bucket", "state", "bytes",
+  "share"}]}``: the replicas the receiver holds for its own bucket that are verified (or uploaded and
+  not yet deleted); ``share`` is true for a node's share of a multi-node checkpoint (no manifest of
+  its own: not fetchable);
+* ``{"t": "fetch", "id": id}`` -> ``{"t": "checkpoint", "id", "name", "manifest": manifest.json's
+  text}``, then ``data`` frames (as above) of every file the manifest lists, then ``{"t": "end"}``. A
+  replica that is not there, not verified or a share is refused with an ``error`` frame; one deleted
+  while it is sent ends in an ``error`` frame (``gone``) instead of ``end``. The fetching side checks
+  every file against the manifest's CRC32C itself: a fetch counts only once it is verified.
 """
 
 from __future__ import annotations

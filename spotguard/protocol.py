@@ -19,14 +19,22 @@ Client -> daemon:
            bytes_needed?, bytes_free?, path?,         error says what kind of failure: "disk-full", "write-failed"
            event_id?}
   safe-steps {}                                      which local checkpoints are complete in the bucket
+  peer-resume {after, fetch?}                        before a resume: fetch the newest checkpoint a peer holds
+                                                     verified if it is newer than step after (the newest
+                                                     complete one the trainer has) and than the bucket's
+                                                     (at most PEER_RESUME_TIMEOUT s; fetch false: only look)
   drill   {deadline_s}                               inject a simulated hard notice
   status  {}                                         what the daemon sees
 Daemon -> client:
-  welcome          {checkpoint_dir, bucket, daemon_pid, notice?}   reply to hello
+  welcome          {checkpoint_dir, bucket, daemon_pid, peers}     reply to hello (peers: ask peer-resume)
   checkpoint-now   {notice, stop, deadline_s}                      write an urgent checkpoint now
   ok               {...}                                           reply to saved/drill
   safe-steps       {names, bucket}                                 reply to safe-steps: step directory names
                                                                    committed in the bucket (may be dropped locally)
+  peer-resume      {after, path, step, peer, not_fetched}          reply to peer-resume: path of the fetched,
+                                                                   verified, locally committed checkpoint or
+                                                                   null; after: the newest step it was compared
+                                                                   with; not_fetched: newer ones left on peers
   status           {...}                                           reply to status
   error            {code, message}                                 what was wrong with the request
 """
@@ -39,6 +47,7 @@ from typing import Any
 
 VERSION = 1
 MAX_MESSAGE_BYTES = 64 * 1024
+PEER_RESUME_TIMEOUT = 600.0  # seconds the daemon spends at most asking peers and fetching from one
 
 
 class ProtocolError(ValueError):
@@ -58,6 +67,7 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "checkpoint-started": {"event_id": str, "step": int},
     "save-failed": {"step": int, "reason": str, "error": str, "message": str},
     "safe-steps": {},  # the request is empty; the reply carries names (a list of str) and bucket
+    "peer-resume": {"after": int},  # request and reply: the reply's after is the step it compared with
     "drill": {"deadline_s": (int, float)},
     "status": {},
     "welcome": {"checkpoint_dir": str},
@@ -66,9 +76,12 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "error": {"code": str, "message": str},
 }
 CLIENT_TYPES = frozenset(
-    {"hello", "file", "file-range", "saved", "checkpoint-started", "save-failed", "safe-steps", "drill", "status"}
-)
-DAEMON_TYPES = frozenset({"welcome", "checkpoint-now", "ok", "safe-steps", "status", "error"})
+    {
+        "hello", "file", "file-range", "saved", "checkpoint-started", "save-failed", "safe-steps", "peer-resume",
+        "drill", "status",
+    }
+)  # fmt: skip
+DAEMON_TYPES = frozenset({"welcome", "checkpoint-now", "ok", "safe-steps", "peer-resume", "status", "error"})
 
 
 def encode(message_type: str, **fields: Any) -> bytes:

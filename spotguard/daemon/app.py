@@ -32,6 +32,8 @@ from spotguard.daemon.events import (
 from spotguard.daemon.handoff import Handoff, HandoffState
 from spotguard.daemon.notices import EventLog, NoticeBook, NoticeState, TrackedNotice
 from spotguard.daemon.notify import SystemdNotifier, watchdog_loop
+from spotguard.daemon.peerfetch import PeerResume, resume_from_peers
+from spotguard.daemon.peerfetch import attach as attach_peer_fetch
 from spotguard.daemon.peers import AREA as PEER_AREA
 from spotguard.daemon.peers import PeerReceiver
 from spotguard.daemon.plan import Plan, Planner, Route, probe_upload
@@ -47,6 +49,7 @@ from spotguard.manifest import (
     load_part,
     parse_step_dir,
     prune_local,
+    scan_local,
     step_dir_name,
 )
 from spotguard.monitors.base import Acknowledger, Monitor, MonitorError
@@ -54,6 +57,7 @@ from spotguard.notice import Action, Kind, Notice, utcnow
 from spotguard.peerwire import load_token, parse_address
 from spotguard.space import keep_room_for_one
 from spotguard.storage.base import Storage, StorageError
+from spotguard.storage.checkpoints import list_remote
 
 logger = logging.getLogger("spotguard.daemon")
 
@@ -131,6 +135,7 @@ class Daemon:
         self.plan_listeners = self.planner.listeners
         self.metrics_url: str | None = None  # set by build_and_run when metrics are served
         self.monitor_errors: dict[str, str] = {}
+        self._peer_resume_lock = asyncio.Lock()
         self._stopping = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -264,6 +269,8 @@ class Daemon:
             # retention removed since stays listed until the next rescan: it is older than
             # keep_remote complete ones, and local retention drops it anyway.)
             return [("safe-steps", {"names": sorted(self.uploader.committed), "bucket": self.config.bucket})]
+        if kind == "peer-resume":
+            return [await self._peer_resume(message)]
         if kind == "drill":
             return [await self._drill(message)]
         return [("status", self.status())]
@@ -275,6 +282,7 @@ class Daemon:
             "checkpoint_dir": str(self.root),
             "bucket": self.config.bucket,
             "daemon_pid": os.getpid(),
+            "peers": self._can_resume_from_peers(),  # the hook asks (peer-resume) before a resume
         }
         if claimed and Path(claimed).resolve() != self.root.resolve():
             fields["warning"] = (
@@ -596,6 +604,7 @@ class Daemon:
                 "peers: cannot listen on %s: %s; running without the peer receiver", self.config.peer_listen, exc
             )
             return
+        attach_peer_fetch(receiver)  # a replacement VM may fetch a replica back to resume from it
         self.peer_receiver = receiver
         if self.registry is not None and receiver.address is not None:
             try:
@@ -611,6 +620,54 @@ class Daemon:
         if self.registry is not None:
             return await self.registry.candidates()
         return self.config.peer_addresses()
+
+    def _can_resume_from_peers(self) -> bool:
+        return bool(self.config.peers) and self._peer_token is not None and self.storage is not None
+
+    async def _peer_resume(self, message: dict[str, Any]) -> Reply:
+        """Fetch the newest verified checkpoint of this bucket a peer holds, if it is newer than
+        every complete one here and in the bucket (consistency rule: spotguard/daemon/peerfetch.py)."""
+        after = message["after"]
+        if not self._can_resume_from_peers():
+            return "peer-resume", {"after": after, "path": None, "not_fetched": []}
+        assert self.storage is not None and self._peer_token is not None
+        storage, token = self.storage, self._peer_token
+
+        async def ask() -> PeerResume:
+            newest = max(after, await asyncio.to_thread(self._newest_complete))
+            fetch = message.get("fetch") is not False  # false: a multi-node job, only told what is newer
+            peers = self.config.peer_addresses()
+            return await resume_from_peers(peers, token, storage.url, self.root, newest, fetch=fetch)
+
+        async with self._peer_resume_lock:  # two ranks' hooks asking at once fetch once
+            try:
+                found = await asyncio.wait_for(ask(), protocol.PEER_RESUME_TIMEOUT)
+            except TimeoutError:
+                logger.warning("peers: nothing fetched in %.0f s; resuming without them", protocol.PEER_RESUME_TIMEOUT)
+                found = PeerResume(after=after)
+        after = found.after
+        for where in found.not_fetched:
+            logger.warning(
+                "peers: %s is newer than step %d but not fetched (a node's share, or a multi-node job)", where, after
+            )
+        fields: dict[str, Any] = {"after": after, "path": None, "not_fetched": found.not_fetched}
+        if found.path is not None and found.offer is not None:
+            self.uploader.submit(found.path, urgent=False)  # the same bytes as the peer's: either commit counts
+            peer = found.offer.peer
+            fields.update(path=str(found.path), step=found.offer.step, peer=f"{peer[0]}:{peer[1]}")
+        return "peer-resume", fields
+
+    def _newest_complete(self) -> int:
+        """The newest complete checkpoint's step, here or in the bucket (-1: none anywhere)."""
+        steps = [info.step for info in scan_local(self.root) if info.status == "complete"]
+        if self.storage is not None:
+            try:
+                steps += [info.step for info in list_remote(self.storage) if info.status == "complete"]
+            except (StorageError, OSError) as exc:
+                logger.warning(
+                    "peers: cannot list %s (%s): comparing with the local checkpoints only", self.storage.url, exc
+                )
+        return max(steps, default=-1)
 
     def _peer_available(self) -> bool:
         return self.handoff is not None and self.handoff.state is not HandoffState.FAILED

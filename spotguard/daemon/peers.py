@@ -12,7 +12,8 @@ keys the sender would have used, manifest last) -> ``deleted``.
 A connection that ends before its replica is verified leaves nothing: the replica is deleted. After a
 restart the area is read again: verified replicas are uploaded, anything else is deleted.
 
-:class:`PeerClient` is the sending side.
+:class:`PeerClient` is the sending side. A fresh VM's daemon may fetch a verified replica back to
+resume from it (spotguard/daemon/peerfetch.py).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import logging
 import os
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -63,6 +64,12 @@ _UPLOAD_RETRY = 5.0  # seconds between attempts to commit a verified replica
 # Disk writes of one connection in flight while its next frame is read (memory: this x the frame size).
 _WRITES_IN_FLIGHT = 8
 _READ_LIMIT = 4 * peerwire.SEND_CHUNK  # the stream's buffer: a few frames (a bigger one reallocates more)
+
+
+# A request frame's handler: (receiver, header, reader, writer, peer address); it writes its answer.
+RequestHandler = Callable[
+    ["PeerReceiver", dict[str, Any], asyncio.StreamReader, asyncio.StreamWriter, str], Awaitable[None]
+]
 
 
 class ReplicaState(StrEnum):
@@ -153,6 +160,7 @@ class PeerReceiver:
         self._writers: set[asyncio.StreamWriter] = set()  # open connections, closed with the receiver
         self._uploads: set[asyncio.Task[None]] = set()
         self._upload_slots = asyncio.Semaphore(1)  # one replica at a time: each is parallel inside
+        self.handlers: dict[str, RequestHandler] = {}  # more request types (frame type -> handler)
 
     # --- lifecycle of a replica (the one place it moves) ---------------------------------
 
@@ -296,6 +304,9 @@ class PeerReceiver:
                 raise peerwire.PeerError("bad-frame", "one replica per connection")
             replica = await self._open(header, who)
             writer.write(peerwire.encode({"t": "ok", "id": replica.id}))
+            return replica
+        if kind in self.handlers:  # e.g. list and fetch: spotguard/daemon/peerfetch.py
+            await self.handlers[kind](self, header, reader, writer, who)
             return replica
         if replica is None:
             raise peerwire.PeerError("bad-frame", f"{kind!r} before a replica was opened")

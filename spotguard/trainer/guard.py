@@ -11,9 +11,11 @@ import time
 from collections.abc import Collection, Mapping, MutableMapping
 from datetime import datetime
 from pathlib import Path
+from socket import gethostname
 from types import FrameType
 from typing import Any
 
+from spotguard import protocol
 from spotguard.config import trainer_settings
 from spotguard.manifest import (
     CheckpointExists,
@@ -131,6 +133,7 @@ class Guard:
         self.rank = dist.rank()
         self.world_size = dist.world_size()
         self._io_threads = io_threads  # threads that write and read this rank's files
+        self._daemon_wait = daemon_wait
 
         self._lock = threading.Lock()
         self._notice: dict[str, Any] | None = None  # the checkpoint-now message not yet saved for
@@ -543,7 +546,10 @@ class Guard:
     def resume(self, state: MutableMapping[str, Any], strict: bool = True) -> int:
         """Load the newest complete checkpoint into ``state``; returns the step to run next (0 if none).
 
-        Looks in the local root first, then in the bucket. A checkpoint that fails verification is
+        Looks in the local root first, then in the bucket. With a daemon that has peers configured,
+        asks it first whether a peer holds a verified checkpoint newer than both (a rescued one not yet
+        committed in the bucket); the daemon fetches that into the local root (the rule:
+        spotguard/daemon/peerfetch.py). A checkpoint that fails verification is
         skipped for the previous complete one. Under ``torch.distributed`` rank 0 chooses and every
         rank loads the same checkpoint; one saved by another number of ranks is resharded.
 
@@ -560,8 +566,10 @@ class Guard:
         self.wait(raise_error=False)  # a periodic save still being written may be the newest
         self.last_resume_report = None
         candidates: list[tuple[str, Manifest]] = []
+        one_disk = self._one_disk()
         with dist.settled("choosing a checkpoint to resume"):  # e.g. a newer format: every rank raises it
             if self.rank == 0:
+                self._ask_peers(fetch=one_disk)
                 candidates = self._candidates()
         candidates = dist.broadcast_object(candidates)
         for name, manifest in candidates:
@@ -597,6 +605,42 @@ class Guard:
             )
         logger.info("spotguard: resumed from %s (%s)", step_dir, manifest.reason)
         return manifest.step
+
+    def _one_disk(self) -> bool:
+        """Whether every rank reads this checkpoint root (one node): only then can a checkpoint the
+        daemon fetched onto this disk be resumed by all. Collective."""
+        if not dist.active():
+            return True
+        return len(set(dist.all_gather((gethostname(), str(self.checkpoint_dir.resolve()))))) == 1
+
+    def _daemon_has_peers(self) -> bool:
+        if self.client.welcome is None and self.client.socket_path.exists():
+            self.client.welcomed.wait(self._daemon_wait)  # a daemon is there: its welcome says
+        return bool(self.client.welcome and self.client.welcome.get("peers"))
+
+    def _ask_peers(self, *, fetch: bool) -> None:
+        """A peer may hold a checkpoint newer than any here or in the bucket (its sender died and the
+        peer is still committing it): the daemon fetches it, verified, into the checkpoint root,
+        where the choice that follows finds it. The rule: spotguard/daemon/peerfetch.py."""
+        if not self._daemon_has_peers():
+            return
+        newest = max((i.step for i in scan_local(self.checkpoint_dir) if i.status == "complete"), default=-1)
+        reply = self.client.ask("peer-resume", timeout=protocol.PEER_RESUME_TIMEOUT + 30, after=newest, fetch=fetch)
+        if reply is None or reply["type"] != "peer-resume":
+            return
+        for where in reply.get("not_fetched") or []:
+            logger.warning(
+                "spotguard: %s is newer than step %s but was not fetched (a node's share, or a multi-node "
+                "job): resuming from the newest complete checkpoint instead",
+                where,
+                reply["after"],
+            )
+        path = reply.get("path")
+        if isinstance(path, str):
+            if Path(path).parent.resolve() != self.checkpoint_dir.resolve():
+                logger.warning("spotguard: the daemon fetched %s, outside %s: not used", path, self.checkpoint_dir)
+            else:
+                logger.info("spotguard: fetched %s from peer %s: newer than the bucket's", path, reply.get("peer"))
 
     def _check(self, name: str, manifest: Manifest, state: Mapping[str, Any]) -> ResumeReport:
         """Compare the checkpoint's recorded contents with ``state``; every rank gets the same answer."""

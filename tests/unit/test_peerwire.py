@@ -71,3 +71,48 @@ def test_a_file_is_verified_from_its_ranges_crcs_in_any_order_and_read_back_when
     assert _combined_crc([*ranges, ranges[1]], len(data)) is None  # an overlap
     assert _combined_crc(ranges[:2], len(data)) is None  # short
     assert _combined_crc([(0, 0, 0)], 0) == crc32c_of_bytes(b"")
+
+
+def test_a_fetch_that_breaks_the_rules_leaves_nothing_in_the_checkpoint_root(tmp_path: Path) -> None:
+    """A holder (a bare server on 127.0.0.1 speaking the wire format) that sends a file the manifest
+    does not list, or stops before the end: the fetch fails and nothing counts as a checkpoint."""
+    import asyncio
+
+    from spotguard.daemon.peerfetch import STAGING, fetch_replica
+    from spotguard.daemon.peers import PeerClient
+    from spotguard.manifest import FileEntry, Manifest, crc32c_of_bytes
+
+    token = b"t" * 16
+    manifest = Manifest(step=4, reason="urgent", world_size=1, files={"w.bin": FileEntry(3, crc32c_of_bytes(b"abc"))})
+    head = {"t": "checkpoint", "id": "x", "name": "step-000000004", "manifest": manifest.to_json().decode()}
+
+    async def attempt(*after_head: bytes) -> str:
+        async def holder(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonce = peerwire.new_nonce()
+            writer.write(peerwire.encode({"t": "challenge", "v": 1, "nonce": nonce}))
+            auth = await peerwire.read_frame(reader)
+            writer.write(peerwire.encode({"t": "welcome", "mac": peerwire.receiver_proof(token, auth["nonce"], nonce)}))
+            await peerwire.read_frame(reader)  # the fetch
+            writer.write(peerwire.encode(head) + b"".join(after_head))
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(holder, "127.0.0.1", 0)
+        client = await PeerClient.connect("127.0.0.1", server.sockets[0].getsockname()[1], token)
+        try:
+            with pytest.raises(peerwire.PeerError) as caught:
+                await fetch_replica(client, "x", tmp_path)
+            return caught.value.code
+        finally:
+            await client.close()
+            server.close()
+
+    def data(name: str, payload: bytes, size: int = 3) -> bytes:
+        return peerwire.encode({"t": "data", "name": name, "size": size, "offset": 0, "len": len(payload)}) + payload
+
+    assert asyncio.run(attempt(data("../w.bin", b"abc"))) == "bad-path"
+    assert asyncio.run(attempt(data("other.bin", b"abc"))) == "bad-field"
+    assert asyncio.run(attempt(data("w.bin", b"abcd", size=4))) == "bad-field"  # not the manifest's size
+    assert asyncio.run(attempt(data("w.bin", b"abc"))) == "closed"  # no end frame
+    assert asyncio.run(attempt(data("w.bin", b"abx"), peerwire.encode({"t": "end"}))) == "mismatch"
+    assert list(tmp_path.iterdir()) == [] and not (tmp_path / STAGING).exists()

@@ -116,3 +116,16 @@ def test_file_range_numbers_are_checked(fields: dict[str, object]) -> None:
     with pytest.raises(protocol.ProtocolError) as info:
         protocol.decode(_range(**fields), allowed=protocol.CLIENT_TYPES)
     assert info.value.code == "bad-field"
+
+
+def test_peer_resume_asks_with_the_newest_step_known_and_is_answered_with_a_path_or_none() -> None:
+    request = protocol.decode(protocol.encode("peer-resume", after=-1, fetch=True), allowed=protocol.CLIENT_TYPES)
+    assert (request["after"], request["fetch"]) == (-1, True)
+    with pytest.raises(protocol.ProtocolError, match="after"):
+        protocol.decode(protocol.encode("peer-resume"), allowed=protocol.CLIENT_TYPES)
+    answer = protocol.encode("peer-resume", after=5, path="/nvme/step-000000009", step=9, peer="10.0.0.2:7140")
+    assert protocol.decode(answer, allowed=protocol.DAEMON_TYPES)["path"] == "/nvme/step-000000009"
+    assert (
+        protocol.decode(protocol.encode("peer-resume", after=5, path=None), allowed=protocol.DAEMON_TYPES)["path"]
+        is None
+    )

@@ -1,0 +1,336 @@
+"""Resuming from a peer: a checkpoint a peer holds that the bucket does not have yet.
+
+A VM that handed its urgent checkpoint to a peer dies; the peer then commits it in the bucket, which
+takes a while for a big state. A replacement VM that starts before that is done asks its daemon
+(``peer-resume`` on the socket, which :meth:`spotguard.Guard.resume` sends before it chooses), and the
+daemon asks its configured peers (``list``, then ``fetch``: spotguard/peerwire.py) on the same
+authenticated channel the handoff uses.
+
+The consistency rule: **the newest complete checkpoint wins**: a peer's replica of the same bucket is
+fetched when it is newer than every complete checkpoint on the local disk and in the bucket (between
+those two, ``Guard.resume`` keeps its order). A replica counts only once its receiver has
+verified it against its sender's manifest (state ``verified``, or ``uploaded`` and not yet deleted),
+and only if it is a whole checkpoint (a manifest of its own) of this daemon's bucket: never a
+replica of another bucket, and never a peer that does not prove it knows the job's token. A node's
+share of a multi-node checkpoint is not fetched (the other nodes' shares are elsewhere): one newer
+than everything else is named in a warning, and the resume goes on from the newest complete one.
+
+The fetch checks every file against the manifest's CRC32C once more, on this side, and commits the
+way a trainer does: the files are written under ``<root>/.peer-fetch/`` (never a step directory, so
+nothing scans it), the manifest last, and only then is the directory renamed into the checkpoint
+root. A fetch cut short leaves nothing that counts. The fetched checkpoint is an ordinary local one:
+the uploader may upload it too, and since its bytes and manifest are the peer's own, that skips the
+files already in the bucket and counts an identical manifest there as committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from spotguard import peerwire
+from spotguard.daemon.peers import (
+    _WRITES_IN_FLIGHT,
+    PeerClient,
+    PeerReceiver,
+    Replica,
+    ReplicaState,
+    _check_files,
+    _write_range,
+)
+from spotguard.manifest import (
+    MANIFEST,
+    Manifest,
+    ManifestError,
+    atomic_file,
+    check_relpath,
+    fsync_dir,
+    load_part,
+    parse_step_dir,
+    verify_dir,
+)
+from spotguard.space import free_bytes
+
+logger = logging.getLogger("spotguard.peers")
+
+STAGING = ".peer-fetch"  # under the checkpoint root: not a step directory, so never taken for one
+_FETCHABLE = frozenset({ReplicaState.VERIFIED, ReplicaState.UPLOADED})
+
+
+# --- the holding side (a receiver's connection) ---------------------------------------------------
+
+
+async def serve(
+    receiver: PeerReceiver,
+    header: dict[str, Any],
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    who: str,
+) -> None:
+    """Answer a ``list`` or ``fetch`` request on an authenticated connection."""
+    if header["t"] == "list":
+        bucket = receiver.storage.url if receiver.storage is not None else None
+        held = [r for r in receiver.replicas.values() if r.state in _FETCHABLE and r.bucket == bucket]
+        items = await asyncio.to_thread(lambda: [item for r in held if (item := _describe(r)) is not None])
+        writer.write(peerwire.encode({"t": "replicas", "items": items}))
+        return
+    replica_id = peerwire.field(header, "id", str)
+    replica = receiver.replicas.get(replica_id)
+    if replica is None or replica.state not in _FETCHABLE:
+        writer.write(peerwire.error_frame("gone", f"no verified replica {replica_id!r} here"))
+        return
+    try:
+        text = await asyncio.to_thread((replica.step_dir / MANIFEST).read_text)
+        manifest = Manifest.from_json(text.encode())
+    except FileNotFoundError:
+        writer.write(peerwire.error_frame("share", f"{replica.name}: a node's share, not a whole checkpoint"))
+        return
+    except (OSError, ManifestError) as exc:
+        writer.write(peerwire.error_frame("gone", f"{replica.name}: {exc}"))
+        return
+    logger.info("replica %s (%s): %s fetches it", replica.id, replica.name, who)
+    writer.write(peerwire.encode({"t": "checkpoint", "id": replica.id, "name": replica.name, "manifest": text}))
+    writer.transport.set_write_buffer_limits(high=2 * peerwire.MAX_DATA)  # as the handoff's sender does
+    sender = PeerClient(reader, writer, who)  # its data frames are the handoff's
+    try:
+        for rel in sorted(manifest.files):
+            if replica.state is ReplicaState.DELETED:  # committed in the bucket meanwhile, or dropped
+                raise FileNotFoundError(f"{replica.name} was deleted")
+            await sender.send_file(replica.step_dir / rel, rel)
+    except OSError as exc:
+        logger.warning("replica %s: its fetch by %s ended early: %s", replica.id, who, exc)
+        writer.write(peerwire.error_frame("gone", f"{replica.name}: {exc}"))
+        return
+    writer.write(peerwire.encode({"t": "end"}))
+
+
+def attach(receiver: PeerReceiver) -> None:
+    """Let ``receiver`` answer ``list`` and ``fetch``."""
+    receiver.handlers.update(list=serve, fetch=serve)
+
+
+def _describe(replica: Replica) -> dict[str, Any] | None:
+    """A held replica as ``list`` shows it; None if it is gone meanwhile."""
+    try:
+        manifest = Manifest.from_json((replica.step_dir / MANIFEST).read_bytes())
+        size, share = manifest.total_bytes, False
+    except FileNotFoundError:
+        files = load_part(replica.step_dir)
+        if files is None:
+            return None
+        size, share = sum(entry.size for entry in files.values()), True
+    except (OSError, ManifestError):
+        return None
+    return {"id": replica.id, "name": replica.name, "bucket": replica.bucket, "state": str(replica.state),
+            "bytes": size, "share": share}  # fmt: skip
+
+
+# --- the fetching side ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Offer:
+    """A verified replica a peer holds."""
+
+    peer: tuple[str, int]
+    id: str
+    name: str
+    step: int
+    bytes: int
+    share: bool
+
+    @property
+    def where(self) -> str:
+        return f"{self.name} on {self.peer[0]}:{self.peer[1]}"
+
+
+@dataclass
+class PeerResume:
+    """What asking the peers found: the fetched checkpoint (None if none), and newer shares not fetched."""
+
+    path: Path | None = None
+    offer: Offer | None = None
+    after: int = -1  # the newest complete step elsewhere it was compared with
+    not_fetched: list[str] = field(default_factory=list)
+
+
+async def list_replicas(client: PeerClient) -> list[dict[str, Any]]:
+    client.writer.write(peerwire.encode({"t": "list"}))
+    await client.writer.drain()
+    reply = await peerwire.read_frame(client.reader)
+    peerwire.expect(reply, "replicas")
+    items = peerwire.field(reply, "items", list)
+    return [item for item in items if isinstance(item, dict)]
+
+
+async def fetch_replica(client: PeerClient, replica_id: str, root: Path) -> Path:
+    """Fetch a verified replica into ``root`` as a committed step directory; returns it. Raises
+    :class:`~spotguard.peerwire.PeerError` (``mismatch`` for a file that fails its CRC32C) or
+    ``OSError``; nothing of a failed fetch is left behind."""
+    client.writer.write(peerwire.encode({"t": "fetch", "id": replica_id}))
+    await client.writer.drain()
+    head = await peerwire.read_frame(client.reader)
+    peerwire.expect(head, "checkpoint")
+    text = peerwire.field(head, "manifest", str)
+    try:
+        manifest = Manifest.from_json(text.encode())
+    except ManifestError as exc:
+        raise peerwire.PeerError("bad-manifest", str(exc)) from None
+    name = peerwire.field(head, "name", str)
+    if parse_step_dir(name) != manifest.step:
+        raise peerwire.PeerError("bad-manifest", f"{name!r}: the manifest says step {manifest.step}")
+    staging = root / STAGING
+    await asyncio.to_thread(shutil.rmtree, staging, True)  # what a fetch cut short before left
+    if (free := await asyncio.to_thread(free_bytes, root)) < manifest.total_bytes:
+        raise OSError(f"{name} needs {manifest.total_bytes} bytes, {root} has {free} free")
+    step_dir = staging / name
+    await asyncio.to_thread(step_dir.mkdir, parents=True)
+    try:
+        incoming = _Incoming(client, manifest, step_dir)
+        await incoming.receive()
+        problems = await asyncio.to_thread(_check_files, step_dir, manifest.files, incoming.sizes, incoming.ranges)
+        if problems:
+            raise peerwire.PeerError("mismatch", problems[0])
+        return await asyncio.to_thread(_commit, step_dir, text, root / name)
+    finally:
+        await asyncio.to_thread(shutil.rmtree, staging, True)
+
+
+@dataclass
+class _Incoming:
+    """The files of one fetch as they arrive: what was received, and the disk writes in flight."""
+
+    client: PeerClient
+    manifest: Manifest
+    step_dir: Path
+    sizes: dict[str, int] = field(default_factory=dict)
+    ranges: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)  # as the receiver keeps them
+    writes: set[asyncio.Future[None]] = field(default_factory=set)  # going on while the next frame is read
+
+    async def receive(self) -> None:
+        """Data frames until ``end``, each checked against the manifest before a byte of it is written."""
+        try:
+            while await self._one_frame():
+                pass
+        finally:
+            # Every write has landed (or failed) before the caller checks the files or removes them.
+            results = await asyncio.gather(*self.writes, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+
+    async def _one_frame(self) -> bool:
+        frame = await peerwire.read_frame(self.client.reader)
+        if frame["t"] == "end":
+            return False
+        peerwire.expect(frame, "data")
+        try:
+            rel = check_relpath(peerwire.field(frame, "name", str))
+        except ManifestError as exc:
+            raise peerwire.PeerError("bad-path", str(exc)) from None
+        size, offset, length = (peerwire.field(frame, key, int) for key in ("size", "offset", "len"))
+        entry = self.manifest.files.get(rel)
+        if entry is None or size != entry.size:
+            raise peerwire.PeerError("bad-field", f"{rel}: {size} bytes, not a file of the manifest")
+        if not (0 <= length <= peerwire.MAX_DATA and offset >= 0 and offset + length <= size):
+            raise peerwire.PeerError("bad-field", f"{rel}: a range [{offset}, +{length}) outside 0..{size}")
+        try:
+            data = await self.client.reader.readexactly(length)
+        except asyncio.IncompleteReadError:
+            raise peerwire.PeerError("closed", "the connection closed mid-frame") from None
+        self.sizes[rel] = size
+        while len(self.writes) >= _WRITES_IN_FLIGHT:
+            done, _ = await asyncio.wait(self.writes, return_when=asyncio.FIRST_COMPLETED)
+            for finished in done:
+                self.writes.discard(finished)
+                finished.result()
+        write = asyncio.to_thread(_write_range, self.step_dir, rel, offset, data, self.ranges.setdefault(rel, []))
+        self.writes.add(asyncio.ensure_future(write))
+        return True
+
+
+def _commit(step_dir: Path, manifest_text: str, target: Path) -> Path:
+    """Manifest last, then the whole directory into the checkpoint root in one rename."""
+    for path in step_dir.rglob("*"):
+        if path.is_file():
+            with contextlib.suppress(OSError):
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            path.chmod(0o644)  # readable by the trainer, as a checkpoint it wrote itself
+    with atomic_file(step_dir / MANIFEST) as out:
+        out.write(manifest_text.encode())
+    fsync_dir(step_dir)
+    if target.exists():
+        if not verify_dir(target, checksums=False):
+            return target  # already whole here (fetched before, or restored from the bucket meanwhile)
+        shutil.rmtree(target)  # an unfinished step directory of the same name
+    step_dir.rename(target)
+    fsync_dir(target.parent)
+    return target
+
+
+async def resume_from_peers(
+    addresses: list[tuple[str, int]], token: bytes, bucket: str, root: Path, after: int, *, fetch: bool = True
+) -> PeerResume:
+    """Fetch the newest whole verified replica of ``bucket`` newer than step ``after`` that a peer holds
+    (an older one, if the newest fails its checks); shares newer than everything are named."""
+    offers: list[Offer] = []
+    for host, port in addresses:
+        try:
+            client = await PeerClient.connect(host, port, token)
+        except (OSError, TimeoutError, peerwire.PeerError) as exc:
+            logger.warning("peer %s:%d: not asked for a newer checkpoint: %s", host, port, exc)
+            continue
+        try:
+            offers += _offers((host, port), await list_replicas(client), bucket, after)
+        except (OSError, peerwire.PeerError) as exc:
+            logger.warning("peer %s:%d: cannot list its replicas: %s", host, port, exc)
+        finally:
+            await client.close()
+    found = PeerResume(after=after)
+    for offer in sorted((o for o in offers if not o.share), key=lambda o: -o.step):
+        if not fetch:
+            break
+        try:
+            client = await PeerClient.connect(*offer.peer, token)
+        except (OSError, TimeoutError, peerwire.PeerError) as exc:
+            logger.warning("%s: not fetched: %s", offer.where, exc)
+            continue
+        try:
+            found.path = await fetch_replica(client, offer.id, root)
+            found.offer = offer
+            logger.warning("%s: fetched and verified (%d bytes): newer than the bucket's", offer.where, offer.bytes)
+            break
+        except (OSError, peerwire.PeerError) as exc:
+            logger.warning("%s: refused: %s", offer.where, exc)
+        finally:
+            await client.close()
+    best = found.offer.step if found.offer is not None else after
+    found.not_fetched = sorted({o.where for o in offers if (o.share or not fetch) and o.step > best})
+    return found
+
+
+def _offers(peer: tuple[str, int], items: list[dict[str, Any]], bucket: str, after: int) -> list[Offer]:
+    offers = []
+    for item in items:
+        name, replica_id = item.get("name"), item.get("id")
+        step = parse_step_dir(name) if isinstance(name, str) else None
+        if step is None or not isinstance(replica_id, str) or item.get("bucket") != bucket or step <= after:
+            continue  # never another bucket's, never an older one
+        size = item.get("bytes")
+        offers.append(
+            Offer(peer, replica_id, str(name), step, size if isinstance(size, int) else 0, item.get("share") is True)
+        )
+    return offers
+
+
+__all__ = ["STAGING", "Offer", "attach", "PeerResume", "fetch_replica", "list_replicas", "resume_from_peers", "serve"]
