@@ -636,7 +636,7 @@ class Daemon:
         async def ask() -> PeerResume:
             newest = max(after, await asyncio.to_thread(self._newest_complete))
             fetch = message.get("fetch") is not False  # false: a multi-node job, only told what is newer
-            peers = self.config.peer_addresses()
+            peers = await self._peer_candidates()  # the listed ones, or those found in the bucket
             return await resume_from_peers(peers, token, storage.url, self.root, newest, fetch=fetch)
 
         async with self._peer_resume_lock:  # two ranks' hooks asking at once fetch once
