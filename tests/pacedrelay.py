@@ -33,6 +33,11 @@ class PacedRelay:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Cut the link: every connection ends at once, requests half sent included (the kernel's
+        buffers of a killed client would otherwise still carry its last bytes through)."""
         self._closed.set()
         self.listener.close()
         with self._lock:
