@@ -353,8 +353,9 @@ def test_a_peer_rescues_the_share_of_a_node_the_bucket_cannot_take_in_time(
         vm_b.kill_daemon()  # SIGKILL
         shutil.copy(vm_b.log, tmp_path / "node-b.log")  # kept for the timeline, off the deleted disk
         shutil.rmtree(vm_b.dir)
-        assert remote_status(bucket, name) != "complete"  # node B's own upload did not make it
+        assert "ballast.rank1.pt" not in remote_files(bucket, name)  # node B's own upload did not make it
         wait_for(lambda: remote_status(bucket, name) == "complete", 60, "node A to commit the checkpoint")
+        assert "ballast.rank1.pt" in remote_files(bucket, name)
         wait_for(lambda: vm_a.status()["peers"]["replicas"] == [], 30, "node A to drop the committed replica")
         vm_a.stop_daemon()
 
@@ -364,6 +365,16 @@ def test_a_peer_rescues_the_share_of_a_node_the_bucket_cannot_take_in_time(
         assert events[0] == {"event": "resumed", "step": k}
         assert events[-1] == {"event": "finished", "step": STEPS}  # each rank's ballast as an uninterrupted run's
         assert compare_final(reference, resumed) == []
+
+
+def remote_files(bucket: str, name: str) -> set[str]:
+    from spotguard.storage import open_storage
+
+    storage = open_storage(bucket)
+    try:
+        return {o.key.partition("/")[2] for o in storage.list(f"{name}/")}
+    finally:
+        storage.close()
 
 
 def remote_status(bucket: str, name: str) -> str | None:
