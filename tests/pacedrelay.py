@@ -16,6 +16,8 @@ import threading
 import time
 from types import TracebackType
 
+_CATCH_UP = 0.5  # seconds of lateness a connection may make up at once (oversleeping under load)
+
 
 class PacedRelay:
     def __init__(self, upstream: str, bytes_per_s: float) -> None:
@@ -33,6 +35,11 @@ class PacedRelay:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Cut the link: every connection ends at once, requests half sent included (the kernel's
+        buffers of a killed client would otherwise still carry its last bytes through)."""
         self._closed.set()
         self.listener.close()
         with self._lock:
@@ -52,12 +59,14 @@ class PacedRelay:
             threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
 
     def _pump(self, source: socket.socket, sink: socket.socket, paced: bool) -> None:
-        started, sent = time.monotonic(), 0
+        due = time.monotonic()  # when the bytes passed so far are due at the cap
         try:
             while data := source.recv(64 * 1024):
                 if paced:
-                    sent += len(data)
-                    ahead = started + sent / self.rate - time.monotonic()
+                    # A sleep that overslept is made up for; an idle spell is not (a kept-alive
+                    # connection must be as slow as a new one).
+                    due = max(due, time.monotonic() - _CATCH_UP) + len(data) / self.rate
+                    ahead = due - time.monotonic()
                     if ahead > 0:
                         time.sleep(ahead)  # this connection's cap
                 sink.sendall(data)

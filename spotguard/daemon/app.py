@@ -13,7 +13,7 @@ import logging
 import os
 import signal
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -131,7 +131,6 @@ class Daemon:
         self.stalled: dict[int, dict[str, Any]] = {}  # peer id -> its report, while it stays stalled
         self.save_failed_listeners: list[SaveFailedListener] = []
         self.save_failures: list[dict[str, Any]] = []  # the last few, newest last
-        self.saved_listeners.append(lambda _name, manifest: self.planner.observe_size(manifest.total_bytes))
         self.plan_listeners = self.planner.listeners
         self.metrics_url: str | None = None  # set by build_and_run when metrics are served
         self.monitor_errors: dict[str, str] = {}
@@ -370,10 +369,11 @@ class Daemon:
             manifest = await asyncio.to_thread(load_manifest, resolved)
         except (OSError, ValueError) as exc:
             # Multi-node jobs: this disk may hold only this node's committed share.
-            if await asyncio.to_thread(load_part, resolved) is None:
+            if (share := await asyncio.to_thread(load_part, resolved)) is None:
                 raise protocol.ProtocolError("not-committed", f"{resolved.name}: {exc}") from None
             logger.info("trainer pid %d committed this node's share of %s", peer.pid, resolved.name)
             self._record_saved(message.get("event_id"), resolved.name, parse_step_dir(resolved.name) or 0)
+            self._observe_saved(share)
             if self.handoff is not None and self.pending is not None:
                 self.handoff.saved(resolved)  # the peer route carries this node's share
             if self.storage is not None:
@@ -384,10 +384,11 @@ class Daemon:
         )
         self._tell_saved(resolved.name, manifest)
         self._record_saved(message.get("event_id"), resolved.name, manifest.step)
-        if self.pending is not None:
-            self.planner.revise(self.uploader.forecast())
-            if self.handoff is not None:
-                self.handoff.saved(resolved)
+        # Node 0 of a multi-node job holds the whole job's manifest but uploads only its share.
+        share = await asyncio.to_thread(load_part, resolved) if manifest.meta.get("nodes", 1) > 1 else None
+        self._observe_saved(manifest.files if share is None else share)
+        if self.pending is not None and self.handoff is not None:
+            self.handoff.saved(resolved)
         if self.storage is None:
             await asyncio.to_thread(self._prune_without_bucket)
         else:
@@ -395,6 +396,13 @@ class Daemon:
             # Uploads failing for hours must not fill the disk the next urgent save needs.
             await asyncio.to_thread(keep_room_for_one, self.root, protected=self.uploader.in_flight())
         return "ok", {"queued": self.storage is not None, "name": resolved.name}
+
+    def _observe_saved(self, files: Mapping[str, FileEntry]) -> None:
+        """What this node uploads of the checkpoint just committed sizes the next notice's plan, and
+        the pending one's now."""
+        self.planner.observe_size(sum(entry.size for entry in files.values()))
+        if self.pending is not None:
+            self.planner.revise(self.uploader.forecast())
 
     def _save_failed(self, peer: Peer, message: dict[str, Any]) -> None:
         failure = {name: message.get(name) for name in _SAVE_FAILED_FIELDS}

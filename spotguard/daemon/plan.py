@@ -1,8 +1,9 @@
 """The deadline plan: at notice time, will the state reach the bucket before the deadline?
 
-From the state's size (the last checkpoint a trainer committed, or the newest one on local disk) and
-the measured upload rate (recent uploads, and a small probe at start so the first notice has a
-number) the daemon picks a route:
+From the state's size (the last checkpoint a trainer committed, or the newest one on local disk; in a
+multi-node job this node's share of it, which is all this node uploads) and the measured upload rate
+(recent uploads, and a small probe at start so the first notice has a number) the daemon picks a
+route:
 
 * ``bucket``: it fits (``seconds_needed <= FIT_FRACTION x seconds_left``);
 * ``peer``: it does not, and a peer can take it (peers are configured and one is free);
@@ -145,12 +146,15 @@ class Planner:
         self.meter.add(nbytes, seconds)
 
     def size_from_disk(self, root: Path) -> None:
-        """The newest complete local checkpoint's size, when no trainer has told one yet (blocking)."""
+        """What this node uploaded of its newest local checkpoint, when no trainer has told one yet
+        (blocking): a complete checkpoint's bytes, or in a multi-node job this node's share's."""
         if self.state_bytes is not None:
             return
-        complete = [info for info in scan_local(root) if info.status == "complete"]
-        if complete and self.state_bytes is None:
-            self.state_bytes = complete[-1].bytes
+        committed = [info for info in scan_local(root) if info.status == "complete" or info.node_files is not None]
+        if committed and self.state_bytes is None:
+            newest = committed[-1]
+            share = newest.node_files if newest.status != "complete" else None
+            self.state_bytes = newest.bytes if share is None else sum(entry.size for entry in share.values())
 
     def plan(self, notice: Notice) -> Plan:
         """The plan at notice time (replacing any earlier notice's)."""

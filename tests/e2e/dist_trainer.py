@@ -5,7 +5,9 @@
 Rank r talks to the daemon at ``--sockets[r % len]`` (one daemon per simulated VM). Prints JSON
 lines (rank 0 only). ``--notice-at k`` holds every rank at step k, asking ``should_checkpoint`` each
 time round, until some rank's daemon delivers a notice: the ranks that got none learn it through the
-all-reduce, which is the behaviour under test.
+all-reduce, which is the behaviour under test. ``--ballast-mib M`` adds a per-rank tensor of M MiB to
+the state (a per-rank file in the checkpoint) that every step changes; a run that finishes checks it
+against an uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -50,6 +52,22 @@ def snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[s
     return {"model": model_state, "optimizer": optim_state}
 
 
+BALLAST_STRIDE = 64  # each step marks every 64th element of the ballast, from its own offset
+
+
+def ballast(rank: int, mib: float, steps: int = 0) -> torch.Tensor:
+    """This rank's ballast as it is after ``steps`` steps: the bulk of a node's state, its own per rank
+    (a per-rank file in the checkpoint) and changed by every step, so a resume must load it."""
+    tensor = torch.rand(int(mib * (1 << 18)), generator=torch.Generator().manual_seed(1000 + rank))
+    for step in range(1, steps + 1):
+        mark(tensor, step)
+    return tensor
+
+
+def mark(tensor: torch.Tensor, step: int) -> None:
+    tensor[step % BALLAST_STRIDE :: BALLAST_STRIDE] += 1.0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--root", type=Path, help="the checkpoint root of every rank")
@@ -64,6 +82,7 @@ def main() -> None:
     parser.add_argument("--dump-saved", type=Path, help="at the urgent save, write the saved state here (rank 0)")
     parser.add_argument("--sgd-on-rank", type=int, help="this rank resumes with SGD instead of AdamW")
     parser.add_argument("--mismatch-out", type=Path, help="each rank writes the resume mismatch it got here")
+    parser.add_argument("--ballast-mib", type=float, default=0, help="a per-rank tensor of this size in the state")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -93,6 +112,8 @@ def main() -> None:
         handle_sigterm=False,
     )
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader}
+    if args.ballast_mib:
+        state["ballast"] = ballast(rank, args.ballast_mib)
     try:
         step = guard.resume(state)
     except SpotguardMismatch as error:
@@ -114,6 +135,8 @@ def main() -> None:
             optimizer.step()
             scheduler.step()
             step += 1
+            if args.ballast_mib:
+                mark(state["ballast"], step)
             emit("step", step=step)
             if step == args.notice_at:
                 deadline = time.monotonic() + 60
@@ -135,11 +158,15 @@ def main() -> None:
             continue
         break
     guard.close()
+    code = 0
     if guard.stop_requested:
         emit("stopped", step=step)
     else:
         if args.out and rank == 0:
             torch.save(snapshot(model, optimizer), args.out)
+        if args.ballast_mib and not torch.equal(state["ballast"], ballast(rank, args.ballast_mib, step)):
+            print(f"rank {rank}: the ballast differs from an uninterrupted run's", file=sys.stderr)
+            code = 1
         emit("finished", step=step)
     if world > 1:
         dist.destroy_process_group()
@@ -149,7 +176,8 @@ def main() -> None:
         # after rank 0 had finished). Every result is written and flushed by now.
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

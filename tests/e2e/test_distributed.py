@@ -187,14 +187,25 @@ def test_a_mismatch_on_one_rank_raises_the_same_error_on_every_rank(tmp_path: Pa
 
 
 def two_node_job(
-    vm_factory: Callable[..., Vm], tmp_path: Path, env: dict[str, str], bucket: str
+    vm_factory: Callable[..., Vm],
+    tmp_path: Path,
+    env: dict[str, str],
+    bucket: str,
+    *,
+    peers: bool = False,
+    env_b: dict[str, str] | None = None,
 ) -> tuple[Vm, Vm, list[str]]:
-    """Two simulated VMs, each with its own daemon and local disk, one rank each."""
-    vm_a = vm_factory("node-a", start=False)
-    vm_b = vm_factory("node-b", start=False)
-    for vm in (vm_a, vm_b):
-        vm.bucket = bucket
-        vm.start_daemon(env=env)
+    """Two simulated VMs, each with its own daemon and local disk, one rank each (node B's daemon with
+    ``env_b`` where given). With ``peers`` node A's daemon serves the peer tier and node B's hands
+    its urgent share to it."""
+    listen = ["--peer-listen", "127.0.0.1:0"] if peers else []
+    vm_a = vm_factory("node-a", start=False, extra_args=["--provider", "none", *listen])
+    vm_a.bucket = bucket
+    vm_a.start_daemon(env=env)
+    to_a = ["--peers", vm_a.status()["peers"]["listen"]] if peers else []
+    vm_b = vm_factory("node-b", start=False, extra_args=["--provider", "none", *to_a])
+    vm_b.bucket = bucket
+    vm_b.start_daemon(env=env if env_b is None else env_b)
     args = ["--roots", f"{vm_a.root},{vm_b.root}", "--sockets", f"{vm_a.socket},{vm_b.socket}", "--bucket", bucket]
     return vm_a, vm_b, args
 
@@ -281,6 +292,89 @@ def test_a_node_that_dies_before_uploading_leaves_the_checkpoint_incomplete(
         2, "--roots", f"{tmp_path / 'fresh-a'},{tmp_path / 'fresh-b'}", "--bucket", bucket, "--steps", str(first + 1)
     )
     assert events[0] == {"event": "resumed", "step": first}
+
+
+PEER_TOKEN = "the-job-s-peer-token-0123456789abcdef"
+RELAY_RATE = 500_000  # bytes/s per connection to the bucket
+BALLAST_MIB = 6  # per rank: at the relay's rate a node's share needs some 13 s; the drill gives 10
+DEADLINE = 10.0
+
+
+@pytest.mark.slow
+def test_a_peer_rescues_the_share_of_a_node_the_bucket_cannot_take_in_time(
+    reference: Path, vm_factory: Callable[..., Vm], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Node B gets a drill; its share cannot reach the bucket in time, so its daemon hands it to node
+    A's, and at the deadline node B dies with its disk. Node A's daemon commits B's share and then,
+    as node 0, the whole checkpoint; a fresh job resumes that urgent step bit for bit."""
+    import shutil
+    import time
+
+    from tests.pacedrelay import PacedRelay
+    from tests.servers import moto_s3, point_at
+
+    with (
+        moto_s3() as server,
+        PacedRelay(server.endpoint_url, RELAY_RATE) as link_a,
+        PacedRelay(server.endpoint_url, RELAY_RATE) as link_b,
+    ):
+        bucket = point_at(server, monkeypatch)  # the trainers and this test read the bucket directly
+        env = {"SPOTGUARD_PEER_TOKEN": PEER_TOKEN}
+        # Each VM its own slow link to the bucket: VM B's goes down with it.
+        env_a, env_b = ({**env, "AWS_ENDPOINT_URL_S3": link.url} for link in (link_a, link_b))
+        vm_a, vm_b, args = two_node_job(vm_factory, tmp_path, env_a, bucket, peers=True, env_b=env_b)
+        k = 6
+        name = f"step-{k:09d}"
+        deadlines: list[float] = []
+
+        def drill_node_b(event: dict) -> None:
+            if event["event"] == "step" and event["step"] == k:
+                wait_for(lambda: vm_b.status()["upload_rate_bytes_s"], 30, "node B's upload-rate probe")
+                request(vm_b.socket, "drill", deadline_s=DEADLINE)
+                deadlines.append(time.monotonic() + DEADLINE)
+
+        ballast = ["--ballast-mib", str(BALLAST_MIB)]
+        events = launch(2, *args, *ballast, "--steps", str(STEPS), "--notice-at", str(k), on_event=drill_node_b)
+        assert [e["step"] for e in events if e["event"] == "saved"] == [k]
+        [deadline] = deadlines
+        handed = wait_for(
+            lambda: (h := vm_b.status()["peers"]["handoff"])["state"] in ("handed", "failed") and h,
+            deadline - time.monotonic(),
+            "node B to hand its share to node A",
+        )
+        assert handed["state"] == "handed", handed
+        assert handed["name"] == name and handed["bytes_sent"] > BALLAST_MIB << 20
+        plan = vm_b.status()["plan"]
+        assert plan["route"] == "peer" and plan["bytes"] > BALLAST_MIB << 20, plan
+
+        # The deadline: VM B is gone, and its disk with it (its trainer stopped after the urgent save).
+        time.sleep(max(0.0, deadline - time.monotonic()))  # waiting for the deadline itself
+        link_b.close()
+        vm_b.kill_daemon()  # SIGKILL
+        shutil.copy(vm_b.log, tmp_path / "node-b.log")  # kept for the timeline, off the deleted disk
+        shutil.rmtree(vm_b.dir)
+        assert "ballast.rank1.pt" not in remote_files(bucket, name)  # node B's own upload did not make it
+        wait_for(lambda: remote_status(bucket, name) == "complete", 60, "node A to commit the checkpoint")
+        assert "ballast.rank1.pt" in remote_files(bucket, name)
+        wait_for(lambda: vm_a.status()["peers"]["replicas"] == [], 30, "node A to drop the committed replica")
+        vm_a.stop_daemon()
+
+        resumed = tmp_path / "resumed.pt"
+        fresh = f"{tmp_path / 'fresh-a'},{tmp_path / 'fresh-b'}"
+        events = launch(2, "--roots", fresh, "--bucket", bucket, *ballast, "--steps", str(STEPS), "--out", str(resumed))
+        assert events[0] == {"event": "resumed", "step": k}
+        assert events[-1] == {"event": "finished", "step": STEPS}  # each rank's ballast as an uninterrupted run's
+        assert compare_final(reference, resumed) == []
+
+
+def remote_files(bucket: str, name: str) -> set[str]:
+    from spotguard.storage import open_storage
+
+    storage = open_storage(bucket)
+    try:
+        return {o.key.partition("/")[2] for o in storage.list(f"{name}/")}
+    finally:
+        storage.close()
 
 
 def remote_status(bucket: str, name: str) -> str | None:

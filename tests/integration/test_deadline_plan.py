@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import boto3
@@ -13,6 +13,7 @@ from spotguard.cli import main
 from spotguard.control import request
 from spotguard.daemon.plan import PROBE_PREFIX
 from spotguard.demo import Vm, wait_for
+from spotguard.manifest import CheckpointWriter, FileEntry, crc32c_of_bytes, write_part
 from tests.checkpoints import write_checkpoint
 from tests.integration.test_metrics_webhook import Receiver, scrape, value
 from tests.pacedrelay import PacedRelay
@@ -88,3 +89,20 @@ def test_plan_routes_a_notice_by_the_measured_rate_and_shows_its_numbers(
     keys = [o["Key"] for o in client.list_objects_v2(Bucket=server.bucket, Prefix=prefix).get("Contents", [])]
     client.close()
     assert not [k for k in keys if PROBE_PREFIX in k] and any("step-000000003" in k for k in keys)
+
+
+def test_in_a_multi_node_job_the_plan_counts_what_this_node_uploads(vm_factory: Callable[..., Vm]) -> None:
+    """Node 0 holds the job's whole manifest but uploads only its share; node 1 holds only its share."""
+    for node, mine in ((0, 3000), (1, 2000)):
+        vm = vm_factory(f"node-{node}")
+        writer = CheckpointWriter(vm.root, 5, reason="periodic")
+        writer.prepare()
+        writer.write_bytes(f"shard.rank{node}.pt", bytes(mine))
+        write_part(writer.dir, node, 2, writer.files)
+        if node == 0:  # node 0's leader also commits the job's manifest, which lists node 1's files
+            writer.files["shard.rank1.pt"] = FileEntry(size=2000, crc32c=crc32c_of_bytes(bytes(2000)))
+            writer.meta.update(nodes=2)
+            writer.commit()
+        request(vm.socket, "saved", path=str(writer.dir), step=5, reason="periodic")
+        request(vm.socket, "drill", deadline_s=60)
+        assert vm.status()["plan"]["bytes"] == mine

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from spotguard.daemon.plan import FIT_FRACTION, Planner, RateMeter, Route, choose_route
+from spotguard.manifest import FileEntry, step_dir_name, write_part
 from spotguard.notice import Kind, Notice
+from tests.checkpoints import write_checkpoint
 
 MB = 1_000_000
 
@@ -69,3 +73,18 @@ def test_a_bucket_upload_falling_behind_starts_the_peer_route_and_never_goes_bac
     ]  # fmt: skip
     planner.end()
     assert planner.revise(fast) is None and planner.current is None
+
+
+def test_the_size_on_disk_is_what_this_node_uploads_of_its_newest_checkpoint(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, 3, {"weights.bin": bytes(1000)})
+    planner = Planner()
+    planner.size_from_disk(tmp_path)
+    assert planner.state_bytes == 1000
+    # A later checkpoint of a multi-node job: this disk holds only node 1's committed share of it.
+    share = tmp_path / step_dir_name(5)
+    share.mkdir()
+    (share / "ballast.rank1.pt").write_bytes(bytes(300))
+    write_part(share, 1, 2, {"ballast.rank1.pt": FileEntry(size=300, crc32c="00000000")})
+    planner = Planner()
+    planner.size_from_disk(tmp_path)
+    assert planner.state_bytes == 300
