@@ -527,6 +527,15 @@ def load_manifest_or_none(step_dir: Path) -> Manifest | None:
         return None
 
 
+def node_holdings(step_dir: Path) -> tuple[Manifest | None, dict[str, FileEntry] | None]:
+    """What this disk holds of a committed checkpoint: its manifest (None if none), and this node's
+    share of it (None unless the manifest's files are not all here: a multi-node job's node, whose
+    manifest, on node 0 only, lists every node's files)."""
+    manifest = load_manifest_or_none(step_dir)
+    share = None if manifest is not None and not verify_dir(step_dir, checksums=False) else load_part(step_dir)
+    return manifest, share
+
+
 def crc32c_of_range(path: Path, start: int, length: int) -> int:
     """CRC32C of ``length`` bytes of ``path`` from ``start`` (positional reads: threads share nothing)."""
     checksum = google_crc32c.Checksum()

@@ -24,7 +24,7 @@ from typing import Any
 
 from spotguard import peerwire
 from spotguard.daemon.peers import PeerClient, choose_peer
-from spotguard.manifest import FileEntry, ManifestError, load_manifest_or_none, load_part, parse_step_dir
+from spotguard.manifest import FileEntry, ManifestError, node_holdings, parse_step_dir
 
 logger = logging.getLogger("spotguard.handoff")
 
@@ -152,14 +152,13 @@ class Handoff:
 
 
 def _committed_files(step_dir: Path) -> dict[str, FileEntry]:
-    """What the trainer committed: the manifest's files, or (multi-node) this node's share."""
-    manifest = load_manifest_or_none(step_dir)
-    if manifest is not None:
-        return dict(manifest.files)
-    share = load_part(step_dir)
-    if share is None:
+    """What the trainer committed on this disk: the manifest's files, or (multi-node) this node's share."""
+    manifest, share = node_holdings(step_dir)
+    if share is not None:
+        return share
+    if manifest is None:
         raise ManifestError(f"{step_dir.name}: neither a manifest nor this node's part")
-    return share
+    return dict(manifest.files)
 
 
 __all__ = ["Handoff", "HandoffState"]

@@ -52,6 +52,7 @@ from spotguard.manifest import (
     check_relpath,
     fsync_dir,
     load_part,
+    node_holdings,
     parse_step_dir,
     verify_dir,
 )
@@ -86,11 +87,11 @@ async def serve(
         writer.write(peerwire.error_frame("gone", f"no verified replica {replica_id!r} here"))
         return
     try:
+        if await asyncio.to_thread(load_part, replica.step_dir) is not None:
+            writer.write(peerwire.error_frame("share", f"{replica.name}: a node's share, not a whole checkpoint"))
+            return
         text = await asyncio.to_thread((replica.step_dir / MANIFEST).read_text)
         manifest = Manifest.from_json(text.encode())
-    except FileNotFoundError:
-        writer.write(peerwire.error_frame("share", f"{replica.name}: a node's share, not a whole checkpoint"))
-        return
     except (OSError, ManifestError) as exc:
         writer.write(peerwire.error_frame("gone", f"{replica.name}: {exc}"))
         return
@@ -118,17 +119,17 @@ def attach(receiver: PeerReceiver) -> None:
 def _describe(replica: Replica) -> dict[str, Any] | None:
     """A held replica as ``list`` shows it; None if it is gone meanwhile."""
     try:
-        manifest = Manifest.from_json((replica.step_dir / MANIFEST).read_bytes())
-        size, share = manifest.total_bytes, False
-    except FileNotFoundError:
-        files = load_part(replica.step_dir)
-        if files is None:
-            return None
-        size, share = sum(entry.size for entry in files.values()), True
-    except (OSError, ManifestError):
+        manifest, share = node_holdings(replica.step_dir)
+    except OSError:
+        return None
+    if share is not None:  # node 0's share holds the job's manifest too, but not the other nodes' files
+        size = sum(entry.size for entry in share.values())
+    elif manifest is not None:
+        size = manifest.total_bytes
+    else:
         return None
     return {"id": replica.id, "name": replica.name, "bucket": replica.bucket, "state": str(replica.state),
-            "bytes": size, "share": share}  # fmt: skip
+            "bytes": size, "share": share is not None}  # fmt: skip
 
 
 # --- the fetching side ---------------------------------------------------------------------------

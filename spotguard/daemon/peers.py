@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -47,12 +48,20 @@ from spotguard.manifest import (
     fsync_dir,
     load_manifest,
     load_part,
+    node_holdings,
     parse_step_dir,
     verify_dir,
     write_part,
 )
 from spotguard.storage.base import Storage, StorageError
-from spotguard.storage.checkpoints import CommitLost, upload_checkpoint, upload_files
+from spotguard.storage.checkpoints import (
+    CommitLost,
+    OtherNodesMissing,
+    commit_remote,
+    upload_checkpoint,
+    upload_files,
+    wait_for_other_nodes,
+)
 
 logger = logging.getLogger("spotguard.peers")
 
@@ -61,6 +70,8 @@ _META = "replica.json"
 _AUTH_TIMEOUT = 5.0  # seconds a connection has to authenticate
 _IDLE_TIMEOUT = 30.0  # seconds without a frame before an authenticated connection is dropped
 _UPLOAD_RETRY = 5.0  # seconds between attempts to commit a verified replica
+# How long a replica of node 0's share waits for the other nodes' files before it gives up (as node 0 would).
+OTHER_NODES_WAIT = 600.0
 # Disk writes of one connection in flight while its next frame is read (memory: this x the frame size).
 _WRITES_IN_FLIGHT = 8
 _READ_LIMIT = 4 * peerwire.SEND_CHUNK  # the stream's buffer: a few frames (a bigger one reallocates more)
@@ -403,14 +414,17 @@ class PeerReceiver:
 
     async def _commit_share(self, replica: Replica, header: dict[str, Any]) -> None:
         """A multi-node job's dying node sends its share: its files and its ``part-<node>.json``.
-        The share's files go to the bucket (no manifest: node 0's daemon commits the global one once
-        every node's files are there)."""
+        The share's files go to the bucket. Node 0 also sends the job's manifest, which lists every
+        node's files: this daemon then commits it once they are all in the bucket, as node 0 would;
+        from any other node the manifest stays node 0's to commit."""
         text = peerwire.field(header, "part", str)
         await replica.settle()
         try:
             node, nodes, files = _parse_part(text)
         except (ValueError, KeyError, TypeError, AttributeError, ManifestError) as exc:
             raise peerwire.PeerError("bad-manifest", f"a node's part that cannot be read: {exc}") from None
+        job_text = None if header.get("manifest") is None else peerwire.field(header, "manifest", str)
+        job = None if job_text is None else self._job_manifest(replica, job_text, files)
         problems = await asyncio.to_thread(_check_files, replica.step_dir, files, replica.sizes, replica.ranges)
         if problems:
             replica.error = problems[0]
@@ -419,9 +433,30 @@ class PeerReceiver:
 
         def write() -> None:
             write_part(replica.step_dir, node, nodes, files)
-            self._move(replica, ReplicaState.VERIFIED, f"node {node}'s share: {len(files)} file(s)")
+            if job_text is not None:  # its bytes as node 0 would have committed them
+                with atomic_file(replica.step_dir / MANIFEST) as out:
+                    out.write(job_text.encode())
+                fsync_dir(replica.step_dir)
+            holds = f"node {node}'s share: {len(files)} file(s)" + (", and the job's manifest" if job else "")
+            self._move(replica, ReplicaState.VERIFIED, holds)
 
         await asyncio.to_thread(write)
+
+    @staticmethod
+    def _job_manifest(replica: Replica, text: str, share: dict[str, FileEntry]) -> Manifest:
+        """Node 0's copy of the job's manifest, which must list its share exactly as its part does."""
+        try:
+            manifest = Manifest.from_json(text.encode())
+        except ManifestError as exc:
+            raise peerwire.PeerError("bad-manifest", str(exc)) from None
+        if parse_step_dir(replica.name) != manifest.step:
+            raise peerwire.PeerError("bad-manifest", f"{replica.name}: the manifest says step {manifest.step}")
+        differ = sorted(rel for rel, entry in share.items() if manifest.files.get(rel) != entry)
+        if differ:
+            raise peerwire.PeerError(
+                "bad-manifest", f"{differ[0]}: the job's manifest lists it otherwise than the part"
+            )
+        return manifest
 
     # --- committing in the bucket ---------------------------------------------------------
 
@@ -433,21 +468,26 @@ class PeerReceiver:
     async def _upload(self, replica: Replica) -> None:
         assert self.storage is not None
         storage = self.storage
-        async with self._upload_slots:
-            while True:
-                try:
-                    await asyncio.to_thread(_send_replica, storage, replica.step_dir, self.concurrency)
-                    break
-                except CommitLost as exc:
-                    logger.warning("replica %s: %s", replica.id, exc)
-                    await asyncio.to_thread(
-                        self._move, replica, ReplicaState.DELETED, "another checkpoint holds its name"
-                    )
-                    return
-                except (StorageError, OSError, ManifestError) as exc:
-                    replica.error = str(exc)
-                    logger.error("replica %s: committing %s failed: %s; retrying", replica.id, replica.name, exc)
-                    await asyncio.sleep(_UPLOAD_RETRY)
+        while True:
+            try:
+                async with self._upload_slots:
+                    job_manifest = await asyncio.to_thread(_send_replica, storage, replica.step_dir, self.concurrency)
+                if job_manifest is not None:  # node 0's share: the job's manifest once every node's files are in
+                    await asyncio.to_thread(_commit_job, storage, replica.step_dir, job_manifest, OTHER_NODES_WAIT)
+                break
+            except CommitLost as exc:
+                logger.warning("replica %s: %s", replica.id, exc)
+                await asyncio.to_thread(self._move, replica, ReplicaState.DELETED, "another checkpoint holds its name")
+                return
+            except OtherNodesMissing as exc:
+                replica.error = str(exc)
+                # Its share is in the bucket; without the other nodes' the checkpoint cannot complete.
+                await asyncio.to_thread(self._move, replica, ReplicaState.DELETED, f"given up: {exc}")
+                return
+            except (StorageError, OSError, ManifestError) as exc:
+                replica.error = str(exc)
+                logger.error("replica %s: committing %s failed: %s; retrying", replica.id, replica.name, exc)
+                await asyncio.sleep(_UPLOAD_RETRY)
         await asyncio.to_thread(self._move, replica, ReplicaState.UPLOADED, f"committed in {storage.url}")
         await asyncio.to_thread(self._move, replica, ReplicaState.DELETED, "safe in the bucket")
 
@@ -488,15 +528,24 @@ def _parse_part(text: str) -> tuple[int, int, dict[str, FileEntry]]:
     return node, nodes, files
 
 
-def _send_replica(storage: Storage, step_dir: Path, concurrency: int) -> None:
-    """A verified replica to the bucket: a whole checkpoint with its manifest last, or a node's share."""
-    if (step_dir / MANIFEST).exists():
+def _send_replica(storage: Storage, step_dir: Path, concurrency: int) -> Manifest | None:
+    """A verified replica's files to the bucket (blocking). A whole checkpoint goes with its manifest
+    last; a node's share without it. Returns the job's manifest still to commit once the other
+    nodes' files are in (the share of node 0, which commits for the job), else None."""
+    manifest, share = node_holdings(step_dir)
+    if share is None:
+        if manifest is None:
+            raise ManifestError(f"{step_dir.name}: neither a manifest nor a node's part")
         upload_checkpoint(storage, step_dir, concurrency=concurrency)
-        return
-    files = load_part(step_dir)
-    if files is None:
-        raise ManifestError(f"{step_dir.name}: neither a manifest nor a node's part")
-    upload_files(storage, step_dir, files, concurrency=concurrency)
+        return None
+    upload_files(storage, step_dir, share, concurrency=concurrency)
+    return manifest
+
+
+def _commit_job(storage: Storage, step_dir: Path, manifest: Manifest, wait: float) -> None:
+    """As node 0's daemon would: wait for every node's files in the bucket, then commit the job's manifest."""
+    wait_for_other_nodes(storage, manifest, step_dir.name, deadline=time.monotonic() + wait)
+    commit_remote(storage, step_dir)
 
 
 def _combined_crc(ranges: list[tuple[int, int, int]], size: int) -> str | None:
@@ -627,15 +676,18 @@ class PeerClient:
         return size
 
     async def commit(self, step_dir: Path) -> dict[str, Any]:
-        """Send the manifest (or, in a multi-node job, this node's part): the receiver verifies every
-        file against it before answering."""
-        manifest = step_dir / MANIFEST
-        if await asyncio.to_thread(manifest.exists):
-            return await self._ask({"t": "commit", "manifest": (await asyncio.to_thread(manifest.read_text))})
-        parts = await asyncio.to_thread(lambda: sorted(step_dir.glob(f"{PART_PREFIX}*.json")))
-        if not parts:
+        """Send the manifest, or in a multi-node job this node's part (with the job's manifest from
+        node 0, which commits it): the receiver verifies every file against it before answering."""
+        manifest, share = await asyncio.to_thread(node_holdings, step_dir)
+        header: dict[str, Any] = {"t": "commit"}
+        if share is not None:
+            parts = await asyncio.to_thread(lambda: sorted(step_dir.glob(f"{PART_PREFIX}*.json")))
+            header["part"] = await asyncio.to_thread(parts[0].read_text)
+        if manifest is not None:
+            header["manifest"] = await asyncio.to_thread((step_dir / MANIFEST).read_text)
+        if len(header) == 1:
             raise ManifestError(f"{step_dir.name}: neither a manifest nor a node's part to send")
-        return await self._ask({"t": "commit", "part": (await asyncio.to_thread(parts[0].read_text))})
+        return await self._ask(header)
 
     async def close(self) -> None:
         self.writer.close()

@@ -31,13 +31,11 @@ from spotguard.manifest import (
     FileEntry,
     Manifest,
     SymlinkRefused,
-    load_manifest_or_none,
-    load_part,
+    node_holdings,
     open_nofollow,
     parse_step_dir,
     prune_local,
     scan_local,
-    verify_dir,
 )
 from spotguard.notice import utcnow
 from spotguard.storage.base import ChecksumMismatch, ObjectInfo, Storage, StorageError
@@ -427,7 +425,7 @@ class Uploader:
         early = self._early.pop(job.name, [])
         if early:
             await asyncio.gather(*early, return_exceptions=True)
-        manifest, share = await asyncio.to_thread(_what_to_send, step_dir)  # disk reads: off the loop
+        manifest, share = await asyncio.to_thread(node_holdings, step_dir)  # disk reads: off the loop
         if await self._settle_streams(step_dir, share if share is not None else manifest.files if manifest else {}):
             # Streams whose file message never came but whose file the commit lists: finished now.
             early = self._early.pop(job.name, [])
@@ -727,13 +725,6 @@ class Uploader:
             "failing_streak": self.failing_streak(),
             "conflicts": sorted(self.conflicts)[-5:],
         }
-
-
-def _what_to_send(step_dir: Path) -> tuple[Manifest | None, dict[str, FileEntry] | None]:
-    """A complete checkpoint's manifest, or else this node's committed share of one (or neither)."""
-    manifest = load_manifest_or_none(step_dir)
-    share = None if manifest is not None and not verify_dir(step_dir, checksums=False) else load_part(step_dir)
-    return manifest, share
 
 
 def _unlinked(fd: int) -> bool:

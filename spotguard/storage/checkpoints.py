@@ -301,6 +301,10 @@ def files_difference(mine: Manifest, other: Manifest) -> str | None:
     return f"{len(changed)} file(s) differ, first {changed[0]}"
 
 
+class OtherNodesMissing(StorageError):
+    """The other nodes' shares of a multi-node checkpoint did not reach the bucket in time."""
+
+
 def wait_for_other_nodes(
     storage: Storage,
     manifest: Manifest,
@@ -317,7 +321,7 @@ def wait_for_other_nodes(
         if not missing:
             return
         if time.monotonic() + poll > deadline:
-            raise StorageError(
+            raise OtherNodesMissing(
                 f"{name}: other nodes' files never reached the bucket: {missing[0]} (and {len(missing) - 1} more)"
             )
         if cancel is not None and cancel.wait(poll):

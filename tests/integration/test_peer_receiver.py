@@ -249,3 +249,48 @@ def test_a_node_s_share_of_a_multi_node_checkpoint_goes_to_the_bucket_without_a_
     expected = sorted(f"step-000000021/{rel}" for rel in files)
     wait_for(lambda: bucket_keys(url) == expected, 30, "the share's files in the bucket")
     wait_for(lambda: replica_area(receiver_vm) == [], 10, "the replica to be deleted once uploaded")
+
+
+def test_node_0_s_share_comes_with_the_job_s_manifest_committed_once_every_node_s_files_are_in(
+    receiver_vm: Vm, url: str, tmp_path: Path
+) -> None:
+    from spotguard.manifest import FileEntry, crc32c_of_bytes, write_part
+
+    # Node 0's disk: its own files, its part, and the job's manifest listing node 1's files as well.
+    node0 = {"model.rank0.pt": os.urandom(2 * MiB), "ballast.rank0.pt": os.urandom(MiB)}
+    node1 = {"model.rank1.pt": os.urandom(MiB)}
+    step_dir = write_checkpoint(tmp_path / "node0", 31, {**node0, **node1})
+    for rel in node1:
+        (step_dir / rel).unlink()
+    write_part(step_dir, 0, 2, {rel: FileEntry(len(data), crc32c_of_bytes(data)) for rel, data in node0.items()})
+
+    async def hand_over() -> dict[str, object]:
+        client = await PeerClient.connect(*address(receiver_vm), TOKEN.encode())
+        try:
+            await client.open_replica(step_dir.name, url)
+            for rel in node0:
+                await client.send_file(step_dir / rel, rel)
+            return await client.commit(step_dir)
+        finally:
+            await client.close()
+
+    assert asyncio.run(hand_over())["state"] == "verified"
+    share_keys = sorted(f"{step_dir.name}/{rel}" for rel in node0)
+    wait_for(lambda: bucket_keys(url) == share_keys, 30, "node 0's share in the bucket")
+    assert replica_area(receiver_vm) != []  # held: the job's manifest waits for node 1's files
+
+    storage = S3Storage(url)  # node 1's own daemon uploads its share
+    try:
+        for rel, data in node1.items():
+            (tmp_path / rel).write_bytes(data)
+            storage.put_file(tmp_path / rel, f"{step_dir.name}/{rel}", crc32c=crc32c_of_bytes(data))
+        wait_for(
+            lambda: [(i.name, i.status) for i in list_remote(storage)] == [(step_dir.name, "complete")],
+            30,
+            "the job's manifest committed by the peer",
+        )
+        remote = storage.read_bytes(f"{step_dir.name}/manifest.json")
+    finally:
+        storage.close()
+    assert remote == (step_dir / "manifest.json").read_bytes()  # exactly what node 0 would have committed
+    wait_for(lambda: replica_area(receiver_vm) == [], 10, "the replica to be deleted once committed")
