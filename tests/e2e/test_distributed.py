@@ -196,16 +196,14 @@ def two_node_job(
     env_b: dict[str, str] | None = None,
 ) -> tuple[Vm, Vm, list[str]]:
     """Two simulated VMs, each with its own daemon and local disk, one rank each (node B's daemon with
-    ``env_b`` where given). With ``peers`` node A's daemon serves the peer tier and node B's hands
-    its urgent share to it."""
-    listen = ["--peer-listen", "127.0.0.1:0"] if peers else []
-    vm_a = vm_factory("node-a", start=False, extra_args=["--provider", "none", *listen])
-    vm_a.bucket = bucket
-    vm_a.start_daemon(env=env)
-    to_a = ["--peers", vm_a.status()["peers"]["listen"]] if peers else []
-    vm_b = vm_factory("node-b", start=False, extra_args=["--provider", "none", *to_a])
-    vm_b.bucket = bucket
-    vm_b.start_daemon(env=env if env_b is None else env_b)
+    ``env_b`` where given). With ``peers`` both daemons serve the peer tier and find each other
+    through the bucket, as the Terraform modules set them up."""
+    tier = ["--peer-listen", "127.0.0.1:0", "--peers", "bucket"] if peers else []
+    vm_a = vm_factory("node-a", start=False, extra_args=["--provider", "none", *tier])
+    vm_b = vm_factory("node-b", start=False, extra_args=["--provider", "none", *tier])
+    for vm, vm_env in ((vm_a, env), (vm_b, env if env_b is None else env_b)):
+        vm.bucket = bucket
+        vm.start_daemon(env=vm_env)
     args = ["--roots", f"{vm_a.root},{vm_b.root}", "--sockets", f"{vm_a.socket},{vm_b.socket}", "--bucket", bucket]
     return vm_a, vm_b, args
 
@@ -301,12 +299,14 @@ DEADLINE = 10.0
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("dying", [1, 0], ids=["node-1-dies", "node-0-dies"])
 def test_a_peer_rescues_the_share_of_a_node_the_bucket_cannot_take_in_time(
-    reference: Path, vm_factory: Callable[..., Vm], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    dying: int, reference: Path, vm_factory: Callable[..., Vm], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Node B gets a drill; its share cannot reach the bucket in time, so its daemon hands it to node
-    A's, and at the deadline node B dies with its disk. Node A's daemon commits B's share and then,
-    as node 0, the whole checkpoint; a fresh job resumes that urgent step bit for bit."""
+    """One node gets a drill; its share cannot reach the bucket in time, so its daemon hands it to the
+    other's (found through the bucket), and at the deadline the node dies with its disk. The other
+    daemon commits the share and the whole checkpoint (node 0's part: when node 0 dies, its peer
+    commits the job's manifest it was handed); a fresh job resumes that urgent step bit for bit."""
     import shutil
     import time
 
@@ -320,44 +320,47 @@ def test_a_peer_rescues_the_share_of_a_node_the_bucket_cannot_take_in_time(
     ):
         bucket = point_at(server, monkeypatch)  # the trainers and this test read the bucket directly
         env = {"SPOTGUARD_PEER_TOKEN": PEER_TOKEN}
-        # Each VM its own slow link to the bucket: VM B's goes down with it.
+        # Each VM its own slow link to the bucket: the dying VM's goes down with it.
         env_a, env_b = ({**env, "AWS_ENDPOINT_URL_S3": link.url} for link in (link_a, link_b))
         vm_a, vm_b, args = two_node_job(vm_factory, tmp_path, env_a, bucket, peers=True, env_b=env_b)
+        (vm, link), (survivor, _) = [(vm_a, link_a), (vm_b, link_b)][:: 1 if dying == 0 else -1]
         k = 6
         name = f"step-{k:09d}"
+        ballast_file = f"ballast.rank{dying}.pt"
         deadlines: list[float] = []
 
-        def drill_node_b(event: dict) -> None:
+        def drill(event: dict) -> None:
             if event["event"] == "step" and event["step"] == k:
-                wait_for(lambda: vm_b.status()["upload_rate_bytes_s"], 30, "node B's upload-rate probe")
-                request(vm_b.socket, "drill", deadline_s=DEADLINE)
+                wait_for(lambda: vm.status()["upload_rate_bytes_s"], 30, "the dying node's upload-rate probe")
+                request(vm.socket, "drill", deadline_s=DEADLINE)
                 deadlines.append(time.monotonic() + DEADLINE)
 
         ballast = ["--ballast-mib", str(BALLAST_MIB)]
-        events = launch(2, *args, *ballast, "--steps", str(STEPS), "--notice-at", str(k), on_event=drill_node_b)
+        events = launch(2, *args, *ballast, "--steps", str(STEPS), "--notice-at", str(k), on_event=drill)
         assert [e["step"] for e in events if e["event"] == "saved"] == [k]
         [deadline] = deadlines
         handed = wait_for(
-            lambda: (h := vm_b.status()["peers"]["handoff"])["state"] in ("handed", "failed") and h,
+            lambda: (h := vm.status()["peers"]["handoff"])["state"] in ("handed", "failed") and h,
             deadline - time.monotonic(),
-            "node B to hand its share to node A",
+            "the dying node to hand its share to the other",
         )
         assert handed["state"] == "handed", handed
         assert handed["name"] == name and handed["bytes_sent"] > BALLAST_MIB << 20
-        plan = vm_b.status()["plan"]
+        assert handed["peer"] == survivor.status()["peers"]["listen"]  # found through the bucket
+        plan = vm.status()["plan"]
         assert plan["route"] == "peer" and plan["bytes"] > BALLAST_MIB << 20, plan
 
-        # The deadline: VM B is gone, and its disk with it (its trainer stopped after the urgent save).
+        # The deadline: the VM is gone, and its disk with it (its trainer stopped after the urgent save).
         time.sleep(max(0.0, deadline - time.monotonic()))  # waiting for the deadline itself
-        link_b.close()
-        vm_b.kill_daemon()  # SIGKILL
-        shutil.copy(vm_b.log, tmp_path / "node-b.log")  # kept for the timeline, off the deleted disk
-        shutil.rmtree(vm_b.dir)
-        assert "ballast.rank1.pt" not in remote_files(bucket, name)  # node B's own upload did not make it
-        wait_for(lambda: remote_status(bucket, name) == "complete", 60, "node A to commit the checkpoint")
-        assert "ballast.rank1.pt" in remote_files(bucket, name)
-        wait_for(lambda: vm_a.status()["peers"]["replicas"] == [], 30, "node A to drop the committed replica")
-        vm_a.stop_daemon()
+        link.close()
+        vm.kill_daemon()  # SIGKILL
+        shutil.copy(vm.log, tmp_path / "dead-node.log")  # kept for the timeline, off the deleted disk
+        shutil.rmtree(vm.dir)
+        assert ballast_file not in remote_files(bucket, name)  # the dying node's own upload did not make it
+        wait_for(lambda: remote_status(bucket, name) == "complete", 60, "the survivor to commit the checkpoint")
+        assert ballast_file in remote_files(bucket, name)
+        wait_for(lambda: survivor.status()["peers"]["replicas"] == [], 30, "the survivor to drop the replica")
+        survivor.stop_daemon()
 
         resumed = tmp_path / "resumed.pt"
         fresh = f"{tmp_path / 'fresh-a'},{tmp_path / 'fresh-b'}"
