@@ -264,6 +264,9 @@ def test_bucket_retention_keeps_newest_keep_remote_and_never_the_newest_complete
             guard.save({"w": torch.full((MiB,), float(step))}, step, reason="urgent")
             wait_for(lambda s=step: s in complete_steps(bucket), 60, f"step {step} in the bucket")  # type: ignore[misc]
         wait_for(lambda: complete_steps(bucket) == [4, 5], 30, "retention to leave steps 4 and 5")
+        # Two more observations: at least one of them began after the end state was there.
+        observed = len(observations)
+        wait_for(lambda: len(observations) >= observed + 2 or bool(errors), 60, "the watcher to see the end")
     finally:
         guard.close()
         stop.set()
