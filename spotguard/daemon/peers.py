@@ -86,6 +86,7 @@ class Replica:
     # (offset, length, CRC32C) of every range written, per file: verified without reading the file back.
     ranges: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
     buffers: list[bytearray] = field(default_factory=list)  # payload buffers no write holds, reused
+    ends: dict[str, int] = field(default_factory=dict)  # per file, the furthest end of a range written
 
     async def settle(self) -> None:
         """Wait for every disk write in flight; raise the first that failed."""
@@ -353,6 +354,11 @@ class PeerReceiver:
         sizes[rel] = size
         # The write goes on in a thread while the next frame is read; a few at most per connection, each
         # holding its buffer until it is done.
+        if offset < replica.ends.get(rel, 0):
+            # It may overlap a range still being written (a file the sender's trainer wrote again):
+            # that one lands first. (The overlap then makes the commit read the file back.)
+            await replica.settle()
+        replica.ends[rel] = max(replica.ends.get(rel, 0), offset + length)
         writes = replica.writes
         while len(writes) >= _WRITES_IN_FLIGHT:
             done, _ = await asyncio.wait(writes, return_when=asyncio.FIRST_COMPLETED)
