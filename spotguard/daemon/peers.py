@@ -61,7 +61,8 @@ _META = "replica.json"
 _AUTH_TIMEOUT = 5.0  # seconds a connection has to authenticate
 _IDLE_TIMEOUT = 30.0  # seconds without a frame before an authenticated connection is dropped
 _UPLOAD_RETRY = 5.0  # seconds between attempts to commit a verified replica
-# Disk writes of one connection in flight while its next frame is read (memory: this x the frame size).
+# Disk writes of one connection in flight while its next frame is read (memory: one more than this
+# x the frame size, at most MAX_DATA).
 _WRITES_IN_FLIGHT = 8
 
 
@@ -351,6 +352,8 @@ class PeerReceiver:
             raise peerwire.PeerError("bad-field", f"{rel}: size {size}, announced before as {sizes[rel]}")
         if replica.bytes - sizes.get(rel, 0) + size > self.max_replica_bytes:
             raise peerwire.PeerError("too-large", f"a replica may hold at most {self.max_replica_bytes} bytes")
+        if rel not in sizes:  # its directory, once per file (only this daemon writes in its area)
+            await asyncio.to_thread(_make_parent, replica.step_dir, rel)
         sizes[rel] = size
         # The write goes on in a thread while the next frame is read; a few at most per connection, each
         # holding its buffer until it is done.
@@ -462,13 +465,16 @@ class PeerReceiver:
         }
 
 
-def _write_range(step_dir: Path, rel: str, offset: int, data: memoryview, ranges: list[tuple[int, int, int]]) -> None:
-    """pwrite one range (in a thread) and note its CRC32C in ``ranges`` (a list append is atomic)."""
+def _make_parent(step_dir: Path, rel: str) -> None:
     path = step_dir / rel
     path.parent.mkdir(parents=True, exist_ok=True)
     if not path.parent.resolve().is_relative_to(step_dir.resolve()):
         raise peerwire.PeerError("bad-path", f"{rel} leaves the replica")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+
+
+def _write_range(step_dir: Path, rel: str, offset: int, data: memoryview, ranges: list[tuple[int, int, int]]) -> None:
+    """pwrite one range (in a thread) and note its CRC32C in ``ranges`` (a list append is atomic)."""
+    fd = os.open(step_dir / rel, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         os.pwrite(fd, data, offset)
     finally:
