@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import shutil
 import socket
@@ -144,6 +145,8 @@ def notice_to_safe(moto: Moto, work: Path, gib: float, deadline: float, *, peer:
         assert trainer.stdout.readline().strip() == '{"ready": true}'
         t_notice = time.time()
         request(vm_a.socket, "drill", deadline_s=deadline)
+        saved = json.loads(trainer.stdout.readline())  # the trainer's urgent save, committed locally
+        times["committed_locally"] = saved["timeline"]["committed_local"] - t_notice
         if peer:
             handed = wait_for(
                 lambda: (h := vm_a.status()["peers"]["handoff"])["state"] in ("handed", "failed") and h,
