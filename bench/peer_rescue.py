@@ -1,6 +1,15 @@
-"""The peer tier's transfer against the floor: a plain loopback TCP copy of the same bytes.
+"""The peer tier: notice -> safe on a peer against notice -> safe in the bucket, and the peer
+transfer against the floor, a plain loopback TCP copy of the same bytes.
 
-In one run, interleaved, several runs each, medians:
+Notice -> safe (one run each; moto behind a relay pacing every connection, 1 MB/s by default): a
+trainer (``Guard``, a ``--gib`` state) on daemon A saves its urgent checkpoint at a drill;
+
+- peer: A has a peer, daemon B; A's plan routes to B, A streams the ranges as the trainer writes
+  them; "safe on a peer" is A's handoff ``handed`` (B verified every file), A is then killed (the VM
+  is gone), and B commits the checkpoint in the bucket ("safe in the bucket, through the peer");
+- bucket: A alone; "safe in the bucket" is A's own commit there.
+
+Throughput, in one run, interleaved, several runs each, medians:
 
 - floor: the checkpoint's files sent over one loopback TCP connection (``socket.sendfile``) to a
   receiver process that writes them to its disk: what the link and the disk can do at most;
@@ -10,13 +19,14 @@ In one run, interleaved, several runs each, medians:
 
 The acceptance target is peer throughput >= 0.8 of the floor.
 
-    python bench/peer_rescue.py --gib 1 --files 8 --runs 3
+    python bench/peer_rescue.py --gib 1 --files 8 --runs 3 [--no-rescue] [--per-connection-mb-s 1]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import shutil
 import socket
@@ -27,8 +37,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import machine, median, write_results
+from common import Moto, capped_link, machine, median, moto_process, write_results
+from upload_deadline import TRAINER
 
+from spotguard.control import request
 from spotguard.daemon.peers import PeerClient, send_checkpoint
 from spotguard.demo import Vm, wait_for
 from spotguard.manifest import CheckpointWriter, load_manifest
@@ -109,12 +121,96 @@ def peer_copy(step_dir: Path, where: tuple[str, int], bucket: str) -> float:
     return asyncio.run(hand_over())
 
 
+def notice_to_safe(moto: Moto, work: Path, gib: float, deadline: float, *, peer: bool) -> dict[str, Any]:
+    """One drill on daemon A (with peer B or alone) and its trainer; seconds from the notice."""
+    prefix = f"rescue-{'peer' if peer else 'bucket'}"
+    env = {"SPOTGUARD_PEER_TOKEN": TOKEN}
+    vm_b = Vm(work, f"{prefix}-b", moto.url(prefix), extra_args=["--provider", "none", "--peer-listen", "127.0.0.1:0"])
+    peers = []
+    if peer:
+        vm_b.start_daemon(env=env)
+        peers = ["--peers", vm_b.status()["peers"]["listen"]]
+    vm_a = Vm(work, f"{prefix}-a", moto.url(prefix), extra_args=["--provider", "none", *peers])
+    vm_a.start_daemon(env=env)
+    bench_dir = str(Path(__file__).parent)
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", TRAINER, bench_dir, str(vm_a.root), str(vm_a.socket), str(gib), "8"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    times: dict[str, Any] = {}
+    try:
+        wait_for(lambda: vm_a.status()["upload_rate_bytes_s"], 60, "A's upload-rate probe")
+        assert trainer.stdout is not None
+        assert trainer.stdout.readline().strip() == '{"ready": true}'
+        t_notice = time.time()
+        request(vm_a.socket, "drill", deadline_s=deadline)
+        saved = json.loads(trainer.stdout.readline())  # the trainer's urgent save, committed locally
+        times["committed_locally"] = saved["timeline"]["committed_local"] - t_notice
+        if peer:
+            handed = wait_for(
+                lambda: (h := vm_a.status()["peers"]["handoff"])["state"] in ("handed", "failed") and h,
+                600,
+                "A's handoff",
+                interval=0.01,
+            )
+            assert handed["state"] == "handed", handed
+            times["safe_on_peer"] = time.time() - t_notice
+            times["route"] = vm_a.status()["plan"]["route"]
+            vm_a.kill_daemon()  # the VM is gone: B alone commits it
+            wait_for(lambda: vm_b.status()["peers"]["replicas"] == [], 1800, "B's commit", interval=0.05)
+            times["safe_in_bucket"] = time.time() - t_notice
+        else:
+            status = wait_for(
+                lambda: (s := vm_a.status())["last_notice"] and s["last_notice"].get("committed_at") and s,
+                1800,
+                "A's commit in the bucket",
+                interval=0.05,
+            )
+            times["safe_in_bucket"] = time.time() - t_notice
+            times["route"] = status["plan"]["route"] if status.get("plan") else None
+    finally:
+        trainer.kill()
+        trainer.wait()
+        vm_a.kill_daemon()
+        if peer:
+            vm_b.kill_daemon()
+        moto.empty(prefix)
+        shutil.rmtree(vm_a.dir, ignore_errors=True)
+        shutil.rmtree(vm_b.dir, ignore_errors=True)
+    return times
+
+
+def rescue(gib: float, mb_s: float, deadline: float) -> dict[str, dict[str, Any]]:
+    with (
+        tempfile.TemporaryDirectory(prefix="spotguard-peer-rescue-") as tmp,
+        moto_process() as direct,
+        capped_link(direct.endpoint_url, mb_s * 1e6) as relay,
+    ):
+        os.environ["AWS_ENDPOINT_URL_S3"] = relay  # both daemons reach the bucket through it
+        moto = Moto(relay, direct.bucket)
+        results = {
+            "peer": notice_to_safe(moto, Path(tmp), gib, deadline, peer=True),
+            "bucket": notice_to_safe(moto, Path(tmp), gib, deadline, peer=False),
+        }
+    for route, times in results.items():
+        said = ", ".join(
+            f"{key} {value:.1f} s" if isinstance(value, float) else f"{key} {value}" for key, value in times.items()
+        )
+        print(f"notice -> safe, {route} route: {said}")
+    return results
+
+
 def main() -> int:
     cli = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     cli.add_argument("--gib", type=float, default=1.0)
     cli.add_argument("--files", type=int, default=8)
     cli.add_argument("--runs", type=int, default=3)
+    cli.add_argument("--no-rescue", action="store_true", help="only the throughput against the TCP copy")
+    cli.add_argument("--per-connection-mb-s", type=float, default=1.0, help="the relay's cap on each connection")
+    cli.add_argument("--deadline", type=float, default=30.0, help="the drill's seconds of notice")
     args = cli.parse_args()
+    rescued = None if args.no_rescue else rescue(args.gib, args.per_connection_mb_s, args.deadline)
     with tempfile.TemporaryDirectory(prefix="spotguard-peer-bench-") as tmp:
         scratch = Path(tmp)
         step_dir = make_checkpoint(scratch / "sender", args.gib, args.files)
@@ -142,7 +238,7 @@ def main() -> int:
         )
     print(f"peer / floor throughput: {ratio:.2f} (target >= 0.80)")
     report: dict[str, Any] = {"machine": machine(), "bytes": nbytes, "files": args.files, "seconds": times}
-    report.update(rates_mb_s=rates, ratio=ratio)
+    report.update(rates_mb_s=rates, ratio=ratio, notice_to_safe=rescued)
     print(f"results: {write_results('peer_rescue', report)}")
     return 0
 

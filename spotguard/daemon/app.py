@@ -358,6 +358,10 @@ class Daemon:
             raise protocol.ProtocolError("bad-field", str(exc)) from None
         except OSError as exc:  # a symlink (refused), a directory, no permission
             raise protocol.ProtocolError("bad-path", f"file-range: {step_dir / tmp}: {exc}") from None
+        if self.handoff is not None and self.pending is not None:
+            self.handoff.file_range(
+                step_dir, name, tmp=str(tmp), size=message["size"], offset=message["offset"], length=message["length"]
+            )
 
     async def _saved(self, peer: Peer, message: dict[str, Any]) -> Reply:
         resolved = self._step_dir(Path(message["path"]))

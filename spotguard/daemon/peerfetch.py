@@ -42,6 +42,7 @@ from spotguard.daemon.peers import (
     Replica,
     ReplicaState,
     _check_files,
+    _make_parent,
     _write_range,
 )
 from spotguard.manifest import (
@@ -70,7 +71,7 @@ _FETCHABLE = frozenset({ReplicaState.VERIFIED, ReplicaState.UPLOADED})
 async def serve(
     receiver: PeerReceiver,
     header: dict[str, Any],
-    reader: asyncio.StreamReader,
+    reader: peerwire.Reads,
     writer: asyncio.StreamWriter,
     who: str,
 ) -> None:
@@ -245,6 +246,8 @@ class _Incoming:
             data = await self.client.reader.readexactly(length)
         except asyncio.IncompleteReadError:
             raise peerwire.PeerError("closed", "the connection closed mid-frame") from None
+        if rel not in self.sizes:
+            await asyncio.to_thread(_make_parent, self.step_dir, rel)
         self.sizes[rel] = size
         while len(self.writes) >= _WRITES_IN_FLIGHT:
             done, _ = await asyncio.wait(self.writes, return_when=asyncio.FIRST_COMPLETED)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import json
 import logging
 import os
@@ -30,7 +31,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from spotguard import peerwire
 from spotguard.manifest import (
@@ -72,15 +73,13 @@ _IDLE_TIMEOUT = 30.0  # seconds without a frame before an authenticated connecti
 _UPLOAD_RETRY = 5.0  # seconds between attempts to commit a verified replica
 # How long a replica of node 0's share waits for the other nodes' files before it gives up (as node 0 would).
 OTHER_NODES_WAIT = 600.0
-# Disk writes of one connection in flight while its next frame is read (memory: this x the frame size).
+# Disk writes of one connection in flight while its next frame is read (memory: one more than this
+# x the frame size, at most MAX_DATA).
 _WRITES_IN_FLIGHT = 8
-_READ_LIMIT = 4 * peerwire.SEND_CHUNK  # the stream's buffer: a few frames (a bigger one reallocates more)
 
 
 # A request frame's handler: (receiver, header, reader, writer, peer address); it writes its answer.
-RequestHandler = Callable[
-    ["PeerReceiver", dict[str, Any], asyncio.StreamReader, asyncio.StreamWriter, str], Awaitable[None]
-]
+RequestHandler = Callable[["PeerReceiver", dict[str, Any], peerwire.Reads, asyncio.StreamWriter, str], Awaitable[None]]
 
 
 class ReplicaState(StrEnum):
@@ -103,6 +102,8 @@ class Replica:
     writes: set[asyncio.Future[None]] = field(default_factory=set)  # disk writes not yet finished
     # (offset, length, CRC32C) of every range written, per file: verified without reading the file back.
     ranges: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
+    buffers: list[bytearray] = field(default_factory=list)  # payload buffers no write holds, reused
+    ends: dict[str, int] = field(default_factory=dict)  # per file, the furthest end of a range written
 
     async def settle(self) -> None:
         """Wait for every disk write in flight; raise the first that failed."""
@@ -198,7 +199,7 @@ class PeerReceiver:
         await asyncio.to_thread(self.area.mkdir, parents=True, exist_ok=True)
         for replica in await asyncio.to_thread(self._recover):
             self._schedule_upload(replica)
-        self._server = await asyncio.start_server(self._serve, self.host, self.port, limit=_READ_LIMIT)
+        self._server = await peerwire.start_server(self._serve, self.host, self.port)
         port = self._server.sockets[0].getsockname()[1]
         self.address = f"{self.host}:{port}"
         logger.info("peer receiver listening on %s", self.address)
@@ -242,7 +243,7 @@ class PeerReceiver:
             task.cancel("daemon shutting down")
         await asyncio.gather(*self._uploads, return_exceptions=True)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve(self, reader: peerwire.FrameStream, writer: asyncio.StreamWriter) -> None:
         peername = writer.get_extra_info("peername")
         who = f"{peername[0]}:{peername[1]}" if isinstance(peername, tuple) else "?"
         replica: Replica | None = None
@@ -280,7 +281,7 @@ class PeerReceiver:
                 writer.close()
                 await writer.wait_closed()
 
-    async def _authenticate(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _authenticate(self, reader: peerwire.FrameStream, writer: asyncio.StreamWriter) -> None:
         nonce = peerwire.new_nonce()
         writer.write(peerwire.encode({"t": "challenge", "v": peerwire.VERSION, "nonce": nonce}))
         await writer.drain()
@@ -299,7 +300,7 @@ class PeerReceiver:
     async def _request(
         self,
         header: dict[str, Any],
-        reader: asyncio.StreamReader,
+        reader: peerwire.FrameStream,
         writer: asyncio.StreamWriter,
         who: str,
         replica: Replica | None,
@@ -358,7 +359,7 @@ class PeerReceiver:
         await asyncio.to_thread(self._move, replica, ReplicaState.RECEIVING, f"{who} opened it")
         return replica
 
-    async def _data(self, replica: Replica, header: dict[str, Any], reader: asyncio.StreamReader) -> None:
+    async def _data(self, replica: Replica, header: dict[str, Any], reader: peerwire.FrameStream) -> None:
         try:
             rel = check_relpath(peerwire.field(header, "name", str))
         except ManifestError as exc:
@@ -371,18 +372,32 @@ class PeerReceiver:
             raise peerwire.PeerError("bad-field", f"{rel}: size {size}, announced before as {sizes[rel]}")
         if replica.bytes - sizes.get(rel, 0) + size > self.max_replica_bytes:
             raise peerwire.PeerError("too-large", f"a replica may hold at most {self.max_replica_bytes} bytes")
+        if rel not in sizes:  # its directory, once per file (only this daemon writes in its area)
+            await asyncio.to_thread(_make_parent, replica.step_dir, rel)
         sizes[rel] = size
-        data = await reader.readexactly(length)
-        # The write goes on in a thread while the next frame is read; a few at most per connection.
+        # The write goes on in a thread while the next frame is read; a few at most per connection, each
+        # holding its buffer until it is done.
+        if offset < replica.ends.get(rel, 0):
+            # It may overlap a range still being written (a file the sender's trainer wrote again):
+            # that one lands first. (The overlap then makes the commit read the file back.)
+            await replica.settle()
+        replica.ends[rel] = max(replica.ends.get(rel, 0), offset + length)
         writes = replica.writes
         while len(writes) >= _WRITES_IN_FLIGHT:
             done, _ = await asyncio.wait(writes, return_when=asyncio.FIRST_COMPLETED)
             for finished in done:
                 writes.discard(finished)
                 finished.result()
+        free = replica.buffers
+        buffer = free.pop() if free else bytearray(peerwire.SEND_CHUNK)
+        if len(buffer) < length:  # a bigger frame (at most MAX_DATA): the smaller buffer goes
+            buffer = bytearray(length)
+        data = memoryview(buffer)[:length]
+        await reader.readinto(data)
         ranges = replica.ranges.setdefault(rel, [])
-        write = asyncio.to_thread(_write_range, replica.step_dir, rel, offset, data, ranges)
-        writes.add(asyncio.ensure_future(write))
+        write = asyncio.ensure_future(asyncio.to_thread(_write_range, replica.step_dir, rel, offset, data, ranges))
+        write.add_done_callback(lambda _: free.append(buffer))
+        writes.add(write)
 
     async def _commit(self, replica: Replica, header: dict[str, Any]) -> None:
         if "part" in header:
@@ -499,18 +514,29 @@ class PeerReceiver:
         }
 
 
-def _write_range(step_dir: Path, rel: str, offset: int, data: bytes, ranges: list[tuple[int, int, int]]) -> None:
-    """pwrite one range (in a thread) and note its CRC32C in ``ranges`` (a list append is atomic)."""
+def _make_parent(step_dir: Path, rel: str) -> None:
     path = step_dir / rel
     path.parent.mkdir(parents=True, exist_ok=True)
     if not path.parent.resolve().is_relative_to(step_dir.resolve()):
         raise peerwire.PeerError("bad-path", f"{rel} leaves the replica")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+
+
+def _write_range(
+    step_dir: Path, rel: str, offset: int, data: bytes | memoryview, ranges: list[tuple[int, int, int]]
+) -> None:
+    """pwrite one range (in a thread) and note its CRC32C in ``ranges`` (a list append is atomic)."""
+    fd = os.open(step_dir / rel, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         os.pwrite(fd, data, offset)
     finally:
         os.close(fd)
-    ranges.append((offset, len(data), crc32c_hex_to_int(crc32c_of_bytes(data))))
+    # google-crc32c takes no bytearray nor memoryview (only buffers that need no release); a ctypes
+    # array over the same memory is one, without a copy.
+    if isinstance(data, memoryview):  # a receiver's reused buffer (writable)
+        crc = crc32c_of_bytes((ctypes.c_char * len(data)).from_buffer(data))  # type: ignore[arg-type]
+    else:
+        crc = crc32c_of_bytes(data)
+    ranges.append((offset, len(data), crc32c_hex_to_int(crc)))
 
 
 def _parse_part(text: str) -> tuple[int, int, dict[str, FileEntry]]:
@@ -592,7 +618,7 @@ class PeerClient:
     >>> await client.commit(step_dir)
     """
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, address: str) -> None:
+    def __init__(self, reader: peerwire.Reads, writer: asyncio.StreamWriter, address: str) -> None:
         self.reader = reader
         self.writer = writer
         self.address = address
@@ -648,31 +674,33 @@ class PeerClient:
         self.writer.write(data)
         await self.writer.drain()
 
+    async def send_part(
+        self, file: BinaryIO, rel: str, size: int, offset: int, length: int, *, chunk: int = peerwire.SEND_CHUNK
+    ) -> None:
+        """Bytes ``[offset, offset+length)`` of the open ``file`` (``rel``, ``size`` bytes in all) in data
+        frames of at most ``chunk`` bytes. The kernel sends them from the page cache (``sendfile``): no
+        read into Python, no copy through the transport's buffer."""
+        loop = asyncio.get_running_loop()
+        end = offset + length
+        while True:  # at least once: an empty file is sent as one empty range
+            want = min(chunk, end - offset)
+            self.writer.write(peerwire.encode({"t": "data", "name": rel, "size": size, "offset": offset, "len": want}))
+            if want:
+                sent = await loop.sendfile(self.writer.transport, file, offset, want)
+                if sent < want:  # the frame's header promised more: the connection cannot go on
+                    raise OSError(f"{rel} ended at {offset + sent} bytes while it was sent")
+            else:
+                await self.writer.drain()
+            offset += want
+            if offset >= end:
+                return
+
     async def send_file(self, path: Path, rel: str, *, chunk: int = peerwire.SEND_CHUNK) -> int:
-        """All of ``path`` as ``rel``, read from disk in threads one chunk at a time; returns its size."""
-        size = (await asyncio.to_thread(path.stat)).st_size
+        """All of ``path`` as ``rel``; returns its size."""
         fd = await asyncio.to_thread(os.open, path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        reading: asyncio.Future[bytes] | None = None
-        try:
-            offset = 0
-            reading = asyncio.ensure_future(asyncio.to_thread(os.pread, fd, min(chunk, size), 0))
-            while True:  # at least once: an empty file is sent as one empty range
-                want = min(chunk, size - offset)
-                data = await reading
-                if len(data) < want:
-                    raise OSError(f"{path} shrank while it was sent")
-                if offset + want < size:  # the next chunk comes off the disk while this one is sent
-                    after = offset + want
-                    reading = asyncio.ensure_future(asyncio.to_thread(os.pread, fd, min(chunk, size - after), after))
-                await self.send_range(rel, size, offset, data)
-                offset += want
-                if offset >= size:
-                    break
-        finally:
-            if reading is not None and not reading.done():
-                # The descriptor is closed only once no thread reads it (its number could be reused).
-                await asyncio.gather(reading, return_exceptions=True)
-            os.close(fd)
+        with open(fd, "rb", buffering=0) as file:
+            size = os.fstat(fd).st_size
+            await self.send_part(file, rel, size, 0, size, chunk=chunk)
         return size
 
     async def commit(self, step_dir: Path) -> dict[str, Any]:
