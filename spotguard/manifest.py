@@ -86,6 +86,14 @@ class SymlinkRefused(OSError):
     writes, and must not be led by one to read (and upload) a file the trainer could not."""
 
 
+def is_unlinked(fd: int) -> bool:
+    """Whether the file open at ``fd`` has no name left on disk (its writer removed it)."""
+    try:
+        return os.fstat(fd).st_nlink == 0
+    except OSError:
+        return True
+
+
 def open_nofollow(path: Path) -> int:
     """A read-only descriptor for ``path``, refusing a symlink as its last component (race-free:
     ``O_NOFOLLOW`` is checked by the same call that opens)."""

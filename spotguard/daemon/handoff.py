@@ -32,10 +32,10 @@ from typing import Any, BinaryIO
 
 from spotguard import peerwire
 from spotguard.daemon.peers import PeerClient, choose_peer
-from spotguard.daemon.uploader import _unlinked
 from spotguard.manifest import (
     FileEntry,
     ManifestError,
+    is_unlinked,
     node_holdings,
     open_nofollow,
     parse_step_dir,
@@ -96,7 +96,7 @@ class Handoff:
         key = (step_dir.name, rel)
         stream = self._streams.get(key)
         if stream is not None and (
-            (stream.tmp, stream.size) != (tmp, size) or _unlinked(stream.file.fileno())
+            (stream.tmp, stream.size) != (tmp, size) or is_unlinked(stream.file.fileno())
         ):  # given up and written again: what was sent of it counts for nothing (the peer checks at commit)
             self._drop(key)
             stream = None

@@ -31,6 +31,7 @@ from spotguard.manifest import (
     FileEntry,
     Manifest,
     SymlinkRefused,
+    is_unlinked,
     node_holdings,
     open_nofollow,
     parse_step_dir,
@@ -254,7 +255,7 @@ class Uploader:
                 continue
             if owner is not None and stream.owner != owner:
                 continue
-            if name is None and owner is None and not every and not _unlinked(stream.fd):
+            if name is None and owner is None and not every and not is_unlinked(stream.fd):
                 continue
             del self._streams[key]
             logger.info("%s/%s: aborting its streamed upload: %s", stream.name, stream.rel, why)
@@ -725,14 +726,6 @@ class Uploader:
             "failing_streak": self.failing_streak(),
             "conflicts": sorted(self.conflicts)[-5:],
         }
-
-
-def _unlinked(fd: int) -> bool:
-    """Whether the file open at ``fd`` has no name left on disk (its writer removed it)."""
-    try:
-        return os.fstat(fd).st_nlink == 0
-    except OSError:
-        return True
 
 
 def _mib(count: int) -> str:
