@@ -383,29 +383,25 @@ def checkov(*args: str) -> subprocess.CompletedProcess[str]:
     return run([find_tool("checkov"), "-d", str(TERRAFORM), "--skip-download", *args], cwd=REPO)
 
 
-@pytest.mark.slow
-def test_checkov_finds_no_failures() -> None:
-    result = checkov("--compact", "--quiet")
-    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
-    assert re.search(r"Failed checks: 0\b", result.stdout), result.stdout[-2000:]
-
-
 SKIP_COMMENT = re.compile(r"#\s*checkov:skip=([A-Z0-9_]+)(?::(.*))?")
 
 
 @pytest.mark.slow
-def test_every_checkov_skip_is_justified_and_used() -> None:
+def test_checkov_finds_no_failures_and_every_skip_is_justified_and_used() -> None:
     comments = {}
     for path in TERRAFORM.rglob("*.tf"):
         for match in SKIP_COMMENT.finditer(path.read_text()):
             reason = (match.group(2) or "").strip()
             assert len(reason) >= 30, f"{path.name}: skip of {match.group(1)} needs a reason beside it"
             comments[match.group(1)] = reason
-    report = json.loads(checkov("-o", "json").stdout)
+    result = checkov("-o", "json")  # one run (seconds of CPU): its report says both
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
+    report = json.loads(result.stdout)
     reports = report if isinstance(report, list) else [report]
     skipped = {c["check_id"] for r in reports for c in r["results"].get("skipped_checks", [])}
     failed = [c["check_id"] for r in reports for c in r["results"].get("failed_checks", [])]
     assert failed == []
+    assert sum(r["summary"]["passed"] for r in reports) > 0  # it did check something
     # A skip checkov does not report any more is stale: the check passes or vanished.
     assert skipped == set(comments), f"stale: {set(comments) - skipped}, unexplained: {skipped - set(comments)}"
 

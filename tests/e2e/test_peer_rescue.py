@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from spotguard.control import request
+from spotguard import control
 from spotguard.demo import Vm, compare_final, wait_for
 from spotguard.storage.checkpoints import list_remote
 from spotguard.storage.s3 import S3Storage
@@ -59,18 +59,22 @@ def server() -> Iterator[S3Server]:
 
 @pytest.mark.slow
 def test_a_peer_rescues_an_urgent_checkpoint_the_bucket_cannot_take_in_time(
-    tmp_path: Path, server: S3Server, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, server: S3Server, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
     url = point_at(server, monkeypatch)
     direct = {**os.environ, "AWS_ENDPOINT_URL_S3": server.endpoint_url}  # the fresh VM reads the bucket directly
     reference = tmp_path / "reference.pt"
-    run_to_end(trainer(tmp_path / "ref-nvme", tmp_path / "none.sock", None, reference))
+    # The uninterrupted run goes on alongside the rest (each process uses one thread).
+    uninterrupted = subprocess.Popen(
+        trainer(tmp_path / "ref-nvme", tmp_path / "none.sock", None, reference), stdout=subprocess.DEVNULL
+    )
+    request.addfinalizer(uninterrupted.kill)  # a no-op once it has ended
 
     with PacedRelay(server.endpoint_url, 1_000_000) as relay:
         monkeypatch.setenv("AWS_ENDPOINT_URL_S3", relay.url)
         monkeypatch.setenv("SPOTGUARD_PEER_TOKEN", TOKEN)
         vm_b = Vm(tmp_path, "vm-b", url, extra_args=["--provider", "none", "--peer-listen", "127.0.0.1:0"])
-        vm_b.start_daemon()
+        vm_b.start_daemon(env={"SPOTGUARD_UPLOAD_CONCURRENCY": "48"})  # a VM with more streams to the bucket
         vm_a = Vm(tmp_path, "vm-a", url, extra_args=["--provider", "none", "--peers", vm_b.status()["peers"]["listen"]])
         vm_a.start_daemon()
         train_a: subprocess.Popen[str] | None = None
@@ -83,7 +87,7 @@ def test_a_peer_rescues_an_urgent_checkpoint_the_bucket_cannot_take_in_time(
             for line in train_a.stdout:
                 if line.startswith("{") and json.loads(line)["event"] == "waiting":
                     break
-            request(vm_a.socket, "drill", deadline_s=DEADLINE)
+            control.request(vm_a.socket, "drill", deadline_s=DEADLINE)
             deadline = time.monotonic() + DEADLINE
 
             handed = wait_for(
@@ -122,6 +126,7 @@ def test_a_peer_rescues_an_urgent_checkpoint_the_bucket_cannot_take_in_time(
         finally:
             vm_b.kill_daemon()
 
+    assert uninterrupted.wait(timeout=300) == 0
     resumed = tmp_path / "resumed.pt"
     events = run_to_end(trainer(tmp_path / "fresh-nvme", tmp_path / "none.sock", url, resumed), env=direct)
     assert events[0] == {**events[0], "event": "resumed", "step": K}
