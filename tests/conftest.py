@@ -50,3 +50,34 @@ def vm(vm_factory: Callable[..., Vm]) -> Vm:
 def tmpfs(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
     """``tmpfs(size_bytes)`` mounts a small tmpfs for the test and returns where; unmounted at teardown."""
     yield from mount_tmpfs(tmp_path / "mnt")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Order the tests so that every xdist worker starts with its share of the slow ones.
+
+    ``--dist worksteal`` hands each worker an equal contiguous slice of this list, and idle workers
+    later steal the ends of the others' queues. Left in file order, the minute-long end-to-end tests
+    sit together in one slice and some run last, alone, while the other cores idle. Here the slow
+    tests' files are dealt out (whole: their module-scoped fixtures are built once) to the slices,
+    each slice's slow tests first, the quick tests filling the rest in their usual order."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers < 2:
+        return
+    slow_files: dict[object, list[pytest.Item]] = {}
+    quick = []
+    for item in items:
+        if item.get_closest_marker("slow") is None:
+            quick.append(item)
+        else:
+            slow_files.setdefault(item.path, []).append(item)
+    lanes: list[list[pytest.Item]] = [[] for _ in range(workers)]
+    for group in sorted(slow_files.values(), key=len, reverse=True):
+        min(lanes, key=len).extend(group)
+    ordered, left = [], len(items)
+    for index, lane in enumerate(lanes):
+        size = left // (workers - index)  # the slice worksteal sends this worker
+        left -= size
+        take = max(0, size - len(lane))
+        ordered += lane + quick[:take]
+        del quick[:take]
+    items[:] = ordered + quick

@@ -4,12 +4,10 @@ restart the checkpoint completes, and no multipart upload is left open.
 
 The daemon reaches moto through ``Uplink``, a relay capping the upload direction at 40 MiB/s in
 total (an instance's uplink, instead of loopback speed on a shared 2-core box), so that the upload
-takes a steady ~7 s. Kill points are random: a seeded RNG picks a point in the first 70% of what
-is left to send, and the daemon is killed once its own progress (``status``: bytes in the bucket,
-parts included) passes it, whatever the machine's load makes of the time that takes. Aborted
-multipart parts are not resumed, and with every file advancing together over the shared link
-nothing completes before the end, so every kill lands inside the upload. Everything else is
-synchronised by polling with deadlines.
+takes a steady ~7 s. Kill points are random: a seeded RNG over the first 70% of the measured
+upload time of what is left (progress is per file: aborted multipart parts are not resumed, and
+with every file advancing together over the shared link, nothing completes before the end, so
+every kill lands inside the upload). Everything else is synchronised by polling with deadlines.
 """
 
 from __future__ import annotations
@@ -17,6 +15,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import os
 import random
 import socket
 import threading
@@ -189,12 +188,42 @@ def status_of(bucket: str, name: str) -> str | None:
         storage.close()
 
 
-def progress(vm: Vm, name: str) -> tuple[int, int] | None:
-    """(bytes in the bucket, bytes in all) of the daemon's upload of ``name``; None when it is not uploading it."""
-    current = vm.status()["uploads"]["current"]
-    if current is None or current["name"] != name:
-        return None
-    return int(current["bytes_done"]), int(current["bytes_total"])
+def data_bytes_in_bucket(s3: S3Server, name: str) -> int:
+    """Bytes of the checkpoint's data objects already in the bucket (what a restart need not send)."""
+    client = boto3.client("s3", endpoint_url=s3.endpoint_url, region_name="us-east-1")
+    try:
+        resp = client.list_objects_v2(Bucket=s3.bucket, Prefix=f"{PREFIX}/{name}/")
+        return sum(obj["Size"] for obj in resp.get("Contents", []) if not obj["Key"].endswith(MANIFEST))
+    finally:
+        client.close()
+
+
+def upload_started(vm: Vm, bucket: str, name: str) -> bool:
+    return vm.status()["uploads"]["current"] is not None or status_of(bucket, name) == "complete"
+
+
+def calibrate(vm_factory: Callable[..., Vm], s3: S3Server, step_dir: Path, env: dict[str, str]) -> float:
+    """Seconds the daemon takes to upload this checkpoint uninterrupted: a second daemon, same files
+    (hard links), another prefix (deleted afterwards)."""
+    scratch = f"s3://{s3.bucket}/calibration"
+    vm = vm_factory("calibration", start=False)
+    vm.bucket = scratch
+    (vm.root / step_dir.name).mkdir(parents=True)
+    for path in step_dir.iterdir():
+        os.link(path, vm.root / step_dir.name / path.name)
+    vm.start_daemon(env=env)
+    # The daemon times its own upload (status: last_committed.seconds); polling the socket loads
+    # nothing else, where polling the bucket would slow moto (same process) and skew the figure.
+    last = wait_for(lambda: vm.status()["uploads"]["last_committed"], 120, "the calibration upload")
+    assert last["name"] == step_dir.name
+    seconds = float(last["seconds"])
+    vm.kill_daemon()
+    storage = open_storage(scratch)
+    try:
+        storage.delete(obj.key for obj in list(storage.list()))
+    finally:
+        storage.close()
+    return seconds
 
 
 @pytest.mark.slow
@@ -216,29 +245,20 @@ def test_daemon_sigkilled_mid_upload_never_exposes_a_partial_checkpoint_and_fini
     env = {"AWS_ENDPOINT_URL_S3": uplink.url}  # the daemon only; checks here go to moto directly
     watcher = ManifestWatcher(s3)
     try:
+        expected = calibrate(vm_factory, s3, step_dir, env)
         watcher.start()
         rng = random.Random(20261122)
-        kills: list[tuple[float, int, int, bool]] = []  # (kill point, bytes at the kill, open uploads, committed)
+        kills: list[tuple[float, float, int, bool]] = []  # (fraction left, delay s, open uploads, committed)
         for kill in range(KILLS):
-            vm.start_daemon(env=env)  # returns once it answers: warmed, stale multipart uploads aborted
-            done, _ = wait_for(lambda: progress(vm, step_dir.name), 30, f"restart {kill}: the upload to start")
-            total = manifest.total_bytes
             # Files already in the bucket are not sent again: aim inside what is left to send.
-            point = done + rng.uniform(0.0, 0.7) * (total - done)
-
-            def passed(point: float = point) -> tuple[int, int] | bool:
-                now = progress(vm, step_dir.name)
-                return True if now is None else (now[0] >= point and now)  # True: no longer uploading it
-
-            at = wait_for(passed, 60, f"restart {kill}: the upload to pass {point:.0f} bytes")
-            vm.kill_daemon()  # the kill point: random, reached by polling the daemon's own progress
+            left = 1 - data_bytes_in_bucket(s3, step_dir.name) / manifest.total_bytes
+            vm.start_daemon(env=env)  # returns once it answers: warmed, stale multipart uploads aborted
+            wait_for(lambda: upload_started(vm, bucket, step_dir.name), 30, f"restart {kill}: the upload to start")
+            delay = rng.uniform(0.0, 0.7) * expected * left
+            time.sleep(delay)  # the kill point: random, not a synchronisation
+            vm.kill_daemon()
             kills.append(
-                (
-                    round(point / total, 3),
-                    at[0] if isinstance(at, tuple) else -1,
-                    len(open_uploads(s3)),
-                    status_of(bucket, step_dir.name) == "complete",
-                )
+                (round(left, 3), round(delay, 3), len(open_uploads(s3)), status_of(bucket, step_dir.name) == "complete")
             )
 
         vm.start_daemon(env=env)
