@@ -9,8 +9,9 @@ tests point clients at the server themselves, e.g. with pytest's monkeypatch::
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")  # see FAKE_AWS_ENV
         storage = S3Storage(f"s3://{s3.bucket}/run1")
 
-One exception, explained in ``_make_moto_crc32c_faithful``: moto needs a
-CRC32C implementation to compute CRC32C checksums correctly.
+Two exceptions, both making moto answer as S3 does: ``_make_moto_crc32c_faithful``
+(moto needs a CRC32C implementation to compute CRC32C checksums correctly) and
+``_make_moto_initiated_faithful`` (the time a multipart upload was initiated).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import pytest
@@ -84,6 +85,45 @@ def _make_moto_crc32c_faithful() -> None:
     sys.modules["crc32c"] = shim
 
 
+def _make_moto_initiated_faithful() -> None:
+    """moto lists every open multipart upload as initiated on 2010-11-10; S3 gives the time it was
+    created. A restarted daemon aborts only uploads of a key initiated before it started (the others
+    are a live writer's, another node's or a peer's): with moto's fixed date it would abort a peer's
+    upload in flight. Note each upload's creation time and list that instead."""
+    from datetime import UTC, datetime
+
+    from moto.s3 import models, responses
+
+    if getattr(responses.S3Response, "spotguard_initiated", False):
+        return
+    create, list_uploads = models.FakeMultipart.__init__, responses.S3Response.list_multipart_uploads
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        create(self, *args, **kwargs)
+        self.spotguard_initiated = datetime.now(UTC)
+
+    def listing(self: Any) -> Any:
+        serialized = self.serialized
+
+        def faithful(result: Any) -> Any:
+            created = {u.id: u for u in self.backend.list_multipart_uploads(self.bucket_name).values()}
+            for upload in result.result["Uploads"]:
+                when = getattr(created.get(upload["UploadId"]), "spotguard_initiated", None)
+                if when is not None:
+                    upload["Initiated"] = when.strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+            return serialized(result)
+
+        self.serialized = faithful
+        try:
+            return list_uploads(self)
+        finally:
+            del self.serialized
+
+    models.FakeMultipart.__init__ = init  # type: ignore[method-assign]
+    responses.S3Response.list_multipart_uploads = listing  # type: ignore[method-assign]
+    responses.S3Response.spotguard_initiated = True  # type: ignore[attr-defined]
+
+
 def _create_bucket(endpoint: str, name: str, region: str) -> S3Server:
     import boto3
 
@@ -109,6 +149,7 @@ def moto_s3(bucket: str | None = None, region: str = "us-east-1") -> Iterator[S3
     from moto.server import ThreadedMotoServer
 
     _make_moto_crc32c_faithful()
+    _make_moto_initiated_faithful()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     try:

@@ -85,6 +85,9 @@ from spotguard.storage.stream import PartStream, StreamPool
 from spotguard.storage.transfer import fetch_object
 
 log = logging.getLogger(__name__)
+# ListMultipartUploads gives Initiated to the second: an upload begun in this client's first second
+# may be listed as older than the client, and is not ours to abort.
+_INITIATED_PRECISION = dt.timedelta(seconds=1)
 
 MiB = 1024 * 1024
 _MIN_PART = 5 * MiB  # S3's floor for every part but the last
@@ -600,7 +603,7 @@ class S3Storage:
             return
         for upload in uploads:
             initiated = upload.get("Initiated")
-            if upload["Key"] == full and (initiated is None or initiated < self._created):
+            if upload["Key"] == full and (initiated is None or initiated < self._created - _INITIATED_PRECISION):
                 log.info("s3: aborting multipart upload %s of %s left by an earlier run", upload["UploadId"], full)
                 self._abort(full, upload["UploadId"])
 

@@ -8,15 +8,25 @@ from pathlib import Path
 
 import pytest
 
+# A worker that fails makes torchrun stop the others: each waits (bounded) until both have answered,
+# so that both answers are seen however the two are scheduled.
 SCRIPT = """
-import sys
+import os, sys, time
+from pathlib import Path
 from spotguard import Guard
+def answered():
+    Path(sys.argv[1] + ".answered-" + os.environ["LOCAL_RANK"]).touch()
+    deadline = time.monotonic() + 30
+    while len(list(Path(sys.argv[1]).parent.glob("*.answered-*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
 try:
     Guard(checkpoint_dir=sys.argv[1], socket=sys.argv[2], daemon_wait=0.1)
 except RuntimeError as exc:
     print("REFUSED:", exc, flush=True)
+    answered()
     sys.exit(3)
 print("BUILT", flush=True)
+answered()
 """
 
 
