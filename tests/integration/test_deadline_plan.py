@@ -17,7 +17,7 @@ from spotguard.manifest import CheckpointWriter, FileEntry, crc32c_of_bytes, wri
 from tests.checkpoints import write_checkpoint
 from tests.integration.test_metrics_webhook import Receiver, scrape, value
 from tests.pacedrelay import PacedRelay
-from tests.servers import S3Server, moto_s3, point_at
+from tests.servers import S3Server, point_at
 
 MiB = 1 << 20
 RATE = 1_000_000  # bytes per second per connection to the bucket
@@ -28,12 +28,6 @@ def receiver() -> Iterator[Receiver]:
     server = Receiver()
     yield server
     server.close()
-
-
-@pytest.fixture
-def server() -> Iterator[S3Server]:
-    with moto_s3() as s3:
-        yield s3
 
 
 def test_plan_routes_a_notice_by_the_measured_rate_and_shows_its_numbers(

@@ -6,7 +6,6 @@ import asyncio
 import os
 import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,16 +19,10 @@ from spotguard.storage.file import FileStorage
 from spotguard.storage.s3 import S3Storage
 from tests.checkpoints import write_checkpoint
 from tests.pacedrelay import PacedRelay
-from tests.servers import S3Server, moto_s3, point_at
+from tests.servers import S3Server, point_at
 
 TOKEN = "the-job-s-peer-token-0123456789abcdef"
 MiB = 1 << 20
-
-
-@pytest.fixture
-def server() -> Iterator[S3Server]:
-    with moto_s3() as s3:
-        yield s3
 
 
 def registry_keys(url: str) -> list[str]:

@@ -19,21 +19,9 @@ from spotguard.manifest import load_manifest
 from spotguard.storage.checkpoints import list_remote
 from spotguard.storage.s3 import S3Storage
 from tests.checkpoints import write_checkpoint
-from tests.servers import S3Server, moto_s3, point_at
 
 TOKEN = "a-shared-secret-of-the-job-0123456789"
 MiB = 1 << 20
-
-
-@pytest.fixture
-def server() -> Iterator[S3Server]:
-    with moto_s3() as s3:
-        yield s3
-
-
-@pytest.fixture
-def url(server: S3Server, monkeypatch: pytest.MonkeyPatch) -> str:
-    return point_at(server, monkeypatch)
 
 
 @pytest.fixture

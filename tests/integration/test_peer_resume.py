@@ -26,23 +26,12 @@ from spotguard.storage.s3 import S3Storage
 from tests.checkpoints import write_checkpoint
 from tests.integration.test_daemon_buckets import make_state, remote, same_files, zeros_like
 from tests.pacedrelay import PacedRelay
-from tests.servers import S3Server, moto_s3, point_at
+from tests.servers import S3Server
 
 TOKEN = "the-job-s-peer-token-0123456789abcdef"
 OTHER_TOKEN = "another-job-s-token-0123456789abcdef"
 HELD_BACK = 2_000  # bytes/s: a holder's own upload of a replica takes minutes, the test seconds
 MiB = 1 << 20
-
-
-@pytest.fixture
-def server() -> Iterator[S3Server]:
-    with moto_s3() as s3:
-        yield s3
-
-
-@pytest.fixture
-def url(server: S3Server, monkeypatch: pytest.MonkeyPatch) -> str:
-    return point_at(server, monkeypatch)
 
 
 @pytest.fixture
