@@ -117,7 +117,10 @@ from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 import google_crc32c, torch
 from common import make_state
-from spotguard.manifest import _TMP_MARK, CheckpointWriter, FileEntry, crc32c_hex
+from spotguard.crc32c import crc32c_hex
+from spotguard.localstore import CheckpointWriter
+from spotguard.manifest import FileEntry
+from spotguard.safefile import TMP_MARK
 from spotguard.trainer.client import DaemonClient
 torch.set_num_threads(1)
 root, sock, alone = Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[6] == "alone"
@@ -148,7 +151,7 @@ for name, tensor in state.items():
     view = tensor.numpy().data.cast("B")
     rel = name + ".bin"
     target = writer.dir / rel
-    tmp = target.with_name("." + rel + _TMP_MARK + str(os.getpid()))
+    tmp = target.with_name("." + rel + TMP_MARK + str(os.getpid()))
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     crc = 0
     for offset in range(0, len(view), 8 << 20):

@@ -13,10 +13,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from spotguard import __version__, protocol
+from spotguard import protocol
 from spotguard.config import ConfigError, load_config
 from spotguard.control import CommandError, daemon_socket, request
-from spotguard.manifest import CheckpointInfo, load_manifest_or_none, parse_step_dir, scan_local, verify_dir
+from spotguard.localstore import scan_local
+from spotguard.manifest import CheckpointInfo, load_manifest_or_none, parse_step_dir, verify_dir
+from spotguard.version import __version__
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from spotguard.config import DaemonConfig
-from spotguard.manifest import crc32c_of_file
+from spotguard.crc32c import crc32c_of_file
 
 MiB = 1024 * 1024
 GB = 1_000_000_000

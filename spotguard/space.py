@@ -15,7 +15,7 @@ import shutil
 from collections.abc import Callable, Collection
 from pathlib import Path
 
-from spotguard.manifest import scan_local
+from spotguard.localstore import scan_local
 
 logger = logging.getLogger("spotguard.trainer")
 

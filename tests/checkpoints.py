@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from spotguard.manifest import CheckpointWriter
+from spotguard.localstore import CheckpointWriter
 
 
 def write_checkpoint(root: Path, step: int, files: dict[str, bytes], reason: str = "periodic") -> Path:

@@ -15,7 +15,10 @@ from typing import Any
 import boto3
 import google_crc32c
 
-from spotguard.manifest import _TMP_MARK, CheckpointWriter, FileEntry, crc32c_hex, fsync_dir
+from spotguard.crc32c import crc32c_hex
+from spotguard.localstore import CheckpointWriter
+from spotguard.manifest import FileEntry
+from spotguard.safefile import TMP_MARK, fsync_dir
 from spotguard.storage import open_storage
 from spotguard.storage.checkpoints import is_committed
 from spotguard.trainer.client import DaemonClient
@@ -32,7 +35,7 @@ class ProgressiveWriter:
         self.size = size
         self.chunk = chunk
         self.target = self.writer.dir / rel
-        self.tmp = self.target.with_name(f".{self.target.name}{_TMP_MARK}{os.getpid()}")
+        self.tmp = self.target.with_name(f".{self.target.name}{TMP_MARK}{os.getpid()}")
         self.written = 0
         self.replies: list[dict[str, Any]] = []
         self._crc = 0

@@ -18,7 +18,7 @@ from datetime import timedelta
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from spotguard import __version__, protocol
+from spotguard import protocol
 from spotguard.config import ConfigError, DaemonConfig, with_overrides
 from spotguard.daemon.discovery import PREFIX as DISCOVERY_PREFIX
 from spotguard.daemon.discovery import PeerRegistry, advertised_address
@@ -39,8 +39,8 @@ from spotguard.daemon.peers import PeerReceiver
 from spotguard.daemon.plan import Plan, Planner, Route, probe_upload
 from spotguard.daemon.server import Peer, Reply, SocketServer
 from spotguard.daemon.uploader import Uploader
+from spotguard.localstore import prune_local, scan_local
 from spotguard.manifest import (
-    _TMP_MARK,
     FileEntry,
     Manifest,
     ManifestError,
@@ -48,16 +48,16 @@ from spotguard.manifest import (
     load_manifest,
     load_part,
     parse_step_dir,
-    prune_local,
-    scan_local,
     step_dir_name,
 )
 from spotguard.monitors.base import Acknowledger, Monitor, MonitorError
 from spotguard.notice import Action, Kind, Notice, utcnow
 from spotguard.peerwire import load_token, parse_address
+from spotguard.safefile import TMP_MARK
 from spotguard.space import keep_room_for_one
 from spotguard.storage.base import Storage, StorageError
 from spotguard.storage.checkpoints import list_remote
+from spotguard.version import __version__
 
 logger = logging.getLogger("spotguard.daemon")
 
@@ -330,7 +330,7 @@ class Daemon:
             raise protocol.ProtocolError("bad-path", str(exc)) from None
         tmp = PurePosixPath(message["tmp"])
         # The writer's temporary name sits beside the file it becomes, and says it is one.
-        if tmp.is_absolute() or tmp.parent != PurePosixPath(name).parent or _TMP_MARK not in tmp.name:
+        if tmp.is_absolute() or tmp.parent != PurePosixPath(name).parent or TMP_MARK not in tmp.name:
             raise protocol.ProtocolError(
                 "bad-path", f"file-range: {message['tmp']!r} is not a temporary name beside {name!r}"
             )

@@ -32,14 +32,8 @@ from typing import Any, BinaryIO
 
 from spotguard import peerwire
 from spotguard.daemon.peers import PeerClient, choose_peer
-from spotguard.manifest import (
-    FileEntry,
-    ManifestError,
-    is_unlinked,
-    node_holdings,
-    open_nofollow,
-    parse_step_dir,
-)
+from spotguard.manifest import FileEntry, ManifestError, node_holdings, parse_step_dir
+from spotguard.safefile import is_unlinked, open_nofollow
 
 logger = logging.getLogger("spotguard.handoff")
 

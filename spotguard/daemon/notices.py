@@ -29,8 +29,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from spotguard.manifest import atomic_file
 from spotguard.notice import Action, Notice, utcnow
+from spotguard.safefile import atomic_file
 
 logger = logging.getLogger("spotguard.daemon")
 

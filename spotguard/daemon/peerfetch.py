@@ -49,14 +49,13 @@ from spotguard.manifest import (
     MANIFEST,
     Manifest,
     ManifestError,
-    atomic_file,
     check_relpath,
-    fsync_dir,
     load_part,
     node_holdings,
     parse_step_dir,
     verify_dir,
 )
+from spotguard.safefile import atomic_file, fsync_dir
 from spotguard.space import free_bytes
 
 logger = logging.getLogger("spotguard.peers")

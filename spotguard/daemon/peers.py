@@ -34,19 +34,14 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from spotguard import peerwire
+from spotguard.crc32c import crc32c_combine, crc32c_hex_to_int, crc32c_of_bytes, crc32c_of_file
 from spotguard.manifest import (
     MANIFEST,
     PART_PREFIX,
     FileEntry,
     Manifest,
     ManifestError,
-    atomic_file,
     check_relpath,
-    crc32c_combine,
-    crc32c_hex_to_int,
-    crc32c_of_bytes,
-    crc32c_of_file,
-    fsync_dir,
     load_manifest,
     load_part,
     node_holdings,
@@ -54,6 +49,7 @@ from spotguard.manifest import (
     verify_dir,
     write_part,
 )
+from spotguard.safefile import atomic_file, fsync_dir
 from spotguard.storage.base import Storage, StorageError
 from spotguard.storage.checkpoints import (
     CommitLost,

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from spotguard.daemon.events import PlanListener
-from spotguard.manifest import scan_local
+from spotguard.localstore import scan_local
 from spotguard.notice import Notice
 from spotguard.storage.base import Storage, put_bytes
 

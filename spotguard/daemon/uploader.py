@@ -26,19 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from spotguard.daemon.events import CommittedListener, UploadFailureListener
-from spotguard.manifest import (
-    MANIFEST,
-    FileEntry,
-    Manifest,
-    SymlinkRefused,
-    is_unlinked,
-    node_holdings,
-    open_nofollow,
-    parse_step_dir,
-    prune_local,
-    scan_local,
-)
+from spotguard.localstore import prune_local, scan_local
+from spotguard.manifest import MANIFEST, FileEntry, Manifest, node_holdings, parse_step_dir
 from spotguard.notice import utcnow
+from spotguard.safefile import SymlinkRefused, is_unlinked, open_nofollow
 from spotguard.storage.base import ChecksumMismatch, ObjectInfo, Storage, StorageError
 from spotguard.storage.checkpoints import (
     CommitLost,

@@ -26,15 +26,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from spotguard.manifest import (
-    MANIFEST,
-    CheckpointExists,
-    CheckpointWriter,
-    Manifest,
-    load_manifest_or_none,
-    scan_local,
-    verify_dir,
-)
+from spotguard.localstore import CheckpointExists, CheckpointWriter, scan_local
+from spotguard.manifest import MANIFEST, Manifest, load_manifest_or_none, verify_dir
 
 if TYPE_CHECKING:
     from spotguard.trainer.guard import Guard

@@ -18,7 +18,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Protocol, TypeVar, runtime_checkable
 
-from spotguard.manifest import crc32c_of_bytes
+from spotguard.crc32c import crc32c_of_bytes
 
 T = TypeVar("T")
 

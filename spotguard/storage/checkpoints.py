@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+from spotguard.crc32c import crc32c_of_bytes
 from spotguard.manifest import (
     FORMAT,
     MANIFEST,
@@ -24,13 +25,12 @@ from spotguard.manifest import (
     FileEntry,
     Manifest,
     ManifestError,
-    crc32c_of_bytes,
     foreign_format,
-    fsync_dir,
     load_manifest,
     parse_step_dir,
     verify_dir,
 )
+from spotguard.safefile import fsync_dir
 from spotguard.storage.base import ObjectExists, ObjectInfo, ObjectNotFound, Progress, Storage, StorageError, retry
 from spotguard.storage.transfer import Download, download_files
 

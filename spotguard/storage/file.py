@@ -15,7 +15,8 @@ from urllib.parse import urlparse
 
 import google_crc32c
 
-from spotguard.manifest import _TMP_MARK, atomic_file, crc32c_of_file, fsync_dir, open_nofollow
+from spotguard.crc32c import crc32c_of_file
+from spotguard.safefile import TMP_MARK, atomic_file, fsync_dir, open_nofollow
 from spotguard.storage.base import (
     ObjectExists,
     ObjectInfo,
@@ -72,7 +73,7 @@ class FileStorage:
         # name exists (the lock-file idiom that holds on NFS too); a rename would silently replace
         # the other writer's. A retried link that reports EEXIST for our own is told apart by the
         # caller, which compares what is there.
-        tmp = target.with_name(f".{target.name}{_TMP_MARK}{uuid.uuid4().hex[:8]}")
+        tmp = target.with_name(f".{target.name}{TMP_MARK}{uuid.uuid4().hex[:8]}")
         try:
             with atomic_file(tmp) as out:
                 out.write(data)
@@ -125,7 +126,7 @@ class FileStorage:
             return
         for dirpath, _dirs, names in os.walk(self.root):
             for name in names:
-                if _TMP_MARK in name:  # a write in progress (DCP's own ".metadata" is a real file)
+                if TMP_MARK in name:  # a write in progress (DCP's own ".metadata" is a real file)
                     continue
                 full = Path(dirpath) / name
                 key = full.relative_to(self.root).as_posix()
@@ -163,7 +164,7 @@ class _FileStream(PartStream):
         plan = [(i + 1, off, min(_COPY_CHUNK, size - off)) for i, off in enumerate(range(0, size, _COPY_CHUNK))]
         super().__init__(str(target), size, plan, pool.get(), progress=progress)
         self._target = target
-        self._tmp = target.with_name(f".{target.name}{_TMP_MARK}{uuid.uuid4().hex[:8]}")
+        self._tmp = target.with_name(f".{target.name}{TMP_MARK}{uuid.uuid4().hex[:8]}")
         self._source = fd
         self._out: int | None = None
 

@@ -58,9 +58,9 @@ from google.api_core.retry import Retry
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage as gcs
 
-from spotguard.manifest import crc32c_hex_to_int as _hex_to_int
-from spotguard.manifest import crc32c_int_to_base64 as _int_to_b64
-from spotguard.manifest import open_nofollow
+from spotguard.crc32c import crc32c_hex_to_int as _hex_to_int
+from spotguard.crc32c import crc32c_int_to_base64 as _int_to_b64
+from spotguard.safefile import open_nofollow
 from spotguard.storage.base import (
     ChecksumMismatch,
     ObjectExists,

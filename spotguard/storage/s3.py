@@ -66,9 +66,10 @@ import google_crc32c
 from botocore.config import Config
 
 from spotguard.config import CHECKSUM_MODES
-from spotguard.manifest import crc32c_combine, open_nofollow, read_nofollow
-from spotguard.manifest import crc32c_hex_to_int as _hex_to_int
-from spotguard.manifest import crc32c_int_to_base64 as _int_to_b64
+from spotguard.crc32c import crc32c_combine
+from spotguard.crc32c import crc32c_hex_to_int as _hex_to_int
+from spotguard.crc32c import crc32c_int_to_base64 as _int_to_b64
+from spotguard.safefile import open_nofollow, read_nofollow
 from spotguard.storage.base import (
     ChecksumMismatch,
     ObjectExists,

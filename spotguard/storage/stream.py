@@ -16,8 +16,8 @@ import concurrent.futures as cf
 import threading
 from typing import Any, Protocol, runtime_checkable
 
-from spotguard.manifest import crc32c_combine
-from spotguard.manifest import crc32c_hex_to_int as _hex_to_int
+from spotguard.crc32c import crc32c_combine
+from spotguard.crc32c import crc32c_hex_to_int as _hex_to_int
 from spotguard.storage.base import Progress, StorageError
 
 Plan = list[tuple[int, int, int]]  # (part number, offset, length), in offset order

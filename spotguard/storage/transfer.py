@@ -27,7 +27,8 @@ from pathlib import Path
 
 import google_crc32c
 
-from spotguard.manifest import crc32c_combine, crc32c_hex, fsync_dir
+from spotguard.crc32c import crc32c_combine, crc32c_hex
+from spotguard.safefile import fsync_dir
 from spotguard.storage.base import ObjectInfo, ObjectNotFound, Progress, Storage, TransientStorageError, retry
 
 MiB = 1024 * 1024

@@ -38,9 +38,9 @@ from typing import Any
 
 import torch
 
-from spotguard import __version__
 from spotguard.manifest import FORMAT, Manifest, ManifestFormatError
 from spotguard.trainer.state import StateError, entry_file
+from spotguard.version import __version__
 
 SHOWN = 10  # differences listed in the error; the rest are counted
 

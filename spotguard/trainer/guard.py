@@ -17,21 +17,10 @@ from typing import Any
 
 from spotguard import protocol
 from spotguard.config import trainer_settings
-from spotguard.manifest import (
-    CheckpointExists,
-    CheckpointWriter,
-    FileEntry,
-    Manifest,
-    ManifestError,
-    SaveCancelled,
-    load_manifest,
-    load_manifest_or_none,
-    prune_local,
-    remove_incomplete,
-    scan_local,
-    verify_dir,
-)
+from spotguard.localstore import CheckpointExists, CheckpointWriter, prune_local, remove_incomplete, scan_local
+from spotguard.manifest import FileEntry, Manifest, ManifestError, load_manifest, load_manifest_or_none, verify_dir
 from spotguard.notice import parse_iso
+from spotguard.safefile import SaveCancelled
 from spotguard.space import SpotguardDiskFull, free_bytes, is_disk_full, make_room
 from spotguard.trainer import dist, threads
 from spotguard.trainer.client import DaemonClient

@@ -35,7 +35,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.futures import Future
 
-from spotguard.manifest import CheckpointWriter, FileEntry, Manifest, crc32c_of_files, write_part
+from spotguard.crc32c import crc32c_of_files
+from spotguard.localstore import CheckpointWriter
+from spotguard.manifest import FileEntry, Manifest, write_part
 from spotguard.trainer import dist
 from spotguard.trainer.contents import flatten
 from spotguard.trainer.state import (

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from spotguard.manifest import CheckpointWriter, Manifest
+from spotguard.localstore import CheckpointWriter
+from spotguard.manifest import Manifest
 from spotguard.trainer.threads import write_threads
 from spotguard.trainer.writer import OnRange, ParallelWriter
 

@@ -49,14 +49,10 @@ from typing import IO, TYPE_CHECKING, Any, cast
 import google_crc32c
 import torch
 
-from spotguard.manifest import (
-    CheckpointWriter,
-    FileEntry,
-    SaveCancelled,
-    crc32c_combine,
-    crc32c_hex,
-    tmp_path_for,
-)
+from spotguard.crc32c import crc32c_combine, crc32c_hex
+from spotguard.localstore import CheckpointWriter
+from spotguard.manifest import FileEntry
+from spotguard.safefile import SaveCancelled, tmp_path_for
 
 if TYPE_CHECKING:
     import numpy as np

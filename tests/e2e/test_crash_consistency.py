@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from spotguard import Guard
-from spotguard.manifest import scan_local, verify_dir
+from spotguard.localstore import scan_local
+from spotguard.manifest import verify_dir
 
 # Saves back to back, so a kill at a random time lands inside a save; each entry holds the step
 # number everywhere, so a checkpoint mixing two saves cannot pass the check below. Importing torch

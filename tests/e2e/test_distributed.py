@@ -18,7 +18,8 @@ import torch
 
 from spotguard.control import request
 from spotguard.demo import Vm, compare_final, wait_for
-from spotguard.manifest import load_manifest, scan_local, verify_dir
+from spotguard.localstore import scan_local
+from spotguard.manifest import load_manifest, verify_dir
 
 STEPS = 20  # 8 steps per epoch per rank with 2 ranks
 

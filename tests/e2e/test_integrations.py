@@ -16,7 +16,8 @@ import pytest
 
 from spotguard.control import request
 from spotguard.demo import Vm, compare_final, wait_for
-from spotguard.manifest import CheckpointWriter, load_manifest, scan_local, verify_dir
+from spotguard.localstore import CheckpointWriter, scan_local
+from spotguard.manifest import load_manifest, verify_dir
 from tests.e2e.integration_trainers import EVAL_BATCHES, STEPS_PER_EPOCH
 
 REPO = Path(__file__).resolve().parents[2]

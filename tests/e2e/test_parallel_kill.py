@@ -27,7 +27,8 @@ import pytest
 import torch
 
 from spotguard import Guard
-from spotguard.manifest import prune_local, scan_local, step_dir_name, verify_dir
+from spotguard.localstore import prune_local, scan_local
+from spotguard.manifest import step_dir_name, verify_dir
 from tests.e2e.parallel_kill_child import make_state
 
 REPO = Path(__file__).resolve().parents[2]

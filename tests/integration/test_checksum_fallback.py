@@ -25,9 +25,10 @@ import pytest
 import torch
 
 from spotguard import Guard
+from spotguard.crc32c import crc32c_of_file
 from spotguard.daemon.uploader import Uploader
 from spotguard.demo import Vm, wait_for
-from spotguard.manifest import crc32c_of_file, load_manifest
+from spotguard.manifest import load_manifest
 from spotguard.storage import ChecksumMismatch
 from spotguard.storage.s3 import S3Storage
 from tests.checkpoints import write_checkpoint

@@ -11,9 +11,11 @@ import pytest
 
 from spotguard.cli import main
 from spotguard.control import request
+from spotguard.crc32c import crc32c_of_bytes
 from spotguard.daemon.plan import PROBE_PREFIX
 from spotguard.demo import Vm, wait_for
-from spotguard.manifest import CheckpointWriter, FileEntry, crc32c_of_bytes, write_part
+from spotguard.localstore import CheckpointWriter
+from spotguard.manifest import FileEntry, write_part
 from tests.checkpoints import write_checkpoint
 from tests.integration.test_metrics_webhook import Receiver, scrape, value
 from tests.pacedrelay import PacedRelay

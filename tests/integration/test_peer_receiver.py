@@ -212,7 +212,8 @@ def test_a_restarted_receiver_commits_verified_replicas_and_drops_unfinished_one
 def test_a_node_s_share_of_a_multi_node_checkpoint_goes_to_the_bucket_without_a_manifest(
     receiver_vm: Vm, url: str, tmp_path: Path
 ) -> None:
-    from spotguard.manifest import FileEntry, crc32c_of_bytes, write_part
+    from spotguard.crc32c import crc32c_of_bytes
+    from spotguard.manifest import FileEntry, write_part
 
     step_dir = tmp_path / "node1" / "step-000000021"
     step_dir.mkdir(parents=True)
@@ -242,7 +243,8 @@ def test_a_node_s_share_of_a_multi_node_checkpoint_goes_to_the_bucket_without_a_
 def test_node_0_s_share_comes_with_the_job_s_manifest_committed_once_every_node_s_files_are_in(
     receiver_vm: Vm, url: str, tmp_path: Path
 ) -> None:
-    from spotguard.manifest import FileEntry, crc32c_of_bytes, write_part
+    from spotguard.crc32c import crc32c_of_bytes
+    from spotguard.manifest import FileEntry, write_part
 
     # Node 0's disk: its own files, its part, and the job's manifest listing node 1's files as well.
     node0 = {"model.rank0.pt": os.urandom(2 * MiB), "ballast.rank0.pt": os.urandom(MiB)}

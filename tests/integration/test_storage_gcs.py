@@ -17,7 +17,7 @@ import google_crc32c
 import pytest
 import requests
 
-from spotguard.manifest import SymlinkRefused
+from spotguard.safefile import SymlinkRefused
 from spotguard.storage.base import ChecksumMismatch, ObjectNotFound, Storage, StorageError, TransientStorageError
 from spotguard.storage.gcs import PARTS_DIR, GcsStorage, gcs_crc_to_hex
 from tests.faultproxy import FaultProxy

@@ -14,7 +14,8 @@ import botocore.exceptions
 import google_crc32c
 import pytest
 
-from spotguard.manifest import SymlinkRefused, crc32c_combine
+from spotguard.crc32c import crc32c_combine
+from spotguard.safefile import SymlinkRefused
 from spotguard.storage.base import ObjectNotFound, Storage, StorageError, TransientStorageError
 from spotguard.storage.s3 import MiB, S3Storage
 from tests.faultproxy import FaultProxy

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from spotguard import Guard, SpotguardDiskFull
-from spotguard.manifest import scan_local, step_dir_name
+from spotguard.localstore import scan_local
+from spotguard.manifest import step_dir_name
 from tests.diskspace import fill
 
 MiB = 1 << 20
@@ -103,7 +104,7 @@ def test_urgent_save_with_no_room_raises_disk_full_with_the_numbers(root: Path, 
 def test_without_a_daemon_a_bucket_set_for_resume_does_not_stop_local_retention(tmp_path: Path) -> None:
     """The example trainer unit sets SPOTGUARD_BUCKET; with no daemon nothing uploads, so the hook prunes."""
     from spotguard import Guard
-    from spotguard.manifest import scan_local
+    from spotguard.localstore import scan_local
 
     root = tmp_path / "nvme"
     guard = Guard(

@@ -5,27 +5,18 @@ from pathlib import Path
 
 import pytest
 
+from spotguard.crc32c import base64_to_hex, crc32c_int_to_base64, crc32c_of_bytes, crc32c_of_file, crc32c_of_files
+from spotguard.localstore import CheckpointExists, CheckpointWriter, prune_local, remove_incomplete, scan_local
 from spotguard.manifest import (
     MANIFEST,
-    CheckpointExists,
-    CheckpointWriter,
     Manifest,
     ManifestError,
     ManifestFormatError,
-    SymlinkRefused,
-    atomic_file,
-    base64_to_hex,
-    crc32c_of_bytes,
-    crc32c_of_file,
-    crc32c_of_files,
-    hex_to_base64,
     load_manifest,
     load_manifest_or_none,
-    prune_local,
-    remove_incomplete,
-    scan_local,
     verify_dir,
 )
+from spotguard.safefile import SymlinkRefused, atomic_file
 from tests.checkpoints import write_checkpoint
 
 
@@ -46,8 +37,12 @@ def test_commit_writes_manifest_with_sizes_and_crc32c(tmp_path: Path) -> None:
 def test_crc32c_matches_known_vector_and_cloud_encoding() -> None:
     # RFC 3720 test vector: 32 bytes of zeros -> 0x8a9136aa.
     assert crc32c_of_bytes(bytes(32)) == "8a9136aa"
-    assert hex_to_base64("8a9136aa") == "ipE2qg=="
+    assert crc32c_int_to_base64(0x8A9136AA) == "ipE2qg=="
     assert base64_to_hex("ipE2qg==") == "8a9136aa"
+    with pytest.raises(ValueError, match="not 4 bytes"):
+        base64_to_hex("ipE2")
+    with pytest.raises(ValueError, match="not base64"):
+        base64_to_hex("!!!!")
 
 
 def test_verify_detects_a_single_flipped_byte(tmp_path: Path) -> None:

@@ -60,8 +60,8 @@ def test_proofs_depend_on_the_role_both_nonces_and_the_token() -> None:
 
 
 def test_a_file_is_verified_from_its_ranges_crcs_in_any_order_and_read_back_when_they_do_not_tile() -> None:
+    from spotguard.crc32c import crc32c_hex_to_int, crc32c_of_bytes
     from spotguard.daemon.peers import _combined_crc
-    from spotguard.manifest import crc32c_hex_to_int, crc32c_of_bytes
 
     data = bytes(range(256)) * 1000
     cuts = [(0, 100), (100, 150_000), (150_000, len(data))]
@@ -78,9 +78,10 @@ def test_a_fetch_that_breaks_the_rules_leaves_nothing_in_the_checkpoint_root(tmp
     does not list, or stops before the end: the fetch fails and nothing counts as a checkpoint."""
     import asyncio
 
+    from spotguard.crc32c import crc32c_of_bytes
     from spotguard.daemon.peerfetch import STAGING, fetch_replica
     from spotguard.daemon.peers import PeerClient
-    from spotguard.manifest import FileEntry, Manifest, crc32c_of_bytes
+    from spotguard.manifest import FileEntry, Manifest
 
     token = b"t" * 16
     manifest = Manifest(step=4, reason="urgent", world_size=1, files={"w.bin": FileEntry(3, crc32c_of_bytes(b"abc"))})

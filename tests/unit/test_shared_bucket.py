@@ -13,8 +13,9 @@ from threading import Barrier
 
 import pytest
 
+from spotguard.crc32c import crc32c_of_bytes
 from spotguard.daemon.uploader import Uploader
-from spotguard.manifest import MANIFEST, crc32c_of_bytes, load_manifest
+from spotguard.manifest import MANIFEST, load_manifest
 from spotguard.storage.base import ObjectExists, ObjectInfo
 from spotguard.storage.checkpoints import list_remote, upload_checkpoint, verify_remote
 from spotguard.storage.file import FileStorage

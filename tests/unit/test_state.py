@@ -12,7 +12,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import RandomSampler
 
 from spotguard import Guard
-from spotguard.manifest import load_manifest, scan_local
+from spotguard.localstore import scan_local
+from spotguard.manifest import load_manifest
 from spotguard.trainer.state import StateError, capture_rng, read_state, restore_rng
 
 

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from spotguard.manifest import MANIFEST, crc32c_of_bytes, load_manifest
+from spotguard.crc32c import crc32c_of_bytes
+from spotguard.manifest import MANIFEST, load_manifest
 from spotguard.storage.base import Progress, StorageError, TransientStorageError, retry
 from spotguard.storage.checkpoints import (
     UploadCancelled,

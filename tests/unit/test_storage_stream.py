@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from spotguard.manifest import crc32c_of_bytes
+from spotguard.crc32c import crc32c_of_bytes
 from spotguard.storage.base import StorageError
 from spotguard.storage.file import _COPY_CHUNK, FileStorage
 

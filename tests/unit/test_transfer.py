@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from spotguard.manifest import crc32c_of_bytes
+from spotguard.crc32c import crc32c_of_bytes
 from spotguard.storage.base import Sink, StorageError, TransientStorageError
 from spotguard.storage.file import FileStorage
 from spotguard.storage.transfer import Download, MiB, download_files, range_size

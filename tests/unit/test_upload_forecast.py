@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from spotguard.cli import _upload_line
+from spotguard.crc32c import crc32c_of_bytes
 from spotguard.daemon.uploader import Uploader
-from spotguard.manifest import FileEntry, crc32c_of_bytes
+from spotguard.manifest import FileEntry
 from spotguard.notice import utcnow
 from spotguard.storage.base import Progress
 from spotguard.storage.checkpoints import UploadProgress

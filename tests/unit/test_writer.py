@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from spotguard import Guard
-from spotguard.manifest import CheckpointWriter, SaveCancelled, crc32c_of_file
+from spotguard.crc32c import crc32c_of_file
+from spotguard.localstore import CheckpointWriter
+from spotguard.safefile import SaveCancelled
 from spotguard.trainer.writer import ParallelWriter, StagingBuffers, _pickle_payload
 
 SMALL_CHUNK = 4096  # so that even small test tensors are split into several pieces
