@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from spotguard.errors import FatalError
 from spotguard.notice import Action
 from spotguard.peerwire import parse_address
 
@@ -38,7 +39,7 @@ WEBHOOK_FIELDS = (
 )  # fmt: skip
 
 
-class ConfigError(ValueError):
+class ConfigError(FatalError, ValueError):
     """A bad configuration value. ``str()`` is the one line the CLI prints."""
 
     def __init__(self, key: str, problem: str) -> None:

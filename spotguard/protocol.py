@@ -45,12 +45,14 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from spotguard.errors import SpotguardError
+
 VERSION = 1
 MAX_MESSAGE_BYTES = 64 * 1024
 PEER_RESUME_TIMEOUT = 600.0  # seconds the daemon spends at most asking peers and fetching from one
 
 
-class ProtocolError(ValueError):
+class ProtocolError(SpotguardError, ValueError):
     """A message that cannot be accepted; ``code`` goes into the error reply."""
 
     def __init__(self, code: str, message: str) -> None:
