@@ -451,12 +451,12 @@ class Daemon:
     async def _drill(self, message: dict[str, Any]) -> Reply:
         if self._stopping.is_set():
             raise protocol.ProtocolError("stopping", "the daemon is shutting down")
-        seconds = float(message["deadline_s"])
+        seconds = float(message.get("deadline_s") or self.config.drill_deadline)
         if not 0 < seconds <= 3600:
             raise protocol.ProtocolError("bad-field", "drill: deadline_s must be in (0, 3600]")
         notice = Notice.in_seconds(self.provider, Kind.DRILL, seconds, identity=uuid.uuid4().hex, raw={"drill": True})
         await self.on_notice(notice)
-        return "ok", {"event_id": notice.event_id, "trainers_told": len(self.server.trainers())}
+        return "ok", {"event_id": notice.event_id, "trainers_told": len(self.server.trainers()), "deadline_s": seconds}
 
     def _on_disconnect(self, peer: Peer) -> None:
         self.stalled.pop(peer.id, None)
