@@ -47,6 +47,15 @@ class ConfigError(FatalError, ValueError):
         self.key = key
 
 
+# Settings that are a number of seconds and must be positive.
+_POSITIVE_SECONDS = (
+    "poll_interval", "http_timeout", "drill_deadline", "scan_interval", "shutdown_grace", "forecast_interval",
+    "incomplete_grace", "stall_min_seconds", "upload_retry_max", "stale_upload_age",
+)  # fmt: skip
+# Counts that must be at least one.
+_AT_LEAST_ONE = ("keep_local", "keep_remote", "max_connections", "upload_concurrency", "upload_alert_after")
+
+
 def _own_uid_and_root() -> tuple[int, ...]:
     uid = os.getuid()
     return (uid,) if uid == 0 else (uid, 0)
@@ -113,6 +122,13 @@ class DaemonConfig:
     peer_max_replicas: int = 2  # replicas held at once (each until it is committed in the bucket)
 
     def __post_init__(self) -> None:
+        self._check_sources()
+        self._check_numbers()
+        self._check_observers()
+        self._check_peers()
+
+    def _check_sources(self) -> None:
+        """Where notices come from and where checkpoints go."""
         if self.provider not in PROVIDERS:
             raise ConfigError("provider", f"{self.provider!r} is not one of {', '.join(PROVIDERS)}")
         if self.metadata_url is not None:
@@ -125,25 +141,16 @@ class DaemonConfig:
             raise ConfigError("checksum", f"{self.checksum!r} is not one of {', '.join(CHECKSUM_MODES)}")
         if self.checksum == "md5" and self.bucket is not None and self.bucket.startswith("gs://"):
             raise ConfigError("checksum", "md5 is for s3:// stores; gs:// always verifies CRC32C (use auto)")
-        for name in (
-            "poll_interval",
-            "http_timeout",
-            "drill_deadline",
-            "scan_interval",
-            "shutdown_grace",
-            "forecast_interval",
-            "incomplete_grace",
-            "stall_min_seconds",
-            "upload_retry_max",
-            "stale_upload_age",
-        ):
+
+    def _check_numbers(self) -> None:
+        for name in _POSITIVE_SECONDS:
             if not getattr(self, name) > 0:
                 raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")
         if not 0 < self.stall_fraction <= 1:
             raise ConfigError("stall_fraction", f"must be in (0, 1], got {self.stall_fraction}")
         if not self.notice_grace >= 0:
             raise ConfigError("notice_grace", f"must be >= 0, got {self.notice_grace}")
-        for name in ("keep_local", "keep_remote", "max_connections", "upload_concurrency", "upload_alert_after"):
+        for name in _AT_LEAST_ONE:
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
         if self.bucket is not None and self.keep_local > self.keep_remote:
@@ -156,6 +163,9 @@ class DaemonConfig:
             )
         if self.max_message_bytes < 1024:
             raise ConfigError("max_message_bytes", f"must be >= 1024, got {self.max_message_bytes}")
+
+    def _check_observers(self) -> None:
+        """Logs, metrics and the webhook."""
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ConfigError("log_level", f"{self.log_level!r} is not debug, info, warning or error")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
@@ -168,6 +178,8 @@ class DaemonConfig:
                 raise ConfigError("webhook_url", f"{self.webhook_url!r} is not an http:// or https:// URL")
         if self.webhook_template is not None:
             parse_webhook_template(self.webhook_template)
+
+    def _check_peers(self) -> None:
         if self.peers is not None and PEERS_FROM_BUCKET in _addresses(self.peers) and self.peers.strip() != "bucket":
             raise ConfigError("peers", f'{self.peers!r}: either "bucket" or a list of HOST:PORT, not both')
         if self.peer_advertise is not None and not self.peer_listen:
