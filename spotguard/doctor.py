@@ -361,60 +361,19 @@ def _check_checkpoint_root(
 ) -> None:
     root = config.checkpoint_dir.absolute()
     if not root.is_dir():
-        parent = next((p for p in root.parents if p.exists()), Path("/"))
-        if os.access(parent, os.W_OK | os.X_OK):
-            report(
-                Check(
-                    WARN,
-                    "checkpoint root",
-                    f"{root} does not exist yet (the daemon creates it under {parent})",
-                    "create it on local NVMe if there is one; trainers must use the same directory",
-                )
-            )
-        else:
-            report(
-                Check(
-                    FAIL,
-                    "checkpoint root",
-                    f"{root} does not exist and {parent} is not writable",
-                    "create it, owned by the daemon's user, on local NVMe if there is one",
-                )
-            )
+        report(_missing_root(root))
         return
     if not os.access(root, os.W_OK | os.X_OK):
         report(Check(FAIL, "checkpoint root", f"{root} is not writable by uid {os.getuid()}", "fix its owner/mode"))
         return
-    free = shutil.disk_usage(root).free
-    need = checkpoint_gb * GB
-    keep = config.keep_local + 1  # the ones kept, plus the one being written
-    free_text = f"{root}: {free / GB:.1f} GB free"
-    if free < need:
-        report(
-            Check(
-                FAIL,
-                "checkpoint space",
-                f"{free_text}, less than one {checkpoint_gb:g} GB checkpoint",
-                "free space or use a bigger disk",
-            )
-        )
-    elif free < need * keep:
-        report(
-            Check(
-                WARN,
-                "checkpoint space",
-                f"{free_text}, room for fewer than keep_local + 1 = {keep} checkpoints of {checkpoint_gb:g} GB",
-                "free space, or lower keep_local",
-            )
-        )
-    else:
-        report(Check(OK, "checkpoint space", f"{free_text}, room for {int(free // need)} checkpoints"))
+    report(_root_space(root, checkpoint_gb, keep=config.keep_local + 1))  # the ones kept, plus the one being written
     try:
         rate = _write_speed(root, probe_bytes)
     except OSError as exc:
         report(Check(FAIL, "checkpoint write", f"writing a probe file in {root} failed: {exc}", "check the disk"))
         return
     findings.write_bytes_s = rate
-    seconds = need / rate
+    seconds = checkpoint_gb * GB / rate
     report(
         Check(
             OK,
@@ -423,6 +382,44 @@ def _check_checkpoint_root(
             f"~{_secs(seconds)} s to save {checkpoint_gb:g} GB locally",
         )
     )
+
+
+def _missing_root(root: Path) -> Check:
+    parent = next((p for p in root.parents if p.exists()), Path("/"))
+    if os.access(parent, os.W_OK | os.X_OK):
+        return Check(
+            WARN,
+            "checkpoint root",
+            f"{root} does not exist yet (the daemon creates it under {parent})",
+            "create it on local NVMe if there is one; trainers must use the same directory",
+        )
+    return Check(
+        FAIL,
+        "checkpoint root",
+        f"{root} does not exist and {parent} is not writable",
+        "create it, owned by the daemon's user, on local NVMe if there is one",
+    )
+
+
+def _root_space(root: Path, checkpoint_gb: float, *, keep: int) -> Check:
+    free = shutil.disk_usage(root).free
+    need = checkpoint_gb * GB
+    free_text = f"{root}: {free / GB:.1f} GB free"
+    if free < need:
+        return Check(
+            FAIL,
+            "checkpoint space",
+            f"{free_text}, less than one {checkpoint_gb:g} GB checkpoint",
+            "free space or use a bigger disk",
+        )
+    if free < need * keep:
+        return Check(
+            WARN,
+            "checkpoint space",
+            f"{free_text}, room for fewer than keep_local + 1 = {keep} checkpoints of {checkpoint_gb:g} GB",
+            "free space, or lower keep_local",
+        )
+    return Check(OK, "checkpoint space", f"{free_text}, room for {int(free // need)} checkpoints")
 
 
 def _write_speed(root: Path, size: int) -> float:
