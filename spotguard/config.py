@@ -19,7 +19,7 @@ from urllib.parse import urlparse
 
 from spotguard.errors import FatalError
 from spotguard.notice import Action
-from spotguard.peerwire import parse_address
+from spotguard.peer.wire import parse_address
 
 DEFAULT_CONFIG_FILE = Path("/etc/spotguard/spotguard.toml")
 DEFAULT_SOCKET = Path("/run/spotguard/spotguard.sock")
@@ -109,10 +109,10 @@ class DaemonConfig:
     metrics_host: str = "127.0.0.1"
     webhook_url: str | None = None  # POST JSON here on each notice and its outcome; None = off
     webhook_template: str | None = None  # a JSON document with ${field} placeholders; None = the full event
-    # The peer tier (spotguard/daemon/peers.py): the token is SPOTGUARD_PEER_TOKEN or this file's contents.
+    # The peer tier (spotguard/peer/): the token is SPOTGUARD_PEER_TOKEN or this file's contents.
     peer_listen: str | None = None  # HOST:PORT this daemon takes other daemons' checkpoints on; None = off
     # HOST:PORT[,HOST:PORT...]: the job's other daemons, or "bucket": find them under the bucket's
-    # .spotguard-peers/ (spotguard/daemon/discovery.py); None = no peer route
+    # .spotguard-peers/ (spotguard/peer/discovery.py); None = no peer route
     peers: str | None = None
     # HOST:PORT other daemons connect to (registered under .spotguard-peers/ with peers = "bucket");
     # None = peer_listen when its host is not a wildcard, else this host's own address

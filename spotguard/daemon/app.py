@@ -20,8 +20,6 @@ from typing import Any
 
 from spotguard import protocol
 from spotguard.config import ConfigError, DaemonConfig, with_overrides
-from spotguard.daemon.discovery import PREFIX as DISCOVERY_PREFIX
-from spotguard.daemon.discovery import PeerRegistry, advertised_address
 from spotguard.daemon.events import (
     MonitorErrorListener,
     NoticeListener,
@@ -29,13 +27,8 @@ from spotguard.daemon.events import (
     SaveFailedListener,
     StallListener,
 )
-from spotguard.daemon.handoff import Handoff, HandoffState
 from spotguard.daemon.notices import EventLog, NoticeBook, NoticeState, TrackedNotice
 from spotguard.daemon.notify import SystemdNotifier, watchdog_loop
-from spotguard.daemon.peerfetch import PeerResume, resume_from_peers
-from spotguard.daemon.peerfetch import attach as attach_peer_fetch
-from spotguard.daemon.peers import AREA as PEER_AREA
-from spotguard.daemon.peers import PeerReceiver
 from spotguard.daemon.plan import Plan, Planner, Route, probe_upload
 from spotguard.daemon.server import Peer, Reply, SocketServer
 from spotguard.daemon.uploader import Uploader
@@ -52,7 +45,14 @@ from spotguard.manifest import (
 )
 from spotguard.monitors.base import Acknowledger, Monitor, MonitorError
 from spotguard.notice import Action, Kind, Notice, utcnow
-from spotguard.peerwire import load_token, parse_address
+from spotguard.peer.discovery import PREFIX as DISCOVERY_PREFIX
+from spotguard.peer.discovery import PeerRegistry, advertised_address
+from spotguard.peer.fetch import PeerResume, resume_from_peers
+from spotguard.peer.fetch import attach as attach_peer_fetch
+from spotguard.peer.handoff import Handoff, HandoffState
+from spotguard.peer.receiver import PeerReceiver
+from spotguard.peer.replicas import AREA as PEER_AREA
+from spotguard.peer.wire import load_token, parse_address
 from spotguard.safefile import TMP_MARK
 from spotguard.space import keep_room_for_one
 from spotguard.storage.base import Storage, StorageError

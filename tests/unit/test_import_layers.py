@@ -61,6 +61,19 @@ def test_module_does_not_import_its_former_partner(module: str, forbidden: list[
         assert other not in named, f"{module} imports {other} somewhere in its source"
 
 
+PEER_TIER = sorted(f"spotguard.peer.{path.stem}" for path in (PACKAGE / "peer").glob("*.py") if path.stem != "__init__")
+
+
+@pytest.mark.parametrize("module", PEER_TIER)
+def test_the_peer_tier_sits_below_the_daemon_and_config(module: str) -> None:
+    """The daemon wires the peer tier; the peer tier takes plain values and never reaches back up."""
+    assert "spotguard.peer.receiver" in PEER_TIER  # the glob found the package
+    above = ("spotguard.daemon", "spotguard.config")
+    loaded = sorted(name for name in _loaded_after_import(module) if name.startswith(above))
+    named = sorted(name for name in _imported_names(module) if name.startswith(above))
+    assert loaded == [] and named == [], f"{module} reaches above itself: {loaded or named}"
+
+
 def test_the_other_direction_still_works() -> None:
     """The one-way arrows are real: the dispatcher reaches the commands, the daemon its observers."""
     assert "spotguard.control" in _imported_names("spotguard.cli")

@@ -34,7 +34,7 @@ After the handshake the sender sends requests, each answered by one frame (``err
 * ``{"t": "commit", "manifest": manifest.json's text}`` -> ``{"t": "ok", "state": "verified"}`` once
   every file the manifest lists is there with its size and CRC32C.
 
-A fresh VM's daemon resuming from a peer (spotguard/daemon/peerfetch.py) asks on the same kind of
+A fresh VM's daemon resuming from a peer (spotguard/peer/fetch.py) asks on the same kind of
 authenticated connection:
 
 * ``{"t": "list"}`` -> ``{"t": "replicas", "items": [{"id", "name", "bucket", "state", "bytes",
