@@ -42,7 +42,7 @@ from upload_deadline import TRAINER
 
 from spotguard.control import request
 from spotguard.daemon.peers import PeerClient, send_checkpoint
-from spotguard.demo import Vm, wait_for
+from spotguard.harness import Vm, wait_for
 from spotguard.localstore import CheckpointWriter
 from spotguard.manifest import load_manifest
 from spotguard.peerwire import parse_address

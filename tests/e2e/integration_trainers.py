@@ -38,7 +38,7 @@ EVAL_BATCHES = 20
 def hold(step: int, notice_arrived: Callable[[], bool], timeout: float = 60.0) -> None:
     """Hold at ``step`` until the notice (daemon drill or SIGTERM) has reached the callback, so that the
     checkpoint lands at exactly this step; the notice still travels the real path (like
-    ``spotguard.demo._wait_for_notice``)."""
+    ``spotguard.demo.wait_for_notice``)."""
     emit("waiting", step=step)
     deadline = time.monotonic() + timeout
     while not notice_arrived():

@@ -13,7 +13,7 @@ import pytest
 from spotguard.control import request
 from spotguard.daemon.discovery import PREFIX
 from spotguard.daemon.peers import PeerReceiver, choose_peer
-from spotguard.demo import Vm, wait_for
+from spotguard.harness import Vm, wait_for
 from spotguard.peerwire import parse_address
 from spotguard.storage.file import FileStorage
 from spotguard.storage.s3 import S3Storage

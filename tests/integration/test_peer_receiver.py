@@ -14,7 +14,7 @@ from spotguard import peerwire
 from spotguard.control import request
 from spotguard.daemon.peers import AREA, PeerClient, choose_peer, send_checkpoint
 from spotguard.daemon.plan import PROBE_PREFIX
-from spotguard.demo import Vm, wait_for
+from spotguard.harness import Vm, wait_for
 from spotguard.manifest import load_manifest
 from spotguard.storage.checkpoints import list_remote
 from spotguard.storage.s3 import S3Storage

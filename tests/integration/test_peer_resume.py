@@ -20,7 +20,7 @@ from spotguard import Guard, peerwire
 from spotguard.crc32c import crc32c_of_bytes
 from spotguard.daemon.peerfetch import STAGING, fetch_replica, list_replicas
 from spotguard.daemon.peers import AREA, PeerClient, send_checkpoint
-from spotguard.demo import Vm, wait_for
+from spotguard.harness import Vm, wait_for
 from spotguard.manifest import FileEntry, load_manifest, write_part
 from spotguard.storage.checkpoints import commit_remote, upload_checkpoint
 from spotguard.storage.s3 import S3Storage
