@@ -302,18 +302,7 @@ def _train_main(argv: list[str]) -> int:
     parser.add_argument("--wait-notice-at", type=int)
     parser.add_argument("--every-steps", type=int)
     parser.add_argument("--plain-loader", action="store_true")
-    args = parser.parse_args(argv)
-    train(
-        checkpoint_dir=args.checkpoint_dir,
-        bucket=args.bucket,
-        socket=args.socket,
-        steps=args.steps,
-        out=args.out,
-        pace=args.pace,
-        wait_notice_at=args.wait_notice_at,
-        every_steps=args.every_steps,
-        plain_loader=args.plain_loader,
-    )
+    train(**vars(parser.parse_args(argv)))  # the flags are train()'s keyword arguments
     return 0
 
 
