@@ -219,3 +219,27 @@ def test_an_entry_that_fails_to_load_among_threads_raises_and_leaves_the_rng_alo
     with pytest.raises(RuntimeError, match="refuses its state"):
         read_state(step_dir, load_manifest(step_dir), live, threads=4)
     assert torch.equal(torch.get_rng_state(), before)  # the RNG states go last, after every entry
+
+
+def test_a_framework_caught_sigterm_is_told_through_the_public_api(guard: Guard) -> None:
+    assert not guard.notice_pending and guard.pending_notice is None and guard.save_reason() == "periodic"
+    guard.notify_sigterm()  # e.g. Lightning's own handler caught the signal
+    assert guard.notice_pending and guard.save_reason() == "urgent"
+    assert not guard.stop_requested  # only the next step boundary agrees on it
+    assert guard.should_checkpoint(1) and guard.stop_requested
+
+
+def test_trainer_errors_derive_from_the_error_root_and_keep_their_bases() -> None:
+    from spotguard.errors import ConfigError, FatalError
+    from spotguard.trainer.contents import SpotguardMismatch
+    from spotguard.trainer.dist import RankFailed
+    from spotguard.trainer.external import AlreadyCommitted
+
+    for error, base in (
+        (StateError, ValueError),
+        (SpotguardMismatch, ValueError),
+        (RankFailed, RuntimeError),
+        (AlreadyCommitted, Exception),
+        (ConfigError, ValueError),
+    ):
+        assert issubclass(error, FatalError) and issubclass(error, base), error
