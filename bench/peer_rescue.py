@@ -41,7 +41,7 @@ from common import Moto, capped_link, machine, median, moto_process, write_resul
 from upload_deadline import TRAINER
 
 from spotguard.control import request
-from spotguard.demo import Vm, wait_for
+from spotguard.harness import Vm, wait_for
 from spotguard.localstore import CheckpointWriter
 from spotguard.manifest import load_manifest
 from spotguard.peer.client import PeerClient, send_checkpoint

@@ -17,16 +17,16 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from spotguard.errors import FatalError
+from spotguard.errors import ConfigError
 from spotguard.notice import Action
 from spotguard.peer.wire import parse_address
+from spotguard.storage.base import check_bucket_url
+from spotguard.trainer.settings import DEFAULT_SOCKET, TrainerSettings
 
 DEFAULT_CONFIG_FILE = Path("/etc/spotguard/spotguard.toml")
-DEFAULT_SOCKET = Path("/run/spotguard/spotguard.sock")
 DEFAULT_CHECKPOINT_DIR = Path("/var/lib/spotguard/checkpoints")
 DEFAULT_STATE_DIR = Path("/var/lib/spotguard/state")
 PROVIDERS = ("auto", "aws", "gcp", "azure", "none")
-BUCKET_SCHEMES = ("s3", "gs", "file")
 #: How uploads to s3:// are verified: see README, "Buckets" (``checksum``).
 CHECKSUM_MODES = ("auto", "crc32c", "md5")
 #: ``peers = "bucket"``: find the job's other daemons under the bucket's ``.spotguard-peers/``.
@@ -37,14 +37,6 @@ WEBHOOK_FIELDS = (
     "outcome", "checkpoint", "step", "bytes", "seconds", "upload_seconds", "margin_s", "error", "pid",
     "reason", "bytes_needed", "bytes_free", "path", "route", "plan_bytes", "rate_bytes_s", "seconds_needed",
 )  # fmt: skip
-
-
-class ConfigError(FatalError, ValueError):
-    """A bad configuration value. ``str()`` is the one line the CLI prints."""
-
-    def __init__(self, key: str, problem: str) -> None:
-        super().__init__(f"{key}: {problem}")
-        self.key = key
 
 
 # Settings that are a number of seconds and must be positive.
@@ -226,17 +218,6 @@ def _addresses(value: str | None) -> list[str]:
     return [item.strip() for item in (value or "").split(",") if item.strip()]
 
 
-def check_bucket_url(url: str, *, key: str = "bucket") -> str:
-    parsed = urlparse(url)
-    if parsed.scheme not in BUCKET_SCHEMES:
-        raise ConfigError(key, f"{url!r} must start with s3://, gs:// or file://")
-    if parsed.scheme in ("s3", "gs") and not parsed.netloc:
-        raise ConfigError(key, f"{url!r} names no bucket")
-    if parsed.scheme == "file" and (parsed.netloc or not parsed.path.startswith("/")):
-        raise ConfigError(key, f"{url!r} must be file:///absolute/path")
-    return url
-
-
 def parse_webhook_template(text: str, *, key: str = "webhook_template") -> Any:
     """Parse and check a webhook template: a JSON document whose strings may hold ``${field}``
     placeholders (:class:`string.Template` syntax, ``$$`` for a literal ``$``). A string that is
@@ -387,28 +368,11 @@ def with_overrides(config: DaemonConfig, **changes: Any) -> DaemonConfig:
 # --- trainer side --------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class TrainerSettings:
-    checkpoint_dir: Path | None  # None: ask the daemon for its root
-    bucket: str | None
-    socket: Path
-
-
 def trainer_settings(
     checkpoint_dir: str | os.PathLike[str] | None,
     bucket: str | None,
     socket: str | os.PathLike[str] | None,
     env: Mapping[str, str] | None = None,
 ) -> TrainerSettings:
-    """Resolve the hook's arguments: explicit argument > environment > default."""
-    env = os.environ if env is None else env
-    root = checkpoint_dir if checkpoint_dir is not None else env.get("SPOTGUARD_CHECKPOINT_DIR")
-    bucket = bucket if bucket is not None else (env.get("SPOTGUARD_BUCKET") or None)
-    if bucket is not None:
-        check_bucket_url(bucket, key="bucket")
-    sock = socket if socket is not None else env.get("SPOTGUARD_SOCKET", str(DEFAULT_SOCKET))
-    return TrainerSettings(
-        checkpoint_dir=Path(root).expanduser().absolute() if root else None,
-        bucket=bucket,
-        socket=Path(sock),
-    )
+    """Resolve the hook's arguments: explicit argument > environment > default (the trainer package's rule)."""
+    return TrainerSettings.from_env(checkpoint_dir, bucket, socket, env=env)

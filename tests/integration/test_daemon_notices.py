@@ -25,7 +25,7 @@ from spotguard.cli import request
 from spotguard.config import DaemonConfig
 from spotguard.daemon.app import Daemon
 from spotguard.daemon.notices import EventLog
-from spotguard.demo import Vm, wait_for
+from spotguard.harness import Vm, wait_for
 from spotguard.notice import parse_iso
 from spotguard.storage.checkpoints import list_remote
 from spotguard.storage.file import FileStorage

@@ -26,10 +26,10 @@ import pytest
 
 from spotguard import Guard
 from spotguard.daemon.notices import EventLog
-from spotguard.demo import Vm, wait_for
 from spotguard.emulate.common import RunningEmulator
 from spotguard.emulate.gcp import GcpEmulator
 from spotguard.emulate.registry import start_emulator
+from spotguard.harness import Vm, wait_for
 from spotguard.storage.checkpoints import list_remote
 from spotguard.storage.file import FileStorage
 

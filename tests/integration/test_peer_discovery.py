@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from spotguard.control import request
-from spotguard.demo import Vm, wait_for
+from spotguard.harness import Vm, wait_for
 from spotguard.peer.client import choose_peer
 from spotguard.peer.discovery import PREFIX
 from spotguard.peer.receiver import PeerReceiver

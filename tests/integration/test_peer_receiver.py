@@ -12,7 +12,7 @@ import pytest
 
 from spotguard.control import request
 from spotguard.daemon.plan import PROBE_PREFIX
-from spotguard.demo import Vm, wait_for
+from spotguard.harness import Vm, wait_for
 from spotguard.manifest import load_manifest
 from spotguard.peer import wire
 from spotguard.peer.client import PeerClient, choose_peer, send_checkpoint

@@ -18,7 +18,7 @@ import pytest
 
 from spotguard import Guard
 from spotguard.crc32c import crc32c_of_bytes
-from spotguard.demo import Vm, wait_for
+from spotguard.harness import Vm, wait_for
 from spotguard.manifest import FileEntry, load_manifest, write_part
 from spotguard.peer import wire
 from spotguard.peer.client import PeerClient, send_checkpoint

@@ -21,6 +21,7 @@ PACKAGE = Path(spotguard.__file__).parent
 # (importer, modules it must never import): the second of each once imported the first back.
 ONE_WAY = [
     ("spotguard.demo", ["spotguard.cli"]),
+    ("spotguard.harness", ["spotguard.demo", "spotguard.cli"]),
     ("spotguard.doctor", ["spotguard.cli"]),
     ("spotguard.control", ["spotguard.cli", "spotguard.demo", "spotguard.doctor"]),
     ("spotguard.daemon.metrics", ["spotguard.daemon.app"]),
