@@ -18,6 +18,7 @@ from spotguard.config import ConfigError, load_config
 from spotguard.control import CommandError, daemon_socket, request
 from spotguard.localstore import scan_local
 from spotguard.manifest import CheckpointInfo, load_manifest_or_none, parse_step_dir, verify_dir
+from spotguard.providers import registry as providers
 from spotguard.version import __version__
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
@@ -375,7 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="the daemon")
     run.add_argument("--config", help="TOML file (default /etc/spotguard/spotguard.toml if present)")
-    run.add_argument("--provider", help="auto|aws|gcp|azure|none")
+    run.add_argument("--provider", help="|".join(providers.choices()))
     run.add_argument("--metadata-url", help="metadata service base URL (scheme://host:port)")
     run.add_argument("--socket", help="Unix socket path")
     run.add_argument("--checkpoint-dir", help="local checkpoint root")
@@ -432,7 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
     prune.set_defaults(func=cmd_prune)
 
     emulate = sub.add_parser("emulate", help="a local metadata emulator")
-    emulate.add_argument("provider", choices=["aws", "gcp", "azure"])
+    emulate.add_argument("provider", choices=providers.names())
     emulate.add_argument("--host", default="127.0.0.1")
     emulate.add_argument("--port", type=int, default=0)
     emulate.add_argument("--notice-after", type=float)
@@ -447,7 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     doctor = sub.add_parser("doctor", help="check that this VM is ready: metadata, socket, disk, bucket, timing")
     doctor.add_argument("--config", help="TOML file (default /etc/spotguard/spotguard.toml if present)")
-    doctor.add_argument("--provider", help="auto|aws|gcp|azure|none")
+    doctor.add_argument("--provider", help="|".join(providers.choices()))
     doctor.add_argument("--metadata-url", help="metadata service base URL (scheme://host:port)")
     doctor.add_argument("--socket", help="Unix socket path")
     doctor.add_argument("--checkpoint-dir", help="local checkpoint root")
