@@ -18,6 +18,7 @@ from spotguard.config import ConfigError, load_config
 from spotguard.control import CommandError, daemon_socket, request
 from spotguard.localstore import scan_local
 from spotguard.manifest import CheckpointInfo, load_manifest_or_none, parse_step_dir, verify_dir
+from spotguard.providers import registry as providers
 from spotguard.version import __version__
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
@@ -372,7 +373,7 @@ _CHECKSUM_HELP = "s3:// upload verification: auto (CRC32C, Content-MD5 if the st
 def _add_daemon_settings(parser: argparse.ArgumentParser) -> None:
     """The settings ``run`` and ``doctor`` share: where the daemon looks, listens, writes and uploads."""
     parser.add_argument("--config", help="TOML file (default /etc/spotguard/spotguard.toml if present)")
-    parser.add_argument("--provider", help="auto|aws|gcp|azure|none")
+    parser.add_argument("--provider", help="|".join(providers.choices()))
     parser.add_argument("--metadata-url", help="metadata service base URL (scheme://host:port)")
     parser.add_argument("--socket", help="Unix socket path")
     parser.add_argument("--checkpoint-dir", help="local checkpoint root")
@@ -445,7 +446,7 @@ def _add_location_commands(sub: Any) -> None:
 def _add_tools(sub: Any) -> None:
     """The emulator, the demo and the readiness check."""
     emulate = sub.add_parser("emulate", help="a local metadata emulator")
-    emulate.add_argument("provider", choices=["aws", "gcp", "azure"])
+    emulate.add_argument("provider", choices=providers.names())
     emulate.add_argument("--host", default="127.0.0.1")
     emulate.add_argument("--port", type=int, default=0)
     emulate.add_argument("--notice-after", type=float)

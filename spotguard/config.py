@@ -20,13 +20,14 @@ from urllib.parse import urlparse
 from spotguard.errors import ConfigError
 from spotguard.notice import Action
 from spotguard.peer.wire import parse_address
+from spotguard.providers import registry as providers
+from spotguard.providers.base import MonitorSettings
 from spotguard.storage.base import check_bucket_url
 from spotguard.trainer.settings import DEFAULT_SOCKET, TrainerSettings
 
 DEFAULT_CONFIG_FILE = Path("/etc/spotguard/spotguard.toml")
 DEFAULT_CHECKPOINT_DIR = Path("/var/lib/spotguard/checkpoints")
 DEFAULT_STATE_DIR = Path("/var/lib/spotguard/state")
-PROVIDERS = ("auto", "aws", "gcp", "azure", "none")
 #: How uploads to s3:// are verified: see README, "Buckets" (``checksum``).
 CHECKSUM_MODES = ("auto", "crc32c", "md5")
 #: ``peers = "bucket"``: find the job's other daemons under the bucket's ``.spotguard-peers/``.
@@ -121,8 +122,8 @@ class DaemonConfig:
 
     def _check_sources(self) -> None:
         """Where notices come from and where checkpoints go."""
-        if self.provider not in PROVIDERS:
-            raise ConfigError("provider", f"{self.provider!r} is not one of {', '.join(PROVIDERS)}")
+        if self.provider not in providers.choices():
+            raise ConfigError("provider", f"{self.provider!r} is not one of {', '.join(providers.choices())}")
         if self.metadata_url is not None:
             parsed = urlparse(self.metadata_url)
             if parsed.scheme not in ("http", "https") or not parsed.netloc:
@@ -201,6 +202,18 @@ class DaemonConfig:
 
     def action_for_soft(self, kind: str) -> Action:
         return self.on_rebalance if kind == "rebalance" else self.on_maintenance
+
+    def monitor_settings(self) -> MonitorSettings:
+        """What the provider's monitors and the doctor's probe are built from."""
+        return MonitorSettings(
+            metadata_url=self.metadata_url,
+            poll_interval=self.poll_interval,
+            http_timeout=self.http_timeout,
+            imds_v1_fallback=self.imds_v1_fallback,
+            asg_lifecycle_hook=self.asg_lifecycle_hook,
+            asg_name=self.asg_name,
+            vm_name=self.vm_name,
+        )
 
     def storage_options(self) -> dict[str, Any]:
         """Keyword arguments for ``open_storage(self.bucket, ...)``, the same for the daemon and doctor."""

@@ -19,7 +19,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from spotguard import protocol
-from spotguard.config import ConfigError, DaemonConfig, with_overrides
+from spotguard.config import ConfigError, DaemonConfig
 from spotguard.daemon.events import (
     MonitorErrorListener,
     NoticeListener,
@@ -43,7 +43,6 @@ from spotguard.manifest import (
     parse_step_dir,
     step_dir_name,
 )
-from spotguard.monitors.base import Acknowledger, Monitor, MonitorError
 from spotguard.notice import Action, Kind, Notice, utcnow
 from spotguard.peer.discovery import PREFIX as DISCOVERY_PREFIX
 from spotguard.peer.discovery import PeerRegistry, advertised_address
@@ -53,6 +52,7 @@ from spotguard.peer.handoff import Handoff, HandoffState
 from spotguard.peer.receiver import PeerReceiver
 from spotguard.peer.replicas import AREA as PEER_AREA
 from spotguard.peer.wire import load_token, parse_address
+from spotguard.providers.base import Acknowledgements, Monitor, MonitorError
 from spotguard.safefile import TMP_MARK
 from spotguard.space import keep_room_for_one
 from spotguard.storage.base import Storage, StorageError
@@ -83,6 +83,7 @@ class Daemon:
         self.notifier = notifier or SystemdNotifier({})
         self.provider = provider
         self.monitors = list(monitors)
+        self.acknowledgements = Acknowledgements()  # sent once a notice's checkpoint is in the bucket
         self.storage = storage
         self.root = config.checkpoint_dir.absolute()
         self.events = EventLog(config.state_dir, self.root)
@@ -155,6 +156,7 @@ class Daemon:
 
     async def on_notice(self, notice: Notice) -> bool:
         """Act on a notice once per event id (also across restarts). True if it was acted on now."""
+        self.acknowledgements.remember(notice)
         if self.notices.seen(notice.event_id):
             return False
         action = self.action_for(notice)
@@ -540,14 +542,8 @@ class Daemon:
         if self.last_notice is not None and self.last_notice.get("checkpoint") == name:
             self.last_notice["committed_at"] = utcnow().isoformat()
         if isinstance(event_id, str) and event_id in self.events:
-            notice = Notice.from_dict(self.events.events[event_id]["notice"])
             self.notices.checkpointed(event_id, committed=name)
-            for monitor in self.monitors:
-                if isinstance(monitor, Acknowledger):
-                    try:
-                        await monitor.acknowledge(notice)
-                    except MonitorError as exc:
-                        logger.warning("acknowledging %s failed: %s", event_id, exc)
+            await self.acknowledgements.send(event_id)
 
     # --- status ------------------------------------------------------------------------
 
@@ -742,7 +738,7 @@ class Daemon:
 
     async def _check_once(self, monitor: Monitor) -> None:
         try:
-            notices = await _check_all(monitor)
+            notices = await monitor.check_all()
         except MonitorError as exc:
             self.monitor_errors[monitor.name] = str(exc)
             self._tell_monitor_error(monitor.name, exc)
@@ -848,15 +844,6 @@ class Daemon:
         return 0
 
 
-async def _check_all(monitor: Monitor) -> list[Notice]:
-    """Every current notice of a source: a soft event must not hide behind a harder one."""
-    check_all = getattr(monitor, "check_all", None)
-    if check_all is not None:
-        return list(await check_all())
-    notice = await monitor.check()
-    return [] if notice is None else [notice]
-
-
 async def build_and_run(config: DaemonConfig) -> int:
     """Build the real parts from ``config`` and run until SIGTERM/SIGINT."""
     from spotguard.storage import open_storage
@@ -945,13 +932,13 @@ async def _build_monitors(config: DaemonConfig) -> tuple[str, list[Monitor], Any
         return "none", [], None
     import aiohttp
 
-    from spotguard.monitors.detect import build_monitors, detect_provider
+    from spotguard.providers.registry import build_monitors, resolve
 
-    provider = detect_provider() if config.provider == "auto" else config.provider
+    provider = resolve(config.provider)
     if provider == "none":
         return "none", [], None
     session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=config.http_timeout))
-    return provider, build_monitors(with_overrides(config, provider=provider), session), session
+    return provider, build_monitors(provider, config.monitor_settings(), session), session
 
 
 __all__ = ["Daemon", "EventLog", "build_and_run"]

@@ -58,6 +58,8 @@ class Guard:
 
     #: The save paths; a subclass may put a faulty one here (tests do).
     saver_type: type[Saver] = Saver
+    #: What the daemon's messages and SIGTERM set; a subclass may put a recording one here (tests do).
+    flags_type: type[NoticeFlags] = NoticeFlags
 
     def __init__(
         self,
@@ -80,7 +82,7 @@ class Guard:
         self.keep = keep
         self.rank = dist.rank()
         self.world_size = dist.world_size()
-        self._flags = NoticeFlags()
+        self._flags = self.flags_type()
         self.last_resume_report: ResumeReport | None = None  # what the last resume loaded and left
         self.client, self.checkpoint_dir = self._connect(settings, daemon_wait)
         self._saver = self.saver_type(

@@ -28,6 +28,10 @@ ONE_WAY = [
     ("spotguard.daemon.webhook", ["spotguard.daemon.app"]),
     ("spotguard.daemon.events", ["spotguard.daemon.app"]),
     ("spotguard.emulate.common", ["spotguard.emulate.aws", "spotguard.emulate.gcp", "spotguard.emulate.azure"]),
+    # The emulators restate their cloud's wire protocol on their own: a wrong constant must not agree with itself.
+    ("spotguard.emulate.aws", ["spotguard.providers.aws"]),
+    ("spotguard.emulate.gcp", ["spotguard.providers.gcp"]),
+    ("spotguard.emulate.azure", ["spotguard.providers.azure"]),
 ]
 
 
@@ -79,4 +83,10 @@ def test_the_other_direction_still_works() -> None:
     """The one-way arrows are real: the dispatcher reaches the commands, the daemon its observers."""
     assert "spotguard.control" in _imported_names("spotguard.cli")
     assert "spotguard.daemon.events" in _imported_names("spotguard.daemon.metrics")
-    assert "spotguard.emulate.aws" in _imported_names("spotguard.emulate.registry")
+    assert "spotguard.providers.registry" in _imported_names("spotguard.emulate.registry")
+
+
+def test_the_provider_registry_loads_no_http_client() -> None:
+    """The config (which the trainer side imports) reads the registry: the clouds' modules load on demand."""
+    loaded = _loaded_after_import("spotguard.providers.registry")
+    assert "aiohttp" not in loaded and "spotguard.providers.aws" not in loaded
