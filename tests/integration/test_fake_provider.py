@@ -26,7 +26,7 @@ from spotguard import Guard
 from spotguard.config import DaemonConfig
 from spotguard.control import request
 from spotguard.daemon.app import Daemon
-from spotguard.demo import wait_for
+from spotguard.harness import wait_for
 from spotguard.doctor import run_doctor
 from spotguard.emulate.common import Emulator, RunningEmulator
 from spotguard.emulate.registry import start_emulator
