@@ -57,6 +57,7 @@ from spotguard.safefile import TMP_MARK
 from spotguard.space import keep_room_for_one
 from spotguard.storage.base import Storage, StorageError
 from spotguard.storage.checkpoints import list_remote
+from spotguard.storage.journal import UploadJournal
 from spotguard.version import __version__
 
 logger = logging.getLogger("spotguard.daemon")
@@ -854,6 +855,12 @@ async def build_and_run(config: DaemonConfig) -> int:
     if storage is not None and hasattr(storage, "warm"):
         # Credentials and connections now, not at notice time.
         await asyncio.to_thread(storage.warm)
+    if storage is not None and hasattr(storage, "keep_journal"):
+        # Exactly the uploads a killed predecessor opened, however young: they are ours to abort.
+        journal = UploadJournal(UploadJournal.path_for(config.state_dir, storage.url, config.checkpoint_dir.absolute()))
+        aborted = await asyncio.to_thread(storage.keep_journal, journal)
+        if aborted:
+            logger.info("aborted %d multipart upload(s) an earlier run of this daemon left open", aborted)
     if storage is not None and hasattr(storage, "abort_stale_multipart_uploads"):
         # A daemon killed mid-upload leaves multipart uploads open (and billed); nobody resumes them.
         # Only old ones: the other nodes of a job share the prefix and may be uploading right now.

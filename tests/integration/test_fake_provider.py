@@ -26,10 +26,10 @@ from spotguard import Guard
 from spotguard.config import DaemonConfig
 from spotguard.control import request
 from spotguard.daemon.app import Daemon
-from spotguard.harness import wait_for
 from spotguard.doctor import run_doctor
 from spotguard.emulate.common import Emulator, RunningEmulator
 from spotguard.emulate.registry import start_emulator
+from spotguard.harness import wait_for
 from spotguard.notice import Acknowledgement, Kind, Notice, event_id_for, utcnow
 from spotguard.providers import registry
 from spotguard.providers.base import (
