@@ -10,16 +10,19 @@ import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from spotguard import protocol
 from spotguard.config import ConfigError, load_config
 from spotguard.control import CommandError, daemon_socket, request
 from spotguard.localstore import scan_local
-from spotguard.manifest import CheckpointInfo, load_manifest_or_none, parse_step_dir, verify_dir
+from spotguard.manifest import MANIFEST, CheckpointInfo, load_manifest_or_none, parse_step_dir, verify_dir
 from spotguard.providers import registry as providers
 from spotguard.version import __version__
+
+if TYPE_CHECKING:
+    from spotguard.storage.base import Storage
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -249,48 +252,60 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    """Check checkpoints against their manifests. A step that was never committed (no manifest: a save
+    that failed or is still being written) is listed as incomplete; only a committed one whose files do
+    not match fails the run, or an incomplete one named on its own."""
     root, single = split_checkpoint(args.location)
     names = [single] if single else [info.name for info in list_location(root)]
     if not names:
         raise CommandError(f"no checkpoints in {root}")
-    failed = 0
-    results = []
     storage = _open(root) if is_url(root) else None
     try:
         listing = {info.name: info for info in _list_remote(storage, True)} if storage else {}
-        for name in names:
-            if storage is not None:
-                from spotguard.storage.checkpoints import verify_remote
-
-                info = listing.get(name)
-                progress = Progress(info.bytes if info else 0, f"verifying {name}")
-                problems = verify_remote(storage, name, progress=progress)
-                progress.finish()
-                manifest = info.manifest if info else None
-            else:
-                problems = verify_dir(Path(root) / name)
-                manifest = load_manifest_or_none(Path(root) / name)
-            failed += bool(problems)
-            results.append(
-                {
-                    "name": name,
-                    "status": "failed" if problems else "ok",
-                    "problems": problems,
-                    "contents": manifest.contents if manifest is not None else None,
-                }
-            )
-            if not args.json:
-                print(f"{name}: FAILED" if problems else f"{name}: ok")
-                for problem in problems:
-                    print(f"  {problem}")
+        results = [_verify_one(storage, root, name, listing.get(name)) for name in names]
     finally:
         if storage is not None:
             storage.close()
+    failed = sum(
+        result["status"] == "failed" or (single is not None and result["status"] != "ok") for result in results
+    )
     if args.json:
         print(json.dumps(results, indent=1))
+    else:
+        for result in results:
+            print(f"{result['name']}: {_VERIFY_WORDS[result['status']]}")
+            for problem in result["problems"]:
+                print(f"  {problem}")
     if failed:
         print(f"{failed} of {len(names)} checkpoint(s) failed verification", file=sys.stderr)
     return EXIT_FAILURE if failed else EXIT_OK
+
+
+_VERIFY_WORDS = {"ok": "ok", "failed": "FAILED", "incomplete": "incomplete (never committed: no manifest)"}
+
+
+def _verify_one(storage: Storage | None, root: str, name: str, info: CheckpointInfo | None) -> dict[str, Any]:
+    """One checkpoint's verdict: ok, failed (committed, and its files do not match), or incomplete."""
+    if storage is not None:
+        from spotguard.storage.checkpoints import verify_remote
+
+        if storage.stat(f"{name}/{MANIFEST}") is None:
+            return {"name": name, "status": "incomplete", "problems": [], "contents": None}
+        progress = Progress(info.bytes if info else 0, f"verifying {name}")
+        problems = verify_remote(storage, name, progress=progress)
+        progress.finish()
+        manifest = info.manifest if info else None
+    else:
+        if not (Path(root) / name / MANIFEST).exists():
+            return {"name": name, "status": "incomplete", "problems": [], "contents": None}
+        problems = verify_dir(Path(root) / name)
+        manifest = load_manifest_or_none(Path(root) / name)
+    return {
+        "name": name,
+        "status": "failed" if problems else "ok",
+        "problems": problems,
+        "contents": manifest.contents if manifest is not None else None,
+    }
 
 
 def cmd_restore(args: argparse.Namespace) -> int:

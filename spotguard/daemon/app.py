@@ -139,6 +139,7 @@ class Daemon:
         self._peer_resume_lock = asyncio.Lock()
         self._stopping = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self._discards: set[asyncio.Task[list[str]]] = set()  # failed saves being removed from the bucket
 
     @property
     def bucket_url(self) -> str | None:
@@ -423,7 +424,11 @@ class Daemon:
             message["message"],
         )
         if self.storage is not None:
-            self.uploader.abort_streams("the save failed", name=step_dir_name(message["step"]))
+            # Its files already streamed or sent ahead of the commit must not stay in the bucket.
+            name = step_dir_name(message["step"])
+            task = asyncio.create_task(self.uploader.discard(name, "the save failed"), name=f"discard-{name}")
+            self._discards.add(task)
+            task.add_done_callback(self._discards.discard)
         self.save_failures.append(failure)
         del self.save_failures[:-20]
         event_id = message.get("event_id")

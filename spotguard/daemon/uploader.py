@@ -254,6 +254,39 @@ class Uploader:
             self._aborting.add(task)
             task.add_done_callback(self._aborting.discard)
 
+    async def discard(self, name: str, why: str) -> list[str]:
+        """A save of ``name`` failed: nothing of it will ever be committed. Abort its streamed uploads,
+        let its uploads ahead of the commit settle, and remove from the bucket every file of it this
+        daemon sent (never another node's share, and nothing once a manifest is there: a committed
+        checkpoint of that name is not ours to touch). Returns the keys removed."""
+        self.abort_streams(why, name=name)
+        self._queued.pop(name, None)
+        self._urgent.discard(name)
+        progress = self._progress.pop(name, None)
+        # A transfer in a thread cannot be cancelled: wait for it, then remove what it left.
+        await asyncio.gather(*self._early.pop(name, []), *self._aborting, return_exceptions=True)
+        storage = self.storage
+        if storage is None or progress is None or name in self.committed:
+            return []
+        keys = [f"{name}/{rel}" for rel in progress.files()]
+
+        def remove() -> list[str]:
+            # A save of the same step begun again meanwhile owns these names now: leave them to it.
+            if name in self._progress or storage.stat(f"{name}/{MANIFEST}") is not None:
+                return []
+            present = [key for key in keys if storage.stat(key) is not None]
+            storage.delete(present)
+            return present
+
+        try:
+            removed = await self._in_upload_thread(remove)
+        except (StorageError, OSError) as exc:
+            logger.warning("%s: cannot remove the files of the failed save from the bucket: %s", name, exc)
+            return []
+        if removed:
+            logger.info("%s: removed %d file(s) of the failed save from the bucket", name, len(removed))
+        return removed
+
     async def _abort_stream(self, stream: _Stream) -> None:
         try:
             await asyncio.to_thread(stream.upload.abort)

@@ -498,6 +498,11 @@ class UploadProgress:
 
         return sent
 
+    def files(self) -> list[str]:
+        """Every file of the checkpoint announced so far (what this process may have put in the store)."""
+        with self._lock:
+            return sorted(self._sizes)
+
     def present(self, rel: str) -> None:
         """``rel`` is in the bucket, whoever sent it."""
         with self._lock:

@@ -11,6 +11,7 @@ still resumes on a fresh VM.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from spotguard import Guard, SpotguardDiskFull
 from spotguard.control import request
 from spotguard.harness import Vm, wait_for
 from spotguard.manifest import step_dir_name
+from spotguard.storage import open_storage
 from tests.diskspace import fill
 from tests.integration.test_daemon_buckets import complete_steps, connected_guard
 from tests.integration.test_metrics_webhook import Receiver, scrape, value
@@ -77,6 +79,14 @@ def step_5_in_the_bucket_then_a_full_disk(vm: Vm, guard: Guard, bucket: str) -> 
     request(vm.socket, "drill", deadline_s=120)
     wait_for(lambda: guard.should_checkpoint(6), 10, "the drill to reach the hook")
     return state
+
+
+def step_objects(bucket: str, step: int) -> list[str]:
+    storage = open_storage(bucket)
+    try:
+        return [info.key for info in storage.list(f"{step_dir_name(step)}/")]
+    finally:
+        storage.close()
 
 
 def test_urgent_save_on_a_full_disk_drops_the_local_copy_already_in_the_bucket_and_commits(vm: Vm, bucket: str) -> None:
@@ -135,6 +145,14 @@ def test_a_state_too_big_for_any_room_raises_disk_full_and_the_daemon_reports_it
     assert (hook["step"], hook["error"], hook["bytes_needed"]) == (6, "disk-full", error.bytes_needed)
     assert hook["event_id"] == failure["event_id"] and hook["kind"] == "drill"
 
+    # What the failed save had already sent ahead of its commit (small files go first) is removed from
+    # the bucket: no object of step 6 stays, and verify of the bucket passes.
+    wait_for(lambda: not step_objects(bucket, 6), 30, "the failed save's files to leave the bucket")
+    verified = subprocess.run(
+        [sys.executable, "-m", "spotguard", "verify", bucket], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+
     # Not a byte left: the daemon's own state write (the event log) fails, is logged, the daemon runs on.
     fill(vm.dir.parent, leave=0, name="filler-2")
     request(vm.socket, "drill", deadline_s=120)
@@ -184,3 +202,27 @@ def test_a_failing_bucket_never_fills_the_disk_the_next_checkpoint_needs(
         assert "NOT in the bucket" in vm.log.read_text()
     finally:
         vm.kill_daemon()
+
+
+def test_a_save_that_runs_out_of_room_mid_write_leaves_nothing_of_its_step_in_the_bucket(
+    vm: Vm, bucket: str, tmp_path: Path
+) -> None:
+    guard = connected_guard(vm)
+    try:
+        step_5_in_the_bucket_then_a_full_disk(vm, guard, bucket)
+        # The room check counts tensors: a large entry of plain bytes passes it and runs out of room
+        # mid-write, after the small files (the RNG states, the note) were written and sent ahead.
+        state = {"note": {"step": 7, "what": "small, written first"}, "blob": os.urandom(24 * MiB)}
+        with pytest.raises(OSError):
+            guard.save(state, 7)
+    finally:
+        guard.close()
+    failure = wait_for(lambda: vm.status()["save_failures"], 10, "the daemon to record the failed save")[-1]
+    assert failure["step"] == 7
+    wait_for(lambda: not step_objects(bucket, 7), 30, "the failed save's files to leave the bucket")
+    assert complete_steps(bucket) == [5]
+    verified = subprocess.run(
+        [sys.executable, "-m", "spotguard", "verify", bucket], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert "step-000000005: ok" in verified.stdout
