@@ -26,9 +26,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from spotguard.demo import Vm, wait_for
 from spotguard.emulate.common import RunningEmulator
 from spotguard.emulate.registry import start_emulator
+from spotguard.harness import Vm, wait_for
 
 PROVIDERS = ("none", "aws", "gcp", "azure")
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")

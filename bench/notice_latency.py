@@ -40,11 +40,11 @@ from pathlib import Path
 from typing import Any
 
 from spotguard import Guard
-from spotguard.demo import Vm, wait_for
 from spotguard.emulate.aws import iso_z
 from spotguard.emulate.common import CONTROL_PREFIX
 from spotguard.emulate.gcp import GcpEmulator
 from spotguard.emulate.registry import start_emulator
+from spotguard.harness import Vm, wait_for
 
 PROVIDERS = ("aws", "gcp", "azure")
 GCP_INSTANCE_ID = 4520031799277581759

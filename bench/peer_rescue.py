@@ -41,11 +41,11 @@ from common import Moto, capped_link, machine, median, moto_process, write_resul
 from upload_deadline import TRAINER
 
 from spotguard.control import request
-from spotguard.daemon.peers import PeerClient, send_checkpoint
-from spotguard.demo import Vm, wait_for
+from spotguard.harness import Vm, wait_for
 from spotguard.localstore import CheckpointWriter
 from spotguard.manifest import load_manifest
-from spotguard.peerwire import parse_address
+from spotguard.peer.client import PeerClient, send_checkpoint
+from spotguard.peer.wire import parse_address
 
 MiB = 1 << 20
 TOKEN = "bench-peer-token-0123456789abcdef"

@@ -67,7 +67,7 @@ from common import (
 )
 
 from spotguard.control import request
-from spotguard.demo import Vm, wait_for
+from spotguard.harness import Vm, wait_for
 from spotguard.storage import open_storage
 from spotguard.storage.checkpoints import upload_checkpoint
 
@@ -77,7 +77,7 @@ sys.path.insert(0, sys.argv[1])
 import torch
 from common import make_state
 from spotguard import Guard
-from spotguard.demo import wait_for
+from spotguard.harness import wait_for
 torch.set_num_threads(1)
 state = make_state(float(sys.argv[4]), int(sys.argv[5]))
 guard = Guard(checkpoint_dir=sys.argv[2], socket=sys.argv[3], handle_sigterm=False)

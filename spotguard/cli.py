@@ -18,6 +18,7 @@ from spotguard.config import ConfigError, load_config
 from spotguard.control import CommandError, daemon_socket, request
 from spotguard.localstore import scan_local
 from spotguard.manifest import CheckpointInfo, load_manifest_or_none, parse_step_dir, verify_dir
+from spotguard.providers import registry as providers
 from spotguard.version import __version__
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
@@ -149,11 +150,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_drill(args: argparse.Namespace) -> int:
-    fields: dict[str, Any] = {"deadline_s": args.deadline} if args.deadline is not None else {"deadline_s": 120.0}
+    # Without --deadline the daemon gives its own drill_deadline (config), and says which in its reply.
+    fields: dict[str, Any] = {"deadline_s": args.deadline} if args.deadline is not None else {}
     reply = request(daemon_socket(args.socket), "drill", **fields)
-    print(
-        f"drill {reply['event_id']}: {reply['trainers_told']} trainer(s) told, deadline in {fields['deadline_s']:.0f} s"
-    )
+    deadline_s = reply.get("deadline_s", args.deadline)
+    told = f"drill {reply['event_id']}: {reply['trainers_told']} trainer(s) told"
+    print(f"{told}, deadline in {deadline_s:.0f} s" if isinstance(deadline_s, int | float) else told)
     return EXIT_OK
 
 
@@ -368,21 +370,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
 _CHECKSUM_HELP = "s3:// upload verification: auto (CRC32C, Content-MD5 if the store gets CRC32C wrong), crc32c, md5"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="spotguard", description="Survive spot/preemptible VM interruptions.")
-    parser.add_argument("--version", action="version", version=f"spotguard {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+def _add_daemon_settings(parser: argparse.ArgumentParser) -> None:
+    """The settings ``run`` and ``doctor`` share: where the daemon looks, listens, writes and uploads."""
+    parser.add_argument("--config", help="TOML file (default /etc/spotguard/spotguard.toml if present)")
+    parser.add_argument("--provider", help="|".join(providers.choices()))
+    parser.add_argument("--metadata-url", help="metadata service base URL (scheme://host:port)")
+    parser.add_argument("--socket", help="Unix socket path")
+    parser.add_argument("--checkpoint-dir", help="local checkpoint root")
+    parser.add_argument("--bucket", help="s3://bucket/prefix, gs://bucket/prefix or file:///dir")
+    parser.add_argument("--checksum", help=_CHECKSUM_HELP)
 
+
+def _add_run(sub: Any) -> None:
     run = sub.add_parser("run", help="the daemon")
-    run.add_argument("--config", help="TOML file (default /etc/spotguard/spotguard.toml if present)")
-    run.add_argument("--provider", help="auto|aws|gcp|azure|none")
-    run.add_argument("--metadata-url", help="metadata service base URL (scheme://host:port)")
-    run.add_argument("--socket", help="Unix socket path")
-    run.add_argument("--checkpoint-dir", help="local checkpoint root")
+    _add_daemon_settings(run)
     run.add_argument("--state-dir", help="where handled event ids are kept")
-    run.add_argument("--bucket", help="s3://bucket/prefix, gs://bucket/prefix or file:///dir")
     run.add_argument("--poll-interval", help="seconds between metadata polls")
-    run.add_argument("--checksum", help=_CHECKSUM_HELP)
     run.add_argument("--peer-listen", help="HOST:PORT to take other daemons' urgent checkpoints on (the peer tier)")
     run.add_argument(
         "--peers",
@@ -397,8 +400,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--peer-token-file", help="file holding the job's peer token (else $SPOTGUARD_PEER_TOKEN)")
     run.set_defaults(func=cmd_run)
 
+
+def _add_daemon_requests(sub: Any) -> None:
+    """Commands that ask the running daemon over its socket."""
     drill = sub.add_parser("drill", help="inject a simulated hard notice into the running daemon")
-    drill.add_argument("--deadline", type=float, help="seconds until the simulated termination (default 120)")
+    drill.add_argument(
+        "--deadline", type=float, help="seconds until the simulated termination (default: the daemon's drill_deadline)"
+    )
     drill.add_argument("--socket")
     drill.set_defaults(func=cmd_drill)
 
@@ -407,6 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--socket")
     status.set_defaults(func=cmd_status)
 
+
+def _add_location_commands(sub: Any) -> None:
+    """Commands on the checkpoints at a root or bucket URL."""
     lister = sub.add_parser("list", help="checkpoints at a root or bucket URL")
     lister.add_argument("location")
     lister.add_argument("--json", action="store_true")
@@ -431,8 +442,11 @@ def build_parser() -> argparse.ArgumentParser:
     prune.add_argument("--grace", type=float, default=3600.0, help="seconds (default 3600)")
     prune.set_defaults(func=cmd_prune)
 
+
+def _add_tools(sub: Any) -> None:
+    """The emulator, the demo and the readiness check."""
     emulate = sub.add_parser("emulate", help="a local metadata emulator")
-    emulate.add_argument("provider", choices=["aws", "gcp", "azure"])
+    emulate.add_argument("provider", choices=providers.names())
     emulate.add_argument("--host", default="127.0.0.1")
     emulate.add_argument("--port", type=int, default=0)
     emulate.add_argument("--notice-after", type=float)
@@ -446,15 +460,19 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo)
 
     doctor = sub.add_parser("doctor", help="check that this VM is ready: metadata, socket, disk, bucket, timing")
-    doctor.add_argument("--config", help="TOML file (default /etc/spotguard/spotguard.toml if present)")
-    doctor.add_argument("--provider", help="auto|aws|gcp|azure|none")
-    doctor.add_argument("--metadata-url", help="metadata service base URL (scheme://host:port)")
-    doctor.add_argument("--socket", help="Unix socket path")
-    doctor.add_argument("--checkpoint-dir", help="local checkpoint root")
-    doctor.add_argument("--bucket", help="s3://bucket/prefix, gs://bucket/prefix or file:///dir")
-    doctor.add_argument("--checksum", help=_CHECKSUM_HELP)
+    _add_daemon_settings(doctor)
     doctor.add_argument("--checkpoint-gb", type=float, default=10.0, help="checkpoint size for the estimate (10)")
     doctor.set_defaults(func=cmd_doctor)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="spotguard", description="Survive spot/preemptible VM interruptions.")
+    parser.add_argument("--version", action="version", version=f"spotguard {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_run(sub)
+    _add_daemon_requests(sub)
+    _add_location_commands(sub)
+    _add_tools(sub)
     return parser
 
 

@@ -17,15 +17,17 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from spotguard.errors import ConfigError
 from spotguard.notice import Action
-from spotguard.peerwire import parse_address
+from spotguard.peer.wire import parse_address
+from spotguard.providers import registry as providers
+from spotguard.providers.base import MonitorSettings
+from spotguard.storage.base import check_bucket_url
+from spotguard.trainer.settings import DEFAULT_SOCKET, TrainerSettings
 
 DEFAULT_CONFIG_FILE = Path("/etc/spotguard/spotguard.toml")
-DEFAULT_SOCKET = Path("/run/spotguard/spotguard.sock")
 DEFAULT_CHECKPOINT_DIR = Path("/var/lib/spotguard/checkpoints")
 DEFAULT_STATE_DIR = Path("/var/lib/spotguard/state")
-PROVIDERS = ("auto", "aws", "gcp", "azure", "none")
-BUCKET_SCHEMES = ("s3", "gs", "file")
 #: How uploads to s3:// are verified: see README, "Buckets" (``checksum``).
 CHECKSUM_MODES = ("auto", "crc32c", "md5")
 #: ``peers = "bucket"``: find the job's other daemons under the bucket's ``.spotguard-peers/``.
@@ -38,12 +40,13 @@ WEBHOOK_FIELDS = (
 )  # fmt: skip
 
 
-class ConfigError(ValueError):
-    """A bad configuration value. ``str()`` is the one line the CLI prints."""
-
-    def __init__(self, key: str, problem: str) -> None:
-        super().__init__(f"{key}: {problem}")
-        self.key = key
+# Settings that are a number of seconds and must be positive.
+_POSITIVE_SECONDS = (
+    "poll_interval", "http_timeout", "drill_deadline", "scan_interval", "shutdown_grace", "forecast_interval",
+    "incomplete_grace", "stall_min_seconds", "upload_retry_max", "stale_upload_age",
+)  # fmt: skip
+# Counts that must be at least one.
+_AT_LEAST_ONE = ("keep_local", "keep_remote", "max_connections", "upload_concurrency", "upload_alert_after")
 
 
 def _own_uid_and_root() -> tuple[int, ...]:
@@ -102,10 +105,10 @@ class DaemonConfig:
     metrics_host: str = "127.0.0.1"
     webhook_url: str | None = None  # POST JSON here on each notice and its outcome; None = off
     webhook_template: str | None = None  # a JSON document with ${field} placeholders; None = the full event
-    # The peer tier (spotguard/daemon/peers.py): the token is SPOTGUARD_PEER_TOKEN or this file's contents.
+    # The peer tier (spotguard/peer/): the token is SPOTGUARD_PEER_TOKEN or this file's contents.
     peer_listen: str | None = None  # HOST:PORT this daemon takes other daemons' checkpoints on; None = off
     # HOST:PORT[,HOST:PORT...]: the job's other daemons, or "bucket": find them under the bucket's
-    # .spotguard-peers/ (spotguard/daemon/discovery.py); None = no peer route
+    # .spotguard-peers/ (spotguard/peer/discovery.py); None = no peer route
     peers: str | None = None
     # HOST:PORT other daemons connect to (registered under .spotguard-peers/ with peers = "bucket");
     # None = peer_listen when its host is not a wildcard, else this host's own address
@@ -115,8 +118,15 @@ class DaemonConfig:
     peer_max_replicas: int = 2  # replicas held at once (each until it is committed in the bucket)
 
     def __post_init__(self) -> None:
-        if self.provider not in PROVIDERS:
-            raise ConfigError("provider", f"{self.provider!r} is not one of {', '.join(PROVIDERS)}")
+        self._check_sources()
+        self._check_numbers()
+        self._check_observers()
+        self._check_peers()
+
+    def _check_sources(self) -> None:
+        """Where notices come from and where checkpoints go."""
+        if self.provider not in providers.choices():
+            raise ConfigError("provider", f"{self.provider!r} is not one of {', '.join(providers.choices())}")
         if self.metadata_url is not None:
             parsed = urlparse(self.metadata_url)
             if parsed.scheme not in ("http", "https") or not parsed.netloc:
@@ -127,25 +137,16 @@ class DaemonConfig:
             raise ConfigError("checksum", f"{self.checksum!r} is not one of {', '.join(CHECKSUM_MODES)}")
         if self.checksum == "md5" and self.bucket is not None and self.bucket.startswith("gs://"):
             raise ConfigError("checksum", "md5 is for s3:// stores; gs:// always verifies CRC32C (use auto)")
-        for name in (
-            "poll_interval",
-            "http_timeout",
-            "drill_deadline",
-            "scan_interval",
-            "shutdown_grace",
-            "forecast_interval",
-            "incomplete_grace",
-            "stall_min_seconds",
-            "upload_retry_max",
-            "stale_upload_age",
-        ):
+
+    def _check_numbers(self) -> None:
+        for name in _POSITIVE_SECONDS:
             if not getattr(self, name) > 0:
                 raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")
         if not 0 < self.stall_fraction <= 1:
             raise ConfigError("stall_fraction", f"must be in (0, 1], got {self.stall_fraction}")
         if not self.notice_grace >= 0:
             raise ConfigError("notice_grace", f"must be >= 0, got {self.notice_grace}")
-        for name in ("keep_local", "keep_remote", "max_connections", "upload_concurrency", "upload_alert_after"):
+        for name in _AT_LEAST_ONE:
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
         if self.bucket is not None and self.keep_local > self.keep_remote:
@@ -158,6 +159,9 @@ class DaemonConfig:
             )
         if self.max_message_bytes < 1024:
             raise ConfigError("max_message_bytes", f"must be >= 1024, got {self.max_message_bytes}")
+
+    def _check_observers(self) -> None:
+        """Logs, metrics and the webhook."""
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ConfigError("log_level", f"{self.log_level!r} is not debug, info, warning or error")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
@@ -170,6 +174,8 @@ class DaemonConfig:
                 raise ConfigError("webhook_url", f"{self.webhook_url!r} is not an http:// or https:// URL")
         if self.webhook_template is not None:
             parse_webhook_template(self.webhook_template)
+
+    def _check_peers(self) -> None:
         if self.peers is not None and PEERS_FROM_BUCKET in _addresses(self.peers) and self.peers.strip() != "bucket":
             raise ConfigError("peers", f'{self.peers!r}: either "bucket" or a list of HOST:PORT, not both')
         if self.peer_advertise is not None and not self.peer_listen:
@@ -200,6 +206,18 @@ class DaemonConfig:
     def action_for_soft(self, kind: str) -> Action:
         return self.on_rebalance if kind == "rebalance" else self.on_maintenance
 
+    def monitor_settings(self) -> MonitorSettings:
+        """What the provider's monitors and the doctor's probe are built from."""
+        return MonitorSettings(
+            metadata_url=self.metadata_url,
+            poll_interval=self.poll_interval,
+            http_timeout=self.http_timeout,
+            imds_v1_fallback=self.imds_v1_fallback,
+            asg_lifecycle_hook=self.asg_lifecycle_hook,
+            asg_name=self.asg_name,
+            vm_name=self.vm_name,
+        )
+
     def storage_options(self) -> dict[str, Any]:
         """Keyword arguments for ``open_storage(self.bucket, ...)``, the same for the daemon and doctor."""
         scheme = (self.bucket or "").partition("://")[0]
@@ -214,17 +232,6 @@ class DaemonConfig:
 
 def _addresses(value: str | None) -> list[str]:
     return [item.strip() for item in (value or "").split(",") if item.strip()]
-
-
-def check_bucket_url(url: str, *, key: str = "bucket") -> str:
-    parsed = urlparse(url)
-    if parsed.scheme not in BUCKET_SCHEMES:
-        raise ConfigError(key, f"{url!r} must start with s3://, gs:// or file://")
-    if parsed.scheme in ("s3", "gs") and not parsed.netloc:
-        raise ConfigError(key, f"{url!r} names no bucket")
-    if parsed.scheme == "file" and (parsed.netloc or not parsed.path.startswith("/")):
-        raise ConfigError(key, f"{url!r} must be file:///absolute/path")
-    return url
 
 
 def parse_webhook_template(text: str, *, key: str = "webhook_template") -> Any:
@@ -377,28 +384,11 @@ def with_overrides(config: DaemonConfig, **changes: Any) -> DaemonConfig:
 # --- trainer side --------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class TrainerSettings:
-    checkpoint_dir: Path | None  # None: ask the daemon for its root
-    bucket: str | None
-    socket: Path
-
-
 def trainer_settings(
     checkpoint_dir: str | os.PathLike[str] | None,
     bucket: str | None,
     socket: str | os.PathLike[str] | None,
     env: Mapping[str, str] | None = None,
 ) -> TrainerSettings:
-    """Resolve the hook's arguments: explicit argument > environment > default."""
-    env = os.environ if env is None else env
-    root = checkpoint_dir if checkpoint_dir is not None else env.get("SPOTGUARD_CHECKPOINT_DIR")
-    bucket = bucket if bucket is not None else (env.get("SPOTGUARD_BUCKET") or None)
-    if bucket is not None:
-        check_bucket_url(bucket, key="bucket")
-    sock = socket if socket is not None else env.get("SPOTGUARD_SOCKET", str(DEFAULT_SOCKET))
-    return TrainerSettings(
-        checkpoint_dir=Path(root).expanduser().absolute() if root else None,
-        bucket=bucket,
-        socket=Path(sock),
-    )
+    """Resolve the hook's arguments: explicit argument > environment > default (the trainer package's rule)."""
+    return TrainerSettings.from_env(checkpoint_dir, bucket, socket, env=env)

@@ -10,9 +10,10 @@ from typing import Any
 
 from spotguard import protocol
 from spotguard.config import DEFAULT_SOCKET
+from spotguard.errors import SpotguardError
 
 
-class CommandError(Exception):
+class CommandError(SpotguardError):
     """A failure with a one-line reason for the user (exit 1)."""
 
 

@@ -10,25 +10,29 @@ uninterrupted run.
 
 ``python -m spotguard.demo train ...`` is the example training loop itself
 (dropout, AdamW, an LR scheduler, a shuffling StatefulDataLoader); the tests
-use it too.
+use it too. The daemons and trainer processes are run by :mod:`spotguard.harness`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import IO, Any
+from typing import TYPE_CHECKING, Any
+
+from spotguard.harness import Vm, compare_final, events, trainer_command, wait_for
+
+if TYPE_CHECKING:
+    from spotguard.trainer.guard import Guard
 
 SAMPLES = 96
 BATCH = 8  # 12 steps per epoch
@@ -109,7 +113,7 @@ def train(
             step += 1
             emit("step", step=step, loss=round(loss.item(), 6))
             if wait_notice_at == step:
-                _wait_for_notice(guard, step)
+                wait_for_notice(guard, step)
             if pace:
                 time.sleep(pace)  # stands for a real step's compute time
             if guard.should_checkpoint(step):
@@ -127,147 +131,18 @@ def train(
     return step
 
 
-def _wait_for_notice(guard: Any, step: int, timeout: float = 60.0) -> None:
+def wait_for_notice(guard: Guard, step: int, timeout: float = 60.0) -> None:
     """Test harness knob: hold at ``step`` until the daemon's notice arrives, so that the checkpoint
     lands at exactly this step. The notice still travels the real path (daemon -> socket -> hook)."""
     emit("waiting", step=step)
     deadline = time.monotonic() + timeout
-    while not guard._local_flags()[0]:
+    while not guard.notice_pending:
         if time.monotonic() > deadline:
             raise TimeoutError(f"no notice arrived within {timeout} s at step {step}")
         time.sleep(0.005)
 
 
-def compare_final(first: Path, second: Path) -> list[str]:
-    """Differences between two final states (empty: bitwise identical)."""
-    import torch
-
-    a = torch.load(first, weights_only=True)
-    b = torch.load(second, weights_only=True)
-    problems: list[str] = []
-
-    def walk(x: Any, y: Any, where: str) -> None:
-        if isinstance(x, torch.Tensor):
-            same = isinstance(y, torch.Tensor) and x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
-            if not same:
-                problems.append(f"{where}: tensors differ")
-        elif isinstance(x, dict):
-            if not isinstance(y, dict) or set(x) != set(y):
-                problems.append(f"{where}: keys differ")
-                return
-            for key in x:
-                walk(x[key], y[key], f"{where}.{key}")
-        elif isinstance(x, list | tuple):
-            if not isinstance(y, list | tuple) or len(x) != len(y):
-                problems.append(f"{where}: lengths differ")
-                return
-            for i, (p, q) in enumerate(zip(x, y, strict=True)):
-                walk(p, q, f"{where}[{i}]")
-        elif x != y:
-            problems.append(f"{where}: {x!r} != {y!r}")
-
-    walk(a, b, "final")
-    return problems
-
-
 # --- the orchestrator ---------------------------------------------------------------------
-
-
-class Vm:
-    """One simulated VM: a daemon subprocess with its own socket and local checkpoint root."""
-
-    def __init__(self, base: Path, name: str, bucket: str, extra_args: list[str] | None = None) -> None:
-        self.dir = base / name
-        self.root = self.dir / "nvme"
-        self.socket = self.dir / "spotguard.sock"
-        self.bucket = bucket
-        self.log = self.dir / "daemon.log"
-        self.extra_args = extra_args or ["--provider", "none"]
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start_daemon(self, env: dict[str, str] | None = None) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        command = [
-            sys.executable, "-m", "spotguard", "run",
-            "--socket", str(self.socket),
-            "--checkpoint-dir", str(self.root),
-            "--state-dir", str(self.dir / "state"),
-            "--bucket", self.bucket,
-            *self.extra_args,
-        ]  # fmt: skip
-        with self.log.open("ab") as log:
-            self.process = subprocess.Popen(
-                command, stdout=log, stderr=log, env={**os.environ, "SPOTGUARD_SCAN_INTERVAL": "0.5", **(env or {})}
-            )
-        wait_for(self._answers, 20, f"the daemon of {self.dir.name} to listen (log: {self.log})")
-
-    def _answers(self) -> bool:
-        from spotguard.control import CommandError, request
-
-        assert self.process is not None
-        if self.process.poll() is not None:
-            raise RuntimeError(f"the daemon exited with {self.process.returncode}; see {self.log}")
-        try:
-            request(self.socket, "status", timeout=1)
-        except CommandError as exc:
-            return str(exc).startswith("daemon:")  # it answered, if only to refuse us
-        return True
-
-    def status(self) -> dict[str, Any]:
-        from spotguard.control import request
-
-        return request(self.socket, "status")
-
-    def kill_daemon(self) -> None:
-        """SIGKILL: the daemon gets no chance to clean up (a crash, the OOM killer)."""
-        if self.process is not None:
-            self.process.kill()
-            self.process.wait()
-            self.process = None
-
-    def stop_daemon(self) -> int:
-        if self.process is None:
-            return 0
-        self.process.send_signal(signal.SIGTERM)
-        code = self.process.wait(timeout=60)
-        self.process = None
-        return code
-
-
-def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
-
-
-def trainer_command(
-    root: Path, bucket: str | None, socket: Path, steps: int, out: Path | None, **extra: Any
-) -> list[str]:
-    command = [sys.executable, "-m", "spotguard.demo", "train", "--checkpoint-dir", str(root), "--socket", str(socket)]
-    command += ["--steps", str(steps)]
-    if bucket:
-        command += ["--bucket", bucket]
-    if out:
-        command += ["--out", str(out)]
-    for key, value in extra.items():
-        if value is True:
-            command.append(f"--{key.replace('_', '-')}")
-        elif value is not None and value is not False:
-            command += [f"--{key.replace('_', '-')}", str(value)]
-    return command
-
-
-def events(stream: IO[str]) -> Iterator[dict[str, Any]]:
-    for line in stream:
-        try:
-            yield json.loads(line)
-        except json.JSONDecodeError:
-            continue
 
 
 @contextmanager
@@ -292,6 +167,16 @@ def _ts(iso: str) -> float:
     return datetime.fromisoformat(iso).timestamp()
 
 
+@dataclass
+class _Interruption:
+    """What VM A's part of the story left: the trainer's ``saved`` event, when the notice appeared,
+    and the daemon's record of the notice (``received_at``, ``committed_at``, ``checkpoint``)."""
+
+    saved: dict[str, Any]
+    t_notice: float
+    notice: dict[str, Any]
+
+
 def run_demo(steps: int = 240, notice_at: int = 100, keep_dir: str | None = None) -> int:
     say = print
     t_start = time.monotonic()
@@ -300,27 +185,49 @@ def run_demo(steps: int = 240, notice_at: int = 100, keep_dir: str | None = None
         bucket_dir.mkdir()
         bucket = bucket_dir.as_uri()
         say(f"spotguard demo: {steps} steps; a spot interruption near step {notice_at}; bucket {bucket}")
-
         reference_out = base / "reference.pt"
         reference = subprocess.Popen(
             trainer_command(base / "ref" / "nvme", None, base / "ref" / "none.sock", steps, reference_out),
             stdout=subprocess.DEVNULL,
         )
+        interruption = _interrupt_vm_a(base, bucket, steps, notice_at, say)
+        if interruption is None:
+            return 1
+        resumed_at = _resume_on_vm_b(base, bucket, steps, say)
+        if resumed_at is None:
+            return 1
+        if reference.wait() != 0:
+            say("the uninterrupted reference run failed")
+            return 1
+        differences = compare_final(reference_out, base / "resumed.pt")
+        _tell_timeline(interruption, resumed_at, say)
+        identical = not differences
+        verdict = "yes" if identical else "NO"
+        say(f"final parameters and optimizer state bitwise identical to the uninterrupted run: {verdict}")
+        for problem in differences[:10]:
+            say(f"  {problem}")
+        say(f"demo took {time.monotonic() - t_start:.1f} s")
+        return 0 if identical else 1
 
-        from spotguard.emulate.registry import start_emulator
 
-        imds = start_emulator("aws")
-        aws_args = ["--provider", "aws", "--metadata-url", imds.url, "--poll-interval", "1"]
-        vm_a = Vm(base, "vm-a", bucket, extra_args=aws_args)
+def _interrupt_vm_a(
+    base: Path, bucket: str, steps: int, notice_at: int, say: Callable[[str], None]
+) -> _Interruption | None:
+    """VM A trains until EC2 (the emulator) announces a spot interruption; the urgent checkpoint is
+    committed in the bucket, then the VM and its local disk go away. None if the story went wrong."""
+    from spotguard.emulate.registry import start_emulator
+
+    imds = start_emulator("aws")
+    vm_a = Vm(
+        base, "vm-a", bucket, extra_args=["--provider", "aws", "--metadata-url", imds.url, "--poll-interval", "1"]
+    )
+    try:
         vm_a.start_daemon()
         say(f"[vm-a] daemon up, polling the AWS metadata emulator at {imds.url} every 1 s; trainer starts")
         trainer = subprocess.Popen(
-            trainer_command(vm_a.root, bucket, vm_a.socket, steps, None, pace=0.02),
-            stdout=subprocess.PIPE,
-            text=True,
+            trainer_command(vm_a.root, bucket, vm_a.socket, steps, None, pace=0.02), stdout=subprocess.PIPE, text=True
         )
         assert trainer.stdout is not None
-
         t_notice = None
         saved: dict[str, Any] = {}
         for event in events(trainer.stdout):
@@ -333,58 +240,55 @@ def run_demo(steps: int = 240, notice_at: int = 100, keep_dir: str | None = None
                 say(f"[vm-a] trainer saved step {event['step']} and stops")
         if trainer.wait() != 0 or not saved or t_notice is None:
             say("[vm-a] the trainer did not save and stop as expected")
-            vm_a.stop_daemon()
-            imds.stop()
-            return 1
-
+            return None
         status = wait_for(
             lambda: (s := vm_a.status())["last_notice"] and s["last_notice"].get("committed_at") and s,
             60,
             "the urgent checkpoint to be committed in the bucket",
         )
-        notice = status["last_notice"]
+    finally:
         vm_a.stop_daemon()
         imds.stop()
-        say(f"[vm-a] urgent checkpoint {notice['checkpoint']} committed in the bucket; VM A goes away")
-        shutil.rmtree(vm_a.root)  # local NVMe dies with the VM
+    notice = status["last_notice"]
+    say(f"[vm-a] urgent checkpoint {notice['checkpoint']} committed in the bucket; VM A goes away")
+    shutil.rmtree(vm_a.root)  # local NVMe dies with the VM
+    return _Interruption(saved, t_notice, notice)
 
-        vm_b = Vm(base, "vm-b", bucket)
-        vm_b.start_daemon()
+
+def _resume_on_vm_b(base: Path, bucket: str, steps: int, say: Callable[[str], None]) -> dict[str, Any] | None:
+    """A fresh VM B resumes from the bucket and finishes; its ``resumed`` event, or None if it failed."""
+    vm_b = Vm(base, "vm-b", bucket)
+    vm_b.start_daemon()
+    try:
         resumed = subprocess.run(
             trainer_command(vm_b.root, bucket, vm_b.socket, steps, base / "resumed.pt"),
             stdout=subprocess.PIPE,
             text=True,
             check=False,
         )
+    finally:
         vm_b.stop_daemon()
-        resume_events = [json.loads(line) for line in resumed.stdout.splitlines() if line.startswith("{")]
-        resumed_at = next((e for e in resume_events if e["event"] == "resumed"), None)
-        if resumed.returncode != 0 or resumed_at is None:
-            say("[vm-b] the resumed trainer failed")
-            return 1
-        say(f"[vm-b] fresh process resumed from the bucket at step {resumed_at['step']} and finished {steps} steps")
-        if reference.wait() != 0:
-            say("the uninterrupted reference run failed")
-            return 1
+    resume_events = [json.loads(line) for line in resumed.stdout.splitlines() if line.startswith("{")]
+    resumed_at = next((e for e in resume_events if e["event"] == "resumed"), None)
+    if resumed.returncode != 0 or resumed_at is None:
+        say("[vm-b] the resumed trainer failed")
+        return None
+    say(f"[vm-b] fresh process resumed from the bucket at step {resumed_at['step']} and finished {steps} steps")
+    return resumed_at
 
-        differences = compare_final(reference_out, base / "resumed.pt")
-        timeline = saved["timeline"]
-        say("")
-        say("timeline of the interruption (wall clock; the daemon polls IMDS every 1 s)")
-        say(f"  notice appears in IMDS        {_ms(t_notice, t_notice)}")
-        say(f"  daemon saw it                 {_ms(t_notice, _ts(notice['received_at']))}")
-        say(f"  trainer told                  {_ms(t_notice, timeline['told'])}")
-        say(f"  committed locally (step {saved['step']}) {_ms(t_notice, timeline['committed_local'])}")
-        say(f"  committed in bucket           {_ms(t_notice, _ts(notice['committed_at']))}")
-        say(f"  resume on VM B (restore+load) {resumed_at['seconds'] * 1000:8.1f} ms")
-        say("")
-        identical = not differences
-        verdict = "yes" if identical else "NO"
-        say(f"final parameters and optimizer state bitwise identical to the uninterrupted run: {verdict}")
-        for problem in differences[:10]:
-            say(f"  {problem}")
-        say(f"demo took {time.monotonic() - t_start:.1f} s")
-        return 0 if identical else 1
+
+def _tell_timeline(interruption: _Interruption, resumed_at: dict[str, Any], say: Callable[[str], None]) -> None:
+    t_notice, notice, saved = interruption.t_notice, interruption.notice, interruption.saved
+    timeline = saved["timeline"]
+    say("")
+    say("timeline of the interruption (wall clock; the daemon polls IMDS every 1 s)")
+    say(f"  notice appears in IMDS        {_ms(t_notice, t_notice)}")
+    say(f"  daemon saw it                 {_ms(t_notice, _ts(notice['received_at']))}")
+    say(f"  trainer told                  {_ms(t_notice, timeline['told'])}")
+    say(f"  committed locally (step {saved['step']}) {_ms(t_notice, timeline['committed_local'])}")
+    say(f"  committed in bucket           {_ms(t_notice, _ts(notice['committed_at']))}")
+    say(f"  resume on VM B (restore+load) {resumed_at['seconds'] * 1000:8.1f} ms")
+    say("")
 
 
 def _train_main(argv: list[str]) -> int:
@@ -398,18 +302,7 @@ def _train_main(argv: list[str]) -> int:
     parser.add_argument("--wait-notice-at", type=int)
     parser.add_argument("--every-steps", type=int)
     parser.add_argument("--plain-loader", action="store_true")
-    args = parser.parse_args(argv)
-    train(
-        checkpoint_dir=args.checkpoint_dir,
-        bucket=args.bucket,
-        socket=args.socket,
-        steps=args.steps,
-        out=args.out,
-        pace=args.pace,
-        wait_notice_at=args.wait_notice_at,
-        every_steps=args.every_steps,
-        plain_loader=args.plain_loader,
-    )
+    train(**vars(parser.parse_args(argv)))  # the flags are train()'s keyword arguments
     return 0
 
 

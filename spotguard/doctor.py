@@ -22,6 +22,7 @@ parallel, so the estimate errs on the slow side.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import secrets
@@ -29,8 +30,6 @@ import shutil
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,17 +37,14 @@ from typing import Any, TextIO
 
 from spotguard.config import DaemonConfig
 from spotguard.crc32c import crc32c_of_file
+from spotguard.providers import registry as providers
+from spotguard.providers.detect import DMI_ROOT, dmi_evidence
 
 MiB = 1024 * 1024
 GB = 1_000_000_000
 #: Seconds between the notice and the VM going away.
-NOTICE_WINDOWS = {"aws": 120.0, "gcp": 30.0, "azure": 30.0}
-SHORTEST_WINDOW = min(NOTICE_WINDOWS.values())
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
-
-# The metadata service is link-local: an http_proxy in the environment must not take it elsewhere.
-_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 _PERMISSION_HINTS = {
     "s3": {
@@ -143,9 +139,7 @@ def run_doctor(
 def _check_provider(
     config: DaemonConfig, findings: Findings, report: Callable[[Check], None], dmi: Path | None
 ) -> None:
-    from spotguard.monitors import detect
-
-    dmi_root = dmi or detect.DMI_ROOT
+    dmi_root = dmi or DMI_ROOT
     if config.provider != "auto":
         findings.provider = config.provider
         if config.provider == "none":
@@ -154,151 +148,36 @@ def _check_provider(
                     WARN,
                     "provider",
                     "none (set in the config): no metadata is watched, only drills and SIGTERM",
-                    "set provider = aws|gcp|azure (or auto) on a cloud VM",
+                    f"set provider = {'|'.join(providers.names())} (or auto) on a cloud VM",
                 )
             )
         else:
             report(Check(OK, "provider", f"{config.provider} (set in the config or by --provider)"))
         return
-    provider = detect.detect_provider(dmi_root)
+    provider = providers.detect_provider(dmi_root)
     findings.provider = provider
-    evidence = ", ".join(f"{name}={value!r}" for name in detect.DMI_FIELDS if (value := detect._read(dmi_root, name)))
+    evidence = ", ".join(f"{name}={value!r}" for name, value in dmi_evidence(dmi_root).items())
     if provider == "none":
         report(
             Check(
                 WARN,
                 "provider",
                 f"auto: no cloud recognised in DMI ({evidence or f'nothing readable in {dmi_root}'})",
-                "on a cloud VM, set --provider aws|gcp|azure; elsewhere only drills and SIGTERM trigger checkpoints",
+                f"on a cloud VM, set --provider {'|'.join(providers.names())}; "
+                "elsewhere only drills and SIGTERM trigger checkpoints",
             )
         )
     else:
         report(Check(OK, "provider", f"{provider}, auto-detected from DMI ({evidence})"))
 
 
-def _http(method: str, url: str, headers: dict[str, str], timeout: float) -> tuple[int, dict[str, str], bytes]:
-    """(status, headers, body); HTTP errors are answers too. Raises OSError when nothing answers."""
-    request = urllib.request.Request(url, method=method, headers=headers)
-    try:
-        with _NO_PROXY.open(request, timeout=timeout) as response:
-            return response.status, dict(response.headers), response.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, dict(exc.headers or {}), exc.read() if exc.fp else b""
-
-
-def _timed_out(exc: BaseException) -> bool:
-    reason = getattr(exc, "reason", exc)
-    return isinstance(exc, TimeoutError) or isinstance(reason, TimeoutError) or "timed out" in str(reason)
-
-
 def _check_metadata(config: DaemonConfig, findings: Findings, report: Callable[[Check], None]) -> None:
-    provider = findings.provider
-    if provider == "none":
+    """The provider's own probe: the monitors' requests, paths and headers."""
+    if findings.provider == "none":
         report(Check(OK, "metadata", "skipped (no provider)"))
         return
-    from spotguard.monitors import aws, azure, gcp
-
-    timeout = config.http_timeout
-    if provider == "aws":
-        _check_imds(config.metadata_url or aws.DEFAULT_BASE_URL, timeout, config.imds_v1_fallback, report)
-    elif provider == "gcp":
-        base = (config.metadata_url or gcp.DEFAULT_BASE_URL).rstrip("/")
-        url = base + "/computeMetadata/v1/instance/preempted"
-        try:
-            status, headers, body = _http("GET", url, {"Metadata-Flavor": "Google"}, timeout)
-        except OSError as exc:
-            report(Check(FAIL, "metadata", f"GCE metadata at {base} does not answer: {exc}", _unreachable_fix(base)))
-            return
-        flavor = {k.lower(): v for k, v in headers.items()}.get("metadata-flavor")
-        if status != 200 or flavor != "Google":
-            report(
-                Check(
-                    FAIL,
-                    "metadata",
-                    f"{url} answered HTTP {status} (Metadata-Flavor {flavor!r}), not the GCE metadata server",
-                    "check --metadata-url; a proxy may be answering instead of the metadata server",
-                )
-            )
-            return
-        preempted = body.decode(errors="replace").strip()
-        status_word = WARN if preempted == "TRUE" else OK
-        report(Check(status_word, "metadata", f"GCE metadata answers at {base}; preempted={preempted}"))
-    elif provider == "azure":
-        base = (config.metadata_url or azure.DEFAULT_BASE_URL).rstrip("/")
-        url = base + "/metadata/scheduledevents?api-version=2020-07-01"
-        try:
-            status, _headers, _body = _http("GET", url, {"Metadata": "true"}, timeout)
-        except OSError as exc:
-            report(Check(FAIL, "metadata", f"Azure IMDS at {base} does not answer: {exc}", _unreachable_fix(base)))
-            return
-        if status != 200:
-            report(Check(FAIL, "metadata", f"Scheduled Events answered HTTP {status}", "check --metadata-url"))
-            return
-        report(Check(OK, "metadata", f"Azure Scheduled Events answer at {base}"))
-
-
-def _unreachable_fix(base: str) -> str:
-    return f"is this a VM of that cloud? check --metadata-url ({base}) and that no firewall blocks it"
-
-
-def _check_imds(base: str, timeout: float, v1_fallback: bool, report: Callable[[Check], None]) -> None:
-    from spotguard.monitors import aws
-
-    base = base.rstrip("/")
-    started = time.monotonic()
-    try:
-        status, _headers, body = _http("PUT", base + aws.TOKEN_PATH, {aws.TTL_HEADER: "60"}, timeout)
-    except OSError as exc:
-        token_problem, token_timed_out = f"the IMDSv2 token PUT failed: {exc}", _timed_out(exc)
-    else:
-        if status == 200 and body.strip():
-            took = (time.monotonic() - started) * 1000
-            token = body.decode(errors="replace").strip()
-            detail = _imds_spot_state(base, token, timeout)
-            report(Check(OK, "metadata", f"IMDSv2 token obtained from {base} in {took:.0f} ms; {detail}"))
-            return
-        token_problem, token_timed_out = f"the IMDSv2 token PUT answered HTTP {status}", False
-    # No token. Does a plain GET get through? (401 means "answered, wants a token".)
-    try:
-        get_status, _h, _b = _http("GET", base + aws.META + "instance-id", {}, timeout)
-    except OSError:
-        get_status = None
-    if get_status is None:
-        report(Check(FAIL, "metadata", f"{token_problem}; a plain GET gets no answer either", _unreachable_fix(base)))
-    elif token_timed_out:
-        report(
-            Check(
-                FAIL,
-                "metadata",
-                f"{token_problem} but a plain GET answers (HTTP {get_status})",
-                "the token's reply is dropped one hop short: in a container, raise the instance's metadata hop "
-                "limit to 2 (aws ec2 modify-instance-metadata-options --http-put-response-hop-limit 2 "
-                "--http-tokens required --instance-id ...; Terraform: metadata_options "
-                "http_put_response_hop_limit = 2)",
-            )
-        )
-    elif get_status == 200:
-        check = WARN if v1_fallback else FAIL
-        fix = "" if v1_fallback else "enable IMDSv2 on the instance, or set imds_v1_fallback = true (not recommended)"
-        report(Check(check, "metadata", f"{token_problem}; only IMDSv1 answers", fix or "prefer IMDSv2"))
-    else:
-        report(
-            Check(FAIL, "metadata", f"{token_problem}; a plain GET answers HTTP {get_status}", "check --metadata-url")
-        )
-
-
-def _imds_spot_state(base: str, token: str, timeout: float) -> str:
-    from spotguard.monitors import aws
-
-    try:
-        status, _h, body = _http("GET", base + aws.META + aws.SPOT_PATH, {aws.TOKEN_HEADER: token}, timeout)
-    except OSError as exc:
-        return f"reading {aws.SPOT_PATH} failed: {exc}"
-    if status == 404:
-        return "no spot interruption pending"
-    if status == 200:
-        return f"a spot interruption is PENDING: {body.decode(errors='replace').strip()}"
-    return f"{aws.SPOT_PATH} answered HTTP {status}"
+    result = asyncio.run(providers.run_probe(findings.provider, config.monitor_settings()))
+    report(Check(str(result.status), "metadata", result.found, result.fix))
 
 
 # --- socket and daemon ----------------------------------------------------------------------------
@@ -361,60 +240,19 @@ def _check_checkpoint_root(
 ) -> None:
     root = config.checkpoint_dir.absolute()
     if not root.is_dir():
-        parent = next((p for p in root.parents if p.exists()), Path("/"))
-        if os.access(parent, os.W_OK | os.X_OK):
-            report(
-                Check(
-                    WARN,
-                    "checkpoint root",
-                    f"{root} does not exist yet (the daemon creates it under {parent})",
-                    "create it on local NVMe if there is one; trainers must use the same directory",
-                )
-            )
-        else:
-            report(
-                Check(
-                    FAIL,
-                    "checkpoint root",
-                    f"{root} does not exist and {parent} is not writable",
-                    "create it, owned by the daemon's user, on local NVMe if there is one",
-                )
-            )
+        report(_missing_root(root))
         return
     if not os.access(root, os.W_OK | os.X_OK):
         report(Check(FAIL, "checkpoint root", f"{root} is not writable by uid {os.getuid()}", "fix its owner/mode"))
         return
-    free = shutil.disk_usage(root).free
-    need = checkpoint_gb * GB
-    keep = config.keep_local + 1  # the ones kept, plus the one being written
-    free_text = f"{root}: {free / GB:.1f} GB free"
-    if free < need:
-        report(
-            Check(
-                FAIL,
-                "checkpoint space",
-                f"{free_text}, less than one {checkpoint_gb:g} GB checkpoint",
-                "free space or use a bigger disk",
-            )
-        )
-    elif free < need * keep:
-        report(
-            Check(
-                WARN,
-                "checkpoint space",
-                f"{free_text}, room for fewer than keep_local + 1 = {keep} checkpoints of {checkpoint_gb:g} GB",
-                "free space, or lower keep_local",
-            )
-        )
-    else:
-        report(Check(OK, "checkpoint space", f"{free_text}, room for {int(free // need)} checkpoints"))
+    report(_root_space(root, checkpoint_gb, keep=config.keep_local + 1))  # the ones kept, plus the one being written
     try:
         rate = _write_speed(root, probe_bytes)
     except OSError as exc:
         report(Check(FAIL, "checkpoint write", f"writing a probe file in {root} failed: {exc}", "check the disk"))
         return
     findings.write_bytes_s = rate
-    seconds = need / rate
+    seconds = checkpoint_gb * GB / rate
     report(
         Check(
             OK,
@@ -423,6 +261,44 @@ def _check_checkpoint_root(
             f"~{_secs(seconds)} s to save {checkpoint_gb:g} GB locally",
         )
     )
+
+
+def _missing_root(root: Path) -> Check:
+    parent = next((p for p in root.parents if p.exists()), Path("/"))
+    if os.access(parent, os.W_OK | os.X_OK):
+        return Check(
+            WARN,
+            "checkpoint root",
+            f"{root} does not exist yet (the daemon creates it under {parent})",
+            "create it on local NVMe if there is one; trainers must use the same directory",
+        )
+    return Check(
+        FAIL,
+        "checkpoint root",
+        f"{root} does not exist and {parent} is not writable",
+        "create it, owned by the daemon's user, on local NVMe if there is one",
+    )
+
+
+def _root_space(root: Path, checkpoint_gb: float, *, keep: int) -> Check:
+    free = shutil.disk_usage(root).free
+    need = checkpoint_gb * GB
+    free_text = f"{root}: {free / GB:.1f} GB free"
+    if free < need:
+        return Check(
+            FAIL,
+            "checkpoint space",
+            f"{free_text}, less than one {checkpoint_gb:g} GB checkpoint",
+            "free space or use a bigger disk",
+        )
+    if free < need * keep:
+        return Check(
+            WARN,
+            "checkpoint space",
+            f"{free_text}, room for fewer than keep_local + 1 = {keep} checkpoints of {checkpoint_gb:g} GB",
+            "free space, or lower keep_local",
+        )
+    return Check(OK, "checkpoint space", f"{free_text}, room for {int(free // need)} checkpoints")
 
 
 def _write_speed(root: Path, size: int) -> float:
@@ -634,9 +510,9 @@ def _estimate(findings: Findings, report: Callable[[Check], None], checkpoint_gb
     if findings.upload_bytes_s is None:
         report(Check(WARN, "estimate", "no upload throughput measured (see the bucket checks)", "fix those first"))
         return
-    known = NOTICE_WINDOWS.get(findings.provider)
+    known = providers.get(findings.provider).notice_window if findings.provider in providers.names() else None
     if known is None:
-        window = SHORTEST_WINDOW
+        window = min(providers.get(name).notice_window for name in providers.BUILTIN)
         window_text = f"the shortest notice window ({window:.0f} s, GCP/Azure; no cloud detected)"
     else:
         window = known

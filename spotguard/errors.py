@@ -23,3 +23,12 @@ class TransientError(SpotguardError):
 
 class FatalError(SpotguardError):
     """A failure that retrying cannot fix."""
+
+
+class ConfigError(FatalError, ValueError):
+    """A bad setting (a config key, a flag, an argument of the trainer hook). ``str()`` is the one
+    line the CLI prints: the key, then what to fix."""
+
+    def __init__(self, key: str, problem: str) -> None:
+        super().__init__(f"{key}: {problem}")
+        self.key = key

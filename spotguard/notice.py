@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
@@ -53,6 +53,21 @@ def utcnow() -> datetime:
 
 
 @dataclass(frozen=True)
+class Acknowledgement:
+    """What the source of a notice must be told once the notice's checkpoint is safe in the bucket.
+
+    Azure's ``StartRequests`` for the event, Auto Scaling's ``CompleteLifecycleAction``: the monitor that
+    produced the notice attaches it, as aws-node-termination-handler's interruption events carry their
+    post-drain task, so the daemon needs no knowledge of the cloud to send it.
+
+    >>> Acknowledgement("azure: StartRequests for 5D2B...", lambda: monitor.start_requests("5D2B..."))
+    """
+
+    description: str  # for the log: what will be sent, to whom
+    send: Callable[[], Awaitable[None]]  # raises the monitor's error when it fails
+
+
+@dataclass(frozen=True)
 class Notice:
     provider: str
     kind: Kind
@@ -60,6 +75,8 @@ class Notice:
     event_id: str
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False)
     received: datetime = field(default_factory=utcnow, compare=False)
+    #: Not part of the event (equality, hash, ``to_dict``): a live handle that no restart carries over.
+    acknowledgement: Acknowledgement | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.deadline.tzinfo is None:

@@ -23,7 +23,7 @@ Client -> daemon:
                                                      verified if it is newer than step after (the newest
                                                      complete one the trainer has) and than the bucket's
                                                      (at most PEER_RESUME_TIMEOUT s; fetch false: only look)
-  drill   {deadline_s}                               inject a simulated hard notice
+  drill   {deadline_s?}                              inject a simulated hard notice (default: drill_deadline)
   status  {}                                         what the daemon sees
 Daemon -> client:
   welcome          {checkpoint_dir, bucket, daemon_pid, peers}     reply to hello (peers: ask peer-resume)
@@ -45,12 +45,14 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from spotguard.errors import SpotguardError
+
 VERSION = 1
 MAX_MESSAGE_BYTES = 64 * 1024
 PEER_RESUME_TIMEOUT = 600.0  # seconds the daemon spends at most asking peers and fetching from one
 
 
-class ProtocolError(ValueError):
+class ProtocolError(SpotguardError, ValueError):
     """A message that cannot be accepted; ``code`` goes into the error reply."""
 
     def __init__(self, code: str, message: str) -> None:
@@ -68,12 +70,16 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "save-failed": {"step": int, "reason": str, "error": str, "message": str},
     "safe-steps": {},  # the request is empty; the reply carries names (a list of str) and bucket
     "peer-resume": {"after": int},  # request and reply: the reply's after is the step it compared with
-    "drill": {"deadline_s": (int, float)},
+    "drill": {},  # deadline_s optional: the daemon's drill_deadline when absent
     "status": {},
     "welcome": {"checkpoint_dir": str},
     "checkpoint-now": {"notice": dict, "stop": bool, "deadline_s": (int, float)},
     "ok": {},
     "error": {"code": str, "message": str},
+}
+# Fields that may be absent, and their types when present.
+_OPTIONAL: dict[str, dict[str, type | tuple[type, ...]]] = {
+    "drill": {"deadline_s": (int, float)},
 }
 CLIENT_TYPES = frozenset(
     {
@@ -128,6 +134,10 @@ def _check_fields(message_type: str, message: Mapping[str, Any]) -> None:
         wrong_bool = isinstance(value, bool) and expected is not bool
         if value is None or wrong_bool or not isinstance(value, expected):
             raise ProtocolError("bad-field", f"{message_type}: field {name!r} missing or not {_type_name(expected)}")
+    for name, expected in _OPTIONAL.get(message_type, {}).items():
+        value = message.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, expected)):
+            raise ProtocolError("bad-field", f"{message_type}: field {name!r} is not {_type_name(expected)}")
 
 
 def _type_name(expected: type | tuple[type, ...]) -> str:

@@ -15,12 +15,13 @@ import shutil
 from collections.abc import Callable, Collection
 from pathlib import Path
 
+from spotguard.errors import FatalError
 from spotguard.localstore import scan_local
 
 logger = logging.getLogger("spotguard.trainer")
 
 
-class SpotguardDiskFull(OSError):
+class SpotguardDiskFull(FatalError, OSError):
     """No room on the local disk for a checkpoint, even after dropping what was safe to drop.
 
     ``errno`` is ``ENOSPC``; ``bytes_needed``, ``bytes_free`` and ``path`` say how far off it was.

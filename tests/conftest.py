@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from spotguard.demo import Vm
+from spotguard.harness import Vm
 from tests.diskspace import mount_tmpfs
 
 # Tests spawn trainer subprocesses; one thread each keeps 2 cores from thrashing and reductions repeatable.

@@ -15,8 +15,8 @@ import aiohttp
 
 from spotguard.emulate.common import RunningEmulator
 from spotguard.emulate.registry import start_emulator
-from spotguard.monitors.base import MonitorError
 from spotguard.notice import Notice
+from spotguard.providers.base import MonitorError
 
 T = TypeVar("T")
 

@@ -19,9 +19,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from spotguard import protocol
-from spotguard.config import ConfigError, DaemonConfig, with_overrides
-from spotguard.daemon.discovery import PREFIX as DISCOVERY_PREFIX
-from spotguard.daemon.discovery import PeerRegistry, advertised_address
+from spotguard.config import ConfigError, DaemonConfig
 from spotguard.daemon.events import (
     MonitorErrorListener,
     NoticeListener,
@@ -29,13 +27,8 @@ from spotguard.daemon.events import (
     SaveFailedListener,
     StallListener,
 )
-from spotguard.daemon.handoff import Handoff, HandoffState
 from spotguard.daemon.notices import EventLog, NoticeBook, NoticeState, TrackedNotice
 from spotguard.daemon.notify import SystemdNotifier, watchdog_loop
-from spotguard.daemon.peerfetch import PeerResume, resume_from_peers
-from spotguard.daemon.peerfetch import attach as attach_peer_fetch
-from spotguard.daemon.peers import AREA as PEER_AREA
-from spotguard.daemon.peers import PeerReceiver
 from spotguard.daemon.plan import Plan, Planner, Route, probe_upload
 from spotguard.daemon.server import Peer, Reply, SocketServer
 from spotguard.daemon.uploader import Uploader
@@ -50,13 +43,21 @@ from spotguard.manifest import (
     parse_step_dir,
     step_dir_name,
 )
-from spotguard.monitors.base import Acknowledger, Monitor, MonitorError
 from spotguard.notice import Action, Kind, Notice, utcnow
-from spotguard.peerwire import load_token, parse_address
+from spotguard.peer.discovery import PREFIX as DISCOVERY_PREFIX
+from spotguard.peer.discovery import PeerRegistry, advertised_address
+from spotguard.peer.fetch import PeerResume, resume_from_peers
+from spotguard.peer.fetch import attach as attach_peer_fetch
+from spotguard.peer.handoff import Handoff, HandoffState
+from spotguard.peer.receiver import PeerReceiver
+from spotguard.peer.replicas import AREA as PEER_AREA
+from spotguard.peer.wire import load_token, parse_address
+from spotguard.providers.base import Acknowledgements, Monitor, MonitorError
 from spotguard.safefile import TMP_MARK
 from spotguard.space import keep_room_for_one
 from spotguard.storage.base import Storage, StorageError
 from spotguard.storage.checkpoints import list_remote
+from spotguard.storage.journal import UploadJournal
 from spotguard.version import __version__
 
 logger = logging.getLogger("spotguard.daemon")
@@ -83,6 +84,7 @@ class Daemon:
         self.notifier = notifier or SystemdNotifier({})
         self.provider = provider
         self.monitors = list(monitors)
+        self.acknowledgements = Acknowledgements()  # sent once a notice's checkpoint is in the bucket
         self.storage = storage
         self.root = config.checkpoint_dir.absolute()
         self.events = EventLog(config.state_dir, self.root)
@@ -156,6 +158,7 @@ class Daemon:
 
     async def on_notice(self, notice: Notice) -> bool:
         """Act on a notice once per event id (also across restarts). True if it was acted on now."""
+        self.acknowledgements.remember(notice)
         if self.notices.seen(notice.event_id):
             return False
         action = self.action_for(notice)
@@ -452,12 +455,12 @@ class Daemon:
     async def _drill(self, message: dict[str, Any]) -> Reply:
         if self._stopping.is_set():
             raise protocol.ProtocolError("stopping", "the daemon is shutting down")
-        seconds = float(message["deadline_s"])
+        seconds = float(message.get("deadline_s") or self.config.drill_deadline)
         if not 0 < seconds <= 3600:
             raise protocol.ProtocolError("bad-field", "drill: deadline_s must be in (0, 3600]")
         notice = Notice.in_seconds(self.provider, Kind.DRILL, seconds, identity=uuid.uuid4().hex, raw={"drill": True})
         await self.on_notice(notice)
-        return "ok", {"event_id": notice.event_id, "trainers_told": len(self.server.trainers())}
+        return "ok", {"event_id": notice.event_id, "trainers_told": len(self.server.trainers()), "deadline_s": seconds}
 
     def _on_disconnect(self, peer: Peer) -> None:
         self.stalled.pop(peer.id, None)
@@ -541,14 +544,8 @@ class Daemon:
         if self.last_notice is not None and self.last_notice.get("checkpoint") == name:
             self.last_notice["committed_at"] = utcnow().isoformat()
         if isinstance(event_id, str) and event_id in self.events:
-            notice = Notice.from_dict(self.events.events[event_id]["notice"])
             self.notices.checkpointed(event_id, committed=name)
-            for monitor in self.monitors:
-                if isinstance(monitor, Acknowledger):
-                    try:
-                        await monitor.acknowledge(notice)
-                    except MonitorError as exc:
-                        logger.warning("acknowledging %s failed: %s", event_id, exc)
+            await self.acknowledgements.send(event_id)
 
     # --- status ------------------------------------------------------------------------
 
@@ -743,7 +740,7 @@ class Daemon:
 
     async def _check_once(self, monitor: Monitor) -> None:
         try:
-            notices = await _check_all(monitor)
+            notices = await monitor.check_all()
         except MonitorError as exc:
             self.monitor_errors[monitor.name] = str(exc)
             self._tell_monitor_error(monitor.name, exc)
@@ -849,15 +846,6 @@ class Daemon:
         return 0
 
 
-async def _check_all(monitor: Monitor) -> list[Notice]:
-    """Every current notice of a source: a soft event must not hide behind a harder one."""
-    check_all = getattr(monitor, "check_all", None)
-    if check_all is not None:
-        return list(await check_all())
-    notice = await monitor.check()
-    return [] if notice is None else [notice]
-
-
 async def build_and_run(config: DaemonConfig) -> int:
     """Build the real parts from ``config`` and run until SIGTERM/SIGINT."""
     from spotguard.storage import open_storage
@@ -868,6 +856,12 @@ async def build_and_run(config: DaemonConfig) -> int:
     if storage is not None and hasattr(storage, "warm"):
         # Credentials and connections now, not at notice time.
         await asyncio.to_thread(storage.warm)
+    if storage is not None and hasattr(storage, "keep_journal"):
+        # Exactly the uploads a killed predecessor opened, however young: they are ours to abort.
+        journal = UploadJournal(UploadJournal.path_for(config.state_dir, storage.url, config.checkpoint_dir.absolute()))
+        aborted = await asyncio.to_thread(storage.keep_journal, journal)
+        if aborted:
+            logger.info("aborted %d multipart upload(s) an earlier run of this daemon left open", aborted)
     if storage is not None and hasattr(storage, "abort_stale_multipart_uploads"):
         # A daemon killed mid-upload leaves multipart uploads open (and billed); nobody resumes them.
         # Only old ones: the other nodes of a job share the prefix and may be uploading right now.
@@ -946,13 +940,13 @@ async def _build_monitors(config: DaemonConfig) -> tuple[str, list[Monitor], Any
         return "none", [], None
     import aiohttp
 
-    from spotguard.monitors.detect import build_monitors, detect_provider
+    from spotguard.providers.registry import build_monitors, resolve
 
-    provider = detect_provider() if config.provider == "auto" else config.provider
+    provider = resolve(config.provider)
     if provider == "none":
         return "none", [], None
     session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=config.http_timeout))
-    return provider, build_monitors(with_overrides(config, provider=provider), session), session
+    return provider, build_monitors(provider, config.monitor_settings(), session), session
 
 
 __all__ = ["Daemon", "EventLog", "build_and_run"]

@@ -1,4 +1,5 @@
 """Local metadata-service emulators for rehearsals and tests (``spotguard emulate aws|gcp|azure``).
 
-``registry`` knows the providers (start, serve or build one by name); ``common`` is what they share.
+Each provider (:mod:`spotguard.providers`) names its emulator; ``registry`` starts, serves or builds one
+by provider name; ``common`` is what the emulators share.
 """

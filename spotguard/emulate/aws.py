@@ -162,44 +162,34 @@ class AwsEmulator(Emulator):
         expiry = self.tokens.get(token)
         return expiry is not None and expiry > time.monotonic()
 
-    def _guarded(self, request: web.Request) -> web.Response | None:
+    def _answer(self, request: web.Request, body: str | dict[str, str] | list[dict[str, str]] | None) -> web.Response:
+        """IMDS's answer for one path: 401 without a valid token, 404 when there is nothing, text or JSON."""
         if not self._authorised(request):
             return web.Response(status=401, text="Unauthorized\n")
-        return None
+        if body is None:
+            return web.Response(status=404, text="Not Found\n")
+        if isinstance(body, str):
+            return web.Response(text=body)
+        return web.json_response(body, content_type="text/plain")
 
     async def _instance_action(self, request: web.Request) -> web.Response:
-        if denied := self._guarded(request):
-            return denied
-        if self.instance_action is None:
-            return web.Response(status=404, text="Not Found\n")
-        return web.json_response(self.instance_action, content_type="text/plain")
+        return self._answer(request, self.instance_action)
 
     async def _rebalance(self, request: web.Request) -> web.Response:
-        if denied := self._guarded(request):
-            return denied
-        if self.rebalance is None:
-            return web.Response(status=404, text="Not Found\n")
-        return web.json_response(self.rebalance, content_type="text/plain")
+        return self._answer(request, self.rebalance)
 
     async def _maintenance(self, request: web.Request) -> web.Response:
-        if denied := self._guarded(request):
-            return denied
-        return web.json_response(self.maintenance, content_type="text/plain")
+        return self._answer(request, self.maintenance)
 
     async def _lifecycle(self, request: web.Request) -> web.Response:
-        if denied := self._guarded(request):
-            return denied
-        if not self.in_asg:
-            return web.Response(status=404, text="Not Found\n")
-        return web.Response(text=self.lifecycle_state)
+        # Not in an Auto Scaling group: the path does not exist.
+        return self._answer(request, self.lifecycle_state if self.in_asg else None)
 
     async def _instance_id(self, request: web.Request) -> web.Response:
-        if denied := self._guarded(request):
-            return denied
-        return web.Response(text=INSTANCE_ID)
+        return self._answer(request, INSTANCE_ID)
 
     async def _region(self, request: web.Request) -> web.Response:
-        return self._guarded(request) or web.Response(text=REGION)
+        return self._answer(request, REGION)
 
     async def _autoscaling_api(self, request: web.Request) -> web.Response:
         form = {key: str(value) for key, value in (await request.post()).items()}

@@ -1,4 +1,4 @@
-"""Where the providers are known: build, start or serve an emulator by provider name."""
+"""Build, start or serve a provider's emulator by the provider's name (the provider registry knows it)."""
 
 from __future__ import annotations
 
@@ -8,23 +8,19 @@ import signal
 import sys
 from typing import Any
 
-from spotguard.emulate.aws import AwsEmulator
-from spotguard.emulate.azure import AzureEmulator
 from spotguard.emulate.common import Emulator, RunningEmulator, start_site
-from spotguard.emulate.gcp import GcpEmulator
+from spotguard.providers import registry
 
 
 def make_emulator(
     provider: str, notice_after: float | None = None, action: str | None = None, **options: Any
 ) -> Emulator:
-    """The emulator for ``provider`` ("aws", "gcp" or "azure")."""
-    if provider == "aws":
-        return AwsEmulator(notice_after=notice_after, action=action, **options)
-    if provider == "gcp":
-        return GcpEmulator(notice_after=notice_after, action=action, **options)
-    if provider == "azure":
-        return AzureEmulator(notice_after=notice_after, action=action, **options)
-    raise ValueError(f"no emulator for provider {provider!r} (aws, gcp or azure)")
+    """The emulator of ``provider`` (any registered provider: "aws", "gcp", "azure", ...)."""
+    try:
+        factory = registry.get(provider).emulator
+    except LookupError:
+        raise ValueError(f"no emulator for provider {provider!r} ({', '.join(registry.names())})") from None
+    return factory(notice_after=notice_after, action=action, **options)
 
 
 def start_emulator(

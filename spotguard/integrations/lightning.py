@@ -42,14 +42,14 @@ this one that change state in ``on_train_batch_end`` (their change misses the ch
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Unpack
 
 import lightning.pytorch as pl
 
-from spotguard.integrations._common import AlreadyCommitted, commit_external, env_local_rank, find_resumable
-from spotguard.trainer.guard import check_periodic
+from spotguard.integrations.common import checked_options, env_local_rank, find_resumable, resume_location
+from spotguard.trainer.external import AlreadyCommitted
+from spotguard.trainer.settings import GuardOptions
 
 if TYPE_CHECKING:
     from spotguard.trainer.guard import Guard
@@ -78,29 +78,10 @@ class SpotguardCallback(pl.Callback):
     own SIGTERM handler (``trainer.received_sigterm``) rather than installing another.
     """
 
-    def __init__(
-        self,
-        checkpoint_dir: str | os.PathLike[str] | None = None,
-        bucket: str | None = None,
-        socket: str | os.PathLike[str] | None = None,
-        every_steps: int | None = None,
-        every_seconds: float | None = None,
-        *,
-        keep: int = 2,
-        handle_sigterm: bool = True,
-        daemon_wait: float = 2.0,
-    ) -> None:
-        check_periodic(every_steps, every_seconds)
-        self._guard_kwargs: dict[str, Any] = {
-            "checkpoint_dir": checkpoint_dir,
-            "bucket": bucket,
-            "socket": socket,
-            "every_steps": every_steps,
-            "every_seconds": every_seconds,
-            "keep": keep,
-            "daemon_wait": daemon_wait,
-        }
-        self.handle_sigterm = handle_sigterm
+    def __init__(self, **options: Unpack[GuardOptions]) -> None:
+        self.handle_sigterm = options.get("handle_sigterm", True)
+        options["handle_sigterm"] = False  # Lightning's own handler takes the signal (see _take_sigterm)
+        self._guard_options = checked_options(options)
         self.guard: Guard | None = None
         self.last_saved: Path | None = None  # the step directory of the last committed checkpoint
         self._checked_step: int | None = None
@@ -117,19 +98,9 @@ class SpotguardCallback(pl.Callback):
         before anything is fetched: ``cb.resume_path(model)``. Lightning loads the checkpoint itself
         (strictly), so there is no ``strict=False`` here.
         """
-        from spotguard.config import trainer_settings
-
-        settings = trainer_settings(
-            self._guard_kwargs["checkpoint_dir"], self._guard_kwargs["bucket"], self._guard_kwargs["socket"]
-        )
-        if settings.checkpoint_dir is not None:
-            root = settings.checkpoint_dir
-        else:
-            from spotguard.trainer.guard import ask_daemon_for_root
-
-            root = ask_daemon_for_root(settings.socket)
+        root, bucket = resume_location(self._guard_options)
         live = {key: value for key, value in (("model", model), ("optimizer", optimizer)) if value is not None}
-        found = find_resumable(root, settings.bucket, FRAMEWORK, local_rank=env_local_rank(), live=live)
+        found = find_resumable(root, bucket, FRAMEWORK, local_rank=env_local_rank(), live=live)
         return str(found) if found is not None else None
 
     # --- lifetime ----------------------------------------------------------------------------
@@ -140,7 +111,7 @@ class SpotguardCallback(pl.Callback):
         from spotguard.trainer.guard import Guard
 
         # Built here, not in __init__: torch.distributed is up now, so the Guard knows its rank.
-        self.guard = Guard(**self._guard_kwargs, handle_sigterm=False)
+        self.guard = Guard(**self._guard_options)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
@@ -187,12 +158,12 @@ class SpotguardCallback(pl.Callback):
 
     def _take_sigterm(self, trainer: pl.Trainer, guard: Guard) -> None:
         if self.handle_sigterm and getattr(trainer, "received_sigterm", False):
-            guard._sigterm = True  # what Guard's own handler would have set
+            guard.notify_sigterm()  # what Guard's own handler would have done
 
     def _save(self, trainer: pl.Trainer, guard: Guard, step: int) -> None:
         try:
             meta = {"framework": FRAMEWORK, "resume": CKPT_NAME}
-            with commit_external(guard, step, meta, _live(trainer.lightning_module, trainer.optimizers)) as step_dir:
+            with guard.external_save(step, meta, _live(trainer.lightning_module, trainer.optimizers)) as step_dir:
                 trainer.save_checkpoint(step_dir / CKPT_NAME)
         except AlreadyCommitted as exc:
             step_dir = exc.step_dir

@@ -41,12 +41,13 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Unpack
 
 import transformers
 
-from spotguard.integrations._common import AlreadyCommitted, commit_external, env_local_rank, find_resumable
-from spotguard.trainer.guard import check_periodic
+from spotguard.integrations.common import checked_options, env_local_rank, find_resumable, resume_location
+from spotguard.trainer.external import AlreadyCommitted
+from spotguard.trainer.settings import GuardOptions
 
 if TYPE_CHECKING:
     from spotguard.trainer.guard import Guard
@@ -68,29 +69,9 @@ class SpotguardCallback(transformers.TrainerCallback):
     when given, else ``TrainingArguments.output_dir``.
     """
 
-    def __init__(
-        self,
-        checkpoint_dir: str | os.PathLike[str] | None = None,
-        bucket: str | None = None,
-        socket: str | os.PathLike[str] | None = None,
-        every_steps: int | None = None,
-        every_seconds: float | None = None,
-        *,
-        keep: int = 2,
-        handle_sigterm: bool = True,
-        daemon_wait: float = 2.0,
-    ) -> None:
-        check_periodic(every_steps, every_seconds)
-        self.checkpoint_dir = checkpoint_dir
-        self._guard_kwargs: dict[str, Any] = {
-            "bucket": bucket,
-            "socket": socket,
-            "every_steps": every_steps,
-            "every_seconds": every_seconds,
-            "keep": keep,
-            "handle_sigterm": handle_sigterm,
-            "daemon_wait": daemon_wait,
-        }
+    def __init__(self, **options: Unpack[GuardOptions]) -> None:
+        self.checkpoint_dir = options.get("checkpoint_dir")
+        self._guard_options = checked_options(options)
         self.guard: Guard | None = None
         self.last_saved: Path | None = None  # the step directory of the last committed checkpoint
         self._save_step: int | None = None  # the step this callback asked the Trainer to save
@@ -106,14 +87,10 @@ class SpotguardCallback(transformers.TrainerCallback):
         before anything is fetched. The optimizer is not checked: the Trainer creates it only inside
         ``train()``. The Trainer loads the checkpoint itself, so there is no ``strict=False`` here.
         """
-        from spotguard.config import trainer_settings
-
-        root = self._root(output_dir)
-        settings = trainer_settings(root, self._guard_kwargs["bucket"], self._guard_kwargs["socket"])
-        assert settings.checkpoint_dir is not None
+        root, bucket = resume_location(self._guard_options, self._root(output_dir))
         found = find_resumable(
-            settings.checkpoint_dir,
-            settings.bucket,
+            root,
+            bucket,
             FRAMEWORK,
             local_rank=env_local_rank(),
             live={"model": model} if model is not None else None,
@@ -138,7 +115,9 @@ class SpotguardCallback(transformers.TrainerCallback):
             from spotguard.trainer.guard import Guard
 
             # Built here: the Trainer has set up torch.distributed, so the Guard knows its rank.
-            self.guard = Guard(checkpoint_dir=self._root(args.output_dir), **self._guard_kwargs)
+            options = self._guard_options.copy()
+            options["checkpoint_dir"] = self._root(args.output_dir)
+            self.guard = Guard(**options)
         # A notice already here (told when the hook connected): the daemon hears that it was seen.
         self.guard.should_checkpoint(state.global_step, periodic=False)
 
@@ -179,7 +158,7 @@ class SpotguardCallback(transformers.TrainerCallback):
         relpath = written.name
         try:
             live = {"model": kwargs["model"]} if kwargs.get("model") is not None else None
-            with commit_external(guard, step, {"framework": FRAMEWORK, "resume": relpath}, live) as step_dir:
+            with guard.external_save(step, {"framework": FRAMEWORK, "resume": relpath}, live) as step_dir:
                 if guard.rank == 0:
                     # Raised inside the commit, so every rank hears of it instead of waiting for rank 0.
                     if not written.is_dir():

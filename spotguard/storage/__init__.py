@@ -18,6 +18,7 @@ from spotguard.storage.base import (
     Storage,
     StorageError,
     TransientStorageError,
+    check_bucket_url,
 )
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "Storage",
     "StorageError",
     "TransientStorageError",
+    "check_bucket_url",
     "open_storage",
 ]
 

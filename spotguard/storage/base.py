@@ -17,8 +17,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Protocol, TypeVar, runtime_checkable
+from urllib.parse import urlparse
 
 from spotguard.crc32c import crc32c_of_bytes
+from spotguard.errors import ConfigError
 
 T = TypeVar("T")
 
@@ -167,3 +169,19 @@ def retry(
                 raise StorageError(f"{what}: gave up at the deadline after {attempt} attempts: {exc}") from exc
             sleep(delay)
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+BUCKET_SCHEMES = ("s3", "gs", "file")
+
+
+def check_bucket_url(url: str, *, key: str = "bucket") -> str:
+    """``url`` if it names a store :func:`spotguard.storage.open_storage` opens; else a
+    :class:`~spotguard.errors.ConfigError` naming ``key``."""
+    parsed = urlparse(url)
+    if parsed.scheme not in BUCKET_SCHEMES:
+        raise ConfigError(key, f"{url!r} must start with s3://, gs:// or file://")
+    if parsed.scheme in ("s3", "gs") and not parsed.netloc:
+        raise ConfigError(key, f"{url!r} names no bucket")
+    if parsed.scheme == "file" and (parsed.netloc or not parsed.path.startswith("/")):
+        raise ConfigError(key, f"{url!r} must be file:///absolute/path")
+    return url

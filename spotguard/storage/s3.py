@@ -82,6 +82,7 @@ from spotguard.storage.base import (
     read_exactly,
     retry,
 )
+from spotguard.storage.journal import UploadJournal
 from spotguard.storage.stream import PartStream, StreamPool
 from spotguard.storage.transfer import fetch_object
 
@@ -304,6 +305,8 @@ class S3Storage:
         self._created = dt.datetime.now(dt.UTC)
         self._leftovers_lock = threading.Lock()
         self._leftovers_checked: set[str] = set()  # keys whose leftover multipart uploads are aborted
+        # The daemon's record of the uploads it opens (None: not recorded, e.g. the CLI's restore).
+        self.journal: UploadJournal | None = None
         self._stream_pool = StreamPool(max_concurrency, "s3-stream")
         self._endpoint_url = endpoint_url
         self._region = region
@@ -586,7 +589,14 @@ class S3Storage:
             Key=full,
             **({} if md5 else {"ChecksumAlgorithm": "CRC32C", "ChecksumType": "FULL_OBJECT"}),
         )
-        return str(created["UploadId"])
+        upload_id = str(created["UploadId"])
+        if self.journal is not None:
+            try:
+                self.journal.opened(full, upload_id)
+            except OSError:
+                self._abort(full, upload_id)  # an upload nobody could find again after a kill: not opened
+                raise
+        return upload_id
 
     def _abort_leftovers(self, full: str) -> None:
         """Abort the multipart uploads of exactly ``full`` opened before this instance was made: an
@@ -708,10 +718,32 @@ class S3Storage:
                 info = self._stat_full(full)
                 if info is not None and info.size == size:
                     log.info("s3: %s completed by an earlier attempt", full)
+                    self._journal_done(upload_id)
                     return
             raise
+        self._journal_done(upload_id)
 
-    def _abort(self, full: str, upload_id: str) -> None:
+    def _journal_done(self, upload_id: str) -> None:
+        if self.journal is None:
+            return
+        try:
+            self.journal.done(upload_id)
+        except OSError as exc:
+            # Harmless: the next start aborts it again and finds it gone.
+            log.warning("s3: cannot record the end of upload %s in %s: %s", upload_id, self.journal.path, exc)
+
+    def keep_journal(self, journal: UploadJournal) -> int:
+        """At start: abort every upload ``journal`` says this daemon opened and never finished (a killed
+        predecessor's), however young, then record every upload opened from now on in it. Returns how many
+        were aborted; those that could not be stay recorded for the next start."""
+        unfinished = journal.unfinished()
+        still_open = [upload for upload in unfinished if not self._abort(upload.key, upload.upload_id)]
+        journal.keep_only(still_open)
+        self.journal = journal
+        return len(unfinished) - len(still_open)
+
+    def _abort(self, full: str, upload_id: str) -> bool:
+        """Abort one multipart upload; whether nothing of it is left open (already gone counts)."""
         try:
             self._call(
                 f"abort_multipart_upload {full}",
@@ -723,8 +755,11 @@ class S3Storage:
         except ObjectNotFound:
             pass
         except Exception:
-            # abort_stale_multipart_uploads() at the next start cleans up what this misses.
+            # The journal keeps it: the next start tries again (and the sweep by age as well).
             log.warning("s3: could not abort multipart upload %s of %s", upload_id, full, exc_info=True)
+            return False
+        self._journal_done(upload_id)
+        return True
 
     def _verify_remote(self, full: str, size: int, expected: int, *, md5: bool = False) -> None:
         info = self._stat_full(full)

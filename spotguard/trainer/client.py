@@ -193,3 +193,23 @@ class DaemonClient:
             self._on_message(message)
         except Exception:  # one message the hook cannot handle must not cost the ones after it
             logger.exception("spotguard: handling a %r message from the daemon failed", message["type"])
+
+
+def root_of(client: DaemonClient, socket_path: Path, wait: float) -> Path:
+    """The checkpoint root the daemon behind ``client`` serves (its welcome says it)."""
+    if client.welcomed.wait(wait) and client.welcome:
+        return Path(client.welcome["checkpoint_dir"])
+    raise ValueError(
+        "Guard needs a checkpoint directory: pass checkpoint_dir=, set SPOTGUARD_CHECKPOINT_DIR, "
+        f"or run the spotguard daemon (no answer on {socket_path})"
+    )
+
+
+def ask_daemon_for_root(socket_path: Path, wait: float = 2.0) -> Path:
+    """The daemon's checkpoint root, asked before any Guard exists (and before torch.distributed is up)."""
+    hello = {"rank": 0, "world_size": 1, "pid": os.getpid(), "checkpoint_dir": ""}
+    client = DaemonClient(socket_path, hello, lambda _message: None).start()
+    try:
+        return root_of(client, socket_path, wait)
+    finally:
+        client.close()

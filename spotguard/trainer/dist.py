@@ -12,6 +12,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from spotguard.errors import FatalError
+
 T = TypeVar("T")
 
 
@@ -62,7 +64,7 @@ def agree_any(flags: list[bool]) -> list[bool]:
     return [bool(value) for value in tensor.tolist()]
 
 
-class RankFailed(RuntimeError):
+class RankFailed(FatalError, RuntimeError):
     """One or more ranks failed a step every rank takes part in; every rank raises this, with the same text."""
 
 

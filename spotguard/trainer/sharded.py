@@ -122,41 +122,22 @@ def save_sharded(
     The other entries go through ``parallel`` (the caller's writer, whose staging buffers are kept
     across saves; a fresh one with ``write_threads()`` threads when None).
     """
-    rank = dist.rank()
     model, optimizers, rest = _parts(state)
-    mine: dict[str, FileEntry] = {}
     # Every rank hears of a rank whose write failed, instead of waiting for it in the gather below.
     with dist.settled(f"writing {writer.dir.name}"):
         tree = _tree(state, model, optimizers)
-        if tree:
-            # No more threads than tensors: DCP writes one file per thread, an empty one for an idle thread.
-            thread_count = max(1, min(threads, _tensor_count(tree)))
-            dcp_writer = dcp.FileSystemWriter(writer.dir, sync_files=True, overwrite=False, thread_count=thread_count)
-            dcp.save(tree, storage_writer=dcp_writer)
-        # On another node's disk the directory exists only once DCP (or the first file) made it.
-        paths = sorted(writer.dir.iterdir()) if writer.dir.is_dir() else []
-        written = [p for p in paths if p.name.startswith(f"__{rank}_") or (rank == 0 and p.name == ".metadata")]
-        for path, crc in zip(written, crc32c_of_files(written, threads), strict=True):
-            mine[path.name] = FileEntry(size=path.stat().st_size, crc32c=crc)
-            announce(path.name, mine[path.name])
+        mine = _write_dcp(writer, tree, announce, threads)
         per_rank = Payloads({key: state[key] for key in rest})
         write_payloads(
-            writer, per_rank, rank=rank, on_file=lambda name: announce(name, writer.files[name]), parallel=parallel
+            writer,
+            per_rank,
+            rank=dist.rank(),
+            on_file=lambda name: announce(name, writer.files[name]),
+            parallel=parallel,
         )
         mine.update(writer.files)
-    # A node is the set of ranks writing to one local disk: same host, same checkpoint root.
-    node_key = (socket.gethostname(), str(writer.root.resolve()))
-    gathered: list[tuple[tuple[str, str], dict[str, FileEntry]] | None] = [None] * dist.world_size()
-    torch_dist.all_gather_object(gathered, (node_key, mine))
-    shares = [share for share in gathered if share is not None]
-    nodes = list(dict.fromkeys(key for key, _ in shares))  # in order of their lowest rank
-    node = nodes.index(node_key)
-    leader = [key for key, _ in shares].index(node_key)
-    with dist.settled(f"committing this node's share of {writer.dir.name}"):
-        if len(nodes) > 1 and rank == leader:
-            node_files = {name: entry for key, entries in shares if key == node_key for name, entry in entries.items()}
-            write_part(writer.dir, node, len(nodes), node_files)
-    if rank == 0:
+    shares, leader = _share_by_node(writer, mine)
+    if dist.rank() == 0:
         for _, entries in shares:
             writer.files.update(entries)
         writer.meta.update(
@@ -165,11 +146,52 @@ def save_sharded(
             optimizers=optimizers,
             per_rank=rest,
             world_size=dist.world_size(),
-            nodes=len(nodes),
+            nodes=len(dict.fromkeys(key for key, _ in shares)),
         )
         if writer.contents is not None and model is not None:
             writer.contents["entries"][model]["keys"] = flatten(tree[model])
-    return rank == leader
+    return dist.rank() == leader
+
+
+def _write_dcp(
+    writer: CheckpointWriter, tree: dict[str, Any], announce: Callable[[str, FileEntry], None], threads: int
+) -> dict[str, FileEntry]:
+    """DCP writes this rank's shards of ``tree``; returns (and announces) this rank's files of them."""
+    rank = dist.rank()
+    if tree:
+        # No more threads than tensors: DCP writes one file per thread, an empty one for an idle thread.
+        thread_count = max(1, min(threads, _tensor_count(tree)))
+        dcp_writer = dcp.FileSystemWriter(writer.dir, sync_files=True, overwrite=False, thread_count=thread_count)
+        dcp.save(tree, storage_writer=dcp_writer)
+    # On another node's disk the directory exists only once DCP (or the first file) made it.
+    paths = sorted(writer.dir.iterdir()) if writer.dir.is_dir() else []
+    written = [p for p in paths if p.name.startswith(f"__{rank}_") or (rank == 0 and p.name == ".metadata")]
+    mine: dict[str, FileEntry] = {}
+    for path, crc in zip(written, crc32c_of_files(written, threads), strict=True):
+        mine[path.name] = FileEntry(size=path.stat().st_size, crc32c=crc)
+        announce(path.name, mine[path.name])
+    return mine
+
+
+NodeShare = tuple[tuple[str, str], dict[str, FileEntry]]  # ((host, root), the files its ranks wrote)
+
+
+def _share_by_node(writer: CheckpointWriter, mine: dict[str, FileEntry]) -> tuple[list[NodeShare], int]:
+    """Gather every rank's files, and the lowest rank of this node (its leader). With several nodes
+    the leader commits the node's share locally (``part-<node>.json``). Collective."""
+    # A node is the set of ranks writing to one local disk: same host, same checkpoint root.
+    node_key = (socket.gethostname(), str(writer.root.resolve()))
+    gathered: list[NodeShare | None] = [None] * dist.world_size()
+    torch_dist.all_gather_object(gathered, (node_key, mine))
+    shares = [share for share in gathered if share is not None]
+    nodes = list(dict.fromkeys(key for key, _ in shares))  # in order of their lowest rank
+    node = nodes.index(node_key)
+    leader = [key for key, _ in shares].index(node_key)
+    with dist.settled(f"committing this node's share of {writer.dir.name}"):
+        if len(nodes) > 1 and dist.rank() == leader:
+            node_files = {name: entry for key, entries in shares if key == node_key for name, entry in entries.items()}
+            write_part(writer.dir, node, len(nodes), node_files)
+    return shares, leader
 
 
 class _ThreadedReader(dcp.FileSystemReader):

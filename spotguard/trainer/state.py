@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from spotguard.errors import FatalError
 from spotguard.localstore import CheckpointWriter
 from spotguard.manifest import Manifest
 from spotguard.trainer.threads import write_threads
@@ -31,7 +32,7 @@ DCP_LAYOUT = "dcp"
 _KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 
 
-class StateError(ValueError):
+class StateError(FatalError, ValueError):
     """``state`` holds something spotguard cannot save or restore; the message says what to change."""
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from spotguard.config import ConfigError
+from spotguard.errors import ConfigError
 
 ENV = "SPOTGUARD_WRITE_THREADS"
 MAX_THREADS = 64
@@ -25,7 +25,7 @@ def default_threads(cpus: int | None = None) -> int:
 def write_threads(value: int | None = None, env: Mapping[str, str] | None = None) -> int:
     """``value`` if given, else ``$SPOTGUARD_WRITE_THREADS``, else :func:`default_threads`.
 
-    A value that is not a whole number from 1 to 64 raises :class:`spotguard.config.ConfigError` (a
+    A value that is not a whole number from 1 to 64 raises :class:`spotguard.errors.ConfigError` (a
     ``ValueError``) naming the argument or the variable it came from.
     """
     env = os.environ if env is None else env

@@ -38,7 +38,7 @@ EVAL_BATCHES = 20
 def hold(step: int, notice_arrived: Callable[[], bool], timeout: float = 60.0) -> None:
     """Hold at ``step`` until the notice (daemon drill or SIGTERM) has reached the callback, so that the
     checkpoint lands at exactly this step; the notice still travels the real path (like
-    ``spotguard.demo._wait_for_notice``)."""
+    ``spotguard.demo.wait_for_notice``)."""
     emit("waiting", step=step)
     deadline = time.monotonic() + timeout
     while not notice_arrived():
@@ -131,17 +131,17 @@ def run_lightning(args: argparse.Namespace) -> dict[str, Any]:
             emit("step", step=step, loss=round(float(outputs["loss"]), 6))
             if args.wait_notice_at == step:
                 # Lightning's own SIGTERM handler sets trainer.received_sigterm; the callback reads it.
-                hold(step, lambda: (cb.guard is not None and cb.guard._local_flags()[0]) or trainer.received_sigterm)
+                hold(step, lambda: (cb.guard is not None and cb.guard.notice_pending) or trainer.received_sigterm)
 
         def on_train_start(self, trainer: Any, module: Any) -> None:
             if args.wait_notice_at_start:  # before the first step: a notice told when the hook connected
-                hold(trainer.global_step, lambda: cb.guard is not None and cb.guard._local_flags()[0])
+                hold(trainer.global_step, lambda: cb.guard is not None and cb.guard.notice_pending)
 
         def on_validation_batch_end(self, trainer: Any, module: Any, *batch_args: Any) -> None:
             step, batch_idx = trainer.global_step, batch_args[2]
             emit("eval", step=step, batch=batch_idx)
             if hold_in_eval(step, batch_idx):
-                hold(step, lambda: cb.guard is not None and cb.guard._local_flags()[0])
+                hold(step, lambda: cb.guard is not None and cb.guard.notice_pending)
 
     hold_in_eval = eval_holder(args)
     pl.seed_everything(0, verbose=False)
@@ -233,7 +233,7 @@ def run_transformers(args: argparse.Namespace) -> dict[str, Any]:
         def on_step_end(self, hf_args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             emit("step", step=state.global_step)
             if args.wait_notice_at == state.global_step:
-                hold(state.global_step, lambda: cb.guard is not None and cb.guard._local_flags()[0])
+                hold(state.global_step, lambda: cb.guard is not None and cb.guard.notice_pending)
 
         def on_evaluate(self, hf_args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             eval_batch[0] = 0
@@ -241,7 +241,7 @@ def run_transformers(args: argparse.Namespace) -> dict[str, Any]:
         def on_prediction_step(self, hf_args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             emit("eval", step=state.global_step, batch=eval_batch[0])
             if hold_in_eval(state.global_step, eval_batch[0]):
-                hold(state.global_step, lambda: cb.guard is not None and cb.guard._local_flags()[0])
+                hold(state.global_step, lambda: cb.guard is not None and cb.guard.notice_pending)
             eval_batch[0] += 1
 
     trainer = transformers.Trainer(

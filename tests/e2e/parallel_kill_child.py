@@ -47,7 +47,7 @@ def save(root: Path, socket: Path, step: int) -> None:
 
     torch.manual_seed(step)
     guard = Guard(checkpoint_dir=root, socket=socket, handle_sigterm=False, write_threads=4)
-    guard._files_writer = ParallelWriter(4, chunk_bytes=CHUNK)
+    guard._saver.files_writer = ParallelWriter(4, chunk_bytes=CHUNK)
     guard.client.connected.wait(5)  # so that the test sees this save's messages as they happen
     guard.save(make_state(step), step, reason="urgent")
     guard.close()

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from spotguard import Guard
-from spotguard.demo import _wait_for_notice, build_training, emit
+from spotguard.demo import build_training, emit, wait_for_notice
 
 
 def main(argv: list[str]) -> int:
@@ -54,7 +54,7 @@ def main(argv: list[str]) -> int:
             step += 1
             emit("step", step=step)
             if args.wait_notice_at == step:
-                _wait_for_notice(guard, step)
+                wait_for_notice(guard, step)
             if guard.should_checkpoint(step):
                 path = guard.save(state, step)
                 emit("saved", step=step, path=str(path), stop=guard.stop_requested)

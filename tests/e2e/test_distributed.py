@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from spotguard.control import request
-from spotguard.demo import Vm, compare_final, wait_for
+from spotguard.harness import Vm, compare_final, wait_for
 from spotguard.localstore import scan_local
 from spotguard.manifest import load_manifest, verify_dir
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from spotguard.control import request
-from spotguard.demo import BATCH, SAMPLES, Vm, compare_final, trainer_command, wait_for
+from spotguard.demo import BATCH, SAMPLES
+from spotguard.harness import Vm, compare_final, trainer_command, wait_for
 
 STEPS = 30  # 12 steps per epoch: the run crosses two epoch boundaries
 STEPS_PER_EPOCH = SAMPLES // BATCH

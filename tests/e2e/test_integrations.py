@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from spotguard.control import request
-from spotguard.demo import Vm, compare_final, wait_for
+from spotguard.harness import Vm, compare_final, wait_for
 from spotguard.localstore import CheckpointWriter, scan_local
 from spotguard.manifest import load_manifest, verify_dir
 from tests.e2e.integration_trainers import EVAL_BATCHES, STEPS_PER_EPOCH

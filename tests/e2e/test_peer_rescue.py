@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from spotguard import control
-from spotguard.demo import Vm, compare_final, wait_for
+from spotguard.harness import Vm, compare_final, wait_for
 from spotguard.storage.checkpoints import list_remote
 from spotguard.storage.s3 import S3Storage
 from tests.pacedrelay import PacedRelay

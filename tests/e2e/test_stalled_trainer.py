@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from spotguard import Guard
-from spotguard.demo import Vm, wait_for
+from spotguard.harness import Vm, wait_for
 from tests.integration.test_metrics_webhook import Receiver, drill, metrics_url, scrape, value
 
 REPO = Path(__file__).resolve().parents[2]

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from spotguard.demo import Vm, wait_for
+from spotguard.harness import Vm, wait_for
 from spotguard.manifest import MANIFEST
 from spotguard.storage import open_storage
 from spotguard.storage.checkpoints import verify_remote

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from spotguard import Guard
-from spotguard.demo import Vm, wait_for
+from spotguard.harness import Vm, wait_for
 from spotguard.manifest import MANIFEST, load_manifest
 from spotguard.storage import open_storage
 from spotguard.storage.checkpoints import list_remote, verify_remote

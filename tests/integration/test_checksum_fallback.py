@@ -27,7 +27,7 @@ import torch
 from spotguard import Guard
 from spotguard.crc32c import crc32c_of_file
 from spotguard.daemon.uploader import Uploader
-from spotguard.demo import Vm, wait_for
+from spotguard.harness import Vm, wait_for
 from spotguard.manifest import load_manifest
 from spotguard.storage import ChecksumMismatch
 from spotguard.storage.s3 import S3Storage

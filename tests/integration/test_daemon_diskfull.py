@@ -22,7 +22,7 @@ import torch
 
 from spotguard import Guard, SpotguardDiskFull
 from spotguard.control import request
-from spotguard.demo import Vm, wait_for
+from spotguard.harness import Vm, wait_for
 from spotguard.manifest import step_dir_name
 from tests.diskspace import fill
 from tests.integration.test_daemon_buckets import complete_steps, connected_guard

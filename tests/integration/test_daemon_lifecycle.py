@@ -13,7 +13,7 @@ import torch
 
 from spotguard import Guard
 from spotguard.control import request
-from spotguard.demo import Vm, wait_for
+from spotguard.harness import Vm, wait_for
 from spotguard.storage.checkpoints import list_remote
 from spotguard.storage.file import FileStorage
 

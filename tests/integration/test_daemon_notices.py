@@ -25,7 +25,7 @@ from spotguard.cli import request
 from spotguard.config import DaemonConfig
 from spotguard.daemon.app import Daemon
 from spotguard.daemon.notices import EventLog
-from spotguard.demo import Vm, wait_for
+from spotguard.harness import Vm, wait_for
 from spotguard.notice import parse_iso
 from spotguard.storage.checkpoints import list_remote
 from spotguard.storage.file import FileStorage
@@ -204,3 +204,18 @@ def test_after_a_notice_is_over_a_periodic_upload_gets_its_retries_and_is_not_la
     assert daemon.uploader.last_committed is not None and daemon.uploader.last_committed["deadline_margin_s"] is None
     messages = [r.getMessage() for r in caplog.records]
     assert not [m for m in messages if "step-000000002" in m and ("failed" in m or "AFTER the deadline" in m)]
+
+
+def test_a_drill_without_a_deadline_gives_the_configured_drill_deadline(
+    vm_factory: Callable[..., Vm], tmp_path: Path
+) -> None:
+    config = tmp_path / "spotguard.toml"
+    config.write_text("drill_deadline = 45.0\n")
+    vm = vm_factory("drill-deadline", extra_args=["--config", str(config)])
+    command = [sys.executable, "-m", "spotguard", "drill", "--socket", str(vm.socket)]
+    done = subprocess.run(command, check=False, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "deadline in 45 s" in done.stdout
+    pending = vm.status()["pending"]
+    assert pending is not None
+    assert 40.0 < pending["seconds_left"] <= 45.0

@@ -26,12 +26,13 @@ import pytest
 
 from spotguard import Guard
 from spotguard.daemon.notices import EventLog
-from spotguard.demo import Vm, wait_for
 from spotguard.emulate.common import RunningEmulator
 from spotguard.emulate.gcp import GcpEmulator
 from spotguard.emulate.registry import start_emulator
+from spotguard.harness import Vm, wait_for
 from spotguard.storage.checkpoints import list_remote
 from spotguard.storage.file import FileStorage
+from spotguard.trainer.notices import NoticeFlags
 
 POLL_INTERVAL = "0.2"
 HTTP_TIMEOUT = 0.3
@@ -107,17 +108,32 @@ PROVIDERS = sorted(CASES)
 # --- the trainer side ----------------------------------------------------------------------------
 
 
-class RecordingGuard(Guard):
-    """The real hook, also keeping every ``checkpoint-now`` the daemon sent it (its own dedup aside)."""
+class RecordingFlags(NoticeFlags):
+    """The real notice flags, also keeping every ``checkpoint-now`` the daemon sent (its own dedup aside)."""
 
-    def __init__(self, vm: Vm) -> None:
-        self.told: list[dict[str, Any]] = []  # before super().__init__: its client thread starts there
-        super().__init__(checkpoint_dir=vm.root, socket=vm.socket, handle_sigterm=False)
+    def __init__(self) -> None:
+        super().__init__()
+        self.told: list[dict[str, Any]] = []
 
-    def _on_daemon_message(self, message: dict[str, Any]) -> None:
+    def on_daemon_message(self, message: dict[str, Any]) -> None:
         if message["type"] == "checkpoint-now":
             self.told.append(message)
-        super()._on_daemon_message(message)
+        super().on_daemon_message(message)
+
+
+class RecordingGuard(Guard):
+    """The real hook, with flags that record what the daemon told it."""
+
+    flags_type = RecordingFlags
+
+    def __init__(self, vm: Vm) -> None:
+        super().__init__(checkpoint_dir=vm.root, socket=vm.socket, handle_sigterm=False)
+
+    @property
+    def told(self) -> list[dict[str, Any]]:
+        flags = self._flags
+        assert isinstance(flags, RecordingFlags)
+        return flags.told
 
     def told_ids(self) -> list[str]:
         return [str(m["notice"]["event_id"]) for m in self.told]

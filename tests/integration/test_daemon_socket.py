@@ -14,7 +14,7 @@ import pytest
 
 from spotguard import protocol
 from spotguard.control import request
-from spotguard.demo import Vm, wait_for
+from spotguard.harness import Vm, wait_for
 from tests.checkpoints import write_checkpoint
 
 

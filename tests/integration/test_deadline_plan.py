@@ -13,7 +13,7 @@ from spotguard.cli import main
 from spotguard.control import request
 from spotguard.crc32c import crc32c_of_bytes
 from spotguard.daemon.plan import PROBE_PREFIX
-from spotguard.demo import Vm, wait_for
+from spotguard.harness import Vm, wait_for
 from spotguard.localstore import CheckpointWriter
 from spotguard.manifest import FileEntry, write_part
 from tests.checkpoints import write_checkpoint

@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 
 from spotguard.config import DaemonConfig
-from spotguard.monitors.aws import AwsMonitor
-from spotguard.monitors.azure import AzureMonitor
-from spotguard.monitors.detect import AZURE_ASSET_TAG, build_monitors, detect_provider
-from spotguard.monitors.gcp import GcpMonitor
 from spotguard.notice import Kind
+from spotguard.providers.aws import AwsMonitor
+from spotguard.providers.azure import AZURE_ASSET_TAG, AzureMonitor
+from spotguard.providers.base import MonitorSettings
+from spotguard.providers.gcp import GcpMonitor
+from spotguard.providers.registry import build_monitors, detect_provider
 from tests.emulators import emulator, http_session, run
 
 DMI = {
@@ -27,6 +28,11 @@ DMI = {
     "hyperv-desk": {"sys_vendor": "Microsoft Corporation\n", "product_name": "Virtual Machine\n"},
     "laptop": {"sys_vendor": "LENOVO\n", "product_name": "21CB\n", "bios_vendor": "LENOVO\n"},
 }
+
+
+def plain(config: DaemonConfig) -> tuple[str, MonitorSettings]:
+    """What the composition root hands the registry: the provider setting and the plain settings."""
+    return config.provider, config.monitor_settings()
 
 
 def fake_dmi(root: Path, name: str) -> Path:
@@ -63,14 +69,16 @@ def test_build_monitors_uses_config(tmp_path: Path) -> None:
             config = DaemonConfig(
                 provider="aws", metadata_url="http://127.0.0.1:9", poll_interval=0.5, http_timeout=0.25
             )
-            (monitor,) = build_monitors(config, session)
+            (monitor,) = build_monitors(*plain(config), session)
             assert isinstance(monitor, AwsMonitor) and monitor.interval == 0.5
-            auto = build_monitors(DaemonConfig(provider="auto"), session, dmi_root=fake_dmi(tmp_path / "g", "gcp"))
+            auto = build_monitors(
+                *plain(DaemonConfig(provider="auto")), session, dmi_root=fake_dmi(tmp_path / "g", "gcp")
+            )
             assert [type(m) for m in auto] == [GcpMonitor]
-            azure = build_monitors(DaemonConfig(provider="azure", vm_name="train-0"), session)
+            azure = build_monitors(*plain(DaemonConfig(provider="azure", vm_name="train-0")), session)
             assert [type(m) for m in azure] == [AzureMonitor]
-            assert build_monitors(DaemonConfig(provider="none"), session) == []
-            nothing = build_monitors(DaemonConfig(provider="auto"), session, dmi_root=tmp_path / "missing")
+            assert build_monitors(*plain(DaemonConfig(provider="none")), session) == []
+            nothing = build_monitors(*plain(DaemonConfig(provider="auto")), session, dmi_root=tmp_path / "missing")
             assert nothing == []
 
     run(scenario())
@@ -90,7 +98,7 @@ def test_built_monitor_reads_its_emulator(provider: str, trigger: dict[str, obje
             emu.trigger(**trigger)
             async with http_session() as session:
                 config = DaemonConfig(provider=provider, metadata_url=emu.url, http_timeout=1.0)
-                (monitor,) = build_monitors(config, session)
+                (monitor,) = build_monitors(*plain(config), session)
                 notice = await monitor.check()
                 await monitor.close()
                 assert notice is not None and notice.kind is kind and notice.provider == provider
@@ -102,7 +110,7 @@ def test_emulator_notice_after_fires_by_itself() -> None:
     async def scenario() -> None:
         with emulator("aws", notice_after=0.05, action="hibernate") as emu:
             async with http_session() as session:
-                (monitor,) = build_monitors(DaemonConfig(provider="aws", metadata_url=emu.url), session)
+                (monitor,) = build_monitors(*plain(DaemonConfig(provider="aws", metadata_url=emu.url)), session)
                 deadline = time.monotonic() + 5
                 notice = None
                 while notice is None and time.monotonic() < deadline:

@@ -16,10 +16,10 @@ import pytest
 
 from spotguard.cli import main
 from spotguard.config import DaemonConfig
-from spotguard.demo import Vm
 from spotguard.doctor import run_doctor
 from spotguard.emulate.common import RunningEmulator
 from spotguard.emulate.registry import start_emulator
+from spotguard.harness import Vm
 from tests.servers import FAKE_AWS_ENV, S3Server, moto_s3
 
 MiB = 1024 * 1024

@@ -18,7 +18,7 @@ from spotguard import Guard
 from spotguard.config import ConfigError, DaemonConfig, parse_webhook_template
 from spotguard.control import request
 from spotguard.daemon.webhook import render
-from spotguard.demo import Vm, wait_for
+from spotguard.harness import Vm, wait_for
 
 NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]

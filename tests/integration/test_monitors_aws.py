@@ -6,9 +6,9 @@ from datetime import UTC, datetime
 
 import pytest
 
-from spotguard.monitors.aws import AwsMonitor
-from spotguard.monitors.base import Monitor, MonitorError
 from spotguard.notice import Kind
+from spotguard.providers.aws import AwsMonitor
+from spotguard.providers.base import Monitor, MonitorError
 from tests.emulators import (
     FakeClock,
     FakeMonotonic,

@@ -7,9 +7,9 @@ from datetime import UTC, datetime
 
 import pytest
 
-from spotguard.monitors.azure import AzureMonitor
-from spotguard.monitors.base import Acknowledger, Monitor, MonitorError
 from spotguard.notice import Kind, Notice
+from spotguard.providers.azure import AzureMonitor
+from spotguard.providers.base import Monitor, MonitorError
 from tests.emulators import (
     FakeClock,
     count_requests,
@@ -119,11 +119,10 @@ def test_azure_acknowledge_posts_start_requests() -> None:
         with emulator("azure") as emu:
             async with http_session() as session:
                 monitor = AzureMonitor(session, emu.url, vm_name="spotguard-vm", clock=clock)
-                assert isinstance(monitor, Acknowledger)
                 emu.trigger(type="Preempt", event_id="A1B2C3D4-0000-4000-8000-000000000002")
                 notice = await monitor.check()
-                assert notice is not None
-                await monitor.acknowledge(notice)
+                assert notice is not None and notice.acknowledgement is not None
+                await notice.acknowledgement.send()
                 assert emu.control("GET", "acks") == [
                     {"StartRequests": [{"EventId": "A1B2C3D4-0000-4000-8000-000000000002"}]}
                 ]
@@ -148,8 +147,8 @@ def test_azure_started_event_disappears_after_it_is_done() -> None:
             async with http_session() as session:
                 monitor = AzureMonitor(session, emu.url, vm_name="spotguard-vm")
                 notice = await monitor.check()
-                assert notice is not None
-                await monitor.acknowledge(notice)
+                assert notice is not None and notice.acknowledgement is not None
+                await notice.acknowledgement.send()
                 await eventually(lambda: emu.state()["Events"] == [])
                 assert await monitor.check() is None
 
@@ -163,10 +162,10 @@ def test_azure_acknowledge_failure_is_an_error() -> None:
             async with http_session() as session:
                 monitor = AzureMonitor(session, emu.url, vm_name="spotguard-vm")
                 notice = await monitor.check()
-                assert notice is not None
+                assert notice is not None and notice.acknowledgement is not None
                 emu.inject({"kind": "status", "status": 500, "count": 1})
                 with pytest.raises(MonitorError, match="StartRequests"):
-                    await monitor.acknowledge(notice)
+                    await notice.acknowledgement.send()
                 assert emu.control("GET", "acks") == []
 
     run(scenario())

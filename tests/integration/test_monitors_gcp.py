@@ -9,9 +9,9 @@ from datetime import timedelta
 import pytest
 
 from spotguard.emulate.common import RunningEmulator
-from spotguard.monitors.base import Monitor, MonitorError
-from spotguard.monitors.gcp import GcpMonitor
 from spotguard.notice import Kind, Notice
+from spotguard.providers.base import Monitor, MonitorError
+from spotguard.providers.gcp import GcpMonitor
 from tests.emulators import (
     FakeClock,
     count_requests,

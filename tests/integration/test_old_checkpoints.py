@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from spotguard import Guard
 from spotguard.cli import main as cli
-from spotguard.demo import compare_final
+from spotguard.harness import compare_final
 from tests.data.make_old_checkpoints import OUT, STEP, build_state, draws
 
 STEP_DIR = f"step-{STEP:09d}"

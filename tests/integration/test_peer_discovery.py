@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 
 from spotguard.control import request
-from spotguard.daemon.discovery import PREFIX
-from spotguard.daemon.peers import PeerReceiver, choose_peer
-from spotguard.demo import Vm, wait_for
-from spotguard.peerwire import parse_address
+from spotguard.harness import Vm, wait_for
+from spotguard.peer.client import choose_peer
+from spotguard.peer.discovery import PREFIX
+from spotguard.peer.receiver import PeerReceiver
+from spotguard.peer.wire import parse_address
 from spotguard.storage.file import FileStorage
 from spotguard.storage.s3 import S3Storage
 from tests.checkpoints import write_checkpoint

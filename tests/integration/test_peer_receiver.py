@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from spotguard import peerwire
 from spotguard.control import request
-from spotguard.daemon.peers import AREA, PeerClient, choose_peer, send_checkpoint
 from spotguard.daemon.plan import PROBE_PREFIX
-from spotguard.demo import Vm, wait_for
+from spotguard.harness import Vm, wait_for
 from spotguard.manifest import load_manifest
+from spotguard.peer import wire
+from spotguard.peer.client import PeerClient, choose_peer, send_checkpoint
+from spotguard.peer.replicas import AREA
 from spotguard.storage.checkpoints import list_remote
 from spotguard.storage.s3 import S3Storage
 from tests.checkpoints import write_checkpoint
@@ -33,7 +34,7 @@ def receiver_vm(tmp_path: Path, url: str) -> Iterator[Vm]:
 
 
 def address(vm: Vm) -> tuple[str, int]:
-    return peerwire.parse_address(vm.status()["peers"]["listen"])
+    return wire.parse_address(vm.status()["peers"]["listen"])
 
 
 def bucket_keys(url: str) -> list[str]:
@@ -64,7 +65,7 @@ def test_wrong_tokens_and_garbage_are_refused_and_change_nothing(receiver_vm: Vm
     step_dir = write_checkpoint(tmp_path / "sender", 7, {"weights.bin": os.urandom(MiB)})
 
     async def wrong_token() -> str:
-        with pytest.raises(peerwire.PeerError) as caught:
+        with pytest.raises(wire.PeerError) as caught:
             await PeerClient.connect(*where, b"not-the-job-s-token-at-all")
         return caught.value.code
 
@@ -72,11 +73,11 @@ def test_wrong_tokens_and_garbage_are_refused_and_change_nothing(receiver_vm: Vm
     # Garbage from the first byte: an HTTP request is a frame of ~1.2 GB, far over the pre-auth limit.
     assert b'"code":"too-large"' in raw_exchange(where, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
     # A payload frame instead of the answer to the challenge: refused before any byte of it is kept.
-    frame = peerwire.encode({"t": "data", "name": "weights.bin", "size": 4, "offset": 0, "len": 4}) + b"abcd"
+    frame = wire.encode({"t": "data", "name": "weights.bin", "size": 4, "offset": 0, "len": 4}) + b"abcd"
     assert b'"code":"auth"' in raw_exchange(where, frame)
     # A replay of someone's answer to another challenge.
-    replay = {"t": "auth", "v": 1, "nonce": "0" * 32, "mac": peerwire.sender_proof(TOKEN.encode(), "1" * 32, "0" * 32)}
-    assert b'"code":"auth"' in raw_exchange(where, peerwire.encode(replay))
+    replay = {"t": "auth", "v": 1, "nonce": "0" * 32, "mac": wire.sender_proof(TOKEN.encode(), "1" * 32, "0" * 32)}
+    assert b'"code":"auth"' in raw_exchange(where, wire.encode(replay))
 
     status = receiver_vm.status()["peers"]
     assert status["refused"] == 4 and status["replicas"] == []
@@ -116,10 +117,13 @@ def test_a_replica_with_one_flipped_byte_is_rejected(receiver_vm: Vm, url: str, 
             await client.open_replica(step_dir.name, url)
             data = bytearray((step_dir / "a.bin").read_bytes())
             data[MiB + 12345] ^= 0x01
-            await client.send_range("a.bin", len(data), 0, bytes(data[: 2 * MiB]))
-            await client.send_range("a.bin", len(data), 2 * MiB, bytes(data[2 * MiB :]))
+            flipped = tmp_path / "a.bin.flipped"
+            flipped.write_bytes(data)
+            with flipped.open("rb", buffering=0) as file:  # in two ranges, as the handoff sends a file being written
+                await client.send_part(file, "a.bin", len(data), 0, 2 * MiB)
+                await client.send_part(file, "a.bin", len(data), 2 * MiB, len(data) - 2 * MiB)
             await client.send_file(step_dir / "sub" / "b.bin", "sub/b.bin")
-            with pytest.raises(peerwire.PeerError) as caught:
+            with pytest.raises(wire.PeerError) as caught:
                 await client.commit(step_dir)
             return caught.value.message
         finally:
@@ -133,13 +137,16 @@ def test_a_replica_with_one_flipped_byte_is_rejected(receiver_vm: Vm, url: str, 
 def test_names_buckets_and_sizes_are_bounded(receiver_vm: Vm, url: str, tmp_path: Path) -> None:
     where = address(receiver_vm)
 
+    payload = tmp_path / "payload"
+    payload.write_bytes(b"x" * 8)  # each frame below carries its one byte at its offset
+
     async def refused(*frames: dict[str, object], bucket: str = url) -> str:
         client = await PeerClient.connect(*where, TOKEN.encode())
         try:
-            with pytest.raises(peerwire.PeerError) as caught:
+            with pytest.raises(wire.PeerError) as caught, payload.open("rb", buffering=0) as file:
                 await client.open_replica("step-000000009", bucket)
                 for frame in frames:
-                    await client.send_range(str(frame["name"]), int(frame["size"]), int(frame["offset"]), b"x")  # type: ignore[call-overload]
+                    await client.send_part(file, str(frame["name"]), int(frame["size"]), int(frame["offset"]), 1)  # type: ignore[call-overload]
                 await client.query()  # an error, if any, comes back here
             return caught.value.code
         finally:
@@ -173,7 +180,7 @@ def test_peers_without_a_token_are_a_config_error(tmp_path: Path, url: str) -> N
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != peerwire.TOKEN_ENV}
+    env = {k: v for k, v in os.environ.items() if k != wire.TOKEN_ENV}
     command = [sys.executable, "-m", "spotguard", "run", "--provider", "none", "--socket", str(tmp_path / "s.sock")]
     command += ["--checkpoint-dir", str(tmp_path / "ck"), "--state-dir", str(tmp_path / "st"), "--bucket", url]
     done = subprocess.run(

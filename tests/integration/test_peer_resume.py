@@ -16,12 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from spotguard import Guard, peerwire
+from spotguard import Guard
 from spotguard.crc32c import crc32c_of_bytes
-from spotguard.daemon.peerfetch import STAGING, fetch_replica, list_replicas
-from spotguard.daemon.peers import AREA, PeerClient, send_checkpoint
-from spotguard.demo import Vm, wait_for
+from spotguard.harness import Vm, wait_for
 from spotguard.manifest import FileEntry, load_manifest, write_part
+from spotguard.peer import wire
+from spotguard.peer.client import PeerClient, send_checkpoint
+from spotguard.peer.fetch import STAGING, fetch_replica, list_replicas
+from spotguard.peer.replicas import AREA
 from spotguard.storage.checkpoints import commit_remote, upload_checkpoint
 from spotguard.storage.s3 import S3Storage
 from tests.checkpoints import write_checkpoint
@@ -69,7 +71,7 @@ def holder(tmp_path: Path, name: str, url: str, relay: PacedRelay, token: str = 
 
 
 def listen(vm: Vm) -> tuple[str, int]:
-    return peerwire.parse_address(vm.status()["peers"]["listen"])
+    return wire.parse_address(vm.status()["peers"]["listen"])
 
 
 def hand(vm: Vm, step_dir: Path, url: str, token: str = TOKEN) -> None:
@@ -221,10 +223,10 @@ def test_list_and_fetch_frames(tmp_path: Path, url: str, relay: PacedRelay) -> N
                     ("step-000000032", "verified", url, MiB + 7, True),
                     ("step-000000033", "verified", url, 72 * MiB, False),
                 ]
-                with pytest.raises(peerwire.PeerError) as caught:
+                with pytest.raises(wire.PeerError) as caught:
                     await fetch_replica(client, items[1]["id"], tmp_path / "fresh")
                 assert caught.value.code == "share"
-                with pytest.raises(peerwire.PeerError) as caught:
+                with pytest.raises(wire.PeerError) as caught:
                     await fetch_replica(client, "step-000000031-nope", tmp_path / "fresh")
                 assert caught.value.code == "gone"
                 (tmp_path / "fresh").mkdir()
@@ -233,11 +235,11 @@ def test_list_and_fetch_frames(tmp_path: Path, url: str, relay: PacedRelay) -> N
                 assert load_manifest(fetched).files == load_manifest(whole).files
                 assert same_files(whole, fetched) == [] and not (tmp_path / "fresh" / STAGING).exists()
 
-                client.writer.write(peerwire.encode({"t": "fetch", "id": items[2]["id"]}))
-                assert (await peerwire.read_frame(client.reader))["name"] == "step-000000033"
+                client.writer.write(wire.encode({"t": "fetch", "id": items[2]["id"]}))
+                assert (await wire.read_frame(client.reader))["name"] == "step-000000033"
                 shutil.rmtree(next((vm_b.root / AREA).glob("step-000000033-*")))  # as a deletion does
-                with pytest.raises(peerwire.PeerError) as caught:
-                    while (frame := await peerwire.read_frame(client.reader))["t"] == "data":
+                with pytest.raises(wire.PeerError) as caught:
+                    while (frame := await wire.read_frame(client.reader))["t"] == "data":
                         await client.reader.readexactly(frame["len"])
                 assert caught.value.code == "gone"
                 assert await list_replicas(client)  # the connection still serves

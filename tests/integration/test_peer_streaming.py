@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from spotguard.control import request
-from spotguard.demo import Vm, wait_for
+from spotguard.harness import Vm, wait_for
 from tests.checkpoints import write_checkpoint
 from tests.pacedrelay import PacedRelay
 from tests.servers import moto_s3, point_at

@@ -265,13 +265,13 @@ def test_verify_and_list_json_show_the_recorded_contents(tmp_path: Path, saved: 
 def test_integration_resume_path_checks_the_model_before_fetching(
     tmp_path: Path, proxy: FaultProxy, server: S3Server
 ) -> None:
-    from spotguard.integrations._common import commit_external, find_resumable
+    from spotguard.integrations.common import find_resumable
 
     root = tmp_path / "first-vm"
     model = make_state()["model"]
     with Guard(checkpoint_dir=root, socket=tmp_path / "none.sock", handle_sigterm=False) as guard:
         meta = {"framework": "lightning", "resume": "lightning.ckpt"}
-        with commit_external(guard, 3, meta, {"model": model}) as step_dir:
+        with guard.external_save(3, meta, {"model": model}) as step_dir:
             torch.save(model.state_dict(), step_dir / "lightning.ckpt")
     assert find_resumable(root, None, "lightning", live={"model": model}) == step_dir / "lightning.ckpt"
     url = f"s3://{server.bucket}/run-{uuid.uuid4().hex[:8]}"

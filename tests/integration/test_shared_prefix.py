@@ -21,7 +21,7 @@ import boto3
 import pytest
 
 from spotguard.crc32c import crc32c_of_file
-from spotguard.demo import Vm, wait_for
+from spotguard.harness import Vm, wait_for
 from spotguard.localstore import CheckpointExists, CheckpointWriter, prune_local, remove_incomplete, scan_local
 from spotguard.manifest import MANIFEST, load_manifest
 from spotguard.storage.checkpoints import (

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from spotguard import protocol
-from spotguard.demo import Vm, wait_for
+from spotguard.harness import Vm, wait_for
 from spotguard.manifest import MANIFEST
 from spotguard.storage import open_storage
 from spotguard.storage.checkpoints import verify_remote

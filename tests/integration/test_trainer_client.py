@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from spotguard.control import request
-from spotguard.demo import Vm
+from spotguard.harness import Vm
 from spotguard.trainer.client import DaemonClient
 
 

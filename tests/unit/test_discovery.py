@@ -13,7 +13,7 @@ import pytest
 
 from spotguard.cli import main
 from spotguard.config import ConfigError, DaemonConfig
-from spotguard.daemon.discovery import HEARTBEAT, PREFIX, PRUNE_AFTER, STALE_AFTER, PeerRegistry, advertised_address
+from spotguard.peer.discovery import HEARTBEAT, PREFIX, PRUNE_AFTER, STALE_AFTER, PeerRegistry, advertised_address
 from spotguard.storage.base import put_bytes
 from spotguard.storage.checkpoints import list_remote, prune_remote, restore, upload_checkpoint
 from spotguard.storage.file import FileStorage

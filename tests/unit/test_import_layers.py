@@ -21,12 +21,17 @@ PACKAGE = Path(spotguard.__file__).parent
 # (importer, modules it must never import): the second of each once imported the first back.
 ONE_WAY = [
     ("spotguard.demo", ["spotguard.cli"]),
+    ("spotguard.harness", ["spotguard.demo", "spotguard.cli"]),
     ("spotguard.doctor", ["spotguard.cli"]),
     ("spotguard.control", ["spotguard.cli", "spotguard.demo", "spotguard.doctor"]),
     ("spotguard.daemon.metrics", ["spotguard.daemon.app"]),
     ("spotguard.daemon.webhook", ["spotguard.daemon.app"]),
     ("spotguard.daemon.events", ["spotguard.daemon.app"]),
     ("spotguard.emulate.common", ["spotguard.emulate.aws", "spotguard.emulate.gcp", "spotguard.emulate.azure"]),
+    # The emulators restate their cloud's wire protocol on their own: a wrong constant must not agree with itself.
+    ("spotguard.emulate.aws", ["spotguard.providers.aws"]),
+    ("spotguard.emulate.gcp", ["spotguard.providers.gcp"]),
+    ("spotguard.emulate.azure", ["spotguard.providers.azure"]),
 ]
 
 
@@ -61,8 +66,27 @@ def test_module_does_not_import_its_former_partner(module: str, forbidden: list[
         assert other not in named, f"{module} imports {other} somewhere in its source"
 
 
+PEER_TIER = sorted(f"spotguard.peer.{path.stem}" for path in (PACKAGE / "peer").glob("*.py") if path.stem != "__init__")
+
+
+@pytest.mark.parametrize("module", PEER_TIER)
+def test_the_peer_tier_sits_below_the_daemon_and_config(module: str) -> None:
+    """The daemon wires the peer tier; the peer tier takes plain values and never reaches back up."""
+    assert "spotguard.peer.receiver" in PEER_TIER  # the glob found the package
+    above = ("spotguard.daemon", "spotguard.config")
+    loaded = sorted(name for name in _loaded_after_import(module) if name.startswith(above))
+    named = sorted(name for name in _imported_names(module) if name.startswith(above))
+    assert loaded == [] and named == [], f"{module} reaches above itself: {loaded or named}"
+
+
 def test_the_other_direction_still_works() -> None:
     """The one-way arrows are real: the dispatcher reaches the commands, the daemon its observers."""
     assert "spotguard.control" in _imported_names("spotguard.cli")
     assert "spotguard.daemon.events" in _imported_names("spotguard.daemon.metrics")
-    assert "spotguard.emulate.aws" in _imported_names("spotguard.emulate.registry")
+    assert "spotguard.providers.registry" in _imported_names("spotguard.emulate.registry")
+
+
+def test_the_provider_registry_loads_no_http_client() -> None:
+    """The config (which the trainer side imports) reads the registry: the clouds' modules load on demand."""
+    loaded = _loaded_after_import("spotguard.providers.registry")
+    assert "aiohttp" not in loaded and "spotguard.providers.aws" not in loaded

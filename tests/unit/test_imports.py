@@ -20,8 +20,6 @@ def test_trainer_hook_imports_no_http_or_cloud_sdk() -> None:
 
 
 def test_daemon_imports_no_torch() -> None:
-    loaded = loaded_after(
-        "import spotguard.cli, spotguard.daemon.app, spotguard.storage.file, spotguard.monitors.detect"
-    )
+    loaded = loaded_after("import spotguard.cli, spotguard.daemon.app, spotguard.storage.file, spotguard.providers.aws")
     assert "aiohttp" in loaded or "spotguard" in loaded
     assert "torch" not in loaded and "numpy" not in loaded

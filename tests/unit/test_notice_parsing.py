@@ -7,7 +7,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from spotguard.monitors.aws import (
+from spotguard.notice import Kind, event_id_for, parse_iso
+from spotguard.providers.aws import (
     UNTIMED_NOTICE_WINDOW,
     parse_instance_action,
     parse_lifecycle,
@@ -15,9 +16,8 @@ from spotguard.monitors.aws import (
     parse_maintenance_time,
     parse_rebalance,
 )
-from spotguard.monitors.azure import events_for_vm, kind_for, parse_not_before
-from spotguard.monitors.gcp import parse_instance
-from spotguard.notice import Kind, event_id_for, parse_iso
+from spotguard.providers.azure import events_for_vm, kind_for, parse_not_before
+from spotguard.providers.gcp import parse_instance
 
 NOW = datetime(2026, 11, 22, 4, 30, tzinfo=UTC)
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from spotguard import peerwire
 from spotguard.config import ConfigError, load_config
+from spotguard.peer import wire
 
 
 def test_peer_keys_come_from_flags_env_and_file(tmp_path: Path) -> None:
@@ -37,40 +37,38 @@ def test_bad_peer_settings_name_their_key(flags: dict[str, str], key: str) -> No
 def test_the_token_comes_from_the_environment_first_then_the_file(tmp_path: Path) -> None:
     token_file = tmp_path / "token"
     token_file.write_text("from-the-file-0123456789\n")
-    assert peerwire.load_token({}, token_file) == b"from-the-file-0123456789"
-    assert (
-        peerwire.load_token({peerwire.TOKEN_ENV: "from-the-env-0123456789"}, token_file) == b"from-the-env-0123456789"
-    )
+    assert wire.load_token({}, token_file) == b"from-the-file-0123456789"
+    assert wire.load_token({wire.TOKEN_ENV: "from-the-env-0123456789"}, token_file) == b"from-the-env-0123456789"
     with pytest.raises(ValueError, match="SPOTGUARD_PEER_TOKEN or peer_token_file"):
-        peerwire.load_token({}, None)
+        wire.load_token({}, None)
     with pytest.raises(ValueError, match="shorter than 16") as caught:
-        peerwire.load_token({peerwire.TOKEN_ENV: "short-secret"}, None)
+        wire.load_token({wire.TOKEN_ENV: "short-secret"}, None)
     assert "short-secret" not in str(caught.value)  # errors name the source, never the value
     with pytest.raises(ValueError, match="cannot read"):
-        peerwire.load_token({}, tmp_path / "missing")
+        wire.load_token({}, tmp_path / "missing")
 
 
 def test_proofs_depend_on_the_role_both_nonces_and_the_token() -> None:
     token, a, b = b"k" * 16, "a" * 32, "b" * 32
-    proof = peerwire.sender_proof(token, a, b)
-    assert peerwire.proof_matches(proof, peerwire.sender_proof(token, a, b))
-    assert proof != peerwire.receiver_proof(token, a, b)  # a receiver's answer is no sender's
-    assert proof != peerwire.sender_proof(token, b, a) and proof != peerwire.sender_proof(b"j" * 16, a, b)
-    assert not peerwire.proof_matches(proof, None) and not peerwire.proof_matches(proof, "\udcff")
+    proof = wire.sender_proof(token, a, b)
+    assert wire.proof_matches(proof, wire.sender_proof(token, a, b))
+    assert proof != wire.receiver_proof(token, a, b)  # a receiver's answer is no sender's
+    assert proof != wire.sender_proof(token, b, a) and proof != wire.sender_proof(b"j" * 16, a, b)
+    assert not wire.proof_matches(proof, None) and not wire.proof_matches(proof, "\udcff")
 
 
 def test_a_file_is_verified_from_its_ranges_crcs_in_any_order_and_read_back_when_they_do_not_tile() -> None:
     from spotguard.crc32c import crc32c_hex_to_int, crc32c_of_bytes
-    from spotguard.daemon.peers import _combined_crc
+    from spotguard.peer.files import combined_crc
 
     data = bytes(range(256)) * 1000
     cuts = [(0, 100), (100, 150_000), (150_000, len(data))]
     ranges = [(start, end - start, crc32c_hex_to_int(crc32c_of_bytes(data[start:end]))) for start, end in cuts]
-    assert _combined_crc(list(reversed(ranges)), len(data)) == crc32c_of_bytes(data)
-    assert _combined_crc(ranges[:1] + ranges[2:], len(data)) is None  # a gap
-    assert _combined_crc([*ranges, ranges[1]], len(data)) is None  # an overlap
-    assert _combined_crc(ranges[:2], len(data)) is None  # short
-    assert _combined_crc([(0, 0, 0)], 0) == crc32c_of_bytes(b"")
+    assert combined_crc(list(reversed(ranges)), len(data)) == crc32c_of_bytes(data)
+    assert combined_crc(ranges[:1] + ranges[2:], len(data)) is None  # a gap
+    assert combined_crc([*ranges, ranges[1]], len(data)) is None  # an overlap
+    assert combined_crc(ranges[:2], len(data)) is None  # short
+    assert combined_crc([(0, 0, 0)], 0) == crc32c_of_bytes(b"")
 
 
 def test_a_fetch_that_breaks_the_rules_leaves_nothing_in_the_checkpoint_root(tmp_path: Path) -> None:
@@ -79,9 +77,9 @@ def test_a_fetch_that_breaks_the_rules_leaves_nothing_in_the_checkpoint_root(tmp
     import asyncio
 
     from spotguard.crc32c import crc32c_of_bytes
-    from spotguard.daemon.peerfetch import STAGING, fetch_replica
-    from spotguard.daemon.peers import PeerClient
     from spotguard.manifest import FileEntry, Manifest
+    from spotguard.peer.client import PeerClient
+    from spotguard.peer.fetch import STAGING, fetch_replica
 
     token = b"t" * 16
     manifest = Manifest(step=4, reason="urgent", world_size=1, files={"w.bin": FileEntry(3, crc32c_of_bytes(b"abc"))})
@@ -89,19 +87,19 @@ def test_a_fetch_that_breaks_the_rules_leaves_nothing_in_the_checkpoint_root(tmp
 
     async def attempt(*after_head: bytes) -> str:
         async def holder(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            nonce = peerwire.new_nonce()
-            writer.write(peerwire.encode({"t": "challenge", "v": 1, "nonce": nonce}))
-            auth = await peerwire.read_frame(reader)
-            writer.write(peerwire.encode({"t": "welcome", "mac": peerwire.receiver_proof(token, auth["nonce"], nonce)}))
-            await peerwire.read_frame(reader)  # the fetch
-            writer.write(peerwire.encode(head) + b"".join(after_head))
+            nonce = wire.new_nonce()
+            writer.write(wire.encode({"t": "challenge", "v": 1, "nonce": nonce}))
+            auth = await wire.read_frame(reader)
+            writer.write(wire.encode({"t": "welcome", "mac": wire.receiver_proof(token, auth["nonce"], nonce)}))
+            await wire.read_frame(reader)  # the fetch
+            writer.write(wire.encode(head) + b"".join(after_head))
             await writer.drain()
             writer.close()
 
         server = await asyncio.start_server(holder, "127.0.0.1", 0)
         client = await PeerClient.connect("127.0.0.1", server.sockets[0].getsockname()[1], token)
         try:
-            with pytest.raises(peerwire.PeerError) as caught:
+            with pytest.raises(wire.PeerError) as caught:
                 await fetch_replica(client, "x", tmp_path)
             return caught.value.code
         finally:
@@ -109,11 +107,11 @@ def test_a_fetch_that_breaks_the_rules_leaves_nothing_in_the_checkpoint_root(tmp
             server.close()
 
     def data(name: str, payload: bytes, size: int = 3) -> bytes:
-        return peerwire.encode({"t": "data", "name": name, "size": size, "offset": 0, "len": len(payload)}) + payload
+        return wire.encode({"t": "data", "name": name, "size": size, "offset": 0, "len": len(payload)}) + payload
 
     assert asyncio.run(attempt(data("../w.bin", b"abc"))) == "bad-path"
     assert asyncio.run(attempt(data("other.bin", b"abc"))) == "bad-field"
     assert asyncio.run(attempt(data("w.bin", b"abcd", size=4))) == "bad-field"  # not the manifest's size
     assert asyncio.run(attempt(data("w.bin", b"abc"))) == "closed"  # no end frame
-    assert asyncio.run(attempt(data("w.bin", b"abx"), peerwire.encode({"t": "end"}))) == "mismatch"
+    assert asyncio.run(attempt(data("w.bin", b"abx"), wire.encode({"t": "end"}))) == "mismatch"
     assert list(tmp_path.iterdir()) == [] and not (tmp_path / STAGING).exists()

@@ -25,7 +25,8 @@ def test_round_trip() -> None:
         (b'{"v": 1, "type": "welcome", "checkpoint_dir": "/x"}', "unknown-type"),  # a daemon message sent to the daemon
         (b'{"v": 1, "type": "saved", "path": "/x", "step": "7", "reason": "urgent"}', "bad-field"),
         (b'{"v": 1, "type": "saved", "path": "/x", "step": true, "reason": "urgent"}', "bad-field"),
-        (b'{"v": 1, "type": "drill"}', "bad-field"),
+        (b'{"v": 1, "type": "drill", "deadline_s": "soon"}', "bad-field"),
+        (b'{"v": 1, "type": "drill", "deadline_s": true}', "bad-field"),
         (b'{"v": 1, "type": "checkpoint-started", "step": 3}', "bad-field"),  # which notice?
     ],
 )
@@ -33,6 +34,11 @@ def test_bad_messages_get_a_precise_error(line: bytes, code: str) -> None:
     with pytest.raises(protocol.ProtocolError) as info:
         protocol.decode(line, allowed=protocol.CLIENT_TYPES)
     assert info.value.code == code
+
+
+def test_a_drill_may_leave_its_deadline_to_the_daemon() -> None:
+    assert "deadline_s" not in protocol.decode(b'{"v": 1, "type": "drill"}', allowed=protocol.CLIENT_TYPES)
+    assert protocol.decode(b'{"v": 1, "type": "drill", "deadline_s": 30}')["deadline_s"] == 30
 
 
 def test_size_limit() -> None:

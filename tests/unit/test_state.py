@@ -14,6 +14,7 @@ from torchdata.stateful_dataloader.sampler import RandomSampler
 from spotguard import Guard
 from spotguard.localstore import scan_local
 from spotguard.manifest import load_manifest
+from spotguard.trainer.saving import Saver
 from spotguard.trainer.state import StateError, capture_rng, read_state, restore_rng
 
 
@@ -149,21 +150,24 @@ def test_periodic_save_returns_after_staging_and_commits_in_background(guard: Gu
 def test_urgent_save_cancels_a_periodic_save_in_flight(tmp_path: Path) -> None:
     import threading
 
-    class HeldGuard(Guard):
+    class HeldSaver(Saver):
         """Holds its background writer until a cancel arrives, like a big state on a slow disk."""
 
         started = threading.Event()
 
-        def _write(self, writer, payloads, *rest):  # type: ignore[no-untyped-def]
+        def write(self, writer, payloads, *rest):  # type: ignore[no-untyped-def]
             if writer.reason == "periodic":
                 self.started.set()
                 assert writer.cancel is not None and writer.cancel.wait(20)
-            super()._write(writer, payloads, *rest)
+            super().write(writer, payloads, *rest)
+
+    class HeldGuard(Guard):
+        saver_type = HeldSaver
 
     guard = HeldGuard(checkpoint_dir=tmp_path / "c", socket=tmp_path / "none.sock", handle_sigterm=False)
     try:
         guard.save({"w": torch.zeros(1 << 20)}, 1)  # periodic, in the background
-        assert HeldGuard.started.wait(20)
+        assert HeldSaver.started.wait(20)
         urgent = guard.save({"w": torch.ones(1 << 20)}, 2, reason="urgent")
         assert (urgent / "manifest.json").exists()
         assert [(i.step, i.status) for i in scan_local(tmp_path / "c")] == [(2, "complete")]
@@ -215,3 +219,27 @@ def test_an_entry_that_fails_to_load_among_threads_raises_and_leaves_the_rng_alo
     with pytest.raises(RuntimeError, match="refuses its state"):
         read_state(step_dir, load_manifest(step_dir), live, threads=4)
     assert torch.equal(torch.get_rng_state(), before)  # the RNG states go last, after every entry
+
+
+def test_a_framework_caught_sigterm_is_told_through_the_public_api(guard: Guard) -> None:
+    assert not guard.notice_pending and guard.pending_notice is None and guard.save_reason() == "periodic"
+    guard.notify_sigterm()  # e.g. Lightning's own handler caught the signal
+    assert guard.notice_pending and guard.save_reason() == "urgent"
+    assert not guard.stop_requested  # only the next step boundary agrees on it
+    assert guard.should_checkpoint(1) and guard.stop_requested
+
+
+def test_trainer_errors_derive_from_the_error_root_and_keep_their_bases() -> None:
+    from spotguard.errors import ConfigError, FatalError
+    from spotguard.trainer.contents import SpotguardMismatch
+    from spotguard.trainer.dist import RankFailed
+    from spotguard.trainer.external import AlreadyCommitted
+
+    for error, base in (
+        (StateError, ValueError),
+        (SpotguardMismatch, ValueError),
+        (RankFailed, RuntimeError),
+        (AlreadyCommitted, Exception),
+        (ConfigError, ValueError),
+    ):
+        assert issubclass(error, FatalError) and issubclass(error, base), error

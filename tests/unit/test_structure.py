@@ -19,7 +19,7 @@ PACKAGE = Path(spotguard.__file__).parent
 MAX_CLASS_LINES = 400
 MAX_FUNCTION_LINES = 60
 # Layers that take plain settings objects: the composition root (config, cli) sits above them.
-BELOW_CONFIG = ("spotguard.storage", "spotguard.monitors", "spotguard.providers", "spotguard.trainer", "spotguard.peer")
+BELOW_CONFIG = ("spotguard.storage", "spotguard.providers", "spotguard.trainer", "spotguard.peer")
 
 
 @dataclass(frozen=True)

@@ -232,6 +232,6 @@ def test_guard_refuses_a_bad_write_threads(tmp_path: Path, monkeypatch: pytest.M
     guard = make(write_threads=2)  # the argument wins over the environment
     try:
         guard.save({"w": torch.randn(10)}, 1, reason="urgent")
-        assert guard._files_writer.threads == 2
+        assert guard._saver.files_writer.threads == 2
     finally:
         guard.close()

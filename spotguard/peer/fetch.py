@@ -3,7 +3,7 @@
 A VM that handed its urgent checkpoint to a peer dies; the peer then commits it in the bucket, which
 takes a while for a big state. A replacement VM that starts before that is done asks its daemon
 (``peer-resume`` on the socket, which :meth:`spotguard.Guard.resume` sends before it chooses), and the
-daemon asks its configured peers (``list``, then ``fetch``: spotguard/peerwire.py) on the same
+daemon asks its configured peers (``list``, then ``fetch``: spotguard/peer/wire.py) on the same
 authenticated channel the handoff uses.
 
 The consistency rule: **the newest complete checkpoint wins**: a peer's replica of the same bucket is
@@ -34,27 +34,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from spotguard import peerwire
-from spotguard.daemon.peers import (
-    _WRITES_IN_FLIGHT,
-    PeerClient,
-    PeerReceiver,
-    Replica,
-    ReplicaState,
-    _check_files,
-    _make_parent,
-    _write_range,
+from spotguard.manifest import MANIFEST, Manifest, ManifestError, load_part, node_holdings, parse_step_dir, verify_dir
+from spotguard.peer import wire
+from spotguard.peer.client import PeerClient
+from spotguard.peer.files import (
+    Ranges,
+    check_files,
+    check_range,
+    data_header,
+    make_parent,
+    make_room,
+    parse_manifest,
+    write_range,
 )
-from spotguard.manifest import (
-    MANIFEST,
-    Manifest,
-    ManifestError,
-    check_relpath,
-    load_part,
-    node_holdings,
-    parse_step_dir,
-    verify_dir,
-)
+from spotguard.peer.receiver import PeerReceiver
+from spotguard.peer.replicas import Replica, ReplicaState
 from spotguard.safefile import atomic_file, fsync_dir
 from spotguard.space import free_bytes
 
@@ -70,7 +64,7 @@ _FETCHABLE = frozenset({ReplicaState.VERIFIED, ReplicaState.UPLOADED})
 async def serve(
     receiver: PeerReceiver,
     header: dict[str, Any],
-    reader: peerwire.Reads,
+    reader: wire.Reads,
     writer: asyncio.StreamWriter,
     who: str,
 ) -> None:
@@ -79,25 +73,25 @@ async def serve(
         bucket = receiver.storage.url if receiver.storage is not None else None
         held = [r for r in receiver.replicas.values() if r.state in _FETCHABLE and r.bucket == bucket]
         items = await asyncio.to_thread(lambda: [item for r in held if (item := _describe(r)) is not None])
-        writer.write(peerwire.encode({"t": "replicas", "items": items}))
+        writer.write(wire.encode({"t": "replicas", "items": items}))
         return
-    replica_id = peerwire.field(header, "id", str)
+    replica_id = wire.field(header, "id", str)
     replica = receiver.replicas.get(replica_id)
     if replica is None or replica.state not in _FETCHABLE:
-        writer.write(peerwire.error_frame("gone", f"no verified replica {replica_id!r} here"))
+        writer.write(wire.error_frame("gone", f"no verified replica {replica_id!r} here"))
         return
     try:
         if await asyncio.to_thread(load_part, replica.step_dir) is not None:
-            writer.write(peerwire.error_frame("share", f"{replica.name}: a node's share, not a whole checkpoint"))
+            writer.write(wire.error_frame("share", f"{replica.name}: a node's share, not a whole checkpoint"))
             return
         text = await asyncio.to_thread((replica.step_dir / MANIFEST).read_text)
         manifest = Manifest.from_json(text.encode())
     except (OSError, ManifestError) as exc:
-        writer.write(peerwire.error_frame("gone", f"{replica.name}: {exc}"))
+        writer.write(wire.error_frame("gone", f"{replica.name}: {exc}"))
         return
     logger.info("replica %s (%s): %s fetches it", replica.id, replica.name, who)
-    writer.write(peerwire.encode({"t": "checkpoint", "id": replica.id, "name": replica.name, "manifest": text}))
-    writer.transport.set_write_buffer_limits(high=2 * peerwire.MAX_DATA)  # as the handoff's sender does
+    writer.write(wire.encode({"t": "checkpoint", "id": replica.id, "name": replica.name, "manifest": text}))
+    writer.transport.set_write_buffer_limits(high=2 * wire.MAX_DATA)  # as the handoff's sender does
     sender = PeerClient(reader, writer, who)  # its data frames are the handoff's
     try:
         for rel in sorted(manifest.files):
@@ -106,9 +100,9 @@ async def serve(
             await sender.send_file(replica.step_dir / rel, rel)
     except OSError as exc:
         logger.warning("replica %s: its fetch by %s ended early: %s", replica.id, who, exc)
-        writer.write(peerwire.error_frame("gone", f"{replica.name}: {exc}"))
+        writer.write(wire.error_frame("gone", f"{replica.name}: {exc}"))
         return
-    writer.write(peerwire.encode({"t": "end"}))
+    writer.write(wire.encode({"t": "end"}))
 
 
 def attach(receiver: PeerReceiver) -> None:
@@ -162,30 +156,25 @@ class PeerResume:
 
 
 async def list_replicas(client: PeerClient) -> list[dict[str, Any]]:
-    client.writer.write(peerwire.encode({"t": "list"}))
+    client.writer.write(wire.encode({"t": "list"}))
     await client.writer.drain()
-    reply = await peerwire.read_frame(client.reader)
-    peerwire.expect(reply, "replicas")
-    items = peerwire.field(reply, "items", list)
+    reply = await wire.read_frame(client.reader)
+    wire.expect(reply, "replicas")
+    items = wire.field(reply, "items", list)
     return [item for item in items if isinstance(item, dict)]
 
 
 async def fetch_replica(client: PeerClient, replica_id: str, root: Path) -> Path:
     """Fetch a verified replica into ``root`` as a committed step directory; returns it. Raises
-    :class:`~spotguard.peerwire.PeerError` (``mismatch`` for a file that fails its CRC32C) or
+    :class:`~spotguard.wire.PeerError` (``mismatch`` for a file that fails its CRC32C) or
     ``OSError``; nothing of a failed fetch is left behind."""
-    client.writer.write(peerwire.encode({"t": "fetch", "id": replica_id}))
+    client.writer.write(wire.encode({"t": "fetch", "id": replica_id}))
     await client.writer.drain()
-    head = await peerwire.read_frame(client.reader)
-    peerwire.expect(head, "checkpoint")
-    text = peerwire.field(head, "manifest", str)
-    try:
-        manifest = Manifest.from_json(text.encode())
-    except ManifestError as exc:
-        raise peerwire.PeerError("bad-manifest", str(exc)) from None
-    name = peerwire.field(head, "name", str)
-    if parse_step_dir(name) != manifest.step:
-        raise peerwire.PeerError("bad-manifest", f"{name!r}: the manifest says step {manifest.step}")
+    head = await wire.read_frame(client.reader)
+    wire.expect(head, "checkpoint")
+    text = wire.field(head, "manifest", str)
+    name = wire.field(head, "name", str)
+    manifest = parse_manifest(text, name)
     staging = root / STAGING
     await asyncio.to_thread(shutil.rmtree, staging, True)  # what a fetch cut short before left
     if (free := await asyncio.to_thread(free_bytes, root)) < manifest.total_bytes:
@@ -195,9 +184,9 @@ async def fetch_replica(client: PeerClient, replica_id: str, root: Path) -> Path
     try:
         incoming = _Incoming(client, manifest, step_dir)
         await incoming.receive()
-        problems = await asyncio.to_thread(_check_files, step_dir, manifest.files, incoming.sizes, incoming.ranges)
+        problems = await asyncio.to_thread(check_files, step_dir, manifest.files, incoming.sizes, incoming.ranges)
         if problems:
-            raise peerwire.PeerError("mismatch", problems[0])
+            raise wire.PeerError("mismatch", problems[0])
         return await asyncio.to_thread(_commit, step_dir, text, root / name)
     finally:
         await asyncio.to_thread(shutil.rmtree, staging, True)
@@ -211,7 +200,7 @@ class _Incoming:
     manifest: Manifest
     step_dir: Path
     sizes: dict[str, int] = field(default_factory=dict)
-    ranges: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)  # as the receiver keeps them
+    ranges: Ranges = field(default_factory=dict)  # as the receiver keeps them
     writes: set[asyncio.Future[None]] = field(default_factory=set)  # going on while the next frame is read
 
     async def receive(self) -> None:
@@ -227,33 +216,24 @@ class _Incoming:
                 raise result
 
     async def _one_frame(self) -> bool:
-        frame = await peerwire.read_frame(self.client.reader)
+        frame = await wire.read_frame(self.client.reader)
         if frame["t"] == "end":
             return False
-        peerwire.expect(frame, "data")
-        try:
-            rel = check_relpath(peerwire.field(frame, "name", str))
-        except ManifestError as exc:
-            raise peerwire.PeerError("bad-path", str(exc)) from None
-        size, offset, length = (peerwire.field(frame, key, int) for key in ("size", "offset", "len"))
+        wire.expect(frame, "data")
+        rel, size, offset, length = data_header(frame)
         entry = self.manifest.files.get(rel)
         if entry is None or size != entry.size:
-            raise peerwire.PeerError("bad-field", f"{rel}: {size} bytes, not a file of the manifest")
-        if not (0 <= length <= peerwire.MAX_DATA and offset >= 0 and offset + length <= size):
-            raise peerwire.PeerError("bad-field", f"{rel}: a range [{offset}, +{length}) outside 0..{size}")
+            raise wire.PeerError("bad-field", f"{rel}: {size} bytes, not a file of the manifest")
+        check_range(rel, size, offset, length)
         try:
             data = await self.client.reader.readexactly(length)
         except asyncio.IncompleteReadError:
-            raise peerwire.PeerError("closed", "the connection closed mid-frame") from None
+            raise wire.PeerError("closed", "the connection closed mid-frame") from None
         if rel not in self.sizes:
-            await asyncio.to_thread(_make_parent, self.step_dir, rel)
+            await asyncio.to_thread(make_parent, self.step_dir, rel)
         self.sizes[rel] = size
-        while len(self.writes) >= _WRITES_IN_FLIGHT:
-            done, _ = await asyncio.wait(self.writes, return_when=asyncio.FIRST_COMPLETED)
-            for finished in done:
-                self.writes.discard(finished)
-                finished.result()
-        write = asyncio.to_thread(_write_range, self.step_dir, rel, offset, data, self.ranges.setdefault(rel, []))
+        await make_room(self.writes)
+        write = asyncio.to_thread(write_range, self.step_dir, rel, offset, data, self.ranges.setdefault(rel, []))
         self.writes.add(asyncio.ensure_future(write))
         return True
 
@@ -290,12 +270,12 @@ async def resume_from_peers(
     for host, port in addresses:
         try:
             client = await PeerClient.connect(host, port, token)
-        except (OSError, TimeoutError, peerwire.PeerError) as exc:
+        except (OSError, TimeoutError, wire.PeerError) as exc:
             logger.warning("peer %s:%d: not asked for a newer checkpoint: %s", host, port, exc)
             continue
         try:
             offers += _offers((host, port), await list_replicas(client), bucket, after)
-        except (OSError, peerwire.PeerError) as exc:
+        except (OSError, wire.PeerError) as exc:
             logger.warning("peer %s:%d: cannot list its replicas: %s", host, port, exc)
         finally:
             await client.close()
@@ -305,7 +285,7 @@ async def resume_from_peers(
             break
         try:
             client = await PeerClient.connect(*offer.peer, token)
-        except (OSError, TimeoutError, peerwire.PeerError) as exc:
+        except (OSError, TimeoutError, wire.PeerError) as exc:
             logger.warning("%s: not fetched: %s", offer.where, exc)
             continue
         try:
@@ -313,7 +293,7 @@ async def resume_from_peers(
             found.offer = offer
             logger.warning("%s: fetched and verified (%d bytes): newer than the bucket's", offer.where, offer.bytes)
             break
-        except (OSError, peerwire.PeerError) as exc:
+        except (OSError, wire.PeerError) as exc:
             logger.warning("%s: refused: %s", offer.where, exc)
         finally:
             await client.close()

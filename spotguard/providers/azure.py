@@ -13,9 +13,13 @@ this VM count. The VM's name is ``vm_name`` or, when not given, read once from I
 ``Freeze`` (and unknown)
 =========================  =====================  ==========================================
 
-The event id comes from ``EventId``. :meth:`AzureMonitor.acknowledge` approves an event
-(``StartRequests``) so Azure may go ahead before ``NotBefore``: the daemon calls it only once the
+The event id comes from ``EventId``. Each notice carries its acknowledgement: approving the event
+(``StartRequests``) so Azure may go ahead before ``NotBefore``; the daemon sends it only once the
 checkpoint is committed remotely. ``check_all`` returns every event for this VM, most urgent first.
+
+Detection (DMI): ``sys_vendor`` ``Microsoft Corporation`` *and* the Azure chassis asset tag
+``7783-7084-3265-9085-8269-3286-77`` (Hyper-V on a desk has the first, not the second). The doctor's
+probe is one read of Scheduled Events, as the monitor makes it.
 """
 
 from __future__ import annotations
@@ -23,14 +27,14 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from datetime import UTC, datetime
-from email.utils import parsedate_to_datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import aiohttp
 
-from spotguard.monitors.base import MonitorError
-from spotguard.notice import Kind, Notice, event_id_for, utcnow
+from spotguard.notice import Acknowledgement, Kind, Notice, event_id_for, utcnow
+from spotguard.providers import base
+from spotguard.providers.base import Monitor, MonitorError, MonitorSettings, PolledMonitor
 
 logger = logging.getLogger(__name__)
 
@@ -41,15 +45,14 @@ NAME_PATH = "/metadata/instance/compute/name"
 NAME_API_VERSION = "2021-02-01"
 HARD_TYPES = ("Preempt", "Terminate")
 FINISHED_STATUSES = ("Completed", "Canceled")
+AZURE_ASSET_TAG = "7783-7084-3265-9085-8269-3286-77"
+# Spot eviction (Preempt) gives at least 30 s; the notice window doctor's estimate plans for.
+NOTICE_WINDOW = timedelta(seconds=30)
 
 
 def parse_not_before(text: str) -> datetime:
     """``Mon, 19 Sep 2016 18:29:47 GMT`` -> UTC datetime."""
-    try:
-        value = parsedate_to_datetime(text)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"not a NotBefore time: {text!r}") from exc
-    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+    return base.parse_http_date(text, "NotBefore time")
 
 
 def kind_for(event_type: str) -> Kind:
@@ -58,10 +61,7 @@ def kind_for(event_type: str) -> Kind:
 
 def events_for_vm(text: str, vm_name: str) -> tuple[int, list[dict[str, Any]]]:
     """The Scheduled Events document -> (DocumentIncarnation, this VM's pending events)."""
-    try:
-        doc = json.loads(text)
-    except ValueError as exc:
-        raise ValueError(f"not JSON: {text[:80]!r}") from exc
+    doc = base.load_json(text)
     if not isinstance(doc, dict) or not isinstance(doc.get("Events"), list):
         raise ValueError(f"not a Scheduled Events document: {text[:80]!r}")
     mine = []
@@ -78,12 +78,12 @@ def events_for_vm(text: str, vm_name: str) -> tuple[int, list[dict[str, Any]]]:
     return int(doc.get("DocumentIncarnation", 0)), mine
 
 
-class AzureMonitor:
-    """Watches Azure Scheduled Events for this VM; also an :class:`~spotguard.monitors.base.Acknowledger`.
+class AzureMonitor(PolledMonitor):
+    """Watches Azure Scheduled Events for this VM.
 
     >>> monitor = AzureMonitor(session, base_url="http://127.0.0.1:8082", vm_name="train-0")
     >>> notice = await monitor.check()
-    >>> await monitor.acknowledge(notice)    # after the checkpoint is committed in the bucket
+    >>> await notice.acknowledgement.send()    # after the checkpoint is committed in the bucket
     """
 
     name = "azure"
@@ -98,18 +98,12 @@ class AzureMonitor:
         vm_name: str | None = None,
         clock: Callable[[], datetime] = utcnow,
     ) -> None:
-        self.interval = interval
-        self._session = session
-        self._base = base_url.rstrip("/")
+        super().__init__(session, base_url, interval, timeout)
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._vm_name = vm_name
         self._clock = clock
         self._incarnation: int | None = None
         self._started_seen: dict[str, datetime] = {}
-
-    async def check(self) -> Notice | None:
-        notices = await self.check_all()
-        return notices[0] if notices else None
 
     async def check_all(self) -> list[Notice]:
         vm_name = await self.vm_name()
@@ -124,14 +118,10 @@ class AzureMonitor:
         if incarnation != self._incarnation:
             logger.info("azure: DocumentIncarnation %s, %d event(s) for %s", incarnation, len(events), vm_name)
             self._incarnation = incarnation
-        return sorted(notices, key=lambda n: (not n.is_hard, n.deadline))
+        return base.most_urgent_first(notices)
 
-    async def acknowledge(self, notice: Notice) -> None:
+    async def start_requests(self, event_id: str) -> None:
         """Approve the event (``StartRequests``) so Azure may proceed now. Raises MonitorError on failure."""
-        event_id = notice.raw.get("EventId")
-        if notice.provider != "azure" or not isinstance(event_id, str):
-            logger.debug("azure: nothing to acknowledge for %s", notice.event_id)
-            return
         payload = json.dumps({"StartRequests": [{"EventId": event_id}]})
         status, _ = await self._request("POST", EVENTS_PATH, EVENTS_API_VERSION, what="StartRequests", data=payload)
         if not 200 <= status < 300:
@@ -162,7 +152,16 @@ class AzureMonitor:
         else:
             # Blank NotBefore: the event has started. "Now" must not move between polls.
             deadline = self._started_seen.setdefault(event_id, self._clock())
-        return Notice(provider="azure", kind=kind, deadline=deadline, event_id=event_id, raw=dict(event))
+        azure_id = str(event["EventId"])
+        acknowledgement = Acknowledgement(f"azure: StartRequests for {azure_id}", lambda: self.start_requests(azure_id))
+        return Notice(
+            provider="azure",
+            kind=kind,
+            deadline=deadline,
+            event_id=event_id,
+            raw=dict(event),
+            acknowledgement=acknowledgement,
+        )
 
     async def _request(
         self,
@@ -195,3 +194,43 @@ class AzureMonitor:
             return status, body.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise MonitorError(f"azure: reading {what}: body is not UTF-8") from exc
+
+
+# --- the doctor's probe and the provider ----------------------------------------------------------
+
+
+async def probe(session: aiohttp.ClientSession, settings: MonitorSettings) -> base.ProbeResult:
+    """One read of Scheduled Events, with the monitor's request."""
+    url = settings.base_url(DEFAULT_BASE_URL)
+    monitor = AzureMonitor(session, url, timeout=settings.http_timeout)
+    try:
+        status, _body = await monitor._request("GET", EVENTS_PATH, EVENTS_API_VERSION, what="scheduledevents")
+    except MonitorError as exc:
+        found = f"Azure IMDS at {url} does not answer: {base.failure_reason(exc)}"
+        return base.ProbeResult(base.ProbeStatus.FAIL, found, base.unreachable_fix(url))
+    if status != 200:
+        return base.ProbeResult(
+            base.ProbeStatus.FAIL, f"Scheduled Events answered HTTP {status}", "check --metadata-url"
+        )
+    return base.ProbeResult(base.ProbeStatus.OK, f"Azure Scheduled Events answer at {url}")
+
+
+def detect(read: base.DmiReader) -> bool:
+    microsoft = "microsoft corporation" in (read("sys_vendor").lower(), read("board_vendor").lower())
+    return microsoft and read("chassis_asset_tag") == AZURE_ASSET_TAG
+
+
+def monitors(session: aiohttp.ClientSession, settings: MonitorSettings) -> list[Monitor]:
+    url = settings.base_url(DEFAULT_BASE_URL)
+    return [AzureMonitor(session, url, settings.poll_interval, settings.http_timeout, vm_name=settings.vm_name)]
+
+
+PROVIDER = base.Provider(
+    name="azure",
+    default_metadata_url=DEFAULT_BASE_URL,
+    notice_window=NOTICE_WINDOW.total_seconds(),
+    detect=detect,
+    monitors=monitors,
+    probe=probe,
+    emulator=base.lazy_emulator("spotguard.emulate.azure", "AzureEmulator"),
+)

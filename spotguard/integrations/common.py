@@ -1,19 +1,10 @@
-"""What the framework callbacks share: committing a checkpoint a framework wrote, and finding one to resume.
+"""What the framework callbacks share: their settings, and finding a checkpoint to resume.
 
 A framework writes its own resumable form (Lightning's ``.ckpt``, the Hugging Face ``checkpoint-N/``
-folder) into a fresh spotguard step directory; :func:`commit_external` then records every file in
-the manifest, commits it last, and tells the daemon, exactly as :meth:`Guard.save` does for its own
-files. The manifest's ``meta`` says which framework wrote the checkpoint and where its form lies
+folder) into a fresh spotguard step directory inside :meth:`Guard.external_save`, which records every
+file in the manifest, commits it last, and tells the daemon, exactly as :meth:`Guard.save` does for its
+own files. The manifest's ``meta`` says which framework wrote the checkpoint and where its form lies
 (``meta["resume"]``), so :func:`find_resumable` returns a path the framework itself accepts.
-
-Candidate for a public hook in ``Guard`` (kept here while ``guard.py`` is being reworked)::
-
-    with guard.external_save(step, meta=...) as step_dir:   # prepares the directory, all ranks agree
-        framework_writes_into(step_dir)
-    # -> every file recorded, manifest committed by rank 0, daemon told, flags cleared
-
-It uses ``Guard``'s private flags (``_notice``, ``_sigterm``, ``_urgent_agreed``) and ``_after_save``
-to behave exactly like ``Guard.save``.
 """
 
 from __future__ import annotations
@@ -21,96 +12,34 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from spotguard.localstore import CheckpointExists, CheckpointWriter, scan_local
-from spotguard.manifest import MANIFEST, Manifest, load_manifest_or_none, verify_dir
-
-if TYPE_CHECKING:
-    from spotguard.trainer.guard import Guard
+from spotguard.localstore import scan_local
+from spotguard.manifest import Manifest, load_manifest_or_none, verify_dir
+from spotguard.trainer.client import ask_daemon_for_root
+from spotguard.trainer.schedule import check_periodic
+from spotguard.trainer.settings import GuardOptions, TrainerSettings
 
 logger = logging.getLogger("spotguard.integrations")
 
 
-class AlreadyCommitted(Exception):
-    """The step is already a complete checkpoint; nothing was written (checkpoints are never overwritten)."""
-
-    def __init__(self, step_dir: Path) -> None:
-        super().__init__(f"{step_dir} is already committed")
-        self.step_dir = step_dir
-
-
-def pending_reason(guard: Guard) -> tuple[str, dict[str, Any] | None]:
-    """The manifest ``reason`` for a save now, and the notice it answers (as ``Guard.save`` decides)."""
-    with guard._lock:
-        notice = guard._notice
-    urgent = notice is not None or guard._sigterm or guard._urgent_agreed
-    reason = "urgent" if urgent else "periodic"
-    if notice is not None and not notice["stop"]:
-        reason = "soft"
-    return reason, notice
+def checked_options(options: GuardOptions) -> GuardOptions:
+    """A callback's keyword arguments (those of :class:`spotguard.Guard`), checked when the callback is
+    made: the Guard itself is built later, once the framework has set up ``torch.distributed``."""
+    check_periodic(options.get("every_steps"), options.get("every_seconds"))
+    return options
 
 
-@contextmanager
-def commit_external(
-    guard: Guard, step: int, meta: Mapping[str, Any], live: Mapping[str, Any] | None = None
-) -> Iterator[Path]:
-    """Prepare ``<root>/step-N/`` for a framework to write into; on a clean exit commit it and tell the daemon.
-
-    Every rank must enter (the directory exists on all ranks before anyone writes, and nobody leaves
-    before rank 0 committed). Raises :class:`AlreadyCommitted` (before yielding) if the step is
-    already complete. On an exception nothing is committed: the directory stays incomplete and the
-    next writer removes it. ``live`` (e.g. ``{"model": ..., "optimizer": ...}``) is described in the
-    manifest, so that a resume can be checked against it before anything is fetched.
-    """
-    from spotguard.trainer import dist
-
-    reason, notice = pending_reason(guard)
-    full_meta: dict[str, Any] = dict(meta)
-    if notice is not None:
-        full_meta["event_id"] = notice["notice"]["event_id"]
-    contents = None
-    if live is not None:
-        from spotguard.trainer.contents import describe_state
-
-        contents = describe_state(live, guard.world_size)  # what resume_path(model=...) checks
-    writer = CheckpointWriter(
-        guard.checkpoint_dir, step, reason=reason, world_size=guard.world_size, meta=full_meta, contents=contents
-    )
-    try:
-        guard._open_step_dir(writer)
-    except CheckpointExists:
-        logger.info("spotguard: %s is already committed; not writing it again", writer.dir.name)
-        guard._after_save(step, writer.dir, reason, notice)
-        raise AlreadyCommitted(writer.dir) from None
-    with dist.settled(f"writing {writer.dir.name}"):  # every rank's files are in place, or all ranks hear why not
-        yield writer.dir
-    with dist.settled(f"committing {writer.dir.name}"):  # nobody goes on (or exits) before the commit
-        if guard.rank == 0:
-            for relpath in _files_under(writer.dir):
-                _fsync_file(writer.dir / relpath)  # frameworks write without fsync; the manifest must not lie
-                writer.add_existing(relpath)
-            writer.commit()
-    guard._after_save(step, writer.dir, reason, notice)
-
-
-def _files_under(step_dir: Path) -> list[str]:
-    return sorted(
-        path.relative_to(step_dir).as_posix()
-        for path in step_dir.rglob("*")
-        if path.is_file() and path.relative_to(step_dir).as_posix() != MANIFEST
-    )
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def resume_location(options: GuardOptions, root: str | os.PathLike[str] | None = None) -> tuple[Path, str | None]:
+    """(the checkpoint root, the bucket) a callback resumes from: ``root``, else the options' (or the
+    environment's) ``checkpoint_dir``, else the daemon's root."""
+    checkpoint_dir = root if root is not None else options.get("checkpoint_dir")
+    settings = TrainerSettings.from_env(checkpoint_dir, options.get("bucket"), options.get("socket"))
+    if settings.checkpoint_dir is not None:
+        return settings.checkpoint_dir, settings.bucket
+    return ask_daemon_for_root(settings.socket), settings.bucket
 
 
 # --- resume -------------------------------------------------------------------------------------

@@ -14,15 +14,19 @@ path (under ``/latest/meta-data/``)           kind                    deadline
 
 Several can be current at once (a rebalance recommendation usually precedes the interruption).
 :meth:`AwsMonitor.check_all` returns all of them, most urgent first (hard before soft, then the
-earliest deadline); :meth:`AwsMonitor.check` returns the first of those, which is what the
-:class:`~spotguard.monitors.base.Monitor` Protocol asks for. Event ids come from what EC2 announces
-(action + time, ``noticeTime``, ``EventId``, the lifecycle state), never from the poll time.
+earliest deadline). Event ids come from what EC2 announces (action + time, ``noticeTime``, ``EventId``,
+the lifecycle state), never from the poll time.
 
 Auto Scaling: with a termination lifecycle hook named in ``asg_lifecycle_hook``, the group waits (up to
-the hook's heartbeat timeout) for ``CompleteLifecycleAction``. :meth:`AwsMonitor.acknowledge` sends it
-(``CONTINUE``) once the lifecycle notice's checkpoint is committed in the bucket, as
-aws-node-termination-handler does once a node is drained. The group's name comes from ``asg_name`` or,
-unset, from ``DescribeAutoScalingInstances`` for this instance.
+the hook's heartbeat timeout) for ``CompleteLifecycleAction``. The lifecycle notice carries it as its
+acknowledgement (``CONTINUE``), which the daemon sends once the notice's checkpoint is committed in the
+bucket, as aws-node-termination-handler does once a node is drained. The group's name comes from
+``asg_name`` or, unset, from ``DescribeAutoScalingInstances`` for this instance.
+
+Detection (DMI): ``sys_vendor`` ``Amazon EC2`` (Nitro), or ``amazon`` in ``bios_version``/``bios_vendor``
+(older Xen instances, whose ``sys_vendor`` is ``Xen``). The doctor's probe gets an IMDSv2 token and reads
+``spot/instance-action``; a token PUT that times out while a plain GET answers is the container hop-limit
+trap.
 
 Errors: if any path yields a notice, the notices are returned and failures on the other paths are
 only logged (a broken rebalance path must not hide an interruption). If none does and any path
@@ -32,18 +36,18 @@ failed, :class:`MonitorError` is raised.
 from __future__ import annotations
 
 import asyncio
-import json
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime, timedelta
-from email.utils import parsedate_to_datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import aiohttp
 
-from spotguard.monitors.base import MonitorError
-from spotguard.notice import Kind, Notice, event_id_for, parse_iso, utcnow
+from spotguard.notice import Acknowledgement, Kind, Notice, event_id_for, parse_iso, utcnow
+from spotguard.providers import base
+from spotguard.providers.base import Monitor, MonitorError, MonitorSettings, PolledMonitor
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +57,8 @@ META = "/latest/meta-data/"
 TTL_HEADER = "X-aws-ec2-metadata-token-ttl-seconds"
 TOKEN_HEADER = "X-aws-ec2-metadata-token"
 DEFAULT_TOKEN_TTL = 21600
+PROBE_TOKEN_TTL = 60  # the doctor's token: it reads one path and is done
+NOTICE_WINDOW = 120.0  # a spot interruption's two-minute warning
 # A rebalance recommendation has no deadline of its own; the interruption that may follow it still
 # comes with a two-minute notice, so two minutes from the recommendation is the earliest it can bite.
 REBALANCE_HORIZON = timedelta(seconds=120)
@@ -77,23 +83,12 @@ REGION_PATH = "placement/region"
 
 def parse_maintenance_time(text: str) -> datetime:
     """``21 Jan 2019 09:00:43 GMT`` (the format of ``events/maintenance/scheduled``) -> UTC datetime."""
-    try:
-        value = parsedate_to_datetime(text)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"not a maintenance time: {text!r}") from exc
-    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
-
-
-def _json(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError as exc:
-        raise ValueError(f"not JSON: {text[:80]!r}") from exc
+    return base.parse_http_date(text, "maintenance time")
 
 
 def parse_instance_action(text: str, first_seen: datetime) -> Notice:
     """``{"action": "terminate", "time": "2017-09-18T08:22:00Z"}`` -> a hard notice."""
-    data = _json(text)
+    data = base.load_json(text)
     if not isinstance(data, dict) or data.get("action") not in SPOT_KINDS or not isinstance(data.get("time"), str):
         raise ValueError(f"unexpected instance-action: {text[:120]!r}")
     kind = SPOT_KINDS[data["action"]]
@@ -106,7 +101,7 @@ def parse_instance_action(text: str, first_seen: datetime) -> Notice:
 
 def parse_rebalance(text: str) -> Notice:
     """``{"noticeTime": "2020-10-27T08:22:00Z"}`` -> a soft rebalance notice."""
-    data = _json(text)
+    data = base.load_json(text)
     if not isinstance(data, dict) or not isinstance(data.get("noticeTime"), str):
         raise ValueError(f"unexpected rebalance recommendation: {text[:120]!r}")
     notice_time = parse_iso(data["noticeTime"])
@@ -121,7 +116,7 @@ def parse_rebalance(text: str) -> Notice:
 
 def parse_maintenance(text: str) -> list[Notice]:
     """The ``events/maintenance/scheduled`` array -> one soft notice per event still to come."""
-    data = _json(text)
+    data = base.load_json(text)
     if not isinstance(data, list):
         raise ValueError(f"unexpected scheduled events: {text[:120]!r}")
     notices = []
@@ -161,14 +156,10 @@ def parse_lifecycle(text: str, first_seen: datetime) -> Notice | None:
     )
 
 
-def most_urgent_first(notices: list[Notice]) -> list[Notice]:
-    return sorted(notices, key=lambda n: (not n.is_hard, n.deadline))
-
-
 # --- the monitor --------------------------------------------------------------------------------
 
 
-class AwsMonitor:
+class AwsMonitor(PolledMonitor):
     """Watches IMDSv2 for spot interruptions, rebalance recommendations, scheduled maintenance and
     Auto Scaling termination.
 
@@ -200,9 +191,7 @@ class AwsMonitor:
     ) -> None:
         if not 1 <= token_ttl <= DEFAULT_TOKEN_TTL:
             raise ValueError(f"token_ttl must be 1..{DEFAULT_TOKEN_TTL}, got {token_ttl}")
-        self.interval = interval
-        self._session = session
-        self._base = base_url.rstrip("/")
+        super().__init__(session, base_url, interval, timeout)
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._token_ttl = token_ttl
         self._refresh_margin = min(60.0, token_ttl / 4)
@@ -216,10 +205,6 @@ class AwsMonitor:
         self._first_seen: dict[str, datetime] = {}
         self._lifecycle_hook = lifecycle_hook
         self._asg_name = asg_name
-
-    async def check(self) -> Notice | None:
-        notices = await self.check_all()
-        return notices[0] if notices else None
 
     async def check_all(self) -> list[Notice]:
         """Every current notice, most urgent first (hard before soft, then earliest deadline)."""
@@ -239,21 +224,19 @@ class AwsMonitor:
             raise errors[0]
         for error in errors:
             logger.warning("%s: %r (other paths have a notice)", error, error.__cause__)
-        return most_urgent_first(notices)
+        return base.most_urgent_first(notices)
 
     async def close(self) -> None:
         self._token = None
 
-    async def acknowledge(self, notice: Notice) -> None:
+    async def complete_lifecycle(self, hook: str) -> None:
         """Tell Auto Scaling to go on terminating (``CompleteLifecycleAction``, ``CONTINUE``): the checkpoint
-        for this lifecycle notice is safe. Nothing for other notices, or without a lifecycle hook."""
-        if self._lifecycle_hook is None or "target-lifecycle-state" not in notice.raw:
-            return
+        for the lifecycle notice is safe. The acknowledgement of a lifecycle notice, with a hook set."""
         instance_id = await self._get(INSTANCE_ID_PATH)
         region = await self._get(REGION_PATH)
         if not (instance_id and region):
             raise MonitorError("aws: completing the lifecycle action needs the instance id and region from IMDS")
-        hook, instance_id = self._lifecycle_hook, instance_id.strip()
+        instance_id = instance_id.strip()
         try:
             group = await asyncio.to_thread(
                 complete_lifecycle_action, region.strip(), hook, instance_id, self._asg_name
@@ -284,7 +267,15 @@ class AwsMonitor:
         if text is None:
             return []
         notice = self._parse(LIFECYCLE_PATH, lambda: parse_lifecycle(text, self._seen(f"lifecycle:{text.strip()}")))
-        return [] if notice is None else [notice]
+        if notice is None:
+            return []
+        if self._lifecycle_hook is not None:
+            hook = self._lifecycle_hook
+            acknowledgement = Acknowledgement(
+                f"aws: CompleteLifecycleAction ({hook}, CONTINUE)", lambda: self.complete_lifecycle(hook)
+            )
+            notice = dataclasses.replace(notice, acknowledgement=acknowledgement)
+        return [notice]
 
     def _seen(self, key: str) -> datetime:
         # A deadline of "now" must stay the same on every poll of the same event.
@@ -304,14 +295,7 @@ class AwsMonitor:
         for attempt in (1, 2):
             token = await self._current_token()
             headers = {TOKEN_HEADER: token} if token else {}
-            try:
-                async with self._session.get(
-                    self._base + META + path, headers=headers, timeout=self._timeout, allow_redirects=False
-                ) as response:
-                    status = response.status
-                    body = await response.read()
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                raise MonitorError(f"aws: reading {path}") from exc
+            status, body = await self._send("GET", META + path, headers, f"reading {path}")
             if status == 401 and attempt == 1:
                 logger.info("aws: %s answered 401; renewing the IMDSv2 token", path)
                 await self._drop_token(token)
@@ -353,17 +337,7 @@ class AwsMonitor:
 
     async def _fetch_token(self) -> str:
         started = self._monotonic()
-        try:
-            async with self._session.put(
-                self._base + TOKEN_PATH,
-                headers={TTL_HEADER: str(self._token_ttl)},
-                timeout=self._timeout,
-                allow_redirects=False,
-            ) as response:
-                status = response.status
-                body = await response.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise MonitorError("aws: getting an IMDSv2 token") from exc
+        status, body = await self._put_token()
         if status != 200:
             raise MonitorError(f"aws: getting an IMDSv2 token: HTTP {status}")
         try:
@@ -374,6 +348,19 @@ class AwsMonitor:
             raise MonitorError("aws: getting an IMDSv2 token: not a token")
         self._token_expires = started + self._token_ttl
         return token
+
+    async def _put_token(self) -> tuple[int, bytes]:
+        return await self._send("PUT", TOKEN_PATH, {TTL_HEADER: str(self._token_ttl)}, "getting an IMDSv2 token")
+
+    async def _send(self, method: str, path: str, headers: dict[str, str], doing: str) -> tuple[int, bytes]:
+        """(status, body) of one request to IMDS; MonitorError when nothing answers."""
+        try:
+            async with self._session.request(
+                method, self._base + path, headers=headers, timeout=self._timeout, allow_redirects=False
+            ) as response:
+                return response.status, await response.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise MonitorError(f"aws: {doing}") from exc
 
 
 def complete_lifecycle_action(region: str, hook: str, instance_id: str, group: str | None) -> str:
@@ -398,3 +385,103 @@ def complete_lifecycle_action(region: str, hook: str, instance_id: str, group: s
         return group
     finally:
         client.close()
+
+
+# --- the doctor's probe -------------------------------------------------------------------------
+
+HOP_LIMIT_FIX = (
+    "the token's reply is dropped one hop short: in a container, raise the instance's metadata hop "
+    "limit to 2 (aws ec2 modify-instance-metadata-options --http-put-response-hop-limit 2 "
+    "--http-tokens required --instance-id ...; Terraform: metadata_options "
+    "http_put_response_hop_limit = 2)"
+)
+
+
+async def probe(session: aiohttp.ClientSession, settings: MonitorSettings) -> base.ProbeResult:
+    """Can an IMDSv2 token be had, and what does ``spot/instance-action`` say? Asked with the monitor's
+    own requests. Without a token, a plain GET tells an unreachable IMDS from the hop-limit trap."""
+    url = settings.base_url(DEFAULT_BASE_URL)
+    monitor = AwsMonitor(session, url, timeout=settings.http_timeout, token_ttl=PROBE_TOKEN_TTL)
+    started = time.monotonic()
+    try:
+        status, body = await monitor._put_token()
+    except MonitorError as exc:
+        problem, timed_out = (
+            f"the IMDSv2 token PUT failed: {base.failure_reason(exc)}",
+            isinstance(exc.__cause__, TimeoutError),
+        )
+    else:
+        if status == 200 and body.strip():
+            took = (time.monotonic() - started) * 1000
+            state = await _spot_state(monitor)
+            return base.ProbeResult(base.ProbeStatus.OK, f"IMDSv2 token obtained from {url} in {took:.0f} ms; {state}")
+        problem, timed_out = f"the IMDSv2 token PUT answered HTTP {status}", False
+    return await _probe_without_token(monitor, url, problem, timed_out, settings.imds_v1_fallback)
+
+
+async def _spot_state(monitor: AwsMonitor) -> str:
+    try:
+        text = await monitor._get(SPOT_PATH)
+    except MonitorError as exc:
+        return str(exc) if exc.__cause__ is None else f"{exc} failed: {base.failure_reason(exc)}"
+    return "no spot interruption pending" if text is None else f"a spot interruption is PENDING: {text.strip()}"
+
+
+async def _probe_without_token(
+    monitor: AwsMonitor, url: str, problem: str, timed_out: bool, v1_fallback: bool
+) -> base.ProbeResult:
+    # No token. Does a plain GET get through? (401 means "answered, wants a token".)
+    try:
+        get_status: int | None = (await monitor._send("GET", META + INSTANCE_ID_PATH, {}, "reading instance-id"))[0]
+    except MonitorError:
+        get_status = None
+    if get_status is None:
+        return base.ProbeResult(
+            base.ProbeStatus.FAIL, f"{problem}; a plain GET gets no answer either", base.unreachable_fix(url)
+        )
+    if timed_out:
+        return base.ProbeResult(
+            base.ProbeStatus.FAIL, f"{problem} but a plain GET answers (HTTP {get_status})", HOP_LIMIT_FIX
+        )
+    if get_status == 200:
+        if v1_fallback:
+            return base.ProbeResult(base.ProbeStatus.WARN, f"{problem}; only IMDSv1 answers", "prefer IMDSv2")
+        fix = "enable IMDSv2 on the instance, or set imds_v1_fallback = true (not recommended)"
+        return base.ProbeResult(base.ProbeStatus.FAIL, f"{problem}; only IMDSv1 answers", fix)
+    return base.ProbeResult(
+        base.ProbeStatus.FAIL, f"{problem}; a plain GET answers HTTP {get_status}", "check --metadata-url"
+    )
+
+
+# --- the provider ---------------------------------------------------------------------------------
+
+
+def detect(read: base.DmiReader) -> bool:
+    """Nitro says ``Amazon EC2``; older Xen instances say ``Xen`` but carry ``amazon`` in the BIOS."""
+    if "amazon ec2" in (read("sys_vendor").lower(), read("board_vendor").lower()):
+        return True
+    return any("amazon" in read(name).lower() for name in ("bios_version", "bios_vendor", "product_version"))
+
+
+def monitors(session: aiohttp.ClientSession, settings: MonitorSettings) -> list[Monitor]:
+    monitor = AwsMonitor(
+        session,
+        settings.base_url(DEFAULT_BASE_URL),
+        settings.poll_interval,
+        settings.http_timeout,
+        imds_v1_fallback=settings.imds_v1_fallback,
+        lifecycle_hook=settings.asg_lifecycle_hook,
+        asg_name=settings.asg_name,
+    )
+    return [monitor]
+
+
+PROVIDER = base.Provider(
+    name="aws",
+    default_metadata_url=DEFAULT_BASE_URL,
+    notice_window=NOTICE_WINDOW,
+    detect=detect,
+    monitors=monitors,
+    probe=probe,
+    emulator=base.lazy_emulator("spotguard.emulate.aws", "AwsEmulator"),
+)

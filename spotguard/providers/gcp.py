@@ -26,12 +26,15 @@ server (a proxy, a captive portal) and is a :class:`MonitorError`.
 
 Event ids: the preemption is keyed by instance id + boot id (a VM is preempted at most once per
 boot); a maintenance event by instance id + boot id + value + its count in this monitor's life.
+
+Detection (DMI): ``Google`` in ``sys_vendor``/``board_vendor``/``bios_vendor``/``product_name``
+(``Google Compute Engine``). The doctor's probe is one plain read of the instance document, as the
+monitor's first ``check``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Callable
 from datetime import datetime, timedelta
@@ -40,8 +43,9 @@ from typing import Any
 
 import aiohttp
 
-from spotguard.monitors.base import MonitorError
 from spotguard.notice import Kind, Notice, event_id_for, utcnow
+from spotguard.providers import base
+from spotguard.providers.base import Monitor, MonitorError, MonitorSettings, PolledMonitor
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +55,9 @@ FLAVOR = "Metadata-Flavor"
 PREEMPT_NOTICE = timedelta(seconds=30)
 MAINTENANCE_NOTICE = timedelta(seconds=60)
 BOOT_ID_FILE = Path("/proc/sys/kernel/random/boot_id")
+# A short long-poll: a metadata server that accepts and then hangs must show up well within
+# GCP's 30 s notice, not after a 60 s wait; six requests a minute cost nothing.
+DAEMON_LONG_POLL_S = 10.0
 
 
 def read_boot_id(path: Path = BOOT_ID_FILE) -> str:
@@ -62,10 +69,7 @@ def read_boot_id(path: Path = BOOT_ID_FILE) -> str:
 
 def parse_instance(text: str) -> tuple[str, bool, str]:
     """The recursive instance document -> (instance id, preempted, maintenance event)."""
-    try:
-        doc = json.loads(text)
-    except ValueError as exc:
-        raise ValueError(f"not JSON: {text[:80]!r}") from exc
+    doc = base.load_json(text)
     if not isinstance(doc, dict):
         raise ValueError(f"not an instance document: {text[:80]!r}")
     preempted = doc.get("preempted")
@@ -75,7 +79,7 @@ def parse_instance(text: str) -> tuple[str, bool, str]:
     return str(doc.get("id", "unknown-instance")), preempted == "TRUE", maintenance
 
 
-class GcpMonitor:
+class GcpMonitor(PolledMonitor):
     """Watches the GCE metadata server for preemption and host maintenance.
 
     >>> monitor = GcpMonitor(session, base_url="http://127.0.0.1:8081", long_poll_timeout=30)
@@ -100,11 +104,9 @@ class GcpMonitor:
         clock: Callable[[], datetime] = utcnow,
         boot_id: str | None = None,
     ) -> None:
+        super().__init__(session, base_url, 0.0 if long_poll else interval, timeout)
         self.poll_interval = interval
-        self.interval = 0.0 if long_poll else interval
-        self._session = session
-        self._url = base_url.rstrip("/") + INSTANCE_PATH
-        self._timeout = timeout
+        self._url = self._base + INSTANCE_PATH
         self._long_poll = long_poll
         self._long_poll_timeout = max(1, round(long_poll_timeout))
         self._retry_delay = retry_delay
@@ -116,10 +118,6 @@ class GcpMonitor:
         self._first_seen: dict[str, datetime] = {}
         self._maintenance_value = "NONE"
         self._maintenance_count = 0
-
-    async def check(self) -> Notice | None:
-        notices = await self.check_all()
-        return notices[0] if notices else None
 
     async def check_all(self) -> list[Notice]:
         if self._pause:
@@ -191,7 +189,7 @@ class GcpMonitor:
 
     async def _request(self) -> tuple[int, bytes, str | None]:
         params = {"recursive": "true"}
-        timeout = self._timeout
+        timeout = self._timeout_s
         if self._long_poll and self._etag:
             params.update(wait_for_change="true", last_etag=self._etag, timeout_sec=str(self._long_poll_timeout))
             timeout += self._long_poll_timeout
@@ -210,3 +208,45 @@ class GcpMonitor:
                 return response.status, await response.read(), response.headers.get("ETag")
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise MonitorError("gcp: reading instance/") from exc
+
+
+# --- the doctor's probe and the provider ----------------------------------------------------------
+
+
+async def probe(session: aiohttp.ClientSession, settings: MonitorSettings) -> base.ProbeResult:
+    """One plain read of the instance document, by the monitor (``Metadata-Flavor`` checked)."""
+    url = settings.base_url(DEFAULT_BASE_URL)
+    monitor = GcpMonitor(session, url, timeout=settings.http_timeout, long_poll=False, max_retries=0, boot_id="")
+    try:
+        _instance, preempted, _maintenance = parse_instance(await monitor._fetch())
+    except MonitorError as exc:
+        if exc.__cause__ is not None:
+            found = f"GCE metadata at {url} does not answer: {base.failure_reason(exc)}"
+            return base.ProbeResult(base.ProbeStatus.FAIL, found, base.unreachable_fix(url))
+        fix = "check --metadata-url; a proxy may be answering instead of the metadata server"
+        return base.ProbeResult(base.ProbeStatus.FAIL, f"{exc}: not the GCE metadata server", fix)
+    except ValueError as exc:
+        return base.ProbeResult(base.ProbeStatus.FAIL, f"GCE metadata at {url} answered: {exc}", "check --metadata-url")
+    status = base.ProbeStatus.WARN if preempted else base.ProbeStatus.OK
+    return base.ProbeResult(status, f"GCE metadata answers at {url}; preempted={'TRUE' if preempted else 'FALSE'}")
+
+
+def detect(read: base.DmiReader) -> bool:
+    return any("google" in read(name).lower() for name in ("sys_vendor", "board_vendor", "bios_vendor", "product_name"))
+
+
+def monitors(session: aiohttp.ClientSession, settings: MonitorSettings) -> list[Monitor]:
+    url = settings.base_url(DEFAULT_BASE_URL)
+    interval, timeout = settings.poll_interval, settings.http_timeout
+    return [GcpMonitor(session, url, interval, timeout, long_poll_timeout=DAEMON_LONG_POLL_S)]
+
+
+PROVIDER = base.Provider(
+    name="gcp",
+    default_metadata_url=DEFAULT_BASE_URL,
+    notice_window=PREEMPT_NOTICE.total_seconds(),
+    detect=detect,
+    monitors=monitors,
+    probe=probe,
+    emulator=base.lazy_emulator("spotguard.emulate.gcp", "GcpEmulator"),
+)

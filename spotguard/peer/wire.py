@@ -34,7 +34,7 @@ After the handshake the sender sends requests, each answered by one frame (``err
 * ``{"t": "commit", "manifest": manifest.json's text}`` -> ``{"t": "ok", "state": "verified"}`` once
   every file the manifest lists is there with its size and CRC32C.
 
-A fresh VM's daemon resuming from a peer (spotguard/daemon/peerfetch.py) asks on the same kind of
+A fresh VM's daemon resuming from a peer (spotguard/peer/fetch.py) asks on the same kind of
 authenticated connection:
 
 * ``{"t": "list"}`` -> ``{"t": "replicas", "items": [{"id", "name", "bucket", "state", "bytes",
@@ -60,6 +60,8 @@ from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+from spotguard.errors import SpotguardError
+
 VERSION = 1
 MAX_HEADER_BEFORE_AUTH = 1024
 MAX_HEADER = 16 * 1024 * 1024  # a commit frame carries the manifest, which lists every file
@@ -78,7 +80,7 @@ TOKEN_ENV = "SPOTGUARD_PEER_TOKEN"
 _LENGTH = struct.Struct(">I")
 
 
-class PeerError(Exception):
+class PeerError(SpotguardError):
     """A peer broke the protocol or refused a request; ``code`` is machine-readable."""
 
     def __init__(self, code: str, message: str) -> None:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from spotguard.peerwire import parse_address
+from spotguard.peer.wire import parse_address
 from spotguard.storage.base import ObjectNotFound, Storage, StorageError, put_bytes
 
 logger = logging.getLogger("spotguard.discovery")

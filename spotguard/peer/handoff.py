@@ -30,9 +30,9 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from spotguard import peerwire
-from spotguard.daemon.peers import PeerClient, choose_peer
 from spotguard.manifest import FileEntry, ManifestError, node_holdings, parse_step_dir
+from spotguard.peer import wire
+from spotguard.peer.client import PeerClient, choose_peer
 from spotguard.safefile import is_unlinked, open_nofollow
 
 logger = logging.getLogger("spotguard.handoff")
@@ -167,7 +167,7 @@ class Handoff:
             await self._send(client)
             self.seconds = time.monotonic() - started
             self._move(HandoffState.HANDED, f"{self.bytes_sent} bytes verified by the peer in {self.seconds:.1f} s")
-        except (OSError, TimeoutError, peerwire.PeerError, ManifestError) as exc:
+        except (OSError, TimeoutError, wire.PeerError, ManifestError) as exc:
             self.error = str(exc)
             self._move(HandoffState.FAILED, self.error)
         finally:

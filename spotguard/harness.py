@@ -1,0 +1,146 @@
+"""The harness that runs spotguard as it runs on a VM: a daemon subprocess per simulated VM, the
+example trainer as a subprocess, waiting on conditions, comparing final states.
+
+``spotguard demo`` tells its story with it; the tests and the benchmarks drive real daemons with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+
+class Vm:
+    """One simulated VM: a daemon subprocess with its own socket and local checkpoint root."""
+
+    def __init__(self, base: Path, name: str, bucket: str, extra_args: list[str] | None = None) -> None:
+        self.dir = base / name
+        self.root = self.dir / "nvme"
+        self.socket = self.dir / "spotguard.sock"
+        self.bucket = bucket
+        self.log = self.dir / "daemon.log"
+        self.extra_args = extra_args or ["--provider", "none"]
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start_daemon(self, env: dict[str, str] | None = None) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        command = [
+            sys.executable, "-m", "spotguard", "run",
+            "--socket", str(self.socket),
+            "--checkpoint-dir", str(self.root),
+            "--state-dir", str(self.dir / "state"),
+            "--bucket", self.bucket,
+            *self.extra_args,
+        ]  # fmt: skip
+        with self.log.open("ab") as log:
+            self.process = subprocess.Popen(
+                command, stdout=log, stderr=log, env={**os.environ, "SPOTGUARD_SCAN_INTERVAL": "0.5", **(env or {})}
+            )
+        wait_for(self._answers, 20, f"the daemon of {self.dir.name} to listen (log: {self.log})")
+
+    def _answers(self) -> bool:
+        from spotguard.control import CommandError, request
+
+        assert self.process is not None
+        if self.process.poll() is not None:
+            raise RuntimeError(f"the daemon exited with {self.process.returncode}; see {self.log}")
+        try:
+            request(self.socket, "status", timeout=1)
+        except CommandError as exc:
+            return str(exc).startswith("daemon:")  # it answered, if only to refuse us
+        return True
+
+    def status(self) -> dict[str, Any]:
+        from spotguard.control import request
+
+        return request(self.socket, "status")
+
+    def kill_daemon(self) -> None:
+        """SIGKILL: the daemon gets no chance to clean up (a crash, the OOM killer)."""
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+            self.process = None
+
+    def stop_daemon(self) -> int:
+        if self.process is None:
+            return 0
+        self.process.send_signal(signal.SIGTERM)
+        code = self.process.wait(timeout=60)
+        self.process = None
+        return code
+
+
+def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+def trainer_command(
+    root: Path, bucket: str | None, socket: Path, steps: int, out: Path | None, **extra: Any
+) -> list[str]:
+    command = [sys.executable, "-m", "spotguard.demo", "train", "--checkpoint-dir", str(root), "--socket", str(socket)]
+    command += ["--steps", str(steps)]
+    if bucket:
+        command += ["--bucket", bucket]
+    if out:
+        command += ["--out", str(out)]
+    for key, value in extra.items():
+        if value is True:
+            command.append(f"--{key.replace('_', '-')}")
+        elif value is not None and value is not False:
+            command += [f"--{key.replace('_', '-')}", str(value)]
+    return command
+
+
+def events(stream: IO[str]) -> Iterator[dict[str, Any]]:
+    for line in stream:
+        try:
+            yield json.loads(line)
+        except json.JSONDecodeError:
+            continue
+
+
+def compare_final(first: Path, second: Path) -> list[str]:
+    """Differences between two final states (empty: bitwise identical)."""
+    import torch
+
+    a = torch.load(first, weights_only=True)
+    b = torch.load(second, weights_only=True)
+    problems: list[str] = []
+
+    def walk(x: Any, y: Any, where: str) -> None:
+        if isinstance(x, torch.Tensor):
+            same = isinstance(y, torch.Tensor) and x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+            if not same:
+                problems.append(f"{where}: tensors differ")
+        elif isinstance(x, dict):
+            if not isinstance(y, dict) or set(x) != set(y):
+                problems.append(f"{where}: keys differ")
+                return
+            for key in x:
+                walk(x[key], y[key], f"{where}.{key}")
+        elif isinstance(x, list | tuple):
+            if not isinstance(y, list | tuple) or len(x) != len(y):
+                problems.append(f"{where}: lengths differ")
+                return
+            for i, (p, q) in enumerate(zip(x, y, strict=True)):
+                walk(p, q, f"{where}[{i}]")
+        elif x != y:
+            problems.append(f"{where}: {x!r} != {y!r}")
+
+    walk(a, b, "final")
+    return problems

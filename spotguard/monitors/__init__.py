@@ -1,1 +1,0 @@
-"""Notice sources: one module per cloud, one Protocol (:class:`spotguard.monitors.base.Monitor`)."""

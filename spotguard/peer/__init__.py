@@ -1,0 +1,15 @@
+"""The peer tier: a daemon with a notice hands its urgent checkpoint to another daemon of the job,
+which verifies it and commits it in the shared bucket; a fresh VM may fetch it back to resume.
+
+It sits below the daemon: it takes plain values (addresses, a token, a ``Storage``) and imports
+nothing from ``spotguard.config`` nor ``spotguard.daemon``.
+
+- :mod:`~spotguard.peer.wire`: frames, the token, the challenge-response handshake.
+- :mod:`~spotguard.peer.files`: received ranges written and checked against a manifest (both sides).
+- :mod:`~spotguard.peer.replicas`: a receiver's replicas, their lifecycle and their commit in the bucket.
+- :mod:`~spotguard.peer.receiver`: the listening side's connection protocol.
+- :mod:`~spotguard.peer.client`: the sending side's connection, and choosing a peer.
+- :mod:`~spotguard.peer.handoff`: handing the urgent checkpoint over on a notice.
+- :mod:`~spotguard.peer.fetch`: resuming from a replica a peer holds.
+- :mod:`~spotguard.peer.discovery`: finding the job's peers through the bucket.
+"""

@@ -1,0 +1,216 @@
+"""The sending side of the peer tier: one authenticated connection to a peer's receiver, and
+choosing the peer to hand a checkpoint to (spotguard/peer/handoff.py). Wire format and
+authentication: spotguard/peer/wire.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from spotguard.manifest import MANIFEST, PART_PREFIX, ManifestError, load_manifest, node_holdings
+from spotguard.peer import wire
+
+logger = logging.getLogger("spotguard.peers")
+
+_CHOOSE_TIMEOUT = 2.0  # seconds a candidate has to connect, authenticate and answer
+_PREFER_GRACE = 0.25  # seconds an earlier-listed candidate still answering may take once another is found
+
+
+class PeerClient:
+    """One authenticated connection to a peer's receiver.
+
+    >>> client = await PeerClient.connect("10.0.0.2", 7140, token)
+    >>> (await client.query())["busy"]
+    False
+    >>> await client.open_replica("step-000000100", "s3://b/run1")
+    >>> await client.send_file(step_dir / "weights.bin", "weights.bin")
+    >>> await client.commit(step_dir)
+    """
+
+    def __init__(self, reader: wire.Reads, writer: asyncio.StreamWriter, address: str) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.address = address
+
+    @classmethod
+    async def connect(cls, host: str, port: int, token: bytes, *, timeout: float = 5.0) -> PeerClient:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, limit=1 << 20), timeout)
+        # Enough in the socket's buffer that the next chunk is read from disk while this one goes out.
+        writer.transport.set_write_buffer_limits(high=2 * wire.MAX_DATA)
+        client = cls(reader, writer, f"{host}:{port}")
+        try:
+            await asyncio.wait_for(client._authenticate(token), timeout)
+        except BaseException:
+            await client.close()
+            raise
+        return client
+
+    async def _authenticate(self, token: bytes) -> None:
+        challenge = await wire.read_frame(self.reader, wire.MAX_HEADER_BEFORE_AUTH)
+        wire.expect(challenge, "challenge")
+        theirs = challenge.get("nonce")
+        if challenge.get("v") != wire.VERSION or not wire.is_nonce(theirs):
+            raise wire.PeerError("bad-frame", "a challenge of another version")
+        ours = wire.new_nonce()
+        proof = wire.sender_proof(token, str(theirs), ours)
+        self.writer.write(wire.encode({"t": "auth", "v": wire.VERSION, "nonce": ours, "mac": proof}))
+        welcome = await wire.read_frame(self.reader, wire.MAX_HEADER_BEFORE_AUTH)
+        wire.expect(welcome, "welcome")
+        if not wire.proof_matches(wire.receiver_proof(token, ours, str(theirs)), welcome.get("mac")):
+            raise wire.PeerError("auth", f"{self.address} does not know the job's token")
+
+    async def _ask(self, header: dict[str, Any], answer: str = "ok") -> dict[str, Any]:
+        self.writer.write(wire.encode(header))
+        await self.writer.drain()
+        reply = await wire.read_frame(self.reader)
+        wire.expect(reply, answer)
+        return reply
+
+    async def query(self) -> dict[str, Any]:
+        return await self._ask({"t": "query"}, "state")
+
+    async def ping(self) -> None:
+        """Keep the connection alive while there is nothing to send (no answer comes)."""
+        self.writer.write(wire.encode({"t": "ping"}))
+        await self.writer.drain()
+
+    async def open_replica(self, name: str, bucket: str) -> None:
+        await self._ask({"t": "replica", "name": name, "bucket": bucket})
+
+    async def send_part(
+        self, file: BinaryIO, rel: str, size: int, offset: int, length: int, *, chunk: int = wire.SEND_CHUNK
+    ) -> None:
+        """Bytes ``[offset, offset+length)`` of the open ``file`` (``rel``, ``size`` bytes in all) in data
+        frames of at most ``chunk`` bytes. The kernel sends them from the page cache (``sendfile``): no
+        read into Python, no copy through the transport's buffer."""
+        loop = asyncio.get_running_loop()
+        end = offset + length
+        while True:  # at least once: an empty file is sent as one empty range
+            want = min(chunk, end - offset)
+            self.writer.write(wire.encode({"t": "data", "name": rel, "size": size, "offset": offset, "len": want}))
+            if want:
+                sent = await loop.sendfile(self.writer.transport, file, offset, want)
+                if sent < want:  # the frame's header promised more: the connection cannot go on
+                    raise OSError(f"{rel} ended at {offset + sent} bytes while it was sent")
+            else:
+                await self.writer.drain()
+            offset += want
+            if offset >= end:
+                return
+
+    async def send_file(self, path: Path, rel: str, *, chunk: int = wire.SEND_CHUNK) -> int:
+        """All of ``path`` as ``rel``; returns its size."""
+        fd = await asyncio.to_thread(os.open, path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with open(fd, "rb", buffering=0) as file:
+            size = os.fstat(fd).st_size
+            await self.send_part(file, rel, size, 0, size, chunk=chunk)
+        return size
+
+    async def commit(self, step_dir: Path) -> dict[str, Any]:
+        """Send the manifest, or in a multi-node job this node's part (with the job's manifest from
+        node 0, which commits it): the receiver verifies every file against it before answering."""
+        manifest, share = await asyncio.to_thread(node_holdings, step_dir)
+        header: dict[str, Any] = {"t": "commit"}
+        if share is not None:
+            parts = await asyncio.to_thread(lambda: sorted(step_dir.glob(f"{PART_PREFIX}*.json")))
+            header["part"] = await asyncio.to_thread(parts[0].read_text)
+        if manifest is not None:
+            header["manifest"] = await asyncio.to_thread((step_dir / MANIFEST).read_text)
+        if len(header) == 1:
+            raise ManifestError(f"{step_dir.name}: neither a manifest nor a node's part to send")
+        return await self._ask(header)
+
+    async def close(self) -> None:
+        self.writer.close()
+        with contextlib.suppress(Exception):
+            await self.writer.wait_closed()
+
+
+async def send_checkpoint(client: PeerClient, step_dir: Path, bucket: str) -> dict[str, Any]:
+    """A whole locally committed checkpoint to ``client``'s peer (for tests and resends)."""
+    manifest = await asyncio.to_thread(load_manifest, step_dir)
+    await client.open_replica(step_dir.name, bucket)
+    for rel in sorted(manifest.files):
+        await client.send_file(step_dir / rel, rel)
+    return await client.commit(step_dir)
+
+
+async def choose_peer(
+    addresses: list[tuple[str, int]], token: bytes, bucket: str, *, timeout: float = _CHOOSE_TIMEOUT
+) -> PeerClient | None:
+    """The first peer in ``addresses`` that answers, shares ``bucket`` and has no hard notice of its
+    own; None if none. All are asked at once (connect, authenticate, query: ``timeout`` seconds for
+    the three), so dead or stale candidates cost no time while another answers; once one is found,
+    earlier-listed ones still answering get ``_PREFER_GRACE`` more. The others are closed."""
+    tasks = [
+        asyncio.create_task(_ask(host, port, token, bucket, timeout), name=f"ask-peer-{host}:{port}")
+        for host, port in addresses
+    ]
+    chosen: PeerClient | None = None
+    try:
+        chosen = await _first_in_order(tasks)
+    finally:
+        for task in tasks:
+            task.cancel("another peer was chosen")
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for task in tasks:
+            other = _answer(task)
+            if other is not None and other is not chosen:
+                await other.close()
+    return chosen
+
+
+async def _ask(host: str, port: int, token: bytes, bucket: str, timeout: float) -> PeerClient | None:
+    """A connection to ``host:port`` if that peer may be chosen; else None (and it is closed)."""
+    client: PeerClient | None = None
+    try:
+        async with asyncio.timeout(timeout):
+            client = await PeerClient.connect(host, port, token, timeout=timeout)
+            state = await client.query()
+    except (OSError, TimeoutError, wire.PeerError) as exc:
+        logger.warning("peer %s:%d did not answer: %s", host, port, exc or type(exc).__name__)
+        state = None
+    except BaseException:  # cancelled: another peer was chosen
+        if client is not None:
+            await client.close()
+        raise
+    if state is None:
+        pass
+    elif state.get("busy"):
+        logger.warning("peer %s:%d has a hard notice of its own: not choosing it", host, port)
+    elif state.get("bucket") != bucket:
+        logger.warning("peer %s:%d commits to %s, not %s: not choosing it", host, port, state.get("bucket"), bucket)
+    else:
+        return client
+    if client is not None:
+        await client.close()
+    return None
+
+
+def _answer(task: asyncio.Task[PeerClient | None]) -> PeerClient | None:
+    return task.result() if task.done() and not task.cancelled() and task.exception() is None else None
+
+
+async def _first_in_order(tasks: list[asyncio.Task[PeerClient | None]]) -> PeerClient | None:
+    """The answer of the earliest-listed task that found a peer: the first one found, unless an
+    earlier-listed task still asking finds one within ``_PREFER_GRACE`` of it."""
+    loop = asyncio.get_running_loop()
+    grace_ends: float | None = None
+    while True:
+        possible = [task for task in tasks if not task.done() or _answer(task) is not None]
+        found = [task for task in possible if task.done()]
+        if found and grace_ends is None:
+            grace_ends = loop.time() + _PREFER_GRACE
+        preferred_or_late = found and (found[0] is possible[0] or loop.time() >= (grace_ends or 0.0))
+        if not possible or preferred_or_late:
+            return _answer(found[0]) if found else None
+        wait = None if grace_ends is None else grace_ends - loop.time()
+        await asyncio.wait([t for t in possible if not t.done()], timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+
+
+__all__ = ["PeerClient", "choose_peer", "send_checkpoint"]

@@ -1,0 +1,130 @@
+"""Received files of the peer tier, written range by range and checked against a manifest.
+
+Both ends that receive a checkpoint use these: a receiver taking a replica from a sender
+(spotguard/peer/receiver.py) and a fresh VM fetching one back (spotguard/peer/fetch.py). Each data
+frame's range is written in a thread (``pwrite``) while the next frame is read, and its CRC32C is
+noted, so that a file whose ranges tile it exactly is verified without reading it back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+from pathlib import Path
+from typing import Any
+
+from spotguard.crc32c import crc32c_combine, crc32c_hex_to_int, crc32c_of_bytes, crc32c_of_file
+from spotguard.manifest import FileEntry, Manifest, ManifestError, check_relpath, parse_step_dir
+from spotguard.peer import wire
+
+# Disk writes of one connection in flight while its next frame is read (memory: one more than this
+# x the frame size, at most MAX_DATA).
+WRITES_IN_FLIGHT = 8
+
+Ranges = dict[str, list[tuple[int, int, int]]]  # per file, (offset, length, CRC32C) of every range written
+
+
+def data_header(header: dict[str, Any]) -> tuple[str, int, int, int]:
+    """A ``data`` frame's (file, file size, offset, length), the name checked to stay inside the
+    step directory; raises :class:`~spotguard.peer.wire.PeerError`."""
+    try:
+        rel = check_relpath(wire.field(header, "name", str))
+    except ManifestError as exc:
+        raise wire.PeerError("bad-path", str(exc)) from None
+    size, offset, length = (wire.field(header, key, int) for key in ("size", "offset", "len"))
+    return rel, size, offset, length
+
+
+def check_range(rel: str, size: int, offset: int, length: int) -> None:
+    """A data frame's range must lie inside its file and carry at most one frame's bytes."""
+    if not (0 <= length <= wire.MAX_DATA and offset >= 0 and offset + length <= size):
+        raise wire.PeerError("bad-field", f"{rel}: a range [{offset}, +{length}) outside 0..{size}")
+
+
+def parse_manifest(text: str, name: str) -> Manifest:
+    """The manifest a peer sent for the step directory ``name``: it must be one, of that step."""
+    try:
+        manifest = Manifest.from_json(text.encode())
+    except ManifestError as exc:
+        raise wire.PeerError("bad-manifest", str(exc)) from None
+    if parse_step_dir(name) != manifest.step:
+        raise wire.PeerError("bad-manifest", f"{name}: the manifest says step {manifest.step}")
+    return manifest
+
+
+def make_parent(step_dir: Path, rel: str) -> None:
+    """The directory ``rel`` goes into (once per file), which must not lead out of ``step_dir``."""
+    path = step_dir / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.parent.resolve().is_relative_to(step_dir.resolve()):
+        raise wire.PeerError("bad-path", f"{rel} leaves the replica")
+
+
+def write_range(
+    step_dir: Path, rel: str, offset: int, data: bytes | memoryview, ranges: list[tuple[int, int, int]]
+) -> None:
+    """pwrite one range (in a thread) and note its CRC32C in ``ranges`` (a list append is atomic)."""
+    fd = os.open(step_dir / rel, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.pwrite(fd, data, offset)
+    finally:
+        os.close(fd)
+    # google-crc32c takes no bytearray nor memoryview (only buffers that need no release); a ctypes
+    # array over the same memory is one, without a copy.
+    if isinstance(data, memoryview):  # a receiver's reused buffer (writable)
+        crc = crc32c_of_bytes((ctypes.c_char * len(data)).from_buffer(data))  # type: ignore[arg-type]
+    else:
+        crc = crc32c_of_bytes(data)
+    ranges.append((offset, len(data), crc32c_hex_to_int(crc)))
+
+
+async def make_room(writes: set[asyncio.Future[None]]) -> None:
+    """Wait until fewer than :data:`WRITES_IN_FLIGHT` of ``writes`` are going on; raise the first
+    finished one that failed."""
+    while len(writes) >= WRITES_IN_FLIGHT:
+        done, _ = await asyncio.wait(writes, return_when=asyncio.FIRST_COMPLETED)
+        for finished in done:
+            writes.discard(finished)
+            finished.result()
+
+
+def combined_crc(ranges: list[tuple[int, int, int]], size: int) -> str | None:
+    """The file's CRC32C from its ranges' when they tile ``[0, size)`` exactly; else None (read it)."""
+    crc, end = 0, 0
+    for offset, length, part in sorted(ranges):
+        if offset != end:
+            return None  # a gap or an overlap: only the file itself can say
+        crc = crc32c_combine(crc, part, length)
+        end += length
+    return f"{crc:08x}" if end == size else None
+
+
+def check_files(
+    step_dir: Path, files: dict[str, FileEntry] | Any, received: dict[str, int], ranges: Ranges
+) -> list[str]:
+    """What is wrong with the received files against the manifest (empty: every one matches)."""
+    problems = [f"{rel}: received but not in the manifest" for rel in sorted(set(received) - set(files))]
+    for rel, entry in sorted(files.items()):
+        path = step_dir / rel
+        if not path.is_file() or path.is_symlink():
+            problems.append(f"{rel}: never received")
+        elif path.stat().st_size != entry.size:
+            problems.append(f"{rel}: {path.stat().st_size} bytes, the manifest says {entry.size}")
+        elif (crc := combined_crc(ranges.get(rel, []), entry.size) or crc32c_of_file(path)) != entry.crc32c:
+            problems.append(f"{rel}: crc32c {crc}, the manifest says {entry.crc32c}")
+    return problems
+
+
+__all__ = [
+    "WRITES_IN_FLIGHT",
+    "Ranges",
+    "check_files",
+    "check_range",
+    "combined_crc",
+    "data_header",
+    "make_parent",
+    "make_room",
+    "parse_manifest",
+    "write_range",
+]

@@ -1,0 +1,254 @@
+"""The listening side of the peer tier: a daemon takes another's urgent checkpoint over the wire.
+
+:class:`PeerReceiver` serves ``peer_listen`` (wire format and authentication: spotguard/peer/wire.py):
+it authenticates each connection, answers its requests and writes the data frames of its replica
+to disk. What becomes of a replica once received (verified against the sender's manifest, committed
+in the shared bucket, removed) is its :class:`~spotguard.peer.replicas.ReplicaStore`'s.
+
+:class:`~spotguard.peer.client.PeerClient` is the sending side. A fresh VM's daemon may fetch a
+verified replica back to resume from it (spotguard/peer/fetch.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from spotguard.manifest import parse_step_dir
+from spotguard.peer import wire
+from spotguard.peer.files import check_range, data_header, make_parent, make_room, write_range
+from spotguard.peer.replicas import Replica, ReplicaState, ReplicaStore
+from spotguard.storage.base import Storage
+
+logger = logging.getLogger("spotguard.peers")
+
+_AUTH_TIMEOUT = 5.0  # seconds a connection has to authenticate
+_IDLE_TIMEOUT = 30.0  # seconds without a frame before an authenticated connection is dropped
+
+
+# A request frame's handler: (receiver, header, reader, writer, peer address); it writes its answer.
+RequestHandler = Callable[["PeerReceiver", dict[str, Any], wire.Reads, asyncio.StreamWriter, str], Awaitable[None]]
+
+
+class PeerReceiver:
+    """Takes replicas from authenticated peers and commits them in ``storage``.
+
+    >>> receiver = PeerReceiver(root / "peer-replicas", storage, token=token, host="0.0.0.0", port=7140,
+    ...                         busy=lambda: daemon_has_a_hard_notice)
+    >>> address = await receiver.start()
+    """
+
+    def __init__(
+        self,
+        area: Path,
+        storage: Storage | None,
+        *,
+        token: bytes,
+        host: str,
+        port: int,
+        busy: Callable[[], bool] = lambda: False,
+        max_replica_bytes: int = 1 << 40,
+        max_replicas: int = 2,
+        max_connections: int = 8,
+        concurrency: int = 8,
+    ) -> None:
+        self.area = area
+        self.storage = storage
+        self._token = token  # never logged, never sent
+        self.host = host
+        self.port = port
+        self.busy = busy
+        self.max_replica_bytes = max_replica_bytes
+        self.max_replicas = max_replicas
+        self.max_connections = max_connections
+        self.concurrency = concurrency
+        self.store = ReplicaStore(area, storage, concurrency=concurrency)
+        self.refused = 0  # connections that failed to authenticate or broke the protocol
+        self.address: str | None = None
+        self._server: asyncio.Server | None = None
+        self._connections = 0
+        self._writers: set[asyncio.StreamWriter] = set()  # open connections, closed with the receiver
+        self.handlers: dict[str, RequestHandler] = {}  # more request types (frame type -> handler)
+
+    @property
+    def replicas(self) -> dict[str, Replica]:
+        """The replicas held now, by id."""
+        return self.store.replicas
+
+    # --- serving ----------------------------------------------------------------------
+
+    async def start(self) -> str:
+        """Resume what a restart left in the area, then listen; returns ``host:port`` (the real port)."""
+        await self.store.resume()
+        self._server = await wire.start_server(self._serve, self.host, self.port)
+        port = self._server.sockets[0].getsockname()[1]
+        self.address = f"{self.host}:{port}"
+        logger.info("peer receiver listening on %s", self.address)
+        return self.address
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            for writer in list(self._writers):
+                writer.close()  # their handlers see the connection end and clean up unfinished replicas
+            with contextlib.suppress(Exception):
+                await self._server.wait_closed()
+        await self.store.close()
+
+    async def _serve(self, reader: wire.FrameStream, writer: asyncio.StreamWriter) -> None:
+        peername = writer.get_extra_info("peername")
+        who = f"{peername[0]}:{peername[1]}" if isinstance(peername, tuple) else "?"
+        replica: Replica | None = None
+        self._connections += 1
+        self._writers.add(writer)
+        try:
+            if self._connections > self.max_connections:
+                writer.write(wire.error_frame("busy", f"at most {self.max_connections} peer connections"))
+                return
+            await asyncio.wait_for(self._authenticate(reader, writer), _AUTH_TIMEOUT)
+            while True:
+                header = await asyncio.wait_for(wire.read_frame(reader), _IDLE_TIMEOUT)
+                replica = await self._request(header, reader, writer, who, replica)
+                await writer.drain()
+        except wire.PeerError as exc:
+            if exc.code != "closed":
+                self.refused += 1
+                logger.warning("peer %s: %s; closing the connection", who, exc)
+                with contextlib.suppress(OSError):
+                    writer.write(wire.error_frame(exc.code, exc.message))
+        except TimeoutError:
+            self.refused += 1
+            logger.warning("peer %s: too slow (authentication or an idle connection); closing it", who)
+        except (OSError, asyncio.IncompleteReadError) as exc:
+            logger.warning("peer %s: connection lost: %s", who, exc)
+        finally:
+            self._connections -= 1
+            self._writers.discard(writer)
+            if replica is not None and replica.state is ReplicaState.RECEIVING:
+                # A sender that died mid-stream leaves nothing that could count as complete.
+                with contextlib.suppress(Exception):
+                    await replica.settle()  # no write may land after the removal
+                why = "the sender went away unfinished"
+                await asyncio.to_thread(self.store.move, replica, ReplicaState.DELETED, why)
+            with contextlib.suppress(Exception):
+                writer.close()
+                await writer.wait_closed()
+
+    async def _authenticate(self, reader: wire.FrameStream, writer: asyncio.StreamWriter) -> None:
+        nonce = wire.new_nonce()
+        writer.write(wire.encode({"t": "challenge", "v": wire.VERSION, "nonce": nonce}))
+        await writer.drain()
+        header = await wire.read_frame(reader, wire.MAX_HEADER_BEFORE_AUTH)
+        theirs = header.get("nonce")
+        if (
+            header["t"] != "auth"
+            or header.get("v") != wire.VERSION
+            or not wire.is_nonce(theirs)
+            or not wire.proof_matches(wire.sender_proof(self._token, nonce, str(theirs)), header.get("mac"))
+        ):
+            raise wire.PeerError("auth", "authentication failed")
+        proof = wire.receiver_proof(self._token, str(theirs), nonce)
+        writer.write(wire.encode({"t": "welcome", "v": wire.VERSION, "mac": proof}))
+
+    async def _request(
+        self,
+        header: dict[str, Any],
+        reader: wire.FrameStream,
+        writer: asyncio.StreamWriter,
+        who: str,
+        replica: Replica | None,
+    ) -> Replica | None:
+        kind = header["t"]
+        if kind == "ping":
+            return replica  # a sender waiting for its trainer's next file keeps the connection alive
+        if kind == "query":
+            writer.write(wire.encode(self.state_frame()))
+            return replica
+        if kind == "replica":
+            if replica is not None:
+                raise wire.PeerError("bad-frame", "one replica per connection")
+            replica = await self._open(header, who)
+            writer.write(wire.encode({"t": "ok", "id": replica.id}))
+            return replica
+        if kind in self.handlers:  # e.g. list and fetch: spotguard/peer/fetch.py
+            await self.handlers[kind](self, header, reader, writer, who)
+            return replica
+        if replica is None:
+            raise wire.PeerError("bad-frame", f"{kind!r} before a replica was opened")
+        if kind == "data":
+            await self._data(replica, header, reader)
+            return replica
+        if kind == "commit":
+            await self.store.commit(replica, header)
+            writer.write(wire.encode({"t": "ok", "state": str(replica.state)}))
+            self.store.schedule_upload(replica)
+            return None  # the connection no longer holds it
+        raise wire.PeerError("bad-frame", f"unknown frame type {kind!r}")
+
+    def state_frame(self) -> dict[str, Any]:
+        return {
+            "t": "state",
+            "busy": self.busy(),
+            "bucket": self.storage.url if self.storage is not None else None,
+            "replicas": len(self.replicas),
+        }
+
+    async def _open(self, header: dict[str, Any], who: str) -> Replica:
+        name = wire.field(header, "name", str)
+        bucket = wire.field(header, "bucket", str)
+        if self.storage is None or bucket != self.storage.url:
+            raise wire.PeerError(
+                "bucket", f"this daemon commits only to {self.storage.url if self.storage else 'no bucket'}"
+            )
+        if parse_step_dir(name) is None:
+            raise wire.PeerError("bad-field", f"{name!r} is not a checkpoint name")
+        if self.busy():
+            raise wire.PeerError("busy", "this daemon has a hard notice of its own pending")
+        if len(self.replicas) >= self.max_replicas:
+            raise wire.PeerError("full", f"already holding {len(self.replicas)} replica(s)")
+        return await self.store.create(name, bucket, who)
+
+    async def _data(self, replica: Replica, header: dict[str, Any], reader: wire.FrameStream) -> None:
+        rel, size, offset, length = data_header(header)
+        check_range(rel, size, offset, length)
+        sizes = replica.sizes
+        if sizes.get(rel, size) != size:
+            raise wire.PeerError("bad-field", f"{rel}: size {size}, announced before as {sizes[rel]}")
+        if replica.bytes - sizes.get(rel, 0) + size > self.max_replica_bytes:
+            raise wire.PeerError("too-large", f"a replica may hold at most {self.max_replica_bytes} bytes")
+        if rel not in sizes:  # its directory, once per file (only this daemon writes in its area)
+            await asyncio.to_thread(make_parent, replica.step_dir, rel)
+        sizes[rel] = size
+        # The write goes on in a thread while the next frame is read; a few at most per connection, each
+        # holding its buffer until it is done.
+        if offset < replica.ends.get(rel, 0):
+            # It may overlap a range still being written (a file the sender's trainer wrote again):
+            # that one lands first. (The overlap then makes the commit read the file back.)
+            await replica.settle()
+        replica.ends[rel] = max(replica.ends.get(rel, 0), offset + length)
+        writes = replica.writes
+        await make_room(writes)
+        free = replica.buffers
+        buffer = free.pop() if free else bytearray(wire.SEND_CHUNK)
+        if len(buffer) < length:  # a bigger frame (at most MAX_DATA): the smaller buffer goes
+            buffer = bytearray(length)
+        data = memoryview(buffer)[:length]
+        await reader.readinto(data)
+        ranges = replica.ranges.setdefault(rel, [])
+        write = asyncio.ensure_future(asyncio.to_thread(write_range, replica.step_dir, rel, offset, data, ranges))
+        write.add_done_callback(lambda _: free.append(buffer))
+        writes.add(write)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "listen": self.address,
+            "replicas": [replica.to_json() for replica in self.replicas.values()],
+            "refused": self.refused,
+        }
+
+
+__all__ = ["PeerReceiver", "RequestHandler"]

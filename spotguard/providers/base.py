@@ -1,0 +1,211 @@
+"""The provider contract: what a cloud module gives the daemon, ``doctor`` and the emulators.
+
+A cloud is one module in this package that defines a :class:`Provider` (``PROVIDER``): how to tell
+from DMI that this VM runs there, how to build its monitors from plain :class:`MonitorSettings`, the
+probe ``spotguard doctor`` runs against its metadata service (with the monitors' own HTTP code), and
+its emulator. :mod:`spotguard.providers.registry` knows them by name.
+
+Nothing here imports aiohttp at run time: the trainer side imports the registry (through the config)
+and must not pull in an HTTP client.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from spotguard.errors import TransientError
+from spotguard.notice import Acknowledgement, Notice
+
+if TYPE_CHECKING:
+    import aiohttp
+
+    from spotguard.emulate.common import Emulator
+
+logger = logging.getLogger(__name__)
+
+
+class MonitorError(TransientError):
+    """A source could not be read. Logged by the daemon, never turned into a notice."""
+
+
+@runtime_checkable
+class Monitor(Protocol):
+    """A source of termination notices.
+
+    ``check_all`` returns every current notice, most urgent first (``[]`` when there is none: "nothing
+    happened" is a value; every time it is asked, while the event lasts: the daemon de-duplicates by
+    ``event_id``), and raises :class:`MonitorError` when the source could not be read. A soft event
+    must not hide behind a harder one, so it is a list. A long-polling source may block inside
+    ``check_all`` until something changes or its own timeout passes; the daemon calls it again right
+    away after a long-poll and after ``interval`` seconds otherwise.
+    """
+
+    name: str
+    interval: float
+
+    async def check_all(self) -> list[Notice]: ...
+
+    async def close(self) -> None: ...
+
+
+class PolledMonitor:
+    """What the metadata monitors share: the caller's HTTP session, base URL, poll interval and timeout.
+
+    The session is the caller's (``close`` does not close it).
+    """
+
+    name = "none"
+
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, interval: float, timeout: float) -> None:
+        self.interval = interval
+        self._session = session
+        self._base = base_url.rstrip("/")
+        self._timeout_s = timeout
+
+    async def check_all(self) -> list[Notice]:
+        raise NotImplementedError
+
+    async def check(self) -> Notice | None:
+        """The most urgent current notice, or None (for callers that want only one)."""
+        notices = await self.check_all()
+        return notices[0] if notices else None
+
+    async def close(self) -> None:
+        """Nothing to release: the session is the caller's."""
+
+
+def most_urgent_first(notices: list[Notice]) -> list[Notice]:
+    """Hard before soft, then the earliest deadline."""
+    return sorted(notices, key=lambda n: (not n.is_hard, n.deadline))
+
+
+def load_json(text: str) -> Any:
+    """``text`` as JSON; ValueError saying what the text began with when it is not."""
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"not JSON: {text[:80]!r}") from exc
+
+
+def parse_http_date(text: str, what: str) -> datetime:
+    """An RFC 2822 date (``Mon, 19 Sep 2016 18:29:47 GMT``, or without the weekday) -> UTC datetime."""
+    try:
+        value = parsedate_to_datetime(text)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"not a {what}: {text!r}") from exc
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+@dataclass(frozen=True)
+class MonitorSettings:
+    """Plain settings for building monitors and probes; the config (the composition root) fills them in."""
+
+    metadata_url: str | None = None  # base URL, e.g. http://127.0.0.1:8080; None = the provider's own
+    poll_interval: float = 1.0
+    http_timeout: float = 2.0
+    imds_v1_fallback: bool = False  # AWS: fall back to IMDSv1 if no token can be had
+    asg_lifecycle_hook: str | None = None  # AWS: complete this termination lifecycle hook after the commit
+    asg_name: str | None = None  # AWS: the Auto Scaling group; None = ask DescribeAutoScalingInstances
+    vm_name: str | None = None  # Azure: this VM's name in Scheduled Events `Resources`; None = ask IMDS
+
+    def base_url(self, default: str) -> str:
+        return (self.metadata_url or default).rstrip("/")
+
+
+class ProbeStatus(StrEnum):
+    OK = "ok"
+    WARN = "warn"
+    FAIL = "FAIL"
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """What ``spotguard doctor`` prints for the metadata check: a verdict, what was found, what to do."""
+
+    status: ProbeStatus
+    found: str
+    fix: str = ""
+
+
+def unreachable_fix(base: str) -> str:
+    return f"is this a VM of that cloud? check --metadata-url ({base}) and that no firewall blocks it"
+
+
+def failure_reason(exc: BaseException) -> str:
+    """Why a request got no answer, in words (aiohttp's timeouts have no message of their own)."""
+    cause = exc.__cause__ or exc
+    if isinstance(cause, TimeoutError):
+        return "timed out"
+    return str(cause) or type(cause).__name__
+
+
+#: Reads one DMI field by name (``sys_vendor``, ``chassis_asset_tag``, ...); ``""`` when it is not there.
+DmiReader = Callable[[str], str]
+MonitorFactory = Callable[["aiohttp.ClientSession", MonitorSettings], list[Monitor]]
+Probe = Callable[["aiohttp.ClientSession", MonitorSettings], Awaitable[ProbeResult]]
+EmulatorFactory = Callable[..., "Emulator"]
+
+
+@dataclass(frozen=True)
+class Provider:
+    """One cloud: everything spotguard knows about it.
+
+    >>> register(Provider("fake", "http://127.0.0.1:9", 30.0, detect, monitors, probe, emulator))
+    """
+
+    name: str
+    default_metadata_url: str
+    notice_window: float  # seconds between a hard notice and the VM going away
+    detect: Callable[[DmiReader], bool]  # from DMI only: no network request
+    monitors: MonitorFactory
+    probe: Probe
+    emulator: EmulatorFactory  # (notice_after=, action=, **options) -> an emulator of its metadata service
+
+
+def lazy_emulator(module: str, name: str) -> EmulatorFactory:
+    """An emulator factory that imports ``module`` when first called.
+
+    Only rehearsals and tests serve an emulator (aiohttp's server side). The emulator restates its
+    cloud's wire protocol on its own (paths, headers) instead of importing the monitor's constants, so
+    a wrong constant in the monitor fails the tests instead of agreeing with itself.
+    """
+
+    def make(**options: Any) -> Emulator:
+        factory: EmulatorFactory = getattr(importlib.import_module(module), name)
+        return factory(**options)
+
+    return make
+
+
+class Acknowledgements:
+    """The daemon's memory of each event's acknowledgement, sent once its checkpoint is in the bucket.
+
+    The latest notice polled for an event id is remembered, not only the first: a daemon restarted
+    mid-incident restores the notice from its log (no acknowledgement survives that) and learns the
+    acknowledgement again from the next poll.
+    """
+
+    def __init__(self) -> None:
+        self._by_event: dict[str, Acknowledgement] = {}
+
+    def remember(self, notice: Notice) -> None:
+        if notice.acknowledgement is not None:
+            self._by_event[notice.event_id] = notice.acknowledgement
+
+    async def send(self, event_id: str) -> None:
+        """Send the acknowledgement of ``event_id``, if its notice carried one; a failure is logged."""
+        acknowledgement = self._by_event.get(event_id)
+        if acknowledgement is None:
+            return
+        try:
+            await acknowledgement.send()
+        except MonitorError as exc:
+            logger.warning("acknowledging %s (%s) failed: %s", event_id, acknowledgement.description, exc)

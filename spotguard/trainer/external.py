@@ -1,0 +1,67 @@
+"""Committing a checkpoint that a framework wrote itself (Lightning's ``.ckpt``, a Hugging Face
+``checkpoint-N/`` folder) into a fresh spotguard step directory: every file is fsynced and recorded in
+the manifest, the manifest is committed last, and the daemon is told, as for the Guard's own saves.
+``Guard.external_save`` is the public entry."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from spotguard.errors import FatalError
+from spotguard.localstore import CheckpointExists, CheckpointWriter
+from spotguard.manifest import MANIFEST
+from spotguard.trainer import dist
+from spotguard.trainer.saving import Saver
+
+logger = logging.getLogger("spotguard.trainer")
+
+
+class AlreadyCommitted(FatalError):
+    """The step is already a complete checkpoint; nothing was written (checkpoints are never overwritten)."""
+
+    def __init__(self, step_dir: Path) -> None:
+        super().__init__(f"{step_dir} is already committed")
+        self.step_dir = step_dir
+
+
+@contextmanager
+def commit_external(saver: Saver, writer: CheckpointWriter, done: Callable[[], None]) -> Iterator[Path]:
+    """Prepare ``writer``'s directory on every rank, yield it, then (rank 0) record and commit what was
+    written there; ``done`` runs after the commit, or at once when the step was already committed
+    (then :class:`AlreadyCommitted` is raised before yielding). Collective."""
+    try:
+        saver.open_step_dir(writer)
+    except CheckpointExists:
+        logger.info("spotguard: %s is already committed; not writing it again", writer.dir.name)
+        done()
+        raise AlreadyCommitted(writer.dir) from None
+    with dist.settled(f"writing {writer.dir.name}"):  # every rank's files are in place, or all ranks hear why not
+        yield writer.dir
+    with dist.settled(f"committing {writer.dir.name}"):  # nobody goes on (or exits) before the commit
+        if saver.rank == 0:
+            for relpath in files_under(writer.dir):
+                fsync_file(writer.dir / relpath)  # frameworks write without fsync; the manifest must not lie
+                writer.add_existing(relpath)
+            writer.commit()
+    done()
+
+
+def files_under(step_dir: Path) -> list[str]:
+    """Every file below ``step_dir`` but the manifest, as sorted relative POSIX paths."""
+    return sorted(
+        path.relative_to(step_dir).as_posix()
+        for path in step_dir.rglob("*")
+        if path.is_file() and path.relative_to(step_dir).as_posix() != MANIFEST
+    )
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

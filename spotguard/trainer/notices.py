@@ -1,0 +1,112 @@
+"""What the daemon and signals told this rank, and what every rank agreed on at the last step boundary.
+
+The daemon's client thread and the SIGTERM handler set flags here; the training loop reads them only at
+step boundaries, where every rank agrees on them (one all-reduce), so all ranks save the same step.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from datetime import datetime
+from typing import Any
+
+from spotguard.notice import parse_iso
+from spotguard.trainer import dist
+
+logger = logging.getLogger("spotguard.trainer")
+
+#: A ``checkpoint-now`` message from the daemon (``notice``, ``stop``, ``deadline_s``).
+Message = dict[str, Any]
+
+
+class NoticeFlags:
+    """The pending notice, SIGTERM, and the agreed urgent/stop flags of one Guard."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._notice: Message | None = None  # the checkpoint-now message not yet saved for
+        self._handled_events: set[str] = set()
+        self._acknowledged: set[str] = set()  # notices the daemon was told we are acting on
+        self.sigterm = False  # set by a signal handler: a plain store, safe there
+        self.stop_agreed = False
+        self.urgent_agreed = False
+        self.timeline: dict[str, float] = {}  # wall-clock times of the last urgent save, for reports
+
+    def on_daemon_message(self, message: Message) -> None:
+        """From the client's thread: a new ``checkpoint-now`` becomes the pending notice."""
+        if message["type"] != "checkpoint-now":
+            return
+        event_id = str(message["notice"].get("event_id", ""))
+        with self._lock:
+            if event_id in self._handled_events or (self._notice and self._notice["notice"]["event_id"] == event_id):
+                return
+            self._notice = message
+            self.timeline = {"told": time.time()}
+        logger.warning(
+            "spotguard: %s notice (%s), %.0f s to the deadline: checkpointing at the next step",
+            message["notice"].get("kind"),
+            "stop" if message["stop"] else "keep training",
+            message["deadline_s"],
+        )
+
+    @property
+    def pending(self) -> Message | None:
+        with self._lock:
+            return self._notice
+
+    def deadline(self) -> datetime | None:
+        notice = self.pending
+        return parse_iso(notice["notice"]["deadline"]) if notice else None
+
+    def local(self) -> tuple[bool, bool]:
+        """(urgent, stop) as this rank alone sees them."""
+        notice = self.pending
+        return notice is not None or self.sigterm, bool(notice and notice["stop"]) or self.sigterm
+
+    def agree(self, periodic_due: bool) -> tuple[bool, bool]:
+        """(urgent, periodic) as every rank agrees on them; a stop, once agreed, stays. Collective."""
+        urgent, stop = self.local()
+        urgent, stop, periodic = dist.agree_any([urgent, stop, periodic_due])
+        self.urgent_agreed = urgent
+        self.stop_agreed = self.stop_agreed or stop
+        return urgent, periodic
+
+    def to_acknowledge(self) -> str | None:
+        """The pending notice's event id, the first time it is asked for; else None."""
+        notice = self.pending
+        if notice is None:
+            return None
+        event_id = str(notice["notice"]["event_id"])
+        if event_id in self._acknowledged:
+            return None
+        self._acknowledged.add(event_id)
+        return event_id
+
+    def save_reason(self) -> tuple[str, Message | None]:
+        """The manifest ``reason`` of a save taken now, and the notice it answers."""
+        notice = self.pending
+        if notice is not None and not notice["stop"]:
+            return "soft", notice
+        urgent = notice is not None or self.sigterm or self.urgent_agreed
+        return ("urgent" if urgent else "periodic"), notice
+
+    def stop_if_hard(self, notice: Message | None) -> None:
+        """A hard notice (or SIGTERM) ends the loop after its save, even a failed one."""
+        if (notice is not None and notice["stop"]) or self.sigterm:
+            self.stop_agreed = True
+
+    def saved(self, notice: Message | None) -> None:
+        """The save answering ``notice`` is taken: it is handled, and no longer pending."""
+        with self._lock:
+            if notice is not None:
+                self._handled_events.add(str(notice["notice"]["event_id"]))
+                if self._notice is notice:
+                    self._notice = None
+        self.urgent_agreed = False
+        self.stop_if_hard(notice)
+
+    def committed_locally(self) -> None:
+        with self._lock:
+            self.timeline["committed_local"] = time.time()

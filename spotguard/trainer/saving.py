@@ -1,0 +1,269 @@
+"""The save paths of the trainer hook: making room, writing this rank's files, committing, telling the daemon.
+
+An urgent save writes in the caller's thread and returns once committed locally; a periodic one is
+staged into host memory and written by one background thread (at most one in flight, cancelled by an
+urgent save). Either way the daemon hears of each finished file (it may start uploading) and of the
+commit, or of the failure.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+from collections.abc import Callable, Collection, Mapping
+from pathlib import Path
+from typing import Any
+
+from spotguard.localstore import CheckpointExists, CheckpointWriter, prune_local, remove_incomplete, scan_local
+from spotguard.manifest import FileEntry, load_manifest_or_none
+from spotguard.safefile import SaveCancelled
+from spotguard.space import SpotguardDiskFull, free_bytes, is_disk_full, make_room
+from spotguard.trainer import dist
+from spotguard.trainer.client import DaemonClient
+from spotguard.trainer.notices import Message
+from spotguard.trainer.state import Payloads, Stager, estimate_bytes, is_tensor, write_payloads
+from spotguard.trainer.writer import ParallelWriter
+
+logger = logging.getLogger("spotguard.trainer")
+
+
+class Saver:
+    """Writes and commits one Guard's checkpoints under ``checkpoint_dir``; tells ``client`` of each."""
+
+    def __init__(
+        self,
+        checkpoint_dir: Path,
+        client: DaemonClient,
+        *,
+        keep: int,
+        io_threads: int,
+        on_commit: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.checkpoint_dir = checkpoint_dir
+        self.client = client
+        self.keep = keep
+        self.rank = dist.rank()
+        self.world_size = dist.world_size()
+        self.io_threads = io_threads  # threads that write and read this rank's files
+        self.on_commit = on_commit  # called at each local commit (the Guard's timeline)
+        self.node_leader = self.rank == 0  # the rank that tells this node's daemon about commits
+        self.stager = Stager()
+        # Writes the state files of urgent and periodic saves (never both at once: an urgent save
+        # first cancels the periodic one); its staging buffers for CUDA tensors are kept across saves.
+        self.files_writer = ParallelWriter(io_threads)
+        self._background: tuple[threading.Thread, threading.Event] | None = None
+        self._background_error: Exception | None = None
+        self._last_bytes: int | None = None  # what the last checkpoint took on disk, to expect as much again
+
+    # --- the two paths -------------------------------------------------------------------
+
+    def save_now(self, writer: CheckpointWriter, state: Mapping[str, Any], notice: Message | None) -> None:
+        """Write and commit in this thread; raise what stopped it (the daemon heard it already)."""
+        self.write_and_report(writer, Payloads(state), notice, self.expected_bytes(state), raise_error=True)
+
+    def save_in_background(self, writer: CheckpointWriter, state: Mapping[str, Any], notice: Message | None) -> None:
+        """Stage ``state`` (the only part that stalls training: a copy into reused host buffers), then
+        write and commit it in a background thread."""
+        staged = self.stager.stage(Payloads(state))
+        thread = threading.Thread(
+            target=self.write_and_report,
+            args=(writer, staged, notice, estimate_bytes(staged)),
+            name=f"spotguard-save-{writer.step}",
+            daemon=True,
+        )
+        assert writer.cancel is not None
+        self._background = (thread, writer.cancel)
+        thread.start()
+
+    def expected_bytes(self, state: Mapping[str, Any]) -> int:
+        """The room an urgent save asks for before writing: what the last checkpoint took (this run's, or
+        the newest on disk), at least the tensors held directly in ``state``. Taking every entry's
+        ``state_dict()`` up front would hold back the first file's upload; a state that grew past the
+        expectation is caught by the write itself (ENOSPC), which then makes more room once."""
+        if self._last_bytes is None:
+            complete = [info for info in scan_local(self.checkpoint_dir) if info.status == "complete"]
+            self._last_bytes = complete[-1].bytes if complete else 0
+        return max(self._last_bytes, estimate_bytes({k: v for k, v in state.items() if is_tensor(v)}))
+
+    def wait(self, *, raise_error: bool = True) -> None:
+        """Wait for the periodic save running in the background, if any; re-raise its error."""
+        if self._background is not None:
+            self._background[0].join()
+            self._background = None
+        error, self._background_error = self._background_error, None
+        if error is not None:
+            if raise_error:
+                raise error
+            logger.error("spotguard: the previous periodic save failed: %s", error)
+
+    def cancel_background(self) -> None:
+        if self._background is not None:
+            thread, cancel = self._background
+            if thread.is_alive():
+                logger.info("spotguard: an urgent save pre-empts the periodic one being written")
+                cancel.set()
+        self.wait(raise_error=False)
+
+    def write_and_report(
+        self,
+        writer: CheckpointWriter,
+        payloads: Mapping[str, Any],
+        notice: Message | None,
+        needed: int,
+        raise_error: bool = False,
+    ) -> None:
+        try:
+            self.write(writer, payloads, needed)
+        except CheckpointExists:
+            logger.info("spotguard: %s is already committed; not writing it again", writer.dir.name)
+        except SaveCancelled:
+            return  # the directory stays incomplete; the next writer removes it
+        except Exception as exc:
+            failure = self.save_failed(writer, exc, needed, notice)
+            if writer.reason == "periodic" and isinstance(failure, SpotguardDiskFull):
+                # A full disk must never take down training: the next periodic save tries again.
+                logger.warning("spotguard: periodic checkpoint %s not written: %s", writer.dir.name, failure)
+                return
+            logger.error("spotguard: %s checkpoint %s not written: %s", writer.reason, writer.dir.name, failure)
+            if raise_error:
+                if failure is exc:
+                    raise
+                raise failure from exc
+            self._background_error = failure
+            return
+        self.on_commit()
+        self._last_bytes = sum(entry.size for entry in writer.files.values())
+        self.report(writer.dir, writer.step, writer.reason, notice)
+
+    # --- writing -------------------------------------------------------------------------
+
+    def open_step_dir(self, writer: CheckpointWriter, needed: int = 0) -> None:
+        """Rank 0 clears leftovers, makes the fresh step directory and room for ``needed`` bytes; every
+        rank learns whether the step is already committed (raises :class:`CheckpointExists` on all ranks
+        alike) or there is no room (:class:`SpotguardDiskFull` on all ranks). Collective."""
+        exists = False
+        no_room: SpotguardDiskFull | None = None
+        with dist.settled(f"preparing {writer.dir.name}"):  # any other failure on rank 0 reaches every rank
+            if self.rank == 0:
+                try:
+                    self._prepare(writer, needed)
+                except CheckpointExists:
+                    exists = True
+                except SpotguardDiskFull as exc:
+                    no_room = exc
+        # Also keeps the other ranks from writing before rank 0 has made the directory.
+        exists, full = dist.agree_any([exists, no_room is not None])
+        if exists:
+            raise CheckpointExists(str(writer.dir))
+        if full:
+            free = free_bytes(self.checkpoint_dir)
+            raise no_room or SpotguardDiskFull(self.checkpoint_dir, needed, free, "no room on rank 0's disk")
+
+    def _prepare(self, writer: CheckpointWriter, needed: int) -> None:
+        # Leftovers of a writer killed mid-save; the daemon never loads or uploads them.
+        removed = remove_incomplete(self.checkpoint_dir, except_names=frozenset({writer.dir.name}))
+        if removed:
+            logger.info("spotguard: removed incomplete checkpoints %s", ", ".join(removed))
+        writer.prepare()
+        make_room(self.checkpoint_dir, needed, safe=self.safe_in_bucket, exclude={writer.dir.name})
+
+    def safe_in_bucket(self) -> Collection[str] | None:
+        """What the daemon says is complete in the bucket; None when no daemon answers."""
+        reply = self.client.ask("safe-steps", timeout=2.0)
+        if reply is None or reply["type"] != "safe-steps" or not isinstance(reply.get("names"), list):
+            return None
+        return frozenset(str(name) for name in reply["names"])
+
+    def write(self, writer: CheckpointWriter, payloads: Mapping[str, Any], needed: int) -> None:
+        try:
+            self.write_once(writer, payloads, needed)
+        except OSError as exc:
+            if not is_disk_full(exc) or isinstance(exc, SpotguardDiskFull) or self.world_size > 1:
+                raise
+            # The estimate fell short (or someone else took the room). What the failed attempt had
+            # (the free space once its partial files are gone) was not enough: start over once,
+            # with room for twice that.
+            shutil.rmtree(writer.dir, ignore_errors=True)
+            writer.files.clear()
+            had = free_bytes(self.checkpoint_dir)
+            logger.warning("spotguard: %s ran out of room in %d bytes; retrying with more room", writer.dir, had)
+            self.write_once(writer, payloads, 2 * max(needed, had))
+
+    def write_once(self, writer: CheckpointWriter, payloads: Mapping[str, Any], needed: int) -> None:
+        self.open_step_dir(writer, needed)
+
+        def announce(name: str, entry: FileEntry) -> None:
+            # The daemon can start uploading this file while the next one is written.
+            self.client.send("file", path=str(writer.dir), name=name, size=entry.size, crc32c=entry.crc32c)
+
+        if self.world_size > 1:
+            from spotguard.trainer.sharded import save_sharded  # DCP: seconds to import, only multi-rank jobs
+
+            assert isinstance(payloads, Payloads), "distributed saves are written from the live state"
+            self.node_leader = save_sharded(
+                writer, payloads.state, announce=announce, threads=self.io_threads, parallel=self.files_writer
+            )
+        else:
+            write_payloads(
+                writer,
+                payloads,
+                on_file=lambda name: announce(name, writer.files[name]),
+                on_range=lambda name, tmp, size, offset, length: self.client.send(
+                    "file-range", path=str(writer.dir), name=name, tmp=tmp, size=size, offset=offset, length=length
+                ),
+                parallel=self.files_writer,
+            )
+        with dist.settled(f"committing {writer.dir.name}"):  # nobody goes on (or exits) before the commit
+            if self.rank == 0:
+                writer.commit()
+
+    # --- what the daemon hears -----------------------------------------------------------
+
+    def save_failed(self, writer: CheckpointWriter, exc: Exception, needed: int, notice: Message | None) -> Exception:
+        """Nothing was committed: remove the partial directory, tell the daemon, and return the error
+        to raise (a raw ENOSPC becomes :class:`SpotguardDiskFull` with the numbers)."""
+        failure = exc
+        if is_disk_full(exc) and not isinstance(exc, SpotguardDiskFull):
+            free = free_bytes(self.checkpoint_dir)
+            failure = SpotguardDiskFull(self.checkpoint_dir, max(needed, free + 1), free, f"{writer.dir.name}: {exc}")
+        partial = load_manifest_or_none(writer.dir) is None
+        if partial and self.rank == 0 and (self.world_size == 1 or isinstance(exc, SpotguardDiskFull)):
+            shutil.rmtree(writer.dir, ignore_errors=True)
+        if self.node_leader:
+            self._tell_save_failed(writer, failure, notice)
+        return failure
+
+    def _tell_save_failed(self, writer: CheckpointWriter, failure: Exception, notice: Message | None) -> None:
+        details: dict[str, Any] = {}
+        if isinstance(failure, SpotguardDiskFull):
+            details = {
+                "bytes_needed": failure.bytes_needed,
+                "bytes_free": failure.bytes_free,
+                "path": str(failure.path),
+            }
+        self.client.send(
+            "save-failed",
+            step=writer.step,
+            reason=writer.reason,
+            error="disk-full" if isinstance(failure, SpotguardDiskFull) else "write-failed",
+            message=str(failure),
+            event_id=notice["notice"]["event_id"] if notice else None,
+            **details,
+        )
+
+    def report(self, target: Path, step: int, reason: str, notice: Message | None) -> None:
+        """After a commit: tell the daemon (each node's leader speaks for its disk) and keep the disk in bounds."""
+        if not self.node_leader:
+            return
+        self.client.send(
+            "saved",
+            path=str(target),
+            step=step,
+            reason=reason,
+            event_id=notice["notice"]["event_id"] if notice else None,
+        )
+        if not self.client.connected.is_set():
+            # No daemon: nobody uploads these (a bucket set only for resume changes nothing); keep the
+            # disk from filling.
+            prune_local(self.checkpoint_dir, self.keep)

@@ -1,0 +1,130 @@
+"""A restarted daemon aborts exactly the multipart uploads its killed predecessor opened, however young.
+
+S3 lists when an upload began only to the second, and other nodes of a job share the prefix, so the
+start-up sweep by age must spare young uploads: a daemon killed within a second of opening one and
+restarted at once used to leave it open for good. The upload journal in the state directory knows
+instead. Real moto over HTTP; the predecessor is a real process that opens the upload, sends a part and
+is SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+
+from spotguard.harness import wait_for
+from spotguard.storage.journal import UploadJournal
+from spotguard.storage.s3 import S3Storage, parse_s3_url
+from tests.servers import S3Server
+
+MiB = 1 << 20
+KEY = "step-000000001/model.pt"
+ROUNDS = 20
+
+# The predecessor: opens a streamed upload recorded in the journal, sends its first part, then waits to
+# be killed (no finally, no abort: what SIGKILL leaves).
+PREDECESSOR = """
+import os, sys, threading
+from pathlib import Path
+from spotguard.storage.journal import UploadJournal
+from spotguard.storage.s3 import S3Storage
+url, journal, local = sys.argv[1:4]
+storage = S3Storage(url, part_size=5 * 1024 * 1024, max_concurrency=2)
+storage.keep_journal(UploadJournal(Path(journal)))
+fd = os.open(local, os.O_RDONLY)
+stream = storage.begin_stream(sys.argv[4], os.fstat(fd).st_size, fd)
+stream.add(0, 5 * 1024 * 1024)
+threading.Event().wait()
+"""
+
+
+def open_uploads(client: Any, bucket: str, prefix: str) -> list[dict[str, Any]]:
+    return list(client.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", []))
+
+
+def parts_sent(client: Any, bucket: str, upload: dict[str, Any]) -> int:
+    listed = client.list_parts(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+    return len(listed.get("Parts", []))
+
+
+@pytest.mark.slow
+def test_a_daemon_restarted_within_a_second_of_its_upload_aborts_exactly_that_upload(
+    url: str, server: S3Server, tmp_path: Path
+) -> None:
+    bucket, prefix = parse_s3_url(url)
+    client = boto3.client("s3", endpoint_url=server.endpoint_url)
+    local = tmp_path / "model.pt"
+    local.write_bytes(os.urandom(12 * MiB))
+    journal_path = UploadJournal.path_for(tmp_path / "state", url, tmp_path / "ckpt")
+    # Another writer's young upload under the same prefix (another node of the job, in flight): spared.
+    other = client.create_multipart_upload(Bucket=bucket, Key=f"{prefix}step-000000001/other-node.pt")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd()), os.environ.get("PYTHONPATH", "")])}
+    try:
+        for round_ in range(ROUNDS):
+            key = f"{prefix}{KEY}.{round_}"
+            predecessor = subprocess.Popen(
+                [sys.executable, "-c", PREDECESSOR, url, str(journal_path), str(local), f"{KEY}.{round_}"], env=env
+            )
+            try:
+                [upload] = wait_for(
+                    lambda key=key: [u for u in open_uploads(client, bucket, key) if parts_sent(client, bucket, u)],
+                    30,
+                    "the predecessor's upload to be open with a part sent",
+                )
+                opened_at = time.monotonic()
+            finally:
+                predecessor.send_signal(signal.SIGKILL)
+                predecessor.wait()
+
+            restarted = S3Storage(url)
+            try:
+                # The sweep by age alone spares it: it began less than stale_upload_age ago.
+                restarted.abort_stale_multipart_uploads(older_than=dt.timedelta(hours=1))
+                assert [u["UploadId"] for u in open_uploads(client, bucket, key)] == [upload["UploadId"]]
+                assert restarted.keep_journal(UploadJournal(journal_path)) == 1
+                assert time.monotonic() - opened_at < 10  # the restart came right after (seconds, on a busy box)
+            finally:
+                restarted.close()
+            assert open_uploads(client, bucket, key) == [], f"round {round_}: the killed daemon's upload is open"
+            assert UploadJournal(journal_path).unfinished() == []
+        still_open = [u["UploadId"] for u in open_uploads(client, bucket, prefix)]
+        assert still_open == [other["UploadId"]]  # never in this daemon's journal: not this daemon's to abort
+    finally:
+        client.abort_multipart_upload(Bucket=bucket, Key=other["Key"], UploadId=other["UploadId"])
+        client.close()
+
+
+def test_a_finished_or_aborted_upload_leaves_the_journal(url: str, tmp_path: Path) -> None:
+    journal = UploadJournal(tmp_path / "uploads.jsonl")
+    storage = S3Storage(url, part_size=5 * MiB, multipart_threshold=5 * MiB)
+    try:
+        assert storage.keep_journal(journal) == 0
+        local = tmp_path / "big.bin"
+        local.write_bytes(os.urandom(11 * MiB))
+        from spotguard.crc32c import crc32c_of_file
+
+        storage.put_file(local, "step-000000002/big.bin", crc32c=crc32c_of_file(local))
+        lines = journal.path.read_text().splitlines()
+        assert len(lines) == 2 and '"open"' in lines[0] and '"done"' in lines[1]
+        assert journal.unfinished() == []
+    finally:
+        storage.close()
+
+
+def test_a_torn_journal_line_is_ignored(tmp_path: Path) -> None:
+    journal = UploadJournal(tmp_path / "uploads.jsonl")
+    journal.opened("a/key", "upload-1")
+    journal.opened("b/key", "upload-2")
+    journal.done("upload-1")
+    with journal.path.open("ab") as handle:
+        handle.write(b'{"open": "upload-3", "ke')  # a kill mid-append
+    assert [(u.key, u.upload_id) for u in journal.unfinished()] == [("b/key", "upload-2")]
