@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from spotguard.control import request
-from spotguard.demo import compare_final, trainer_command, wait_for
+from spotguard.harness import compare_final, trainer_command, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGMAP_TOML = REPO / "kubernetes" / "base" / "spotguard.toml"
