@@ -22,14 +22,12 @@ from spotguard.notice import Action
 from spotguard.peer.wire import parse_address
 from spotguard.providers import registry as providers
 from spotguard.providers.base import MonitorSettings
-from spotguard.storage.base import check_bucket_url
+from spotguard.storage.base import CHECKSUM_MODES, check_bucket_url
 from spotguard.trainer.settings import DEFAULT_SOCKET, TrainerSettings
 
 DEFAULT_CONFIG_FILE = Path("/etc/spotguard/spotguard.toml")
 DEFAULT_CHECKPOINT_DIR = Path("/var/lib/spotguard/checkpoints")
 DEFAULT_STATE_DIR = Path("/var/lib/spotguard/state")
-#: How uploads to s3:// are verified: see README, "Buckets" (``checksum``).
-CHECKSUM_MODES = ("auto", "crc32c", "md5")
 #: ``peers = "bucket"``: find the job's other daemons under the bucket's ``.spotguard-peers/``.
 PEERS_FROM_BUCKET = "bucket"
 #: What a ``webhook_template`` may name (``${name}``); see spotguard/daemon/webhook.py.

@@ -387,45 +387,21 @@ def _probe(
 ) -> bool:
     key = f".spotguard-doctor-{secrets.token_hex(8)}"
     where = f"{bucket.rstrip('/')}/{key}"
+    done: list[str] = []  # the operations that worked, in order
     with tempfile.TemporaryDirectory(prefix="spotguard-doctor-") as scratch:
         local = Path(scratch) / "probe"
         local.write_bytes(os.urandom(size))
-        crc = crc32c_of_file(local)
-        step = "put"
-        done: list[str] = []
         try:
-            started = time.monotonic()
-            storage.put_file(local, key, crc32c=crc)
-            elapsed = max(time.monotonic() - started, 1e-6)
-            done.append("put")
-            step = "stat"
-            info = storage.stat(key)
-            if info is None or info.size != size:
-                raise RuntimeError(f"stat after put says {info!r}, expected {size} bytes")
-            done.append("stat")
-            step = "list"
-            # Listing must be allowed (the uploader lists the bucket); the file:// backend hides
-            # dot-files (writes in progress), so the probe itself need not show up.
-            for _ in storage.list(key):
-                pass
-            done.append("list")
-            step = "delete"
-            storage.delete([key])
-            if storage.stat(key) is not None:
-                raise RuntimeError("the probe object is still there after delete")
-            done.append("delete")
+            elapsed = _probe_operations(storage, local, key, size, done)
         except Exception as exc:
             from spotguard.storage import ChecksumMismatch
 
+            step = ("put", "stat", "list", "delete")[len(done)]
             # A store that answers wrong checksums is not a missing permission.
             fix = "see the checksum check" if isinstance(exc, ChecksumMismatch) else hints[step]
+            worked = ", ".join(done) or "nothing"
             report(
-                Check(
-                    FAIL,
-                    "bucket permissions",
-                    f"{step} of the probe {where} failed ({', '.join(done) or 'nothing'} worked): {exc}",
-                    fix,
-                )
+                Check(FAIL, "bucket permissions", f"{step} of the probe {where} failed ({worked} worked): {exc}", fix)
             )
             if "put" in done and "delete" not in done:
                 with contextlib.suppress(Exception):
@@ -442,6 +418,29 @@ def _probe(
         )
     )
     return True
+
+
+def _probe_operations(storage: Any, local: Path, key: str, size: int, done: list[str]) -> float:
+    """Put, stat, list and delete the probe object, appending each that worked to ``done``; returns the
+    seconds the put took."""
+    started = time.monotonic()
+    storage.put_file(local, key, crc32c=crc32c_of_file(local))
+    elapsed = max(time.monotonic() - started, 1e-6)
+    done.append("put")
+    info = storage.stat(key)
+    if info is None or info.size != size:
+        raise RuntimeError(f"stat after put says {info!r}, expected {size} bytes")
+    done.append("stat")
+    # Listing must be allowed (the uploader lists the bucket); the file:// backend hides dot-files
+    # (writes in progress), so the probe itself need not show up.
+    for _ in storage.list(key):
+        pass
+    done.append("list")
+    storage.delete([key])
+    if storage.stat(key) is not None:
+        raise RuntimeError("the probe object is still there after delete")
+    done.append("delete")
+    return elapsed
 
 
 def _checksum_probe(storage: Any) -> Any:

@@ -7,13 +7,11 @@ them and they never import it back.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
+from spotguard.daemon.plan import PlanListener
 from spotguard.manifest import Manifest
 from spotguard.notice import Action, Notice
-
-if TYPE_CHECKING:
-    from spotguard.daemon.plan import Plan
 
 NoticeListener = Callable[[Notice, Action], Awaitable[None]]
 SavedListener = Callable[[str, Manifest], None]  # a trainer committed this checkpoint locally
@@ -24,7 +22,6 @@ UploadFailureListener = Callable[[str, BaseException], None]  # checkpoint name,
 # entry in status()["stalled"] (pid, rank, event_id, seconds, bound_s, deadline_s, message).
 StallListener = Callable[[Notice, Action, dict[str, Any]], None]
 SaveFailedListener = Callable[[dict[str, Any]], None]  # a trainer's save failed; the failure as in status
-PlanListener = Callable[[Notice, "Plan"], None]  # a notice's deadline plan, and each change of its route
 
 
 class UploaderEvents(Protocol):

@@ -123,6 +123,13 @@ class DaemonMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
+        self._register_trainer_metrics(registry)
+        self._register_upload_metrics(registry)
+        self._live = _LiveCollector()
+        registry.register(self._live)
+
+    def _register_trainer_metrics(self, registry: CollectorRegistry) -> None:
+        """Notices, the trainers' saves and stalls, the monitors' errors."""
         self.notices = Counter(
             "spotguard_notices",
             "Notices seen (once per event id), by provider, kind and the action taken",
@@ -138,6 +145,24 @@ class DaemonMetrics:
         self.checkpoint_bytes = Gauge(
             "spotguard_checkpoint_bytes", "Size of the last checkpoint a trainer committed locally", registry=registry
         )
+        self.monitor_errors = Counter(
+            "spotguard_monitor_errors", "Failed metadata checks, by monitor", ["monitor"], registry=registry
+        )
+        self.trainer_stalls = Counter(
+            "spotguard_trainer_stalls",
+            "Trainers reported for not reaching a checkpoint point within the bound after a notice",
+            registry=registry,
+        )
+        self.save_failures = Counter(
+            "spotguard_save_failures",
+            "Checkpoints a trainer failed to write locally, by reason (urgent, periodic, ...) and error "
+            "(disk-full, write-failed)",
+            ["reason", "error"],
+            registry=registry,
+        )
+
+    def _register_upload_metrics(self, registry: CollectorRegistry) -> None:
+        """The bucket: sizes, durations, the margin at the deadline, failures."""
         self.upload_bytes = Histogram(
             "spotguard_upload_bytes",
             "Size of each checkpoint committed in the bucket",
@@ -165,23 +190,6 @@ class DaemonMetrics:
             "(alert at upload_alert_after, 5 by default; 0 when none is failing)",
             registry=registry,
         )
-        self.monitor_errors = Counter(
-            "spotguard_monitor_errors", "Failed metadata checks, by monitor", ["monitor"], registry=registry
-        )
-        self.trainer_stalls = Counter(
-            "spotguard_trainer_stalls",
-            "Trainers reported for not reaching a checkpoint point within the bound after a notice",
-            registry=registry,
-        )
-        self.save_failures = Counter(
-            "spotguard_save_failures",
-            "Checkpoints a trainer failed to write locally, by reason (urgent, periodic, ...) and error "
-            "(disk-full, write-failed)",
-            ["reason", "error"],
-            registry=registry,
-        )
-        self._live = _LiveCollector()
-        registry.register(self._live)
 
     def attach(self, daemon: DaemonEvents) -> None:
         daemon.notice_listeners.append(self.on_notice)

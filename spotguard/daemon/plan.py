@@ -30,7 +30,6 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from spotguard.daemon.events import PlanListener
 from spotguard.localstore import scan_local
 from spotguard.notice import Notice
 from spotguard.storage.base import Storage, put_bytes
@@ -120,6 +119,10 @@ class RateMeter:
     def rate(self) -> float | None:
         seconds = sum(s for _, s in self._samples)
         return sum(b for b, _ in self._samples) / seconds if seconds > 0 else None
+
+
+#: A notice's deadline plan, and each change of its route (the observers: metrics, webhook, status).
+PlanListener = Callable[[Notice, Plan], None]
 
 
 class Planner:

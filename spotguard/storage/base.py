@@ -172,6 +172,8 @@ def retry(
 
 
 BUCKET_SCHEMES = ("s3", "gs", "file")
+#: How uploads to s3:// are verified: see README, "Buckets" (``checksum``).
+CHECKSUM_MODES = ("auto", "crc32c", "md5")
 
 
 def check_bucket_url(url: str, *, key: str = "bucket") -> str:

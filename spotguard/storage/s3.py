@@ -65,12 +65,12 @@ import botocore.exceptions
 import google_crc32c
 from botocore.config import Config
 
-from spotguard.config import CHECKSUM_MODES
 from spotguard.crc32c import crc32c_combine
 from spotguard.crc32c import crc32c_hex_to_int as _hex_to_int
 from spotguard.crc32c import crc32c_int_to_base64 as _int_to_b64
 from spotguard.safefile import open_nofollow, read_nofollow
 from spotguard.storage.base import (
+    CHECKSUM_MODES,
     ChecksumMismatch,
     ObjectExists,
     ObjectInfo,
