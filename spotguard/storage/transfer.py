@@ -21,7 +21,7 @@ import contextlib
 import os
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -118,74 +118,97 @@ def download_files(
     chunk = range_size(sum(item.size for item in items), streams, min_range, max_range)
     # The long files start first.
     files = [_File(item, -(-item.size // chunk)) for item in sorted(items, key=lambda i: -i.size)]
-    problems: list[str] = []
     try:
 
         def fetch(entry: _File, offset: int, length: int) -> None:
-            with entry.lock:
-                if entry.fd is None and entry.tmp is None and not entry.failed:
-                    _open(entry)
-
-            def attempt() -> RangeSink:
-                sink = RangeSink(entry.fd, offset, length)
-                storage.read_range(entry.item.key, offset, length, sink)
-                if sink.count != length:
-                    raise TransientStorageError(f"{entry.item.key}: got {sink.count} of {length} bytes at {offset}")
-                return sink
-
-            try:
-                sink = retry(
-                    attempt,
-                    is_transient=lambda exc: isinstance(exc, TransientStorageError) or storage.is_transient(exc),
-                    deadline=deadline,
-                    attempts=attempts,
-                    what=f"downloading {entry.item.key} bytes {offset}-{offset + length - 1}",
-                )
-            except BaseException:
-                entry.failed = True
-                raise
-            finally:
-                with entry.lock:
-                    entry.ranges -= 1
-                    last = entry.ranges == 0
-                if last and entry.failed:
-                    _discard(entry)  # its descriptor goes back to the budget now, not at the end
-            with entry.lock:
-                entry.crcs[offset] = (sink.crc, length)
-            if progress:
-                progress(length)
-            if last:
-                entry.problem = _finish(entry)
+            _fetch_range(storage, entry, offset, length, deadline=deadline, attempts=attempts, progress=progress)
 
         jobs = [(f, off, min(chunk, f.item.size - off)) for f in files for off in range(0, f.item.size, chunk)]
-        with cf.ThreadPoolExecutor(max_workers=max(1, min(streams, len(jobs) or 1)), thread_name_prefix="get") as pool:
-            futures = {pool.submit(fetch, *job): job[0] for job in jobs}
-            missing: set[str] = set()  # keys of files the store no longer has
-            try:
-                for future in cf.as_completed(futures):
-                    exc = future.exception()
-                    if exc is None:
-                        continue
-                    if isinstance(exc, ObjectNotFound):
-                        # One file gone is a finding about that file; the others still count.
-                        key = futures[future].item.key
-                        if key not in missing:
-                            missing.add(key)
-                            problems.append(f"{key}: {MISSING}")
-                        continue
-                    raise exc
-            except BaseException:
-                for f in futures:
-                    f.cancel()
-                raise
+        missing = _run_ranges(jobs, streams, fetch)
         for entry in files:
             if entry.ranges == 0 and entry.item.size == 0:  # nothing to fetch; made once the rest arrived
                 _open(entry)
                 entry.problem = _finish(entry)
-        return problems + [entry.problem for entry in files if entry.problem and entry.item.key not in missing]
+        return [f"{key}: {MISSING}" for key in missing] + [
+            entry.problem for entry in files if entry.problem and entry.item.key not in missing
+        ]
     finally:
         for entry in files:
             _discard(entry)
+
+
+def _fetch_range(
+    storage: Storage,
+    entry: _File,
+    offset: int,
+    length: int,
+    *,
+    deadline: float | None,
+    attempts: int,
+    progress: Progress | None,
+) -> None:
+    """One range of one file, retried; the file is opened by its first range and finished by its last."""
+    with entry.lock:
+        if entry.fd is None and entry.tmp is None and not entry.failed:
+            _open(entry)
+
+    def attempt() -> RangeSink:
+        sink = RangeSink(entry.fd, offset, length)
+        storage.read_range(entry.item.key, offset, length, sink)
+        if sink.count != length:
+            raise TransientStorageError(f"{entry.item.key}: got {sink.count} of {length} bytes at {offset}")
+        return sink
+
+    try:
+        sink = retry(
+            attempt,
+            is_transient=lambda exc: isinstance(exc, TransientStorageError) or storage.is_transient(exc),
+            deadline=deadline,
+            attempts=attempts,
+            what=f"downloading {entry.item.key} bytes {offset}-{offset + length - 1}",
+        )
+    except BaseException:
+        entry.failed = True
+        raise
+    finally:
+        with entry.lock:
+            entry.ranges -= 1
+            last = entry.ranges == 0
+        if last and entry.failed:
+            _discard(entry)  # its descriptor goes back to the budget now, not at the end
+    with entry.lock:
+        entry.crcs[offset] = (sink.crc, length)
+    if progress:
+        progress(length)
+    if last:
+        entry.problem = _finish(entry)
+
+
+def _run_ranges(
+    jobs: list[tuple[_File, int, int]], streams: int, fetch: Callable[[_File, int, int], None]
+) -> list[str]:
+    """Run every range in one pool of ``streams`` threads; returns the keys of files the store no longer
+    has (one file gone is a finding about that file: the others still count). Any other failure raises,
+    and the ranges not started are cancelled."""
+    with cf.ThreadPoolExecutor(max_workers=max(1, min(streams, len(jobs) or 1)), thread_name_prefix="get") as pool:
+        futures = {pool.submit(fetch, *job): job[0] for job in jobs}
+        missing: list[str] = []
+        try:
+            for future in cf.as_completed(futures):
+                exc = future.exception()
+                if exc is None:
+                    continue
+                if isinstance(exc, ObjectNotFound):
+                    key = futures[future].item.key
+                    if key not in missing:
+                        missing.append(key)
+                    continue
+                raise exc
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+    return missing
 
 
 def fetch_object(storage: Storage, info: ObjectInfo, local: Path, *, streams: int, min_range: int) -> None:
