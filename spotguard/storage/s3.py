@@ -226,6 +226,42 @@ def parse_s3_url(url: str) -> tuple[str, str]:
     return parts.netloc, f"{prefix}/" if prefix else ""
 
 
+def _check_options(
+    checksum: str, checksum_attempts: int, part_size: int, max_concurrency: int, retry_mode: str
+) -> None:
+    if checksum not in CHECKSUM_MODES:
+        raise ValueError(f"checksum must be one of {', '.join(CHECKSUM_MODES)}, not {checksum!r}")
+    if checksum_attempts < 1:
+        raise ValueError("checksum_attempts must be at least 1")
+    if part_size < _MIN_PART:
+        raise ValueError(f"part_size must be at least {_MIN_PART} bytes (S3's minimum)")
+    if max_concurrency < 1:
+        raise ValueError("max_concurrency must be at least 1")
+    if retry_mode not in ("standard", "adaptive", "legacy"):
+        raise ValueError(f"retry_mode must be standard, adaptive or legacy, not {retry_mode!r}")
+
+
+def _client_config(
+    max_concurrency: int, retry_mode: str, max_attempts: int, connect_timeout: float, read_timeout: float
+) -> Config:
+    return Config(
+        # botocore's pool defaults to 10 connections: more parts in flight than that
+        # silently queue for a connection, so the pool must cover our concurrency.
+        max_pool_connections=max(10, max_concurrency + 4),
+        retries={"mode": retry_mode, "total_max_attempts": max_attempts},
+        connect_timeout=connect_timeout,
+        read_timeout=read_timeout,
+        # We send CRC32C ourselves; don't let botocore add a CRC32 to every PUT (and
+        # never ask it to validate algorithms it can only do with awscrt).
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+        # Every body we send carries its CRC32C in a signed header, which S3 checks: a SHA-256
+        # of the payload for the signature (botocore's default on plain-HTTP endpoints) would
+        # only cost a core-second per GB (HTTPS with a checksum header skips it already).
+        s3={"payload_signing_enabled": False},
+    )
+
+
 class S3Storage:
     """The ``Storage`` backend for ``s3://bucket/prefix``.
 
@@ -276,16 +312,7 @@ class S3Storage:
         checksum: str = "auto",
         checksum_attempts: int = 2,
     ) -> None:
-        if checksum not in CHECKSUM_MODES:
-            raise ValueError(f"checksum must be one of {', '.join(CHECKSUM_MODES)}, not {checksum!r}")
-        if checksum_attempts < 1:
-            raise ValueError("checksum_attempts must be at least 1")
-        if part_size < _MIN_PART:
-            raise ValueError(f"part_size must be at least {_MIN_PART} bytes (S3's minimum)")
-        if max_concurrency < 1:
-            raise ValueError("max_concurrency must be at least 1")
-        if retry_mode not in ("standard", "adaptive", "legacy"):
-            raise ValueError(f"retry_mode must be standard, adaptive or legacy, not {retry_mode!r}")
+        _check_options(checksum, checksum_attempts, part_size, max_concurrency, retry_mode)
         self.url = url
         self.bucket, self.prefix = parse_s3_url(url)
         self.part_size = part_size
@@ -316,22 +343,7 @@ class S3Storage:
         self._session: Any = None
         self._racing_client: Any = None  # the client used while a notice's deadline runs (set_deadline)
         self._deadline: float | None = None
-        # botocore's pool defaults to 10 connections: more parts in flight than that
-        # silently queue for a connection, so the pool must cover our concurrency.
-        self._config = Config(
-            max_pool_connections=max(10, max_concurrency + 4),
-            retries={"mode": retry_mode, "total_max_attempts": max_attempts},
-            connect_timeout=connect_timeout,
-            read_timeout=read_timeout,
-            # We send CRC32C ourselves; don't let botocore add a CRC32 to every PUT (and
-            # never ask it to validate algorithms it can only do with awscrt).
-            request_checksum_calculation="when_required",
-            response_checksum_validation="when_required",
-            # Every body we send carries its CRC32C in a signed header, which S3 checks: a SHA-256
-            # of the payload for the signature (botocore's default on plain-HTTP endpoints) would
-            # only cost a core-second per GB (HTTPS with a checksum header skips it already).
-            s3={"payload_signing_enabled": False},
-        )
+        self._config = _client_config(max_concurrency, retry_mode, max_attempts, connect_timeout, read_timeout)
 
     # -- plumbing -------------------------------------------------------------------
 
