@@ -67,6 +67,21 @@ _PLAN_REVISE_INTERVAL = 1.0  # seconds between revisions of the deadline plan wh
 _SAVE_FAILED_FIELDS = ("step", "reason", "error", "message", "bytes_needed", "bytes_free", "path", "event_id")
 
 
+def _build_uploader(config: DaemonConfig, storage: Storage | None, root: Path) -> Uploader:
+    return Uploader(
+        storage,
+        root,
+        keep_local=config.keep_local,
+        keep_remote=config.keep_remote,
+        incomplete_grace=config.incomplete_grace,
+        concurrency=config.upload_concurrency,
+        retry_max=config.upload_retry_max,
+        alert_after=config.upload_alert_after,
+        scan_interval=config.scan_interval,
+        forecast_interval=config.forecast_interval,
+    )
+
+
 class Daemon:
     def __init__(
         self,
@@ -91,18 +106,7 @@ class Daemon:
         self.notices = NoticeBook(self.events, grace=config.notice_grace)
         self.notices.on_move.append(self._notice_moved)
         self._notices_changed = asyncio.Event()  # wakes the task that ends notices on time
-        self.uploader = Uploader(
-            storage,
-            self.root,
-            keep_local=config.keep_local,
-            keep_remote=config.keep_remote,
-            incomplete_grace=config.incomplete_grace,
-            concurrency=config.upload_concurrency,
-            retry_max=config.upload_retry_max,
-            alert_after=config.upload_alert_after,
-            scan_interval=config.scan_interval,
-            forecast_interval=config.forecast_interval,
-        )
+        self.uploader = _build_uploader(config, storage, self.root)
         self.uploader.on_committed.append(self._on_committed)
         # The deadline plan: what it is made of (state size, upload rate) is fed by listeners.
         self.handoff: Handoff | None = None  # the peer route: hands the urgent checkpoint to a peer
@@ -126,6 +130,10 @@ class Daemon:
             max_connections=config.max_connections,
             on_disconnect=self._on_disconnect,
         )
+        self._init_observed_state()
+
+    def _init_observed_state(self) -> None:
+        """What the daemon shows (status, metrics, webhook) and who listens to it."""
         self.last_notice: dict[str, Any] | None = None  # its timeline, for status and reports
         self.notice_listeners: list[NoticeListener] = []  # every new event id, ignored ones included
         self.saved_listeners: list[SavedListener] = []
