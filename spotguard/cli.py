@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from spotguard import protocol
-from spotguard.config import ConfigError, load_config
+from spotguard.config import ConfigError, DaemonConfig, load_config
 from spotguard.control import CommandError, daemon_socket, request
 from spotguard.localstore import scan_local
 from spotguard.manifest import MANIFEST, CheckpointInfo, load_manifest_or_none, parse_step_dir, verify_dir
@@ -121,26 +121,23 @@ class Progress:
 # --- commands -----------------------------------------------------------------------------
 
 
+# The flags _add_daemon_settings gives both run and doctor (besides --config), as config keys.
+_DAEMON_SETTINGS = ("provider", "metadata_url", "socket", "checkpoint_dir", "bucket", "checksum")
+
+
+def _config_from(args: argparse.Namespace, extra: tuple[str, ...] = ()) -> DaemonConfig:
+    """The daemon's settings from the flags given (``--config`` FILE, environment and defaults below them)."""
+    flags = {key: getattr(args, key) for key in (*_DAEMON_SETTINGS, *extra)}
+    return load_config(flags, config_file=Path(args.config) if args.config else None)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     import asyncio
 
     from spotguard.daemon.app import build_and_run
 
-    flags = {
-        "provider": args.provider,
-        "metadata_url": args.metadata_url,
-        "socket": args.socket,
-        "checkpoint_dir": args.checkpoint_dir,
-        "bucket": args.bucket,
-        "poll_interval": args.poll_interval,
-        "state_dir": args.state_dir,
-        "checksum": args.checksum,
-        "peer_listen": args.peer_listen,
-        "peers": args.peers,
-        "peer_advertise": args.peer_advertise,
-        "peer_token_file": args.peer_token_file,
-    }
-    config = load_config(flags, config_file=Path(args.config) if args.config else None)
+    run_only = ("poll_interval", "state_dir", "peer_listen", "peers", "peer_advertise", "peer_token_file")
+    config = _config_from(args, run_only)
     logging.basicConfig(
         level=config.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -362,15 +359,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
     if not args.checkpoint_gb > 0:
         raise ConfigError("--checkpoint-gb", f"must be > 0, got {args.checkpoint_gb}")
-    flags = {
-        "provider": args.provider,
-        "metadata_url": args.metadata_url,
-        "socket": args.socket,
-        "checkpoint_dir": args.checkpoint_dir,
-        "bucket": args.bucket,
-        "checksum": args.checksum,
-    }
-    config = load_config(flags, config_file=Path(args.config) if args.config else None)
+    config = _config_from(args)
     return run_doctor(config, checkpoint_gb=args.checkpoint_gb)
 
 
