@@ -32,8 +32,6 @@ written once under fresh names.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import builtins
 import concurrent.futures as cf
 import contextlib
@@ -58,6 +56,7 @@ from google.api_core.retry import Retry
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage as gcs
 
+from spotguard.crc32c import base64_to_hex
 from spotguard.crc32c import crc32c_hex_to_int as _hex_to_int
 from spotguard.crc32c import crc32c_int_to_base64 as _int_to_b64
 from spotguard.safefile import open_nofollow
@@ -94,10 +93,9 @@ def gcs_crc_to_hex(value: str | None) -> str | None:
     if not value:
         return None
     try:
-        raw = base64.b64decode(value, validate=True)
-    except (binascii.Error, ValueError):
+        return base64_to_hex(value)
+    except ValueError:
         return None
-    return raw.hex() if len(raw) == 4 else None
 
 
 def parse_gs_url(url: str) -> tuple[str, str]:

@@ -43,7 +43,6 @@ Endpoint: ``endpoint_url=`` if given, else boto3 resolves it itself from
 from __future__ import annotations
 
 import base64
-import binascii
 import builtins
 import concurrent.futures as cf
 import contextlib
@@ -65,7 +64,7 @@ import botocore.exceptions
 import google_crc32c
 from botocore.config import Config
 
-from spotguard.crc32c import crc32c_combine
+from spotguard.crc32c import base64_to_hex, crc32c_combine
 from spotguard.crc32c import crc32c_hex_to_int as _hex_to_int
 from spotguard.crc32c import crc32c_int_to_base64 as _int_to_b64
 from spotguard.safefile import open_nofollow, read_nofollow
@@ -167,10 +166,9 @@ def _b64_to_hex(value: str) -> str | None:
     if "-" in value:
         return None
     try:
-        raw = base64.b64decode(value, validate=True)
-    except (binascii.Error, ValueError):
+        return base64_to_hex(value)
+    except ValueError:
         return None
-    return raw.hex() if len(raw) == 4 else None
 
 
 def _crc_of(data: bytes | memoryview) -> int:
