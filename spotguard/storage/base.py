@@ -20,16 +20,16 @@ from typing import Protocol, TypeVar, runtime_checkable
 from urllib.parse import urlparse
 
 from spotguard.crc32c import crc32c_of_bytes
-from spotguard.errors import ConfigError
+from spotguard.errors import ConfigError, SpotguardError, TransientError
 
 T = TypeVar("T")
 
 
-class StorageError(Exception):
+class StorageError(SpotguardError):
     """An operation on the bucket failed for good (after retries, or fatally)."""
 
 
-class TransientStorageError(StorageError):
+class TransientStorageError(StorageError, TransientError):
     """Worth retrying: 503 SlowDown, 500, throttling, a reset connection."""
 
 
