@@ -14,8 +14,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import os
-import random
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -26,11 +24,14 @@ from pathlib import Path
 from typing import Any
 
 from spotguard.daemon.events import CommittedListener, UploadFailureListener
-from spotguard.localstore import prune_local, scan_local
-from spotguard.manifest import MANIFEST, FileEntry, Manifest, node_holdings, parse_step_dir
-from spotguard.notice import utcnow
-from spotguard.safefile import SymlinkRefused, is_unlinked, open_nofollow
-from spotguard.storage.base import ChecksumMismatch, ObjectInfo, Storage, StorageError
+from spotguard.daemon.forecast import commit_report, forecast_report, monotonic_deadline, watch_deadline
+from spotguard.daemon.retention import apply_retention
+from spotguard.daemon.streams import EarlyUploads
+from spotguard.daemon.upload_failures import UploadFailures
+from spotguard.localstore import scan_local
+from spotguard.manifest import FileEntry, Manifest, node_holdings, parse_step_dir
+from spotguard.safefile import SymlinkRefused
+from spotguard.storage.base import Storage, StorageError
 from spotguard.storage.checkpoints import (
     CommitLost,
     UploadCancelled,
@@ -38,12 +39,10 @@ from spotguard.storage.checkpoints import (
     commit_remote,
     files_difference,
     list_remote,
-    prune_remote,
-    put_with_retry,
     upload_files,
     wait_for_other_nodes,
 )
-from spotguard.storage.stream import Streaming, UploadStream
+from spotguard.storage.stream import Streaming
 
 logger = logging.getLogger("spotguard.uploader")
 
@@ -56,25 +55,11 @@ class _Job:
 
 
 @dataclass
-class _Stream:
-    """A file of a checkpoint being written, uploading as its ranges are announced."""
-
-    name: str  # the checkpoint
-    rel: str
-    tmp: str  # where it is being written, relative to the step directory
-    size: int
-    owner: int | None  # the connection announcing it
-    fd: int  # opened once at the first range: still the file after the writer renames it
-    upload: UploadStream
-
-
-@dataclass
 class _Current:
     name: str
     urgent: bool
     progress: UploadProgress
     cancel: threading.Event
-    started_wall: datetime
 
 
 class Uploader:
@@ -100,9 +85,6 @@ class Uploader:
         self.incomplete_grace = timedelta(seconds=incomplete_grace)
         self.concurrency = concurrency
         self.scan_interval = scan_interval
-        self.retry_after = retry_after  # the first wait after a failed upload; doubled per failure in a row
-        self.retry_max = retry_max  # ... up to this
-        self.alert_after = alert_after  # failures in a row of one checkpoint before an error-level alert
         self.forecast_interval = forecast_interval
         self.committed: set[str] = set()  # complete in the bucket
         self.shares_uploaded: set[str] = set()  # multi-node: this node's share is in the bucket
@@ -112,29 +94,25 @@ class Uploader:
         self.on_committed: list[CommittedListener] = []
         self.on_failure: list[UploadFailureListener] = []
         self.last_committed: dict[str, Any] | None = None
-        self.failures: list[dict[str, Any]] = []
-        # Checkpoints not retried until a restart: the store answers wrong checksums for their bytes
-        # (a backend raises ChecksumMismatch only once its own bounded attempts are spent).
-        self.refused: dict[str, str] = {}
+        self._failures = UploadFailures(
+            retry_after=retry_after, retry_max=retry_max, alert_after=alert_after, listeners=self.on_failure
+        )
+        self.failures = self._failures.recent
+        self.refused = self._failures.refused  # checkpoints not retried until a restart
+        self._failed_in_a_row = self._failures.in_a_row  # per checkpoint, until it is committed
         self._queued: dict[str, _Job] = {}
         self._urgent: set[str] = set()
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._current: _Current | None = None
         self._deadline: datetime | None = None  # the pending notice's, if any
-        self._not_before: dict[str, float] = {}  # backoff after a failed attempt
-        self._failed_in_a_row: dict[str, int] = {}  # per checkpoint, until it is committed
-        # Files of checkpoints still being written, uploading ahead of the commit.
-        self._early: dict[str, list[asyncio.Task[None]]] = {}
-        self._early_slots = asyncio.Semaphore(concurrency)
-        self._manifest_seen: dict[str, asyncio.Future[ObjectInfo | None]] = {}  # per checkpoint uploading early
-        # Files still being written whose parts go up as they are announced (by checkpoint, file).
-        self._streams: dict[tuple[str, str], _Stream] = {}
-        self._aborting: set[asyncio.Task[None]] = set()
         # Early uploads (at most `concurrency`) and the one checkpoint job; more would only wait.
         self._executor = ThreadPoolExecutor(max_workers=concurrency + 1, thread_name_prefix="upload")
         # What is in the bucket of each checkpoint not yet committed there, early uploads included.
         self._progress: dict[str, UploadProgress] = {}
+        # Files of checkpoints still being written, uploading ahead of the commit.
+        self._ahead = EarlyUploads(storage, self._progress, self._in_upload_thread, slots=concurrency)
+        self._early = self._ahead.tasks
         self._late_logged: set[str] = set()  # checkpoints already reported as past the deadline
 
     # --- what to upload --------------------------------------------------------------------
@@ -165,14 +143,7 @@ class Uploader:
         """
         if self.storage is None or step_dir.name in self.committed:
             return
-        self._progress_of(step_dir.name).expect(rel, entry.size)
-        stream = self._streams.pop((step_dir.name, rel), None)
-        if stream is not None:
-            work = self._finish_stream(step_dir, stream, entry)
-        else:
-            work = self._early_upload(step_dir, rel, entry)
-        task = asyncio.create_task(work, name=f"early-{step_dir.name}/{rel}")
-        self._early.setdefault(step_dir.name, []).append(task)
+        self._ahead.file_ready(step_dir, rel, entry)
         if urgent:
             self._urgent.add(step_dir.name)
 
@@ -197,43 +168,16 @@ class Uploader:
         storage = self.storage
         if not isinstance(storage, Streaming) or step_dir.name in self.committed or step_dir.name in self.conflicts:
             return
-        stream = self._streams.get((step_dir.name, rel))
-        if stream is None:
-            stream = self._begin_stream(storage, step_dir, rel, tmp=tmp, size=size, owner=owner)
-            if stream is None:
-                return
-        elif (stream.tmp, stream.size) != (tmp, size):
-            raise ValueError(
-                f"{step_dir.name}/{rel}: announced as {stream.tmp} of {stream.size} bytes, now as {tmp} of {size}"
-            )
+        upload = self._ahead.stream_of(storage, step_dir, rel, tmp=tmp, size=size, owner=owner)
+        if upload is None:
+            return
         if urgent:
             self._urgent.add(step_dir.name)
-        stream.upload.add(offset, length)
-
-    def _begin_stream(
-        self, storage: Streaming, step_dir: Path, rel: str, *, tmp: str, size: int, owner: int | None
-    ) -> _Stream | None:
-        # Opened once, here: refusing a symlink, and following the file across the writer's rename.
-        fd = open_nofollow(step_dir / tmp)
-        try:
-            progress = self._progress_of(step_dir.name)
-            progress.expect(rel, size)
-            upload = storage.begin_stream(f"{step_dir.name}/{rel}", size, fd, progress=progress.sender(rel))
-        except BaseException:
-            os.close(fd)
-            raise
-        if upload is None:
-            os.close(fd)
-            return None
-        stream = _Stream(step_dir.name, rel, tmp, size, owner, fd, upload)
-        self._streams[(step_dir.name, rel)] = stream
-        logger.debug("%s/%s: streaming its upload as it is written (%d bytes)", step_dir.name, rel, size)
-        return stream
+        upload.add(offset, length)
 
     async def close_streams(self) -> None:
         """At shutdown: abort every streamed upload whose file is not finished, and wait for it."""
-        self.abort_streams("the daemon is stopping", every=True)
-        await asyncio.gather(*self._aborting, return_exceptions=True)
+        await self._ahead.close()
 
     def abort_streams(
         self, why: str, *, name: str | None = None, owner: int | None = None, every: bool = False
@@ -241,113 +185,16 @@ class Uploader:
         """Abort the streamed uploads of files that will never be finished: of checkpoint ``name``,
         of the connection ``owner``, or (neither given) those whose temporary file is gone (the
         writer removed it: a failed or cancelled save, a leftover cleared by the next save)."""
-        for key, stream in list(self._streams.items()):
-            if name is not None and stream.name != name:
-                continue
-            if owner is not None and stream.owner != owner:
-                continue
-            if name is None and owner is None and not every and not is_unlinked(stream.fd):
-                continue
-            del self._streams[key]
-            logger.info("%s/%s: aborting its streamed upload: %s", stream.name, stream.rel, why)
-            task = asyncio.create_task(self._abort_stream(stream), name=f"abort-{stream.name}/{stream.rel}")
-            self._aborting.add(task)
-            task.add_done_callback(self._aborting.discard)
+        self._ahead.abort(why, name=name, owner=owner, every=every)
 
     async def discard(self, name: str, why: str) -> list[str]:
         """A save of ``name`` failed: nothing of it will ever be committed. Abort its streamed uploads,
         let its uploads ahead of the commit settle, and remove from the bucket every file of it this
         daemon sent (never another node's share, and nothing once a manifest is there: a committed
         checkpoint of that name is not ours to touch). Returns the keys removed."""
-        self.abort_streams(why, name=name)
         self._queued.pop(name, None)
         self._urgent.discard(name)
-        progress = self._progress.pop(name, None)
-        # A transfer in a thread cannot be cancelled: wait for it, then remove what it left.
-        await asyncio.gather(*self._early.pop(name, []), *self._aborting, return_exceptions=True)
-        storage = self.storage
-        if storage is None or progress is None or name in self.committed:
-            return []
-        keys = [f"{name}/{rel}" for rel in progress.files()]
-
-        def remove() -> list[str]:
-            # A save of the same step begun again meanwhile owns these names now: leave them to it.
-            if name in self._progress or storage.stat(f"{name}/{MANIFEST}") is not None:
-                return []
-            present = [key for key in keys if storage.stat(key) is not None]
-            storage.delete(present)
-            return present
-
-        try:
-            removed = await self._in_upload_thread(remove)
-        except (StorageError, OSError) as exc:
-            logger.warning("%s: cannot remove the files of the failed save from the bucket: %s", name, exc)
-            return []
-        if removed:
-            logger.info("%s: removed %d file(s) of the failed save from the bucket", name, len(removed))
-        return removed
-
-    async def _abort_stream(self, stream: _Stream) -> None:
-        try:
-            await asyncio.to_thread(stream.upload.abort)
-        except Exception:
-            logger.exception("%s/%s: aborting its streamed upload failed", stream.name, stream.rel)
-        finally:
-            os.close(stream.fd)
-
-    async def _finish_stream(self, step_dir: Path, stream: _Stream, entry: FileEntry) -> None:
-        """The file is finished: complete its streamed upload, or send it whole if that fails."""
-        key = f"{stream.name}/{stream.rel}"
-        progress = self._progress_of(stream.name)
-        try:
-            if await self._committed_elsewhere(stream.name):
-                await asyncio.to_thread(stream.upload.abort)
-                return
-            if entry.size != stream.size:
-                await asyncio.to_thread(stream.upload.abort)
-                raise StorageError(f"{key}: finished with {entry.size} bytes, announced as {stream.size}")
-            await self._in_upload_thread(stream.upload.finish, entry.crc32c)
-            progress.present(stream.rel)
-            progress.mark_sent(stream.rel)
-            return
-        except (StorageError, OSError) as exc:
-            # finish() aborted the multipart upload: nothing of it is visible or left open.
-            logger.info("the stream of %s was not completed (%s); sending the file whole", key, exc)
-        finally:
-            os.close(stream.fd)
-        await self._early_upload(step_dir, stream.rel, entry)
-
-    async def _early_upload(self, step_dir: Path, rel: str, entry: FileEntry) -> None:
-        assert self.storage is not None
-        key = f"{step_dir.name}/{rel}"
-        progress = self._progress_of(step_dir.name)
-        async with self._early_slots:
-            try:
-                if await self._committed_elsewhere(step_dir.name):
-                    return  # another writer's checkpoint has this name: the commit decides, ours sends nothing
-                await self._in_upload_thread(
-                    put_with_retry,
-                    self.storage,
-                    step_dir,
-                    rel,
-                    entry,
-                    progress=progress,
-                    what="uploading ahead of its commit",
-                )
-            except (StorageError, OSError) as exc:
-                # Not fatal: the checkpoint's own upload job sends whatever is missing.
-                logger.info("early upload of %s failed (%s); it goes with the checkpoint", key, exc)
-
-    async def _committed_elsewhere(self, name: str) -> bool:
-        """Whether the bucket held a manifest under ``name`` before this checkpoint's first file
-        went up ahead of its commit (asked once per checkpoint): then those files are someone
-        else's, and sending ours would mix two checkpoints under one manifest."""
-        if name not in self._manifest_seen:
-            assert self.storage is not None
-            self._manifest_seen[name] = asyncio.ensure_future(
-                asyncio.to_thread(self.storage.stat, f"{name}/{MANIFEST}")
-            )
-        return await asyncio.shield(self._manifest_seen[name]) is not None
+        return await self._ahead.discard(name, why, lambda checkpoint: checkpoint in self.committed)
 
     async def _in_upload_thread(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """Run a long blocking transfer in the uploader's own threads: on the loop's default
@@ -355,9 +202,6 @@ class Uploader:
         call of the daemon behind them, a trainer's commit included."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
-
-    def _progress_of(self, name: str) -> UploadProgress:
-        return self._progress.setdefault(name, UploadProgress())
 
     def in_flight(self) -> frozenset[str]:
         """The checkpoint being uploaded now, if any (not to be deleted under it)."""
@@ -369,8 +213,7 @@ class Uploader:
         # The store's own retries (SDK attempts and timeouts) must fit in what is left too.
         set_storage_deadline = getattr(self.storage, "set_deadline", None)
         if set_storage_deadline is not None:
-            left = None if deadline is None else (deadline - utcnow()).total_seconds()
-            set_storage_deadline(None if left is None else time.monotonic() + left)
+            set_storage_deadline(monotonic_deadline(deadline))
 
     async def rescan(self) -> None:
         """Queue every complete local checkpoint not yet complete in the bucket."""
@@ -378,8 +221,7 @@ class Uploader:
             return
         storage = self.storage
         self.abort_streams("its temporary file was removed before it was finished")
-        self._early = {name: [t for t in tasks if not t.done()] for name, tasks in self._early.items()}
-        self._early = {name: tasks for name, tasks in self._early.items() if tasks}
+        self._ahead.forget_done()
         remote = {
             info.name: info for info in await asyncio.to_thread(list_remote, storage) if info.status == "complete"
         }
@@ -416,8 +258,8 @@ class Uploader:
                     if not self._queued:
                         self._idle.set()
                     timeout = max(0.0, next_scan - time.monotonic())
-                    if self._not_before:
-                        timeout = min(timeout, max(0.0, min(self._not_before.values()) - time.monotonic()))
+                    if self._failures.not_before:
+                        timeout = min(timeout, max(0.0, min(self._failures.not_before.values()) - time.monotonic()))
                     self._wake.clear()
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._wake.wait(), timeout)
@@ -437,7 +279,7 @@ class Uploader:
 
     def _next_job(self) -> _Job | None:
         now = time.monotonic()
-        ready = [job for job in self._queued.values() if self._not_before.get(job.name, 0) <= now]
+        ready = [job for job in self._queued.values() if self._failures.not_before.get(job.name, 0) <= now]
         if not ready:
             return None
         job = min(ready)
@@ -451,7 +293,8 @@ class Uploader:
         if early:
             await asyncio.gather(*early, return_exceptions=True)
         manifest, share = await asyncio.to_thread(node_holdings, step_dir)  # disk reads: off the loop
-        if await self._settle_streams(step_dir, share if share is not None else manifest.files if manifest else {}):
+        listed = share if share is not None else manifest.files if manifest else {}
+        if self._ahead.settle(step_dir, listed, committed=job.name in self.committed):
             # Streams whose file message never came but whose file the commit lists: finished now.
             early = self._early.pop(job.name, [])
             await asyncio.gather(*early, return_exceptions=True)
@@ -460,11 +303,9 @@ class Uploader:
             return
         files = share if share is not None else manifest.files if manifest is not None else {}
         total = sum(entry.size for entry in files.values())
-        current = _Current(job.name, job.priority == 0, self._progress_of(job.name), threading.Event(), utcnow())
+        current = _Current(job.name, job.priority == 0, self._ahead.progress_of(job.name), threading.Event())
         self._current = current
-        deadline = None
-        if self._deadline is not None:
-            deadline = time.monotonic() + (self._deadline - utcnow()).total_seconds()
+        deadline = monotonic_deadline(self._deadline)
         logger.info("uploading %s (%d bytes, %s)", job.name, total, "urgent" if current.urgent else "periodic")
         try:
             await self._in_upload_thread(
@@ -483,7 +324,9 @@ class Uploader:
             self._urgent.discard(job.name)
             return
         except (StorageError, OSError) as exc:
-            self._record_failure(job, exc)
+            racing = job.name in self._urgent and self._deadline is not None
+            if self._failures.record(job.name, exc, racing=racing, bucket=self.storage.url):
+                self._queued.setdefault(job.name, job)
             return
         finally:
             self._current = None
@@ -494,20 +337,6 @@ class Uploader:
             return
         # From the first byte sent, files sent ahead of the commit included.
         await self._committed(job.name, manifest, current.progress.elapsed())
-
-    async def _settle_streams(self, step_dir: Path, files: Mapping[str, FileEntry]) -> bool:
-        """At the commit, a file still streaming is finished if the commit lists it, else aborted
-        (a file the writer gave up on). True if any was finished."""
-        left = [stream for stream in self._streams.values() if stream.name == step_dir.name]
-        finished = False
-        for stream in left:
-            entry = files.get(stream.rel)
-            if entry is None:
-                continue
-            finished = True
-            self.file_ready(step_dir, stream.rel, entry, urgent=step_dir.name in self._urgent)
-        self.abort_streams("the committed checkpoint does not list it", name=step_dir.name)
-        return finished
 
     def _send(
         self,
@@ -540,89 +369,28 @@ class Uploader:
         commit_remote(self.storage, step_dir, deadline=deadline)
 
     def retry_delay(self, name: str) -> float:
-        """How long to wait after the last of ``failed`` failures in a row of ``name``.
-
-        An urgent checkpoint racing a deadline keeps the short wait (the deadline bounds it);
-        any other doubles it per failure up to ``retry_max``, jittered so that many VMs whose
-        bucket failed at once do not come back in step.
-        """
-        if name in self._urgent and self._deadline is not None:
-            return self.retry_after
-        failed = self._failed_in_a_row.get(name, 1)
-        delay = min(self.retry_max, self.retry_after * 2 ** (failed - 1))
-        return random.uniform(delay / 2, delay)
+        """How long to wait after the last failure in a row of ``name`` (see ``UploadFailures``)."""
+        return self._failures.retry_delay(name, racing=name in self._urgent and self._deadline is not None)
 
     def failing_streak(self) -> int:
         """The most failures in a row of any checkpoint still to upload (0: none is failing)."""
-        return max(self._failed_in_a_row.values(), default=0)
+        return self._failures.streak()
 
     def _conflict(self, name: str, why: str) -> None:
         """Another writer shares the prefix and committed its own checkpoint under ``name``: ours is
         never sent (nor retried); local retention treats it like an uploaded one."""
         logger.warning("not committing %s: %s", name, why)
         self.conflicts.add(name)
-        self._manifest_seen.pop(name, None)
-
-    def _record_failure(self, job: _Job, exc: BaseException) -> None:
-        refused = isinstance(exc, ChecksumMismatch)
-        failed = self._failed_in_a_row[job.name] = self._failed_in_a_row.get(job.name, 0) + 1
-        delay = self.retry_delay(job.name)
-        if refused:
-            logger.error(
-                "upload of %s failed: %s; not retried: the store answers the same for the same bytes", job.name, exc
-            )
-            self.refused[job.name] = str(exc)
-        else:
-            logger.error("upload of %s failed (%d in a row): %s; retrying in %.1f s", job.name, failed, exc, delay)
-        if failed == self.alert_after:
-            logger.error(
-                "ALERT: the upload of %s has failed %d times in a row; it is retried every %.0f s at most, "
-                "and nothing newer is safe in %s until it succeeds: check the bucket, the credentials and the link",
-                job.name,
-                failed,
-                self.retry_max,
-                self.storage.url if self.storage else "the bucket",
-            )
-        self.failures.append({"name": job.name, "error": str(exc), "at": utcnow().isoformat(), "in_a_row": failed})
-        del self.failures[:-20]
-        for callback in self.on_failure:
-            try:
-                callback(job.name, exc)
-            except Exception:
-                logger.exception("a failure listener failed for %s", job.name)
-        if not refused:
-            self._not_before[job.name] = time.monotonic() + delay
-            self._queued.setdefault(job.name, job)
+        self._ahead.manifest_seen.pop(name, None)
 
     async def _committed(self, name: str, manifest: Manifest, elapsed: float) -> None:
         assert self.storage is not None
         self.committed.add(name)
         self._progress.pop(name, None)
-        self._manifest_seen.pop(name, None)
+        self._ahead.manifest_seen.pop(name, None)
         self._urgent.discard(name)
-        self._not_before.pop(name, None)
-        self._failed_in_a_row.pop(name, None)
-        now = utcnow()
-        margin = (self._deadline - now).total_seconds() if self._deadline else None
-        self.last_committed = {
-            "name": name,
-            "step": manifest.step,
-            "bytes": manifest.total_bytes,
-            "seconds": round(elapsed, 3),
-            "at": now.isoformat(),
-            "deadline_margin_s": None if margin is None else round(margin, 3),
-        }
-        if margin is not None and margin < 0:
-            logger.error("%s committed in the bucket %.1f s AFTER the deadline", name, -margin)
-        else:
-            logger.info(
-                "%s committed in %s in %.2f s (%.1f MB/s)%s",
-                name,
-                self.storage.url,
-                elapsed,
-                manifest.total_bytes / max(elapsed, 1e-9) / 1e6,
-                "" if margin is None else f", {margin:.1f} s before the deadline",
-            )
+        self._failures.succeeded(name)
+        self.last_committed = commit_report(name, manifest, elapsed, deadline=self._deadline, bucket=self.storage.url)
         for callback in self.on_committed:
             try:
                 await callback(name, manifest, elapsed)
@@ -632,27 +400,15 @@ class Uploader:
 
     async def _retention(self) -> None:
         assert self.storage is not None
-        storage = self.storage
-        in_flight = frozenset(self._queued) | ({self._current.name} if self._current else set())
-        try:
-            removed = await asyncio.to_thread(
-                prune_remote, storage, self.keep_remote, protected=in_flight, grace=self.incomplete_grace
-            )
-            if removed:
-                logger.info("bucket retention removed %s", ", ".join(removed))
-        except (StorageError, OSError) as exc:
-            logger.warning("bucket retention failed: %s", exc)
-        # Locally, never delete what is not yet safe in the bucket.
-        settled = self.committed | self.conflicts
-
-        def prune() -> None:
-            local = scan_local(self.root)
-            not_uploaded = frozenset(
-                info.name for info in local if info.status == "complete" and info.name not in settled
-            )
-            prune_local(self.root, self.keep_local, protected=not_uploaded)
-
-        await asyncio.to_thread(prune)
+        await apply_retention(
+            self.storage,
+            self.root,
+            keep_remote=self.keep_remote,
+            keep_local=self.keep_local,
+            grace=self.incomplete_grace,
+            in_flight=frozenset(self._queued) | ({self._current.name} if self._current else set()),
+            settled=lambda: self.committed | self.conflicts,
+        )
 
     # --- shutdown and status -----------------------------------------------------------
 
@@ -680,64 +436,17 @@ class Uploader:
         if current is not None:
             name, urgent, progress = current.name, current.urgent, current.progress
         else:
-            early = [n for n, tasks in self._early.items() if any(not t.done() for t in tasks) and n in self._progress]
-            early += [stream.name for stream in self._streams.values() if stream.name in self._progress]
+            early = self._ahead.uploading()
             if not early:
                 return None
             name = max(early, key=lambda n: (n in self._urgent, n))
             urgent, progress = name in self._urgent, self._progress[name]
-        rate, eta, total = progress.rate(), progress.eta(), progress.total
-        report: dict[str, Any] = {
-            "name": name,
-            "urgent": urgent,
-            "bytes_done": progress.done,
-            "bytes_total": total,
-            # Before the commit the trainer may still be writing files nobody has announced yet.
-            "total_known": current is not None,
-            "rate_bytes_s": None if rate is None else round(rate),
-            "eta_s": None if eta is None else round(eta, 2),
-        }
-        if self._deadline is not None and urgent:
-            left = (self._deadline - utcnow()).total_seconds()
-            report["deadline_s_left"] = round(left, 2)
-            report["will_meet_deadline"] = None if eta is None else eta <= left
-        return report
+        return forecast_report(name, urgent, progress, total_known=current is not None, deadline=self._deadline)
 
     async def watch_deadline(self) -> None:
         """Log, every ``forecast_interval`` while an urgent upload races a deadline, whether it
         will make it at the rate so far; say once when the deadline passed with it unfinished."""
-        while True:
-            await asyncio.sleep(self.forecast_interval)
-            report = self.forecast()
-            if report is None or "deadline_s_left" not in report:
-                continue
-            name, left = report["name"], report["deadline_s_left"]
-            where = f"{name}: {_mib(report['bytes_done'])} of {_mib(report['bytes_total'])} MiB in the bucket"
-            rate = report["rate_bytes_s"]
-            if left <= 0:
-                if name not in self._late_logged:
-                    self._late_logged.add(name)
-                    logger.error("deadline passed %.1f s ago with %s still uploading (%s)", -left, name, where)
-                continue
-            if rate is None:
-                logger.info("%s; no rate yet, deadline in %.1f s", where, left)
-            elif report["will_meet_deadline"]:
-                logger.info(
-                    "%s at %.0f MB/s; done in ~%.1f s, deadline in %.1f s: on track",
-                    where,
-                    rate / 1e6,
-                    report["eta_s"],
-                    left,
-                )
-            else:
-                logger.warning(
-                    "%s at %.0f MB/s; done in ~%.1f s, deadline in %.1f s: will MISS it by ~%.1f s",
-                    where,
-                    rate / 1e6,
-                    report["eta_s"],
-                    left,
-                    report["eta_s"] - left,
-                )
+        await watch_deadline(self.forecast, lambda: self.forecast_interval, self._late_logged)
 
     def status(self) -> dict[str, Any]:
         return {
@@ -750,7 +459,3 @@ class Uploader:
             "failing_streak": self.failing_streak(),
             "conflicts": sorted(self.conflicts)[-5:],
         }
-
-
-def _mib(count: int) -> str:
-    return f"{count / (1 << 20):.0f}"

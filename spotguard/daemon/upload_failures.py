@@ -1,0 +1,88 @@
+"""Failed uploads of checkpoints: how long to wait before the next attempt, and who to tell."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import Any
+
+from spotguard.daemon.events import UploadFailureListener
+from spotguard.notice import utcnow
+from spotguard.storage.base import ChecksumMismatch
+
+logger = logging.getLogger("spotguard.uploader")
+
+
+class UploadFailures:
+    """Failures in a row per checkpoint (until it is committed), the backoff they earn, the
+    checkpoints never retried, and the latest failures for the status."""
+
+    def __init__(
+        self, *, retry_after: float, retry_max: float, alert_after: int, listeners: list[UploadFailureListener]
+    ) -> None:
+        self.retry_after = retry_after  # the first wait after a failed upload; doubled per failure in a row
+        self.retry_max = retry_max  # ... up to this
+        self.alert_after = alert_after  # failures in a row of one checkpoint before an error-level alert
+        self.listeners = listeners
+        self.in_a_row: dict[str, int] = {}
+        self.not_before: dict[str, float] = {}  # backoff after a failed attempt
+        self.recent: list[dict[str, Any]] = []
+        # Checkpoints not retried until a restart: the store answers wrong checksums for their bytes
+        # (a backend raises ChecksumMismatch only once its own bounded attempts are spent).
+        self.refused: dict[str, str] = {}
+
+    def retry_delay(self, name: str, *, racing: bool) -> float:
+        """How long to wait after the last failure in a row of ``name``.
+
+        A checkpoint ``racing`` a deadline keeps the short wait (the deadline bounds it); any
+        other doubles it per failure up to ``retry_max``, jittered so that many VMs whose bucket
+        failed at once do not come back in step.
+        """
+        if racing:
+            return self.retry_after
+        failed = self.in_a_row.get(name, 1)
+        delay = min(self.retry_max, self.retry_after * 2 ** (failed - 1))
+        return random.uniform(delay / 2, delay)
+
+    def streak(self) -> int:
+        """The most failures in a row of any checkpoint still to upload (0: none is failing)."""
+        return max(self.in_a_row.values(), default=0)
+
+    def succeeded(self, name: str) -> None:
+        self.not_before.pop(name, None)
+        self.in_a_row.pop(name, None)
+
+    def record(self, name: str, exc: BaseException, *, racing: bool, bucket: str) -> bool:
+        """Count, log and announce a failed upload of ``name``; True if it is to be retried (not
+        before ``not_before[name]``), False if the store refuses its bytes."""
+        refused = isinstance(exc, ChecksumMismatch)
+        failed = self.in_a_row[name] = self.in_a_row.get(name, 0) + 1
+        delay = self.retry_delay(name, racing=racing)
+        if refused:
+            logger.error(
+                "upload of %s failed: %s; not retried: the store answers the same for the same bytes", name, exc
+            )
+            self.refused[name] = str(exc)
+        else:
+            logger.error("upload of %s failed (%d in a row): %s; retrying in %.1f s", name, failed, exc, delay)
+        if failed == self.alert_after:
+            logger.error(
+                "ALERT: the upload of %s has failed %d times in a row; it is retried every %.0f s at most, "
+                "and nothing newer is safe in %s until it succeeds: check the bucket, the credentials and the link",
+                name,
+                failed,
+                self.retry_max,
+                bucket,
+            )
+        self.recent.append({"name": name, "error": str(exc), "at": utcnow().isoformat(), "in_a_row": failed})
+        del self.recent[:-20]
+        for callback in self.listeners:
+            try:
+                callback(name, exc)
+            except Exception:
+                logger.exception("a failure listener failed for %s", name)
+        if refused:
+            return False
+        self.not_before[name] = time.monotonic() + delay
+        return True
