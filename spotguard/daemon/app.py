@@ -25,12 +25,12 @@ from spotguard.daemon.events import (
     NoticeListener,
     SavedListener,
     SaveFailedListener,
-    StallListener,
 )
 from spotguard.daemon.notices import EventLog, NoticeBook, NoticeState, TrackedNotice
 from spotguard.daemon.notify import SystemdNotifier, watchdog_loop
 from spotguard.daemon.plan import Plan, Planner, Route, probe_upload
 from spotguard.daemon.server import Peer, Reply, SocketServer
+from spotguard.daemon.stall import StallWatch
 from spotguard.daemon.uploader import Uploader
 from spotguard.localstore import prune_local, scan_local
 from spotguard.manifest import (
@@ -62,7 +62,6 @@ from spotguard.version import __version__
 
 logger = logging.getLogger("spotguard.daemon")
 
-_STALL_CHECK_INTERVAL = 0.25  # seconds between looks for stalled trainers while a notice is pending
 _PLAN_REVISE_INTERVAL = 1.0  # seconds between revisions of the deadline plan while a notice is pending
 _SAVE_FAILED_FIELDS = ("step", "reason", "error", "message", "bytes_needed", "bytes_free", "path", "event_id")
 
@@ -138,8 +137,14 @@ class Daemon:
         self.notice_listeners: list[NoticeListener] = []  # every new event id, ignored ones included
         self.saved_listeners: list[SavedListener] = []
         self.monitor_error_listeners: list[MonitorErrorListener] = []
-        self.stall_listeners: list[StallListener] = []
-        self.stalled: dict[int, dict[str, Any]] = {}  # peer id -> its report, while it stays stalled
+        self.stalls = StallWatch(
+            min_seconds=self.config.stall_min_seconds,
+            fraction=self.config.stall_fraction,
+            trainers=self.server.trainers,
+            pending=lambda: self.pending,
+        )
+        self.stall_listeners = self.stalls.listeners
+        self.stalled = self.stalls.stalled  # peer id -> its report, while it stays stalled
         self.save_failed_listeners: list[SaveFailedListener] = []
         self.save_failures: list[dict[str, Any]] = []  # the last few, newest last
         self.plan_listeners = self.planner.listeners
@@ -188,7 +193,7 @@ class Daemon:
         )
         self._start_timeline(self.notices.open(notice, action))
         message_type, fields = self._checkpoint_now(notice, action)
-        self._mark_told(self.server.trainers(), notice)
+        self.stalls.mark_told(self.server.trainers(), notice)
         told = await self.server.broadcast(message_type, **fields)
         if self.last_notice is not None:
             self.last_notice["told_at"] = utcnow().isoformat()
@@ -271,7 +276,7 @@ class Daemon:
         if kind == "saved":
             return [await self._saved(peer, message)]
         if kind == "checkpoint-started":
-            self._acted(peer, message["event_id"], f"reached a checkpoint point at step {message['step']}")
+            self.stalls.acted(peer, message["event_id"], f"reached a checkpoint point at step {message['step']}")
             return []
         if kind == "save-failed":
             self._save_failed(peer, message)
@@ -308,7 +313,7 @@ class Daemon:
         if pending is not None:
             # A trainer that (re)connects while a notice is pending is told at once.
             replies.append(self._checkpoint_now(*pending))
-            self._mark_told([peer], pending[0])
+            self.stalls.mark_told([peer], pending[0])
         return replies
 
     def _step_dir(self, path: Path) -> Path:
@@ -381,7 +386,7 @@ class Daemon:
         self.uploader.abort_streams("its temporary file was removed before it was finished")
         urgent = message["reason"] in ("urgent", "soft", "final")
         if isinstance(message.get("event_id"), str):
-            self._acted(peer, message["event_id"], f"committed {resolved.name}")
+            self.stalls.acted(peer, message["event_id"], f"committed {resolved.name}")
         try:
             manifest = await asyncio.to_thread(load_manifest, resolved)
         except (OSError, ValueError) as exc:
@@ -476,7 +481,7 @@ class Daemon:
         return "ok", {"event_id": notice.event_id, "trainers_told": len(self.server.trainers()), "deadline_s": seconds}
 
     def _on_disconnect(self, peer: Peer) -> None:
-        self.stalled.pop(peer.id, None)
+        self.stalls.forget(peer)
         # Nothing it was writing can be finished now (a reconnected writer's file goes whole).
         self.uploader.abort_streams("the writer disconnected before finishing it", owner=peer.id)
         if peer.is_trainer:
@@ -486,71 +491,7 @@ class Daemon:
 
     def stall_bound(self, notice: Notice) -> float:
         """Seconds a told trainer may take to reach a checkpoint point before it is reported."""
-        window = (notice.deadline - notice.received).total_seconds()
-        return max(self.config.stall_min_seconds, self.config.stall_fraction * window)
-
-    def _mark_told(self, peers: Sequence[Peer], notice: Notice) -> None:
-        now = asyncio.get_running_loop().time()
-        for peer in peers:
-            peer.told.setdefault(notice.event_id, now)
-
-    def _acted(self, peer: Peer, event_id: str, what: str) -> None:
-        peer.acted.add(event_id)
-        report = self.stalled.pop(peer.id, None)
-        if report is not None and report["event_id"] == event_id:
-            waited = asyncio.get_running_loop().time() - peer.told.get(event_id, 0.0)
-            logger.warning("trainer pid %d %s after all, %.1f s after it was told", peer.pid, what, waited)
-
-    def _check_stalls(self) -> None:
-        """Report (once) each trainer told of the pending notice that has not acted on it within the bound."""
-        pending = self.pending
-        if pending is None:
-            self.stalled.clear()
-            return
-        notice, action = pending
-        now = asyncio.get_running_loop().time()
-        bound = self.stall_bound(notice)
-        for peer in self.server.trainers():
-            told = peer.told.get(notice.event_id)
-            if told is None or notice.event_id in peer.acted or now - told < bound:
-                continue
-            waited, left = now - told, notice.seconds_left()
-            report = self.stalled.get(peer.id)
-            if report is not None:
-                report.update(seconds=round(waited, 1), deadline_s=round(left, 1))
-                continue
-            message = (
-                f"trainer pid {peer.pid} has not reached a checkpoint point for {waited:.0f} s; "
-                f"the deadline is in {left:.0f} s"
-            )
-            report = {
-                "pid": peer.pid,
-                "rank": peer.hello["rank"] if peer.hello else None,
-                "event_id": notice.event_id,
-                "seconds": round(waited, 1),
-                "bound_s": round(bound, 1),
-                "deadline_s": round(left, 1),
-                "message": message,
-            }
-            self.stalled[peer.id] = report
-            logger.error(
-                "%s (told of %s notice %s; the bound is %.0f s): is the loop calling should_checkpoint?",
-                message,
-                notice.kind,
-                notice.event_id,
-                bound,
-            )
-            for listener in self.stall_listeners:
-                try:
-                    listener(notice, action, report)
-                except Exception:
-                    logger.exception("a stall listener failed for pid %d", peer.pid)
-
-    async def _watch_stalls(self) -> None:
-        while not self._stopping.is_set():
-            self._check_stalls()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), _STALL_CHECK_INTERVAL)
+        return self.stalls.bound(notice)
 
     async def _on_committed(self, name: str, manifest: Manifest, seconds: float) -> None:
         event_id = manifest.meta.get("event_id")
@@ -798,7 +739,7 @@ class Daemon:
             logger.warning("the first metadata check took longer than %.0f s", self.config.http_timeout * 2 + 1)
         await asyncio.to_thread(self.events.flush)  # what READY promises is on disk too
         self._tasks = [asyncio.create_task(self.uploader.run(), name="uploader")]
-        self._tasks.append(asyncio.create_task(self._watch_stalls(), name="stall-watch"))
+        self._tasks.append(asyncio.create_task(self.stalls.watch(self._stopping), name="stall-watch"))
         self._tasks.append(asyncio.create_task(self._end_notices_on_time(), name="notice-lifecycle"))
         self._tasks.append(asyncio.create_task(self._probe_rate(), name="rate-probe"))
         self._tasks.append(asyncio.create_task(self._revise_plan(), name="plan-revise"))
