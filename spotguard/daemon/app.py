@@ -28,11 +28,12 @@ from spotguard.daemon.events import (
 )
 from spotguard.daemon.notices import EventLog, NoticeBook, NoticeState, TrackedNotice
 from spotguard.daemon.notify import SystemdNotifier, watchdog_loop
-from spotguard.daemon.plan import Plan, Planner, Route, probe_upload
+from spotguard.daemon.peering import Peering
+from spotguard.daemon.plan import Planner, probe_upload
 from spotguard.daemon.server import Peer, Reply, SocketServer
 from spotguard.daemon.stall import StallWatch
 from spotguard.daemon.uploader import Uploader
-from spotguard.localstore import prune_local, scan_local
+from spotguard.localstore import prune_local
 from spotguard.manifest import (
     FileEntry,
     Manifest,
@@ -44,19 +45,14 @@ from spotguard.manifest import (
     step_dir_name,
 )
 from spotguard.notice import Action, Kind, Notice, utcnow
-from spotguard.peer.discovery import PREFIX as DISCOVERY_PREFIX
-from spotguard.peer.discovery import PeerRegistry, advertised_address
-from spotguard.peer.fetch import PeerResume, resume_from_peers
-from spotguard.peer.fetch import attach as attach_peer_fetch
-from spotguard.peer.handoff import Handoff, HandoffState
+from spotguard.peer.discovery import PeerRegistry
+from spotguard.peer.handoff import Handoff
 from spotguard.peer.receiver import PeerReceiver
-from spotguard.peer.replicas import AREA as PEER_AREA
-from spotguard.peer.wire import load_token, parse_address
+from spotguard.peer.wire import load_token
 from spotguard.providers.base import Acknowledgements, Monitor, MonitorError
 from spotguard.safefile import TMP_MARK
 from spotguard.space import keep_room_for_one
 from spotguard.storage.base import Storage, StorageError
-from spotguard.storage.checkpoints import list_remote
 from spotguard.storage.journal import UploadJournal
 from spotguard.version import __version__
 
@@ -93,8 +89,6 @@ class Daemon:
         peer_token: bytes | None = None,
     ) -> None:
         self.config = config
-        self._peer_token = peer_token  # the job's shared secret: never logged, never in status
-        self.peer_receiver: PeerReceiver | None = None
         self.notifier = notifier or SystemdNotifier({})
         self.provider = provider
         self.monitors = list(monitors)
@@ -107,17 +101,16 @@ class Daemon:
         self._notices_changed = asyncio.Event()  # wakes the task that ends notices on time
         self.uploader = _build_uploader(config, storage, self.root)
         self.uploader.on_committed.append(self._on_committed)
+        self.peering = Peering(
+            config,
+            storage=storage,
+            root=self.root,
+            token=peer_token,  # the job's shared secret: never logged, never in status
+            submit=lambda path: self.uploader.submit(path, urgent=False),
+        )
         # The deadline plan: what it is made of (state size, upload rate) is fed by listeners.
-        self.handoff: Handoff | None = None  # the peer route: hands the urgent checkpoint to a peer
-        # peers = "bucket": the peers register under the bucket's .spotguard-peers/ (and so does this one).
-        self.registry: PeerRegistry | None = None
-        self._registry_task: asyncio.Task[None] | None = None
-        if config.peer_discovery and peer_token is not None and storage is not None:
-            self.registry = PeerRegistry(storage)
-        if config.peers and peer_token is not None and config.bucket is not None:
-            self.handoff = Handoff(self._peer_candidates, peer_token, config.bucket)
-        self.planner = Planner(peer_available=self._peer_available, bucket=storage is not None)
-        self.planner.listeners.append(self._follow_plan)
+        self.planner = Planner(peer_available=self.peering.available, bucket=storage is not None)
+        self.planner.listeners.append(self.peering.follow_plan)
         self.uploader.on_committed.append(self._measure_upload)
         self.server = SocketServer(
             config.socket,
@@ -150,10 +143,21 @@ class Daemon:
         self.plan_listeners = self.planner.listeners
         self.metrics_url: str | None = None  # set by build_and_run when metrics are served
         self.monitor_errors: dict[str, str] = {}
-        self._peer_resume_lock = asyncio.Lock()
         self._stopping = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._discards: set[asyncio.Task[list[str]]] = set()  # failed saves being removed from the bucket
+
+    @property
+    def peer_receiver(self) -> PeerReceiver | None:
+        return self.peering.receiver
+
+    @property
+    def registry(self) -> PeerRegistry | None:
+        return self.peering.registry
+
+    @property
+    def handoff(self) -> Handoff | None:
+        return self.peering.handoff
 
     @property
     def bucket_url(self) -> str | None:
@@ -287,7 +291,7 @@ class Daemon:
             # keep_remote complete ones, and local retention drops it anyway.)
             return [("safe-steps", {"names": sorted(self.uploader.committed), "bucket": self.config.bucket})]
         if kind == "peer-resume":
-            return [await self._peer_resume(message)]
+            return [await self.peering.resume(message)]
         if kind == "drill":
             return [await self._drill(message)]
         return [("status", self.status())]
@@ -299,7 +303,7 @@ class Daemon:
             "checkpoint_dir": str(self.root),
             "bucket": self.config.bucket,
             "daemon_pid": os.getpid(),
-            "peers": self._can_resume_from_peers(),  # the hook asks (peer-resume) before a resume
+            "peers": self.peering.can_resume(),  # the hook asks (peer-resume) before a resume
         }
         if claimed and Path(claimed).resolve() != self.root.resolve():
             fields["warning"] = (
@@ -524,121 +528,15 @@ class Daemon:
             "save_failures": self.save_failures[-5:],
             "plan": self.plan_status(),
             "upload_rate_bytes_s": None if (rate := self.measured_rate()) is None else round(rate),
-            "peers": self._peers_status(),
+            "peers": self.peering.status(),
             "stopping": self._stopping.is_set(),
             "metrics_url": self.metrics_url,
-        }
-
-    def _peers_status(self) -> dict[str, Any] | None:
-        if not (self.config.peer_listen or self.config.peers):
-            return None
-        receiver = self.peer_receiver.status() if self.peer_receiver is not None else {"listen": None}
-        listed = [f"{host}:{port}" for host, port in self.config.peer_addresses()]
-        return {
-            "peers": self.registry.last_seen if self.registry is not None else listed,
-            "discovery": None if self.registry is None else self.registry.status(),
-            **receiver,
-            "handoff": None if self.handoff is None else self.handoff.status(),
         }
 
     def hard_notice_pending(self) -> bool:
         """What a peer asks before it hands this daemon a checkpoint: a VM going away is no rescue."""
         pending = self.pending
         return pending is not None and pending[1] is Action.STOP
-
-    async def _start_peer_receiver(self) -> None:
-        if not self.config.peer_listen or self._peer_token is None:
-            return
-        host, port = parse_address(self.config.peer_listen)
-        receiver = PeerReceiver(
-            self.root / PEER_AREA,
-            self.storage,
-            token=self._peer_token,
-            host=host,
-            port=port,
-            busy=self.hard_notice_pending,
-            max_replica_bytes=self.config.peer_max_replica_bytes,
-            max_replicas=self.config.peer_max_replicas,
-            concurrency=self.config.upload_concurrency,
-        )
-        try:
-            await receiver.start()
-        except OSError as exc:
-            logger.error(
-                "peers: cannot listen on %s: %s; running without the peer receiver", self.config.peer_listen, exc
-            )
-            return
-        attach_peer_fetch(receiver)  # a replacement VM may fetch a replica back to resume from it
-        self.peer_receiver = receiver
-        if self.registry is not None and receiver.address is not None:
-            try:
-                address = await asyncio.to_thread(advertised_address, receiver.address, self.config.peer_advertise)
-            except OSError as exc:  # no route and a host name that does not resolve
-                logger.error("peers: cannot tell this host's address (%s); set peer_advertise. Not registering", exc)
-                return
-            self.registry.advertise(address)
-            logger.info("peers: registering %s under %s/", address, DISCOVERY_PREFIX)
-            self._registry_task = asyncio.create_task(self.registry.run(), name="peer-registry")
-
-    async def _peer_candidates(self) -> list[tuple[str, int]]:
-        if self.registry is not None:
-            return await self.registry.candidates()
-        return self.config.peer_addresses()
-
-    def _can_resume_from_peers(self) -> bool:
-        return bool(self.config.peers) and self._peer_token is not None and self.storage is not None
-
-    async def _peer_resume(self, message: dict[str, Any]) -> Reply:
-        """Fetch the newest verified checkpoint of this bucket a peer holds, if it is newer than
-        every complete one here and in the bucket (consistency rule: spotguard/daemon/peerfetch.py)."""
-        after = message["after"]
-        if not self._can_resume_from_peers():
-            return "peer-resume", {"after": after, "path": None, "not_fetched": []}
-        assert self.storage is not None and self._peer_token is not None
-        storage, token = self.storage, self._peer_token
-
-        async def ask() -> PeerResume:
-            newest = max(after, await asyncio.to_thread(self._newest_complete))
-            fetch = message.get("fetch") is not False  # false: a multi-node job, only told what is newer
-            peers = await self._peer_candidates()  # the listed ones, or those found in the bucket
-            return await resume_from_peers(peers, token, storage.url, self.root, newest, fetch=fetch)
-
-        async with self._peer_resume_lock:  # two ranks' hooks asking at once fetch once
-            try:
-                found = await asyncio.wait_for(ask(), protocol.PEER_RESUME_TIMEOUT)
-            except TimeoutError:
-                logger.warning("peers: nothing fetched in %.0f s; resuming without them", protocol.PEER_RESUME_TIMEOUT)
-                found = PeerResume(after=after)
-        after = found.after
-        for where in found.not_fetched:
-            logger.warning(
-                "peers: %s is newer than step %d but not fetched (a node's share, or a multi-node job)", where, after
-            )
-        fields: dict[str, Any] = {"after": after, "path": None, "not_fetched": found.not_fetched}
-        if found.path is not None and found.offer is not None:
-            self.uploader.submit(found.path, urgent=False)  # the same bytes as the peer's: either commit counts
-            peer = found.offer.peer
-            fields.update(path=str(found.path), step=found.offer.step, peer=f"{peer[0]}:{peer[1]}")
-        return "peer-resume", fields
-
-    def _newest_complete(self) -> int:
-        """The newest complete checkpoint's step, here or in the bucket (-1: none anywhere)."""
-        steps = [info.step for info in scan_local(self.root) if info.status == "complete"]
-        if self.storage is not None:
-            try:
-                steps += [info.step for info in list_remote(self.storage) if info.status == "complete"]
-            except (StorageError, OSError) as exc:
-                logger.warning(
-                    "peers: cannot list %s (%s): comparing with the local checkpoints only", self.storage.url, exc
-                )
-        return max(steps, default=-1)
-
-    def _peer_available(self) -> bool:
-        return self.handoff is not None and self.handoff.state is not HandoffState.FAILED
-
-    def _follow_plan(self, notice: Notice, plan: Plan) -> None:
-        if plan.route is Route.PEER and self.handoff is not None:
-            self.handoff.start()
 
     def plan_status(self) -> dict[str, Any] | None:
         """The deadline plan of the pending notice (None when none is pending)."""
@@ -729,7 +627,7 @@ class Daemon:
             )
             self._start_timeline(tracked)
         # Before the socket: whoever sees the daemon answer sees its peer receiver listening too.
-        await self._start_peer_receiver()
+        await self.peering.start_receiver(self.hard_notice_pending)
         await self.server.start()
         # Restarted in the middle of an incident? Ask every source once before declaring READY.
         first_checks = asyncio.gather(*(self._check_once(m) for m in self.monitors))
@@ -761,11 +659,7 @@ class Daemon:
         """Stop taking new work, finish uploads until the pending deadline (or the grace time), exit."""
         self._stopping.set()
         await self.server.stop_accepting()
-        if self._registry_task is not None and self.registry is not None:
-            # No candidate any more (the heartbeat first, or it could write the entry again).
-            self._registry_task.cancel("daemon shutting down")
-            await asyncio.gather(self._registry_task, return_exceptions=True)
-            await self.registry.close()
+        await self.peering.stop_registry()
         current = self.notices.current()
         budget = self.config.shutdown_grace
         if current is not None:
@@ -787,10 +681,7 @@ class Daemon:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.uploader.close_streams()  # nothing left open in the bucket for files never finished
         await self.server.close()
-        if self.peer_receiver is not None:
-            await self.peer_receiver.close()
-        if self.handoff is not None:
-            await self.handoff.close()
+        await self.peering.close()
         for monitor in self.monitors:
             with contextlib.suppress(Exception):
                 await monitor.close()
