@@ -32,6 +32,7 @@ from spotguard.daemon.peering import Peering
 from spotguard.daemon.plan import Planner, probe_upload
 from spotguard.daemon.server import Peer, Reply, SocketServer
 from spotguard.daemon.stall import StallWatch
+from spotguard.daemon.status import plan_status_of, render_status
 from spotguard.daemon.uploader import Uploader
 from spotguard.localstore import prune_local
 from spotguard.manifest import (
@@ -508,30 +509,7 @@ class Daemon:
     # --- status ------------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
-        current = self.notices.current()
-        return {
-            "version": __version__,
-            "pid": os.getpid(),
-            "provider": self.provider,
-            "monitors": [monitor.name for monitor in self.monitors],
-            "monitor_errors": dict(self.monitor_errors),
-            "checkpoint_dir": str(self.root),
-            "trainers": [
-                {"pid": p.pid, "uid": p.uid, "rank": p.hello["rank"], "world_size": p.hello["world_size"]}
-                for p in self.server.trainers()
-                if p.hello is not None
-            ],
-            "pending": None if current is None else self._notice_status(current),
-            "last_notice": self.last_notice,
-            "stalled": list(self.stalled.values()),
-            "uploads": self.uploader.status(),
-            "save_failures": self.save_failures[-5:],
-            "plan": self.plan_status(),
-            "upload_rate_bytes_s": None if (rate := self.measured_rate()) is None else round(rate),
-            "peers": self.peering.status(),
-            "stopping": self._stopping.is_set(),
-            "metrics_url": self.metrics_url,
-        }
+        return render_status(self, peers=self.peering.status(), stopping=self._stopping.is_set())
 
     def hard_notice_pending(self) -> bool:
         """What a peer asks before it hands this daemon a checkpoint: a VM going away is no rescue."""
@@ -540,8 +518,7 @@ class Daemon:
 
     def plan_status(self) -> dict[str, Any] | None:
         """The deadline plan of the pending notice (None when none is pending)."""
-        plan = self.planner.current
-        return None if plan is None or self.notices.current() is None else plan.to_dict()
+        return plan_status_of(self.planner, self.notices)
 
     def measured_rate(self) -> float | None:
         """Bytes per second recent uploads (and the start-up probe) reached."""
@@ -570,16 +547,6 @@ class Daemon:
             return
         self.planner.observe_upload(nbytes, seconds)
         logger.info("upload-rate probe: %d bytes in %.2f s (%.1f MB/s)", nbytes, seconds, nbytes / seconds / 1e6)
-
-    def _notice_status(self, tracked: TrackedNotice) -> dict[str, Any]:
-        now = utcnow()
-        return {
-            **tracked.notice.to_dict(),
-            "action": str(tracked.action),
-            "state": str(tracked.state),
-            "seconds_left": round(max(0.0, tracked.notice.seconds_left(now)), 3),
-            "over_in_s": round(max(0.0, (tracked.ends - now).total_seconds()), 3),
-        }
 
     # --- lifetime ----------------------------------------------------------------------
 
