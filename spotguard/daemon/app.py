@@ -12,13 +12,11 @@ import contextlib
 import logging
 import os
 import signal
-import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
-from spotguard import protocol
 from spotguard.config import ConfigError, DaemonConfig
 from spotguard.daemon.events import (
     MonitorErrorListener,
@@ -30,29 +28,18 @@ from spotguard.daemon.notices import EventLog, NoticeBook, NoticeState, TrackedN
 from spotguard.daemon.notify import SystemdNotifier, watchdog_loop
 from spotguard.daemon.peering import Peering
 from spotguard.daemon.plan import Planner, probe_upload
-from spotguard.daemon.server import Peer, Reply, SocketServer
+from spotguard.daemon.requests import RequestHandler, checkpoint_now
+from spotguard.daemon.server import SocketServer
 from spotguard.daemon.stall import StallWatch
 from spotguard.daemon.status import plan_status_of, render_status
 from spotguard.daemon.uploader import Uploader
-from spotguard.localstore import prune_local
-from spotguard.manifest import (
-    FileEntry,
-    Manifest,
-    ManifestError,
-    check_relpath,
-    load_manifest,
-    load_part,
-    parse_step_dir,
-    step_dir_name,
-)
-from spotguard.notice import Action, Kind, Notice, utcnow
+from spotguard.manifest import Manifest
+from spotguard.notice import Action, Notice, utcnow
 from spotguard.peer.discovery import PeerRegistry
 from spotguard.peer.handoff import Handoff
 from spotguard.peer.receiver import PeerReceiver
 from spotguard.peer.wire import load_token
 from spotguard.providers.base import Acknowledgements, Monitor, MonitorError
-from spotguard.safefile import TMP_MARK
-from spotguard.space import keep_room_for_one
 from spotguard.storage.base import Storage, StorageError
 from spotguard.storage.journal import UploadJournal
 from spotguard.version import __version__
@@ -60,7 +47,6 @@ from spotguard.version import __version__
 logger = logging.getLogger("spotguard.daemon")
 
 _PLAN_REVISE_INTERVAL = 1.0  # seconds between revisions of the deadline plan while a notice is pending
-_SAVE_FAILED_FIELDS = ("step", "reason", "error", "message", "bytes_needed", "bytes_free", "path", "event_id")
 
 
 def _build_uploader(config: DaemonConfig, storage: Storage | None, root: Path) -> Uploader:
@@ -113,15 +99,17 @@ class Daemon:
         self.planner = Planner(peer_available=self.peering.available, bucket=storage is not None)
         self.planner.listeners.append(self.peering.follow_plan)
         self.uploader.on_committed.append(self._measure_upload)
+        self._stopping = asyncio.Event()
+        self.requests = RequestHandler(self, stopping=self._stopping.is_set)
         self.server = SocketServer(
             config.socket,
-            self._handle,
+            self.requests.handle,
             allowed_uids=config.allowed_uids,
             allowed_gids=config.allowed_gids,
             trainer_uids=config.trainer_uids,
             max_message_bytes=config.max_message_bytes,
             max_connections=config.max_connections,
-            on_disconnect=self._on_disconnect,
+            on_disconnect=self.requests.on_disconnect,
         )
         self._init_observed_state()
 
@@ -144,9 +132,7 @@ class Daemon:
         self.plan_listeners = self.planner.listeners
         self.metrics_url: str | None = None  # set by build_and_run when metrics are served
         self.monitor_errors: dict[str, str] = {}
-        self._stopping = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        self._discards: set[asyncio.Task[list[str]]] = set()  # failed saves being removed from the bucket
 
     @property
     def peer_receiver(self) -> PeerReceiver | None:
@@ -197,7 +183,7 @@ class Daemon:
             "checkpoint and stop" if action is Action.STOP else "checkpoint",
         )
         self._start_timeline(self.notices.open(notice, action))
-        message_type, fields = self._checkpoint_now(notice, action)
+        message_type, fields = checkpoint_now(notice, action)
         self.stalls.mark_told(self.server.trainers(), notice)
         told = await self.server.broadcast(message_type, **fields)
         if self.last_notice is not None:
@@ -249,14 +235,6 @@ class Daemon:
         current = self.notices.current()
         return None if current is None else (current.notice, current.action)
 
-    def _checkpoint_now(self, notice: Notice, action: Action) -> Reply:
-        return "checkpoint-now", {
-            "notice": notice.to_dict(),
-            "stop": action is Action.STOP,
-            # A held notice may be past its deadline: the trainer has no time left, not negative time.
-            "deadline_s": round(max(0.0, notice.seconds_left()), 3),
-        }
-
     async def _end_notices_on_time(self) -> None:
         """Move notices to over when their time is up, even if nobody asks the daemon anything."""
         while True:
@@ -265,232 +243,6 @@ class Daemon:
             wait = self.notices.seconds_to_next_change()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._notices_changed.wait(), None if wait is None else wait + 0.01)
-
-    # --- socket requests ---------------------------------------------------------------
-
-    async def _handle(self, peer: Peer, message: dict[str, Any]) -> list[Reply]:
-        kind = message["type"]
-        if kind == "hello":
-            return self._hello(peer, message)
-        if kind == "file":
-            self._file(message)
-            return []  # fire and forget: the trainer is busy writing the next file
-        if kind == "file-range":
-            self._file_range(peer, message)
-            return []  # no reply either: a range per written chunk, the trainer does not wait
-        if kind == "saved":
-            return [await self._saved(peer, message)]
-        if kind == "checkpoint-started":
-            self.stalls.acted(peer, message["event_id"], f"reached a checkpoint point at step {message['step']}")
-            return []
-        if kind == "save-failed":
-            self._save_failed(peer, message)
-            return []  # nothing to answer: the trainer goes on (or stops) either way
-        if kind == "safe-steps":
-            # Local copies of these may be dropped when the disk is short of room. (A name bucket
-            # retention removed since stays listed until the next rescan: it is older than
-            # keep_remote complete ones, and local retention drops it anyway.)
-            return [("safe-steps", {"names": sorted(self.uploader.committed), "bucket": self.config.bucket})]
-        if kind == "peer-resume":
-            return [await self.peering.resume(message)]
-        if kind == "drill":
-            return [await self._drill(message)]
-        return [("status", self.status())]
-
-    def _hello(self, peer: Peer, message: dict[str, Any]) -> list[Reply]:
-        peer.hello = message
-        claimed = message.get("checkpoint_dir") or ""
-        fields: dict[str, Any] = {
-            "checkpoint_dir": str(self.root),
-            "bucket": self.config.bucket,
-            "daemon_pid": os.getpid(),
-            "peers": self.peering.can_resume(),  # the hook asks (peer-resume) before a resume
-        }
-        if claimed and Path(claimed).resolve() != self.root.resolve():
-            fields["warning"] = (
-                f"the trainer writes to {claimed} but this daemon uploads from {self.root}: "
-                "set the same directory on both sides"
-            )
-            logger.warning("trainer pid %d: %s", peer.pid, fields["warning"])
-        logger.info("trainer connected: pid %d rank %s/%s", peer.pid, message["rank"], message["world_size"])
-        replies: list[Reply] = [("welcome", fields)]
-        pending = self.pending
-        if pending is not None:
-            # A trainer that (re)connects while a notice is pending is told at once.
-            replies.append(self._checkpoint_now(*pending))
-            self.stalls.mark_told([peer], pending[0])
-        return replies
-
-    def _step_dir(self, path: Path) -> Path:
-        """A reported checkpoint directory, resolved; it must be a direct child of the checkpoint root."""
-        try:
-            resolved = path.resolve(strict=True)
-        except (OSError, RuntimeError):
-            raise protocol.ProtocolError("bad-path", f"{path} does not exist") from None
-        if resolved.parent != self.root.resolve() or parse_step_dir(resolved.name) is None:
-            raise protocol.ProtocolError("bad-path", f"{path} is not a checkpoint directory inside {self.root}")
-        return resolved
-
-    def _file(self, message: dict[str, Any]) -> None:
-        step_dir = self._step_dir(Path(message["path"]))
-        try:
-            name = check_relpath(message["name"])
-        except ManifestError as exc:
-            raise protocol.ProtocolError("bad-path", str(exc)) from None
-        entry = FileEntry(size=message["size"], crc32c=message["crc32c"])
-        self.uploader.file_ready(step_dir, name, entry, urgent=self.pending is not None)
-        if self.pending is not None:
-            self.planner.observe_file(step_dir.name, entry.size)
-            self.planner.revise(self.uploader.forecast())  # now: a big file may call for the peer route
-            if self.handoff is not None:
-                self.handoff.file_ready(step_dir, name, entry)
-
-    def _file_range(self, peer: Peer, message: dict[str, Any]) -> None:
-        step_dir = self._step_dir(Path(message["path"]))
-        try:
-            name = check_relpath(message["name"])
-        except ManifestError as exc:
-            raise protocol.ProtocolError("bad-path", str(exc)) from None
-        tmp = PurePosixPath(message["tmp"])
-        # The writer's temporary name sits beside the file it becomes, and says it is one.
-        if tmp.is_absolute() or tmp.parent != PurePosixPath(name).parent or TMP_MARK not in tmp.name:
-            raise protocol.ProtocolError(
-                "bad-path", f"file-range: {message['tmp']!r} is not a temporary name beside {name!r}"
-            )
-        if not (step_dir / tmp).parent.resolve().is_relative_to(step_dir):
-            # A subdirectory that is a symlink: O_NOFOLLOW guards only the last component.
-            raise protocol.ProtocolError("bad-path", f"file-range: {message['tmp']!r} leads out of {step_dir}")
-        # Writers that gave up on a file (its temporary name removed) leave no upload open.
-        self.uploader.abort_streams("its temporary file was removed before it was finished")
-        try:
-            self.uploader.file_range(
-                step_dir,
-                name,
-                tmp=str(tmp),
-                size=message["size"],
-                offset=message["offset"],
-                length=message["length"],
-                owner=peer.id,
-                urgent=self.pending is not None,
-            )
-        except FileNotFoundError:
-            if (step_dir / name).is_file():
-                return  # announced late: the file is finished already, and goes whole at its file message
-            raise protocol.ProtocolError("bad-path", f"file-range: {step_dir / tmp} does not exist") from None
-        except ValueError as exc:
-            raise protocol.ProtocolError("bad-field", str(exc)) from None
-        except OSError as exc:  # a symlink (refused), a directory, no permission
-            raise protocol.ProtocolError("bad-path", f"file-range: {step_dir / tmp}: {exc}") from None
-        if self.handoff is not None and self.pending is not None:
-            self.handoff.file_range(
-                step_dir, name, tmp=str(tmp), size=message["size"], offset=message["offset"], length=message["length"]
-            )
-
-    async def _saved(self, peer: Peer, message: dict[str, Any]) -> Reply:
-        resolved = self._step_dir(Path(message["path"]))
-        self.uploader.abort_streams("its temporary file was removed before it was finished")
-        urgent = message["reason"] in ("urgent", "soft", "final")
-        if isinstance(message.get("event_id"), str):
-            self.stalls.acted(peer, message["event_id"], f"committed {resolved.name}")
-        try:
-            manifest = await asyncio.to_thread(load_manifest, resolved)
-        except (OSError, ValueError) as exc:
-            # Multi-node jobs: this disk may hold only this node's committed share.
-            if (share := await asyncio.to_thread(load_part, resolved)) is None:
-                raise protocol.ProtocolError("not-committed", f"{resolved.name}: {exc}") from None
-            logger.info("trainer pid %d committed this node's share of %s", peer.pid, resolved.name)
-            self._record_saved(message.get("event_id"), resolved.name, parse_step_dir(resolved.name) or 0)
-            self._observe_saved(share)
-            if self.handoff is not None and self.pending is not None:
-                self.handoff.saved(resolved)  # the peer route carries this node's share
-            if self.storage is not None:
-                self.uploader.submit(resolved, urgent=urgent)
-            return "ok", {"queued": self.storage is not None, "name": resolved.name}
-        logger.info(
-            "trainer pid %d committed %s (%s, %d bytes)", peer.pid, resolved.name, manifest.reason, manifest.total_bytes
-        )
-        self._tell_saved(resolved.name, manifest)
-        self._record_saved(message.get("event_id"), resolved.name, manifest.step)
-        # Node 0 of a multi-node job holds the whole job's manifest but uploads only its share.
-        share = await asyncio.to_thread(load_part, resolved) if manifest.meta.get("nodes", 1) > 1 else None
-        self._observe_saved(manifest.files if share is None else share)
-        if self.pending is not None and self.handoff is not None:
-            self.handoff.saved(resolved)
-        if self.storage is None:
-            await asyncio.to_thread(self._prune_without_bucket)
-        else:
-            self.uploader.submit(resolved, urgent=urgent)
-            # Uploads failing for hours must not fill the disk the next urgent save needs.
-            await asyncio.to_thread(keep_room_for_one, self.root, protected=self.uploader.in_flight())
-        return "ok", {"queued": self.storage is not None, "name": resolved.name}
-
-    def _observe_saved(self, files: Mapping[str, FileEntry]) -> None:
-        """What this node uploads of the checkpoint just committed sizes the next notice's plan, and
-        the pending one's now."""
-        self.planner.observe_size(sum(entry.size for entry in files.values()))
-        if self.pending is not None:
-            self.planner.revise(self.uploader.forecast())
-
-    def _save_failed(self, peer: Peer, message: dict[str, Any]) -> None:
-        failure = {name: message.get(name) for name in _SAVE_FAILED_FIELDS}
-        failure.update(pid=peer.pid, at=utcnow().isoformat())
-        logger.error(
-            "trainer pid %d: %s checkpoint at step %d failed (%s): %s",
-            peer.pid,
-            message["reason"],
-            message["step"],
-            message["error"],
-            message["message"],
-        )
-        if self.storage is not None:
-            # Its files already streamed or sent ahead of the commit must not stay in the bucket.
-            name = step_dir_name(message["step"])
-            task = asyncio.create_task(self.uploader.discard(name, "the save failed"), name=f"discard-{name}")
-            self._discards.add(task)
-            task.add_done_callback(self._discards.discard)
-        self.save_failures.append(failure)
-        del self.save_failures[:-20]
-        event_id = message.get("event_id")
-        if self.last_notice is not None and isinstance(event_id, str) and self.last_notice.get("event_id") == event_id:
-            self.last_notice["save_failed"] = failure
-        for listener in self.save_failed_listeners:
-            try:
-                listener(failure)
-            except Exception:
-                logger.exception("a save-failed listener failed for step %s", message["step"])
-
-    def _record_saved(self, event_id: object, name: str, step: int) -> None:
-        """The trainer saved for a notice: remember it (across restarts) and for the timeline."""
-        if self.last_notice and self.last_notice.get("event_id") == event_id:
-            self.last_notice.update(saved_at=utcnow().isoformat(), saved_step=step, checkpoint=name)
-        self.notices.checkpointed(event_id, saved_step=step)
-
-    def _tell_saved(self, name: str, manifest: Manifest) -> None:
-        for listener in self.saved_listeners:
-            try:
-                listener(name, manifest)
-            except Exception:
-                logger.exception("a saved listener failed for %s", name)
-
-    def _prune_without_bucket(self) -> None:
-        prune_local(self.root, self.config.keep_local)
-
-    async def _drill(self, message: dict[str, Any]) -> Reply:
-        if self._stopping.is_set():
-            raise protocol.ProtocolError("stopping", "the daemon is shutting down")
-        seconds = float(message.get("deadline_s") or self.config.drill_deadline)
-        if not 0 < seconds <= 3600:
-            raise protocol.ProtocolError("bad-field", "drill: deadline_s must be in (0, 3600]")
-        notice = Notice.in_seconds(self.provider, Kind.DRILL, seconds, identity=uuid.uuid4().hex, raw={"drill": True})
-        await self.on_notice(notice)
-        return "ok", {"event_id": notice.event_id, "trainers_told": len(self.server.trainers()), "deadline_s": seconds}
-
-    def _on_disconnect(self, peer: Peer) -> None:
-        self.stalls.forget(peer)
-        # Nothing it was writing can be finished now (a reconnected writer's file goes whole).
-        self.uploader.abort_streams("the writer disconnected before finishing it", owner=peer.id)
-        if peer.is_trainer:
-            logger.info("trainer pid %d disconnected", peer.pid)
 
     # --- trainers that do not act on a notice ------------------------------------------
 
