@@ -12,59 +12,41 @@ import contextlib
 import logging
 import os
 import signal
-import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
-from spotguard import protocol
 from spotguard.config import ConfigError, DaemonConfig
 from spotguard.daemon.events import (
     MonitorErrorListener,
     NoticeListener,
     SavedListener,
     SaveFailedListener,
-    StallListener,
 )
 from spotguard.daemon.notices import EventLog, NoticeBook, NoticeState, TrackedNotice
 from spotguard.daemon.notify import SystemdNotifier, watchdog_loop
-from spotguard.daemon.plan import Plan, Planner, Route, probe_upload
-from spotguard.daemon.server import Peer, Reply, SocketServer
+from spotguard.daemon.peering import Peering
+from spotguard.daemon.plan import Planner, probe_upload
+from spotguard.daemon.requests import RequestHandler, checkpoint_now
+from spotguard.daemon.server import SocketServer
+from spotguard.daemon.stall import StallWatch
+from spotguard.daemon.status import plan_status_of, render_status
 from spotguard.daemon.uploader import Uploader
-from spotguard.localstore import prune_local, scan_local
-from spotguard.manifest import (
-    FileEntry,
-    Manifest,
-    ManifestError,
-    check_relpath,
-    load_manifest,
-    load_part,
-    parse_step_dir,
-    step_dir_name,
-)
-from spotguard.notice import Action, Kind, Notice, utcnow
-from spotguard.peer.discovery import PREFIX as DISCOVERY_PREFIX
-from spotguard.peer.discovery import PeerRegistry, advertised_address
-from spotguard.peer.fetch import PeerResume, resume_from_peers
-from spotguard.peer.fetch import attach as attach_peer_fetch
-from spotguard.peer.handoff import Handoff, HandoffState
+from spotguard.manifest import Manifest
+from spotguard.notice import Action, Notice, utcnow
+from spotguard.peer.discovery import PeerRegistry
+from spotguard.peer.handoff import Handoff
 from spotguard.peer.receiver import PeerReceiver
-from spotguard.peer.replicas import AREA as PEER_AREA
-from spotguard.peer.wire import load_token, parse_address
+from spotguard.peer.wire import load_token
 from spotguard.providers.base import Acknowledgements, Monitor, MonitorError
-from spotguard.safefile import TMP_MARK
-from spotguard.space import keep_room_for_one
 from spotguard.storage.base import Storage, StorageError
-from spotguard.storage.checkpoints import list_remote
 from spotguard.storage.journal import UploadJournal
 from spotguard.version import __version__
 
 logger = logging.getLogger("spotguard.daemon")
 
-_STALL_CHECK_INTERVAL = 0.25  # seconds between looks for stalled trainers while a notice is pending
 _PLAN_REVISE_INTERVAL = 1.0  # seconds between revisions of the deadline plan while a notice is pending
-_SAVE_FAILED_FIELDS = ("step", "reason", "error", "message", "bytes_needed", "bytes_free", "path", "event_id")
 
 
 def _build_uploader(config: DaemonConfig, storage: Storage | None, root: Path) -> Uploader:
@@ -94,8 +76,6 @@ class Daemon:
         peer_token: bytes | None = None,
     ) -> None:
         self.config = config
-        self._peer_token = peer_token  # the job's shared secret: never logged, never in status
-        self.peer_receiver: PeerReceiver | None = None
         self.notifier = notifier or SystemdNotifier({})
         self.provider = provider
         self.monitors = list(monitors)
@@ -108,27 +88,28 @@ class Daemon:
         self._notices_changed = asyncio.Event()  # wakes the task that ends notices on time
         self.uploader = _build_uploader(config, storage, self.root)
         self.uploader.on_committed.append(self._on_committed)
+        self.peering = Peering(
+            config,
+            storage=storage,
+            root=self.root,
+            token=peer_token,  # the job's shared secret: never logged, never in status
+            submit=lambda path: self.uploader.submit(path, urgent=False),
+        )
         # The deadline plan: what it is made of (state size, upload rate) is fed by listeners.
-        self.handoff: Handoff | None = None  # the peer route: hands the urgent checkpoint to a peer
-        # peers = "bucket": the peers register under the bucket's .spotguard-peers/ (and so does this one).
-        self.registry: PeerRegistry | None = None
-        self._registry_task: asyncio.Task[None] | None = None
-        if config.peer_discovery and peer_token is not None and storage is not None:
-            self.registry = PeerRegistry(storage)
-        if config.peers and peer_token is not None and config.bucket is not None:
-            self.handoff = Handoff(self._peer_candidates, peer_token, config.bucket)
-        self.planner = Planner(peer_available=self._peer_available, bucket=storage is not None)
-        self.planner.listeners.append(self._follow_plan)
+        self.planner = Planner(peer_available=self.peering.available, bucket=storage is not None)
+        self.planner.listeners.append(self.peering.follow_plan)
         self.uploader.on_committed.append(self._measure_upload)
+        self._stopping = asyncio.Event()
+        self.requests = RequestHandler(self, stopping=self._stopping.is_set)
         self.server = SocketServer(
             config.socket,
-            self._handle,
+            self.requests.handle,
             allowed_uids=config.allowed_uids,
             allowed_gids=config.allowed_gids,
             trainer_uids=config.trainer_uids,
             max_message_bytes=config.max_message_bytes,
             max_connections=config.max_connections,
-            on_disconnect=self._on_disconnect,
+            on_disconnect=self.requests.on_disconnect,
         )
         self._init_observed_state()
 
@@ -138,17 +119,32 @@ class Daemon:
         self.notice_listeners: list[NoticeListener] = []  # every new event id, ignored ones included
         self.saved_listeners: list[SavedListener] = []
         self.monitor_error_listeners: list[MonitorErrorListener] = []
-        self.stall_listeners: list[StallListener] = []
-        self.stalled: dict[int, dict[str, Any]] = {}  # peer id -> its report, while it stays stalled
+        self.stalls = StallWatch(
+            min_seconds=self.config.stall_min_seconds,
+            fraction=self.config.stall_fraction,
+            trainers=self.server.trainers,
+            pending=lambda: self.pending,
+        )
+        self.stall_listeners = self.stalls.listeners
+        self.stalled = self.stalls.stalled  # peer id -> its report, while it stays stalled
         self.save_failed_listeners: list[SaveFailedListener] = []
         self.save_failures: list[dict[str, Any]] = []  # the last few, newest last
         self.plan_listeners = self.planner.listeners
         self.metrics_url: str | None = None  # set by build_and_run when metrics are served
         self.monitor_errors: dict[str, str] = {}
-        self._peer_resume_lock = asyncio.Lock()
-        self._stopping = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        self._discards: set[asyncio.Task[list[str]]] = set()  # failed saves being removed from the bucket
+
+    @property
+    def peer_receiver(self) -> PeerReceiver | None:
+        return self.peering.receiver
+
+    @property
+    def registry(self) -> PeerRegistry | None:
+        return self.peering.registry
+
+    @property
+    def handoff(self) -> Handoff | None:
+        return self.peering.handoff
 
     @property
     def bucket_url(self) -> str | None:
@@ -187,8 +183,8 @@ class Daemon:
             "checkpoint and stop" if action is Action.STOP else "checkpoint",
         )
         self._start_timeline(self.notices.open(notice, action))
-        message_type, fields = self._checkpoint_now(notice, action)
-        self._mark_told(self.server.trainers(), notice)
+        message_type, fields = checkpoint_now(notice, action)
+        self.stalls.mark_told(self.server.trainers(), notice)
         told = await self.server.broadcast(message_type, **fields)
         if self.last_notice is not None:
             self.last_notice["told_at"] = utcnow().isoformat()
@@ -239,14 +235,6 @@ class Daemon:
         current = self.notices.current()
         return None if current is None else (current.notice, current.action)
 
-    def _checkpoint_now(self, notice: Notice, action: Action) -> Reply:
-        return "checkpoint-now", {
-            "notice": notice.to_dict(),
-            "stop": action is Action.STOP,
-            # A held notice may be past its deadline: the trainer has no time left, not negative time.
-            "deadline_s": round(max(0.0, notice.seconds_left()), 3),
-        }
-
     async def _end_notices_on_time(self) -> None:
         """Move notices to over when their time is up, even if nobody asks the daemon anything."""
         while True:
@@ -256,301 +244,11 @@ class Daemon:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._notices_changed.wait(), None if wait is None else wait + 0.01)
 
-    # --- socket requests ---------------------------------------------------------------
-
-    async def _handle(self, peer: Peer, message: dict[str, Any]) -> list[Reply]:
-        kind = message["type"]
-        if kind == "hello":
-            return self._hello(peer, message)
-        if kind == "file":
-            self._file(message)
-            return []  # fire and forget: the trainer is busy writing the next file
-        if kind == "file-range":
-            self._file_range(peer, message)
-            return []  # no reply either: a range per written chunk, the trainer does not wait
-        if kind == "saved":
-            return [await self._saved(peer, message)]
-        if kind == "checkpoint-started":
-            self._acted(peer, message["event_id"], f"reached a checkpoint point at step {message['step']}")
-            return []
-        if kind == "save-failed":
-            self._save_failed(peer, message)
-            return []  # nothing to answer: the trainer goes on (or stops) either way
-        if kind == "safe-steps":
-            # Local copies of these may be dropped when the disk is short of room. (A name bucket
-            # retention removed since stays listed until the next rescan: it is older than
-            # keep_remote complete ones, and local retention drops it anyway.)
-            return [("safe-steps", {"names": sorted(self.uploader.committed), "bucket": self.config.bucket})]
-        if kind == "peer-resume":
-            return [await self._peer_resume(message)]
-        if kind == "drill":
-            return [await self._drill(message)]
-        return [("status", self.status())]
-
-    def _hello(self, peer: Peer, message: dict[str, Any]) -> list[Reply]:
-        peer.hello = message
-        claimed = message.get("checkpoint_dir") or ""
-        fields: dict[str, Any] = {
-            "checkpoint_dir": str(self.root),
-            "bucket": self.config.bucket,
-            "daemon_pid": os.getpid(),
-            "peers": self._can_resume_from_peers(),  # the hook asks (peer-resume) before a resume
-        }
-        if claimed and Path(claimed).resolve() != self.root.resolve():
-            fields["warning"] = (
-                f"the trainer writes to {claimed} but this daemon uploads from {self.root}: "
-                "set the same directory on both sides"
-            )
-            logger.warning("trainer pid %d: %s", peer.pid, fields["warning"])
-        logger.info("trainer connected: pid %d rank %s/%s", peer.pid, message["rank"], message["world_size"])
-        replies: list[Reply] = [("welcome", fields)]
-        pending = self.pending
-        if pending is not None:
-            # A trainer that (re)connects while a notice is pending is told at once.
-            replies.append(self._checkpoint_now(*pending))
-            self._mark_told([peer], pending[0])
-        return replies
-
-    def _step_dir(self, path: Path) -> Path:
-        """A reported checkpoint directory, resolved; it must be a direct child of the checkpoint root."""
-        try:
-            resolved = path.resolve(strict=True)
-        except (OSError, RuntimeError):
-            raise protocol.ProtocolError("bad-path", f"{path} does not exist") from None
-        if resolved.parent != self.root.resolve() or parse_step_dir(resolved.name) is None:
-            raise protocol.ProtocolError("bad-path", f"{path} is not a checkpoint directory inside {self.root}")
-        return resolved
-
-    def _file(self, message: dict[str, Any]) -> None:
-        step_dir = self._step_dir(Path(message["path"]))
-        try:
-            name = check_relpath(message["name"])
-        except ManifestError as exc:
-            raise protocol.ProtocolError("bad-path", str(exc)) from None
-        entry = FileEntry(size=message["size"], crc32c=message["crc32c"])
-        self.uploader.file_ready(step_dir, name, entry, urgent=self.pending is not None)
-        if self.pending is not None:
-            self.planner.observe_file(step_dir.name, entry.size)
-            self.planner.revise(self.uploader.forecast())  # now: a big file may call for the peer route
-            if self.handoff is not None:
-                self.handoff.file_ready(step_dir, name, entry)
-
-    def _file_range(self, peer: Peer, message: dict[str, Any]) -> None:
-        step_dir = self._step_dir(Path(message["path"]))
-        try:
-            name = check_relpath(message["name"])
-        except ManifestError as exc:
-            raise protocol.ProtocolError("bad-path", str(exc)) from None
-        tmp = PurePosixPath(message["tmp"])
-        # The writer's temporary name sits beside the file it becomes, and says it is one.
-        if tmp.is_absolute() or tmp.parent != PurePosixPath(name).parent or TMP_MARK not in tmp.name:
-            raise protocol.ProtocolError(
-                "bad-path", f"file-range: {message['tmp']!r} is not a temporary name beside {name!r}"
-            )
-        if not (step_dir / tmp).parent.resolve().is_relative_to(step_dir):
-            # A subdirectory that is a symlink: O_NOFOLLOW guards only the last component.
-            raise protocol.ProtocolError("bad-path", f"file-range: {message['tmp']!r} leads out of {step_dir}")
-        # Writers that gave up on a file (its temporary name removed) leave no upload open.
-        self.uploader.abort_streams("its temporary file was removed before it was finished")
-        try:
-            self.uploader.file_range(
-                step_dir,
-                name,
-                tmp=str(tmp),
-                size=message["size"],
-                offset=message["offset"],
-                length=message["length"],
-                owner=peer.id,
-                urgent=self.pending is not None,
-            )
-        except FileNotFoundError:
-            if (step_dir / name).is_file():
-                return  # announced late: the file is finished already, and goes whole at its file message
-            raise protocol.ProtocolError("bad-path", f"file-range: {step_dir / tmp} does not exist") from None
-        except ValueError as exc:
-            raise protocol.ProtocolError("bad-field", str(exc)) from None
-        except OSError as exc:  # a symlink (refused), a directory, no permission
-            raise protocol.ProtocolError("bad-path", f"file-range: {step_dir / tmp}: {exc}") from None
-        if self.handoff is not None and self.pending is not None:
-            self.handoff.file_range(
-                step_dir, name, tmp=str(tmp), size=message["size"], offset=message["offset"], length=message["length"]
-            )
-
-    async def _saved(self, peer: Peer, message: dict[str, Any]) -> Reply:
-        resolved = self._step_dir(Path(message["path"]))
-        self.uploader.abort_streams("its temporary file was removed before it was finished")
-        urgent = message["reason"] in ("urgent", "soft", "final")
-        if isinstance(message.get("event_id"), str):
-            self._acted(peer, message["event_id"], f"committed {resolved.name}")
-        try:
-            manifest = await asyncio.to_thread(load_manifest, resolved)
-        except (OSError, ValueError) as exc:
-            # Multi-node jobs: this disk may hold only this node's committed share.
-            if (share := await asyncio.to_thread(load_part, resolved)) is None:
-                raise protocol.ProtocolError("not-committed", f"{resolved.name}: {exc}") from None
-            logger.info("trainer pid %d committed this node's share of %s", peer.pid, resolved.name)
-            self._record_saved(message.get("event_id"), resolved.name, parse_step_dir(resolved.name) or 0)
-            self._observe_saved(share)
-            if self.handoff is not None and self.pending is not None:
-                self.handoff.saved(resolved)  # the peer route carries this node's share
-            if self.storage is not None:
-                self.uploader.submit(resolved, urgent=urgent)
-            return "ok", {"queued": self.storage is not None, "name": resolved.name}
-        logger.info(
-            "trainer pid %d committed %s (%s, %d bytes)", peer.pid, resolved.name, manifest.reason, manifest.total_bytes
-        )
-        self._tell_saved(resolved.name, manifest)
-        self._record_saved(message.get("event_id"), resolved.name, manifest.step)
-        # Node 0 of a multi-node job holds the whole job's manifest but uploads only its share.
-        share = await asyncio.to_thread(load_part, resolved) if manifest.meta.get("nodes", 1) > 1 else None
-        self._observe_saved(manifest.files if share is None else share)
-        if self.pending is not None and self.handoff is not None:
-            self.handoff.saved(resolved)
-        if self.storage is None:
-            await asyncio.to_thread(self._prune_without_bucket)
-        else:
-            self.uploader.submit(resolved, urgent=urgent)
-            # Uploads failing for hours must not fill the disk the next urgent save needs.
-            await asyncio.to_thread(keep_room_for_one, self.root, protected=self.uploader.in_flight())
-        return "ok", {"queued": self.storage is not None, "name": resolved.name}
-
-    def _observe_saved(self, files: Mapping[str, FileEntry]) -> None:
-        """What this node uploads of the checkpoint just committed sizes the next notice's plan, and
-        the pending one's now."""
-        self.planner.observe_size(sum(entry.size for entry in files.values()))
-        if self.pending is not None:
-            self.planner.revise(self.uploader.forecast())
-
-    def _save_failed(self, peer: Peer, message: dict[str, Any]) -> None:
-        failure = {name: message.get(name) for name in _SAVE_FAILED_FIELDS}
-        failure.update(pid=peer.pid, at=utcnow().isoformat())
-        logger.error(
-            "trainer pid %d: %s checkpoint at step %d failed (%s): %s",
-            peer.pid,
-            message["reason"],
-            message["step"],
-            message["error"],
-            message["message"],
-        )
-        if self.storage is not None:
-            # Its files already streamed or sent ahead of the commit must not stay in the bucket.
-            name = step_dir_name(message["step"])
-            task = asyncio.create_task(self.uploader.discard(name, "the save failed"), name=f"discard-{name}")
-            self._discards.add(task)
-            task.add_done_callback(self._discards.discard)
-        self.save_failures.append(failure)
-        del self.save_failures[:-20]
-        event_id = message.get("event_id")
-        if self.last_notice is not None and isinstance(event_id, str) and self.last_notice.get("event_id") == event_id:
-            self.last_notice["save_failed"] = failure
-        for listener in self.save_failed_listeners:
-            try:
-                listener(failure)
-            except Exception:
-                logger.exception("a save-failed listener failed for step %s", message["step"])
-
-    def _record_saved(self, event_id: object, name: str, step: int) -> None:
-        """The trainer saved for a notice: remember it (across restarts) and for the timeline."""
-        if self.last_notice and self.last_notice.get("event_id") == event_id:
-            self.last_notice.update(saved_at=utcnow().isoformat(), saved_step=step, checkpoint=name)
-        self.notices.checkpointed(event_id, saved_step=step)
-
-    def _tell_saved(self, name: str, manifest: Manifest) -> None:
-        for listener in self.saved_listeners:
-            try:
-                listener(name, manifest)
-            except Exception:
-                logger.exception("a saved listener failed for %s", name)
-
-    def _prune_without_bucket(self) -> None:
-        prune_local(self.root, self.config.keep_local)
-
-    async def _drill(self, message: dict[str, Any]) -> Reply:
-        if self._stopping.is_set():
-            raise protocol.ProtocolError("stopping", "the daemon is shutting down")
-        seconds = float(message.get("deadline_s") or self.config.drill_deadline)
-        if not 0 < seconds <= 3600:
-            raise protocol.ProtocolError("bad-field", "drill: deadline_s must be in (0, 3600]")
-        notice = Notice.in_seconds(self.provider, Kind.DRILL, seconds, identity=uuid.uuid4().hex, raw={"drill": True})
-        await self.on_notice(notice)
-        return "ok", {"event_id": notice.event_id, "trainers_told": len(self.server.trainers()), "deadline_s": seconds}
-
-    def _on_disconnect(self, peer: Peer) -> None:
-        self.stalled.pop(peer.id, None)
-        # Nothing it was writing can be finished now (a reconnected writer's file goes whole).
-        self.uploader.abort_streams("the writer disconnected before finishing it", owner=peer.id)
-        if peer.is_trainer:
-            logger.info("trainer pid %d disconnected", peer.pid)
-
     # --- trainers that do not act on a notice ------------------------------------------
 
     def stall_bound(self, notice: Notice) -> float:
         """Seconds a told trainer may take to reach a checkpoint point before it is reported."""
-        window = (notice.deadline - notice.received).total_seconds()
-        return max(self.config.stall_min_seconds, self.config.stall_fraction * window)
-
-    def _mark_told(self, peers: Sequence[Peer], notice: Notice) -> None:
-        now = asyncio.get_running_loop().time()
-        for peer in peers:
-            peer.told.setdefault(notice.event_id, now)
-
-    def _acted(self, peer: Peer, event_id: str, what: str) -> None:
-        peer.acted.add(event_id)
-        report = self.stalled.pop(peer.id, None)
-        if report is not None and report["event_id"] == event_id:
-            waited = asyncio.get_running_loop().time() - peer.told.get(event_id, 0.0)
-            logger.warning("trainer pid %d %s after all, %.1f s after it was told", peer.pid, what, waited)
-
-    def _check_stalls(self) -> None:
-        """Report (once) each trainer told of the pending notice that has not acted on it within the bound."""
-        pending = self.pending
-        if pending is None:
-            self.stalled.clear()
-            return
-        notice, action = pending
-        now = asyncio.get_running_loop().time()
-        bound = self.stall_bound(notice)
-        for peer in self.server.trainers():
-            told = peer.told.get(notice.event_id)
-            if told is None or notice.event_id in peer.acted or now - told < bound:
-                continue
-            waited, left = now - told, notice.seconds_left()
-            report = self.stalled.get(peer.id)
-            if report is not None:
-                report.update(seconds=round(waited, 1), deadline_s=round(left, 1))
-                continue
-            message = (
-                f"trainer pid {peer.pid} has not reached a checkpoint point for {waited:.0f} s; "
-                f"the deadline is in {left:.0f} s"
-            )
-            report = {
-                "pid": peer.pid,
-                "rank": peer.hello["rank"] if peer.hello else None,
-                "event_id": notice.event_id,
-                "seconds": round(waited, 1),
-                "bound_s": round(bound, 1),
-                "deadline_s": round(left, 1),
-                "message": message,
-            }
-            self.stalled[peer.id] = report
-            logger.error(
-                "%s (told of %s notice %s; the bound is %.0f s): is the loop calling should_checkpoint?",
-                message,
-                notice.kind,
-                notice.event_id,
-                bound,
-            )
-            for listener in self.stall_listeners:
-                try:
-                    listener(notice, action, report)
-                except Exception:
-                    logger.exception("a stall listener failed for pid %d", peer.pid)
-
-    async def _watch_stalls(self) -> None:
-        while not self._stopping.is_set():
-            self._check_stalls()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), _STALL_CHECK_INTERVAL)
+        return self.stalls.bound(notice)
 
     async def _on_committed(self, name: str, manifest: Manifest, seconds: float) -> None:
         event_id = manifest.meta.get("event_id")
@@ -563,146 +261,16 @@ class Daemon:
     # --- status ------------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
-        current = self.notices.current()
-        return {
-            "version": __version__,
-            "pid": os.getpid(),
-            "provider": self.provider,
-            "monitors": [monitor.name for monitor in self.monitors],
-            "monitor_errors": dict(self.monitor_errors),
-            "checkpoint_dir": str(self.root),
-            "trainers": [
-                {"pid": p.pid, "uid": p.uid, "rank": p.hello["rank"], "world_size": p.hello["world_size"]}
-                for p in self.server.trainers()
-                if p.hello is not None
-            ],
-            "pending": None if current is None else self._notice_status(current),
-            "last_notice": self.last_notice,
-            "stalled": list(self.stalled.values()),
-            "uploads": self.uploader.status(),
-            "save_failures": self.save_failures[-5:],
-            "plan": self.plan_status(),
-            "upload_rate_bytes_s": None if (rate := self.measured_rate()) is None else round(rate),
-            "peers": self._peers_status(),
-            "stopping": self._stopping.is_set(),
-            "metrics_url": self.metrics_url,
-        }
-
-    def _peers_status(self) -> dict[str, Any] | None:
-        if not (self.config.peer_listen or self.config.peers):
-            return None
-        receiver = self.peer_receiver.status() if self.peer_receiver is not None else {"listen": None}
-        listed = [f"{host}:{port}" for host, port in self.config.peer_addresses()]
-        return {
-            "peers": self.registry.last_seen if self.registry is not None else listed,
-            "discovery": None if self.registry is None else self.registry.status(),
-            **receiver,
-            "handoff": None if self.handoff is None else self.handoff.status(),
-        }
+        return render_status(self, peers=self.peering.status(), stopping=self._stopping.is_set())
 
     def hard_notice_pending(self) -> bool:
         """What a peer asks before it hands this daemon a checkpoint: a VM going away is no rescue."""
         pending = self.pending
         return pending is not None and pending[1] is Action.STOP
 
-    async def _start_peer_receiver(self) -> None:
-        if not self.config.peer_listen or self._peer_token is None:
-            return
-        host, port = parse_address(self.config.peer_listen)
-        receiver = PeerReceiver(
-            self.root / PEER_AREA,
-            self.storage,
-            token=self._peer_token,
-            host=host,
-            port=port,
-            busy=self.hard_notice_pending,
-            max_replica_bytes=self.config.peer_max_replica_bytes,
-            max_replicas=self.config.peer_max_replicas,
-            concurrency=self.config.upload_concurrency,
-        )
-        try:
-            await receiver.start()
-        except OSError as exc:
-            logger.error(
-                "peers: cannot listen on %s: %s; running without the peer receiver", self.config.peer_listen, exc
-            )
-            return
-        attach_peer_fetch(receiver)  # a replacement VM may fetch a replica back to resume from it
-        self.peer_receiver = receiver
-        if self.registry is not None and receiver.address is not None:
-            try:
-                address = await asyncio.to_thread(advertised_address, receiver.address, self.config.peer_advertise)
-            except OSError as exc:  # no route and a host name that does not resolve
-                logger.error("peers: cannot tell this host's address (%s); set peer_advertise. Not registering", exc)
-                return
-            self.registry.advertise(address)
-            logger.info("peers: registering %s under %s/", address, DISCOVERY_PREFIX)
-            self._registry_task = asyncio.create_task(self.registry.run(), name="peer-registry")
-
-    async def _peer_candidates(self) -> list[tuple[str, int]]:
-        if self.registry is not None:
-            return await self.registry.candidates()
-        return self.config.peer_addresses()
-
-    def _can_resume_from_peers(self) -> bool:
-        return bool(self.config.peers) and self._peer_token is not None and self.storage is not None
-
-    async def _peer_resume(self, message: dict[str, Any]) -> Reply:
-        """Fetch the newest verified checkpoint of this bucket a peer holds, if it is newer than
-        every complete one here and in the bucket (consistency rule: spotguard/daemon/peerfetch.py)."""
-        after = message["after"]
-        if not self._can_resume_from_peers():
-            return "peer-resume", {"after": after, "path": None, "not_fetched": []}
-        assert self.storage is not None and self._peer_token is not None
-        storage, token = self.storage, self._peer_token
-
-        async def ask() -> PeerResume:
-            newest = max(after, await asyncio.to_thread(self._newest_complete))
-            fetch = message.get("fetch") is not False  # false: a multi-node job, only told what is newer
-            peers = await self._peer_candidates()  # the listed ones, or those found in the bucket
-            return await resume_from_peers(peers, token, storage.url, self.root, newest, fetch=fetch)
-
-        async with self._peer_resume_lock:  # two ranks' hooks asking at once fetch once
-            try:
-                found = await asyncio.wait_for(ask(), protocol.PEER_RESUME_TIMEOUT)
-            except TimeoutError:
-                logger.warning("peers: nothing fetched in %.0f s; resuming without them", protocol.PEER_RESUME_TIMEOUT)
-                found = PeerResume(after=after)
-        after = found.after
-        for where in found.not_fetched:
-            logger.warning(
-                "peers: %s is newer than step %d but not fetched (a node's share, or a multi-node job)", where, after
-            )
-        fields: dict[str, Any] = {"after": after, "path": None, "not_fetched": found.not_fetched}
-        if found.path is not None and found.offer is not None:
-            self.uploader.submit(found.path, urgent=False)  # the same bytes as the peer's: either commit counts
-            peer = found.offer.peer
-            fields.update(path=str(found.path), step=found.offer.step, peer=f"{peer[0]}:{peer[1]}")
-        return "peer-resume", fields
-
-    def _newest_complete(self) -> int:
-        """The newest complete checkpoint's step, here or in the bucket (-1: none anywhere)."""
-        steps = [info.step for info in scan_local(self.root) if info.status == "complete"]
-        if self.storage is not None:
-            try:
-                steps += [info.step for info in list_remote(self.storage) if info.status == "complete"]
-            except (StorageError, OSError) as exc:
-                logger.warning(
-                    "peers: cannot list %s (%s): comparing with the local checkpoints only", self.storage.url, exc
-                )
-        return max(steps, default=-1)
-
-    def _peer_available(self) -> bool:
-        return self.handoff is not None and self.handoff.state is not HandoffState.FAILED
-
-    def _follow_plan(self, notice: Notice, plan: Plan) -> None:
-        if plan.route is Route.PEER and self.handoff is not None:
-            self.handoff.start()
-
     def plan_status(self) -> dict[str, Any] | None:
         """The deadline plan of the pending notice (None when none is pending)."""
-        plan = self.planner.current
-        return None if plan is None or self.notices.current() is None else plan.to_dict()
+        return plan_status_of(self.planner, self.notices)
 
     def measured_rate(self) -> float | None:
         """Bytes per second recent uploads (and the start-up probe) reached."""
@@ -731,16 +299,6 @@ class Daemon:
             return
         self.planner.observe_upload(nbytes, seconds)
         logger.info("upload-rate probe: %d bytes in %.2f s (%.1f MB/s)", nbytes, seconds, nbytes / seconds / 1e6)
-
-    def _notice_status(self, tracked: TrackedNotice) -> dict[str, Any]:
-        now = utcnow()
-        return {
-            **tracked.notice.to_dict(),
-            "action": str(tracked.action),
-            "state": str(tracked.state),
-            "seconds_left": round(max(0.0, tracked.notice.seconds_left(now)), 3),
-            "over_in_s": round(max(0.0, (tracked.ends - now).total_seconds()), 3),
-        }
 
     # --- lifetime ----------------------------------------------------------------------
 
@@ -788,7 +346,7 @@ class Daemon:
             )
             self._start_timeline(tracked)
         # Before the socket: whoever sees the daemon answer sees its peer receiver listening too.
-        await self._start_peer_receiver()
+        await self.peering.start_receiver(self.hard_notice_pending)
         await self.server.start()
         # Restarted in the middle of an incident? Ask every source once before declaring READY.
         first_checks = asyncio.gather(*(self._check_once(m) for m in self.monitors))
@@ -798,7 +356,7 @@ class Daemon:
             logger.warning("the first metadata check took longer than %.0f s", self.config.http_timeout * 2 + 1)
         await asyncio.to_thread(self.events.flush)  # what READY promises is on disk too
         self._tasks = [asyncio.create_task(self.uploader.run(), name="uploader")]
-        self._tasks.append(asyncio.create_task(self._watch_stalls(), name="stall-watch"))
+        self._tasks.append(asyncio.create_task(self.stalls.watch(self._stopping), name="stall-watch"))
         self._tasks.append(asyncio.create_task(self._end_notices_on_time(), name="notice-lifecycle"))
         self._tasks.append(asyncio.create_task(self._probe_rate(), name="rate-probe"))
         self._tasks.append(asyncio.create_task(self._revise_plan(), name="plan-revise"))
@@ -820,11 +378,7 @@ class Daemon:
         """Stop taking new work, finish uploads until the pending deadline (or the grace time), exit."""
         self._stopping.set()
         await self.server.stop_accepting()
-        if self._registry_task is not None and self.registry is not None:
-            # No candidate any more (the heartbeat first, or it could write the entry again).
-            self._registry_task.cancel("daemon shutting down")
-            await asyncio.gather(self._registry_task, return_exceptions=True)
-            await self.registry.close()
+        await self.peering.stop_registry()
         current = self.notices.current()
         budget = self.config.shutdown_grace
         if current is not None:
@@ -846,10 +400,7 @@ class Daemon:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.uploader.close_streams()  # nothing left open in the bucket for files never finished
         await self.server.close()
-        if self.peer_receiver is not None:
-            await self.peer_receiver.close()
-        if self.handoff is not None:
-            await self.handoff.close()
+        await self.peering.close()
         for monitor in self.monitors:
             with contextlib.suppress(Exception):
                 await monitor.close()

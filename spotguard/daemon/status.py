@@ -1,0 +1,79 @@
+"""What ``spotguard status`` shows: the daemon's state as one JSON-ready dict."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Protocol
+
+from spotguard.daemon.notices import NoticeBook, TrackedNotice
+from spotguard.daemon.plan import Planner
+from spotguard.daemon.server import SocketServer
+from spotguard.daemon.uploader import Uploader
+from spotguard.notice import utcnow
+from spotguard.providers.base import Monitor
+from spotguard.version import __version__
+
+
+class StatusSource(Protocol):
+    """The parts of the daemon its status is read from."""
+
+    provider: str
+    monitors: list[Monitor]
+    monitor_errors: dict[str, str]
+    root: Path
+    server: SocketServer
+    notices: NoticeBook
+    last_notice: dict[str, Any] | None
+    stalled: dict[int, dict[str, Any]]
+    uploader: Uploader
+    save_failures: list[dict[str, Any]]
+    metrics_url: str | None
+
+    def plan_status(self) -> dict[str, Any] | None: ...
+
+    def measured_rate(self) -> float | None: ...
+
+
+def render_status(source: StatusSource, *, peers: dict[str, Any] | None, stopping: bool) -> dict[str, Any]:
+    current = source.notices.current()
+    return {
+        "version": __version__,
+        "pid": os.getpid(),
+        "provider": source.provider,
+        "monitors": [monitor.name for monitor in source.monitors],
+        "monitor_errors": dict(source.monitor_errors),
+        "checkpoint_dir": str(source.root),
+        "trainers": [
+            {"pid": p.pid, "uid": p.uid, "rank": p.hello["rank"], "world_size": p.hello["world_size"]}
+            for p in source.server.trainers()
+            if p.hello is not None
+        ],
+        "pending": None if current is None else notice_status(current),
+        "last_notice": source.last_notice,
+        "stalled": list(source.stalled.values()),
+        "uploads": source.uploader.status(),
+        "save_failures": source.save_failures[-5:],
+        "plan": source.plan_status(),
+        "upload_rate_bytes_s": None if (rate := source.measured_rate()) is None else round(rate),
+        "peers": peers,
+        "stopping": stopping,
+        "metrics_url": source.metrics_url,
+    }
+
+
+def notice_status(tracked: TrackedNotice) -> dict[str, Any]:
+    now = utcnow()
+    return {
+        **tracked.notice.to_dict(),
+        "action": str(tracked.action),
+        "state": str(tracked.state),
+        "seconds_left": round(max(0.0, tracked.notice.seconds_left(now)), 3),
+        "over_in_s": round(max(0.0, (tracked.ends - now).total_seconds()), 3),
+    }
+
+
+def plan_status_of(planner: Planner, notices: NoticeBook) -> dict[str, Any] | None:
+    """The deadline plan of the pending notice (None when none is pending)."""
+    plan = planner.current
+    return None if plan is None or notices.current() is None else plan.to_dict()
