@@ -11,7 +11,6 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlparse
 
 from spotguard import protocol
 from spotguard.config import ConfigError, DaemonConfig, load_config
@@ -19,6 +18,7 @@ from spotguard.control import CommandError, daemon_socket, request
 from spotguard.localstore import scan_local
 from spotguard.manifest import MANIFEST, CheckpointInfo, load_manifest_or_none, parse_step_dir, verify_dir
 from spotguard.providers import registry as providers
+from spotguard.storage.schemes import scheme_of
 from spotguard.version import __version__
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 
 def is_url(location: str) -> bool:
-    return urlparse(location).scheme in ("s3", "gs", "file")
+    return scheme_of(location) is not None
 
 
 def split_checkpoint(location: str) -> tuple[str, str | None]:

@@ -22,7 +22,8 @@ from spotguard.notice import Action
 from spotguard.peer.wire import parse_address
 from spotguard.providers import registry as providers
 from spotguard.providers.base import MonitorSettings
-from spotguard.storage.base import CHECKSUM_MODES, check_bucket_url
+from spotguard.storage.base import CHECKSUM_MODES
+from spotguard.storage.schemes import SCHEMES, check_bucket_url, scheme_of
 from spotguard.trainer.settings import DEFAULT_SOCKET, TrainerSettings
 
 DEFAULT_CONFIG_FILE = Path("/etc/spotguard/spotguard.toml")
@@ -133,8 +134,10 @@ class DaemonConfig:
             check_bucket_url(self.bucket, key="bucket")
         if self.checksum not in CHECKSUM_MODES:
             raise ConfigError("checksum", f"{self.checksum!r} is not one of {', '.join(CHECKSUM_MODES)}")
-        if self.checksum == "md5" and self.bucket is not None and self.bucket.startswith("gs://"):
-            raise ConfigError("checksum", "md5 is for s3:// stores; gs:// always verifies CRC32C (use auto)")
+        store = scheme_of(self.bucket or "")
+        if store is not None and self.checksum not in store.checksum_modes:
+            takers = [f"{s.name}://" for s in SCHEMES.values() if self.checksum in s.checksum_modes and s.options]
+            raise ConfigError("checksum", f"{self.checksum} is for {', '.join(takers)} stores; {store.checksum_note}")
 
     def _check_numbers(self) -> None:
         for name in _POSITIVE_SECONDS:
@@ -217,15 +220,12 @@ class DaemonConfig:
         )
 
     def storage_options(self) -> dict[str, Any]:
-        """Keyword arguments for ``open_storage(self.bucket, ...)``, the same for the daemon and doctor."""
-        scheme = (self.bucket or "").partition("://")[0]
-        options: dict[str, Any] = {}
-        if scheme in ("s3", "gs"):
-            # Object stores: one budget of parallel streams for everything in flight.
-            options["max_concurrency"] = self.upload_concurrency
-        if scheme == "s3":
-            options["checksum"] = self.checksum
-        return options
+        """Keyword arguments for ``open_storage(self.bucket, ...)``, the same for the daemon and doctor:
+        each scheme takes those it declares (``spotguard.storage.schemes``)."""
+        # max_concurrency: one budget of parallel streams for everything in flight.
+        offered = {"max_concurrency": self.upload_concurrency, "checksum": self.checksum}
+        store = scheme_of(self.bucket or "")
+        return {key: value for key, value in offered.items() if store is not None and key in store.options}
 
 
 def _addresses(value: str | None) -> list[str]:

@@ -39,33 +39,13 @@ from spotguard.config import DaemonConfig
 from spotguard.crc32c import crc32c_of_file
 from spotguard.providers import registry as providers
 from spotguard.providers.detect import DMI_ROOT, dmi_evidence
+from spotguard.storage.base import Capability, ChecksumProbe, Storage
 
 MiB = 1024 * 1024
 GB = 1_000_000_000
 #: Seconds between the notice and the VM going away.
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
-
-_PERMISSION_HINTS = {
-    "s3": {
-        "put": "allow s3:PutObject (and multipart: s3:AbortMultipartUpload) on the bucket's objects",
-        "stat": "allow s3:GetObject on the bucket's objects",
-        "list": "allow s3:ListBucket on the bucket (and s3:ListBucketMultipartUploads)",
-        "delete": "allow s3:DeleteObject on the bucket's objects (retention deletes old checkpoints)",
-    },
-    "gs": {
-        "put": "grant storage.objects.create (roles/storage.objectUser) on the bucket",
-        "stat": "grant storage.objects.get on the bucket",
-        "list": "grant storage.objects.list on the bucket",
-        "delete": "grant storage.objects.delete on the bucket (retention deletes old checkpoints)",
-    },
-    "file": {
-        "put": "make the directory writable by the daemon's user",
-        "stat": "make the directory readable by the daemon's user",
-        "list": "make the directory readable by the daemon's user",
-        "delete": "make the directory writable by the daemon's user",
-    },
-}
 
 
 @dataclass
@@ -337,21 +317,20 @@ def _check_bucket(
             )
         )
         return
-    from spotguard.storage import StorageError, open_storage
+    from spotguard.storage import StorageError, open_storage, scheme_of
 
-    scheme = config.bucket.split(":", 1)[0]
-    hints = _PERMISSION_HINTS.get(scheme, _PERMISSION_HINTS["file"])
+    scheme = scheme_of(config.bucket)
+    hints = dict(scheme.permission_hints) if scheme is not None else {}
     try:
         storage = (opener or open_storage)(config.bucket, **config.storage_options())
     except (ImportError, ValueError, StorageError) as exc:
-        extra = f"pip install 'spotguard[{'aws' if scheme == 's3' else 'gcp'}]'" if isinstance(exc, ImportError) else ""
+        extra = scheme.install_hint if isinstance(exc, ImportError) and scheme is not None else ""
         report(Check(FAIL, "bucket", f"cannot open {config.bucket}: {exc}", extra or "check the bucket URL"))
         return
     try:
-        warm = getattr(storage, "warm", None)
-        if warm is not None:
+        if Capability.WARM_UP in storage.capabilities:
             try:
-                warm()
+                storage.warm()
             except Exception as exc:
                 report(
                     Check(
@@ -443,14 +422,13 @@ def _probe_operations(storage: Any, local: Path, key: str, size: int, done: list
     return elapsed
 
 
-def _checksum_probe(storage: Any) -> Any:
-    """S3's :class:`ChecksumProbe`, the exception it raised, or None (gs:// verifies CRC32C
-    natively; file:// has no store to disagree)."""
-    probe_checksum = getattr(storage, "probe_checksum", None)
-    if probe_checksum is None:
+def _checksum_probe(storage: Storage) -> ChecksumProbe | Exception | None:
+    """The store's :class:`ChecksumProbe`, the exception it raised, or None for a store without the
+    capability (gs:// verifies CRC32C natively; file:// has no store to disagree)."""
+    if Capability.CHECKSUM_PROBE not in storage.capabilities:
         return None
     try:
-        return probe_checksum(f".spotguard-doctor-{secrets.token_hex(8)}", adopt=True)
+        return storage.probe_checksum(f".spotguard-doctor-{secrets.token_hex(8)}", adopt=True)
     except Exception as exc:
         return exc
 

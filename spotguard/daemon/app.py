@@ -40,7 +40,7 @@ from spotguard.peer.handoff import Handoff
 from spotguard.peer.receiver import PeerReceiver
 from spotguard.peer.wire import load_token
 from spotguard.providers.base import Acknowledgements, Monitor, MonitorError
-from spotguard.storage.base import Storage, StorageError
+from spotguard.storage.base import Capability, Storage, StorageError
 from spotguard.storage.journal import UploadJournal
 from spotguard.version import __version__
 
@@ -410,6 +410,25 @@ class Daemon:
         return 0
 
 
+async def _prepare_store(storage: Storage, config: DaemonConfig) -> None:
+    """Before the first notice: credentials and connections (not at notice time), and the multipart
+    uploads an earlier run left open (open and billed; nobody resumes them) aborted."""
+    await asyncio.to_thread(storage.warm)
+    if Capability.STALE_SWEEP not in storage.capabilities:
+        return
+    # Exactly the uploads a killed predecessor opened, however young: they are ours to abort.
+    journal = UploadJournal(UploadJournal.path_for(config.state_dir, storage.url, config.checkpoint_dir.absolute()))
+    aborted = await asyncio.to_thread(storage.keep_journal, journal)
+    if aborted:
+        logger.info("aborted %d multipart upload(s) an earlier run of this daemon left open", aborted)
+    # Others' only when old: the other nodes of a job share the prefix and may be uploading right now.
+    aborted = await asyncio.to_thread(
+        storage.abort_stale_multipart_uploads, older_than=timedelta(seconds=config.stale_upload_age)
+    )
+    if aborted:
+        logger.info("aborted %d unfinished multipart upload(s) left by an earlier run", aborted)
+
+
 async def build_and_run(config: DaemonConfig) -> int:
     """Build the real parts from ``config`` and run until SIGTERM/SIGINT."""
     from spotguard.storage import open_storage
@@ -417,23 +436,8 @@ async def build_and_run(config: DaemonConfig) -> int:
     storage = None
     if config.bucket:
         storage = open_storage(config.bucket, **config.storage_options())
-    if storage is not None and hasattr(storage, "warm"):
-        # Credentials and connections now, not at notice time.
-        await asyncio.to_thread(storage.warm)
-    if storage is not None and hasattr(storage, "keep_journal"):
-        # Exactly the uploads a killed predecessor opened, however young: they are ours to abort.
-        journal = UploadJournal(UploadJournal.path_for(config.state_dir, storage.url, config.checkpoint_dir.absolute()))
-        aborted = await asyncio.to_thread(storage.keep_journal, journal)
-        if aborted:
-            logger.info("aborted %d multipart upload(s) an earlier run of this daemon left open", aborted)
-    if storage is not None and hasattr(storage, "abort_stale_multipart_uploads"):
-        # A daemon killed mid-upload leaves multipart uploads open (and billed); nobody resumes them.
-        # Only old ones: the other nodes of a job share the prefix and may be uploading right now.
-        aborted = await asyncio.to_thread(
-            storage.abort_stale_multipart_uploads, older_than=timedelta(seconds=config.stale_upload_age)
-        )
-        if aborted:
-            logger.info("aborted %d unfinished multipart upload(s) left by an earlier run", aborted)
+    if storage is not None:
+        await _prepare_store(storage, config)
     peer_token = None
     if config.peer_listen or config.peers:
         try:

@@ -19,7 +19,7 @@ from spotguard.manifest import MANIFEST, FileEntry
 from spotguard.safefile import is_unlinked, open_nofollow
 from spotguard.storage.base import ObjectInfo, Storage, StorageError
 from spotguard.storage.checkpoints import UploadProgress, put_with_retry
-from spotguard.storage.stream import Streaming, UploadStream
+from spotguard.storage.stream import UploadStream
 
 logger = logging.getLogger("spotguard.uploader")
 
@@ -74,7 +74,7 @@ class EarlyUploads:
         self.tasks.setdefault(step_dir.name, []).append(task)
 
     def stream_of(
-        self, storage: Streaming, step_dir: Path, rel: str, *, tmp: str, size: int, owner: int | None
+        self, storage: Storage, step_dir: Path, rel: str, *, tmp: str, size: int, owner: int | None
     ) -> UploadStream | None:
         """The streamed upload of ``rel``, begun at its first range; None if it goes whole instead.
         Raises ValueError if ``tmp`` or ``size`` contradict what was announced of it before."""
@@ -89,7 +89,7 @@ class EarlyUploads:
         return stream.upload
 
     def _begin_stream(
-        self, storage: Streaming, step_dir: Path, rel: str, *, tmp: str, size: int, owner: int | None
+        self, storage: Storage, step_dir: Path, rel: str, *, tmp: str, size: int, owner: int | None
     ) -> _Stream | None:
         # Opened once, here: refusing a symlink, and following the file across the writer's rename.
         fd = open_nofollow(step_dir / tmp)

@@ -31,7 +31,7 @@ from spotguard.daemon.upload_failures import UploadFailures
 from spotguard.localstore import scan_local
 from spotguard.manifest import FileEntry, Manifest, node_holdings, parse_step_dir
 from spotguard.safefile import SymlinkRefused
-from spotguard.storage.base import Storage, StorageError
+from spotguard.storage.base import Capability, Storage, StorageError
 from spotguard.storage.checkpoints import (
     CommitLost,
     UploadCancelled,
@@ -42,7 +42,6 @@ from spotguard.storage.checkpoints import (
     upload_files,
     wait_for_other_nodes,
 )
-from spotguard.storage.stream import Streaming
 
 logger = logging.getLogger("spotguard.uploader")
 
@@ -166,7 +165,9 @@ class Uploader:
         Backends that cannot stream, and files too small to be worth it, go whole at ``file_ready``.
         """
         storage = self.storage
-        if not isinstance(storage, Streaming) or step_dir.name in self.committed or step_dir.name in self.conflicts:
+        if storage is None or Capability.STREAMING not in storage.capabilities:
+            return
+        if step_dir.name in self.committed or step_dir.name in self.conflicts:
             return
         upload = self._ahead.stream_of(storage, step_dir, rel, tmp=tmp, size=size, owner=owner)
         if upload is None:
@@ -211,9 +212,8 @@ class Uploader:
     def set_deadline(self, deadline: datetime | None) -> None:
         self._deadline = deadline
         # The store's own retries (SDK attempts and timeouts) must fit in what is left too.
-        set_storage_deadline = getattr(self.storage, "set_deadline", None)
-        if set_storage_deadline is not None:
-            set_storage_deadline(monotonic_deadline(deadline))
+        if self.storage is not None:
+            self.storage.set_deadline(monotonic_deadline(deadline))
 
     async def rescan(self) -> None:
         """Queue every complete local checkpoint not yet complete in the bucket."""

@@ -1,4 +1,4 @@
-"""Object stores behind one Protocol, chosen by URL scheme.
+"""Object stores behind one Protocol, chosen by URL scheme (``spotguard.storage.schemes``).
 
 The SDK backends (boto3, google-cloud-storage) are imported only when a URL
 of theirs is opened, so the trainer hook stays free of them unless it must
@@ -7,45 +7,33 @@ read a bucket itself.
 
 from __future__ import annotations
 
-from typing import Any
-from urllib.parse import urlparse
-
 from spotguard.storage.base import (
+    Capability,
     ChecksumMismatch,
     ObjectExists,
     ObjectInfo,
     ObjectNotFound,
     Storage,
     StorageError,
+    StoreDefaults,
     TransientStorageError,
-    check_bucket_url,
 )
+from spotguard.storage.schemes import Scheme, check_bucket_url, open_storage, register, scheme_of, unregister
 
 __all__ = [
+    "Capability",
     "ChecksumMismatch",
     "ObjectExists",
     "ObjectInfo",
     "ObjectNotFound",
+    "Scheme",
     "Storage",
     "StorageError",
+    "StoreDefaults",
     "TransientStorageError",
     "check_bucket_url",
     "open_storage",
+    "register",
+    "scheme_of",
+    "unregister",
 ]
-
-
-def open_storage(url: str, **options: Any) -> Storage:
-    scheme = urlparse(url).scheme
-    if scheme == "file":
-        from spotguard.storage.file import FileStorage
-
-        return FileStorage(url)
-    if scheme == "s3":
-        from spotguard.storage.s3 import S3Storage
-
-        return S3Storage(url, **options)
-    if scheme == "gs":
-        from spotguard.storage.gcs import GcsStorage
-
-        return GcsStorage(url, **options)
-    raise ValueError(f"{url!r}: unknown scheme; use s3://, gs:// or file://")

@@ -1,5 +1,11 @@
 """The one seam every object store implements, and the retry helper they share.
 
+A store is a class with the methods of :class:`Storage`: the required ones (put, get, list, …) and
+the optional ones, whose defaults :class:`StoreDefaults` gives (a store inherits it). What a store
+can do beyond the required set it declares in ``capabilities``; callers call the optional methods
+without probing (the defaults are harmless no-ops) and read ``capabilities`` where what they do or
+report depends on it (``doctor`` says a store has no checksum probe).
+
 Backends are synchronous: boto3 and google-cloud-storage block, so the daemon
 calls them through ``asyncio.to_thread`` (or a bounded executor) and the
 trainer hook calls them directly. Keys are relative to the URL's prefix and
@@ -8,6 +14,8 @@ always use ``/``.
 
 from __future__ import annotations
 
+import datetime as dt
+import enum
 import os
 import random
 import tempfile
@@ -16,11 +24,13 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Protocol, TypeVar, runtime_checkable
-from urllib.parse import urlparse
+from typing import TYPE_CHECKING, ClassVar, Protocol, TypeVar, runtime_checkable
 
 from spotguard.crc32c import crc32c_of_bytes
-from spotguard.errors import ConfigError, SpotguardError, TransientError
+from spotguard.errors import SpotguardError, TransientError
+
+if TYPE_CHECKING:
+    from spotguard.storage.journal import UploadJournal
 
 T = TypeVar("T")
 
@@ -69,9 +79,57 @@ class ObjectInfo:
     modified: datetime | None = None  # when the object was last written (UTC), where the store says
 
 
+class UploadStream(Protocol):
+    def add(self, offset: int, length: int) -> None:
+        """Bytes ``[offset, offset + length)`` are written; never blocks (parts go up in threads)."""
+        ...
+
+    def finish(self, crc32c: str) -> None:
+        """The whole file is written and its CRC32C is ``crc32c``: send the rest, check, complete.
+        Blocking. On failure the upload is aborted before this raises."""
+        ...
+
+    def abort(self) -> None:
+        """Drop the upload: nothing completed, nothing left open. Blocking; idempotent."""
+        ...
+
+
+class Capability(enum.Enum):
+    """What a store does beyond the required methods (the optional ones are no-ops otherwise)."""
+
+    #: ``begin_stream``: parts go up while the file is still being written.
+    STREAMING = "streaming"
+    #: ``set_deadline``: while a notice runs, requests get short timeouts and retries stop at it.
+    DEADLINE = "deadline"
+    #: ``warm``: credentials, DNS and a connection made at start, not at notice time.
+    WARM_UP = "warm-up"
+    #: ``abort_stale_multipart_uploads`` and ``keep_journal``: unfinished uploads found and removed.
+    STALE_SWEEP = "stale-sweep"
+    #: ``probe_checksum``: whether the store's answered CRC32Cs can be trusted.
+    CHECKSUM_PROBE = "checksum-probe"
+
+
+@runtime_checkable
+class ChecksumProbe(Protocol):
+    """What ``probe_checksum`` found: the store's name, the CRC32C sent and the one it answered."""
+
+    @property
+    def store(self) -> str: ...
+
+    @property
+    def sent(self) -> str: ...
+
+    @property
+    def answered(self) -> str | None: ...
+
+    @property
+    def agrees(self) -> bool: ...
+
+
 @runtime_checkable
 class Storage(Protocol):
     url: str
+    capabilities: ClassVar[frozenset[Capability]]
 
     def put_file(self, local: Path, key: str, *, crc32c: str, progress: Progress | None = None) -> None:
         """Upload ``local`` to ``key``; visible only once complete; ``crc32c`` is verified by the store.
@@ -111,6 +169,60 @@ class Storage(Protocol):
         ...
 
     def close(self) -> None: ...
+
+    # --- optional: see Capability; StoreDefaults has harmless defaults -------------------------
+
+    def warm(self) -> None:
+        """Make the client, resolve credentials and open a connection now (at daemon start)."""
+        ...
+
+    def set_deadline(self, deadline: float | None) -> None:
+        """A notice's deadline (``time.monotonic()``), or None once it is over."""
+        ...
+
+    def begin_stream(self, key: str, size: int, fd: int, *, progress: Progress | None = None) -> UploadStream | None:
+        """A stream for ``key`` of ``size`` bytes read from ``fd`` (the caller closes it after
+        ``finish``/``abort``), or None: the file goes whole once it is finished."""
+        ...
+
+    def keep_journal(self, journal: UploadJournal) -> int:
+        """At start: abort what ``journal`` says an earlier run left open, then record every upload
+        opened from now on in it; how many were aborted."""
+        ...
+
+    def abort_stale_multipart_uploads(self, older_than: dt.timedelta | None = None) -> int:
+        """Remove unfinished uploads under the prefix (older than ``older_than``); how many."""
+        ...
+
+    def probe_checksum(self, key: str, *, adopt: bool = False) -> ChecksumProbe | None:
+        """Upload a tiny object under ``key`` as large files go and compare the CRC32C the store
+        answers; None where there is nothing to probe."""
+        ...
+
+
+class StoreDefaults:
+    """The optional methods of :class:`Storage` for a store that lacks their capability: a store
+    class inherits this and overrides what it declares in ``capabilities``."""
+
+    capabilities: ClassVar[frozenset[Capability]] = frozenset()
+
+    def warm(self) -> None:
+        """Nothing to make ahead of time."""
+
+    def set_deadline(self, deadline: float | None) -> None:
+        """Requests are quick anyway."""
+
+    def begin_stream(self, key: str, size: int, fd: int, *, progress: Progress | None = None) -> UploadStream | None:
+        return None
+
+    def keep_journal(self, journal: UploadJournal) -> int:
+        return 0
+
+    def abort_stale_multipart_uploads(self, older_than: dt.timedelta | None = None) -> int:
+        return 0
+
+    def probe_checksum(self, key: str, *, adopt: bool = False) -> ChecksumProbe | None:
+        return None
 
 
 def put_bytes(storage: Storage, key: str, data: bytes) -> None:
@@ -171,19 +283,5 @@ def retry(
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-BUCKET_SCHEMES = ("s3", "gs", "file")
 #: How uploads to s3:// are verified: see README, "Buckets" (``checksum``).
 CHECKSUM_MODES = ("auto", "crc32c", "md5")
-
-
-def check_bucket_url(url: str, *, key: str = "bucket") -> str:
-    """``url`` if it names a store :func:`spotguard.storage.open_storage` opens; else a
-    :class:`~spotguard.errors.ConfigError` naming ``key``."""
-    parsed = urlparse(url)
-    if parsed.scheme not in BUCKET_SCHEMES:
-        raise ConfigError(key, f"{url!r} must start with s3://, gs:// or file://")
-    if parsed.scheme in ("s3", "gs") and not parsed.netloc:
-        raise ConfigError(key, f"{url!r} names no bucket")
-    if parsed.scheme == "file" and (parsed.netloc or not parsed.path.startswith("/")):
-        raise ConfigError(key, f"{url!r} must be file:///absolute/path")
-    return url

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import ClassVar
 from urllib.parse import urlparse
 
 import google_crc32c
@@ -18,12 +19,14 @@ import google_crc32c
 from spotguard.crc32c import crc32c_of_file
 from spotguard.safefile import TMP_MARK, atomic_file, fsync_dir, open_nofollow
 from spotguard.storage.base import (
+    Capability,
     ObjectExists,
     ObjectInfo,
     ObjectNotFound,
     Progress,
     Sink,
     StorageError,
+    StoreDefaults,
     read_exactly,
 )
 from spotguard.storage.stream import PartStream, StreamPool
@@ -33,7 +36,9 @@ _COPY_CHUNK = 8 * 1024 * 1024
 _TRANSIENT_ERRNOS = frozenset({errno.EAGAIN, errno.EINTR, errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.EBUSY})
 
 
-class FileStorage:
+class FileStorage(StoreDefaults):
+    capabilities: ClassVar[frozenset[Capability]] = frozenset({Capability.STREAMING})
+
     def __init__(self, url: str) -> None:
         parsed = urlparse(url)
         if parsed.scheme != "file" or parsed.netloc:
@@ -61,10 +66,14 @@ class FileStorage:
             raise StorageError(f"{key}: crc32c {out.crc32c} while copying, expected {crc32c}")
         fsync_dir(target.parent)
 
-    def begin_stream(self, key: str, size: int, fd: int, *, progress: Progress | None = None) -> _FileStream:
+    def begin_stream(self, key: str, size: int, fd: int, *, progress: Progress | None = None) -> PartStream:
         """Chunks copied into a temporary file beside ``key`` as the file is written; renamed into
         place once the whole is checked."""
-        return _FileStream(self._path(key), size, fd, self._stream_pool, progress)
+        target = self._path(key)
+        plan = [(i + 1, off, min(_COPY_CHUNK, size - off)) for i, off in enumerate(range(0, size, _COPY_CHUNK))]
+        return PartStream(
+            str(target), size, plan, self._stream_pool.get(), lambda: _FileUpload(target, fd), progress=progress
+        )
 
     def put_bytes_if_absent(self, key: str, data: bytes, *, crc32c: str) -> None:
         target = self._path(key)
@@ -159,26 +168,24 @@ def _info(key: str, stat: os.stat_result) -> ObjectInfo:
     return ObjectInfo(key=key, size=stat.st_size, modified=datetime.fromtimestamp(stat.st_mtime, UTC))
 
 
-class _FileStream(PartStream):
-    def __init__(self, target: Path, size: int, fd: int, pool: StreamPool, progress: Progress | None) -> None:
-        plan = [(i + 1, off, min(_COPY_CHUNK, size - off)) for i, off in enumerate(range(0, size, _COPY_CHUNK))]
-        super().__init__(str(target), size, plan, pool.get(), progress=progress)
+class _FileUpload:
+    """A streamed copy as the part engine drives it: parts written at their offsets into a temporary
+    file beside the target, renamed into place at ``complete``."""
+
+    def __init__(self, target: Path, source: int) -> None:
         self._target = target
         self._tmp = target.with_name(f".{target.name}{TMP_MARK}{uuid.uuid4().hex[:8]}")
-        self._source = fd
-        self._out: int | None = None
+        self._source = source
+        target.parent.mkdir(parents=True, exist_ok=True)
+        self._out: int | None = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
 
-    def _start(self) -> None:
-        self._target.parent.mkdir(parents=True, exist_ok=True)
-        self._out = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-
-    def _send_part(self, number: int, offset: int, length: int) -> tuple[int, None]:
+    def put_part(self, number: int, offset: int, length: int) -> tuple[int, None]:
         assert self._out is not None
-        data = read_exactly(self._source, offset, length, f"{self.what} (part {number})")
+        data = read_exactly(self._source, offset, length, f"{self._target} (part {number})")
         os.pwrite(self._out, data, offset)
         return int(google_crc32c.value(data)), None
 
-    def _complete(self, tokens: list[None], crc: int) -> None:
+    def complete(self, tokens: list[None], crc: int) -> None:
         assert self._out is not None
         os.fsync(self._out)
         os.close(self._out)
@@ -186,7 +193,7 @@ class _FileStream(PartStream):
         self._tmp.rename(self._target)
         fsync_dir(self._target.parent)
 
-    def _abort_upload(self) -> None:
+    def abort(self) -> None:
         if self._out is not None:
             os.close(self._out)
             self._out = None

@@ -44,7 +44,7 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
 import google.api_core.exceptions as gexc
@@ -61,6 +61,7 @@ from spotguard.crc32c import crc32c_hex_to_int as _hex_to_int
 from spotguard.crc32c import crc32c_int_to_base64 as _int_to_b64
 from spotguard.safefile import open_nofollow
 from spotguard.storage.base import (
+    Capability,
     ChecksumMismatch,
     ObjectExists,
     ObjectInfo,
@@ -68,10 +69,11 @@ from spotguard.storage.base import (
     Progress,
     Sink,
     StorageError,
+    StoreDefaults,
     TransientStorageError,
     read_exactly,
 )
-from spotguard.storage.stream import PartStream, StreamPool
+from spotguard.storage.stream import PartStream, StreamPool, send_file
 from spotguard.storage.transfer import fetch_object
 
 try:  # the class moved between google-cloud-storage 2.x (resumable_media) and 3.x
@@ -148,7 +150,80 @@ class _FileRange(io.RawIOBase):
         return got
 
 
-class GcsStorage:
+def is_transient_error(exc: BaseException) -> bool:
+    """429, 5xx, resets, timeouts, corruption in transit: yes. 400/401/403/404/409/412: no."""
+    if isinstance(exc, TransientStorageError):
+        return True
+    if isinstance(exc, StorageError):
+        return False
+    if isinstance(exc, gexc.RetryError):
+        return exc.cause is not None and is_transient_error(exc.cause)
+    if isinstance(exc, gexc.GoogleAPICallError):
+        return exc.code in _TRANSIENT_STATUS or isinstance(exc, gexc.TooManyRequests | gexc.ServerError)
+    if isinstance(exc, InvalidResponse):
+        status = getattr(exc.response, "status_code", None)
+        return status in _TRANSIENT_STATUS
+    if isinstance(exc, DataCorruption):
+        # The client and the server disagree about bytes that crossed the wire:
+        # the library has deleted the object; sending it again may well work.
+        return True
+    if isinstance(
+        exc,
+        requests.exceptions.ConnectionError | requests.exceptions.Timeout | requests.exceptions.ChunkedEncodingError,
+    ):
+        return True
+    if isinstance(exc, google.auth.exceptions.TransportError):
+        return True
+    return isinstance(exc, ConnectionError | TimeoutError)
+
+
+def compose_parts(
+    bucket: Any, sources: list[Any], dest: Any, *, parts_prefix: str, made: list[Any], **call: Any
+) -> Any:
+    """Join ``sources`` into the blob ``dest`` (``call``: the retry and timeout of each request); every
+    intermediate object made is added to ``made``. Over 32 parts (capped part sizes on a very large
+    file): composed in rounds of 32."""
+    level = 0
+    while len(sources) > _MAX_COMPOSE:
+        level += 1
+        groups = [sources[i : i + _MAX_COMPOSE] for i in range(0, len(sources), _MAX_COMPOSE)]
+        sources = []
+        for n, group in enumerate(groups):
+            joined = bucket.blob(f"{parts_prefix}join-{level}-{n:05d}")
+            joined.content_type = "application/octet-stream"
+            joined.compose(group, **call)
+            made.append(joined)
+            sources.append(joined)
+    dest.content_type = "application/octet-stream"
+    dest.compose(sources, **call)
+    return dest
+
+
+def make_client(project: str | None, max_concurrency: int) -> Any:
+    """A client for the emulator (``STORAGE_EMULATOR_HOST``) or for GCS, its connection pool sized to
+    ``max_concurrency`` requests in flight."""
+    if os.environ.get("STORAGE_EMULATOR_HOST"):
+        # The emulator checks no credentials; without these the client would
+        # search for real ones (and a project) and fail or hang on a metadata server.
+        client = gcs.Client(project=project or "spotguard-emulator", credentials=AnonymousCredentials())
+    else:
+        client = gcs.Client(project=project)
+    # requests' pool keeps 10 connections per host: more parallel parts than
+    # that would queue for a socket, so size it to our concurrency.
+    adapter = requests.adapters.HTTPAdapter(
+        pool_connections=4, pool_maxsize=max(10, max_concurrency + 4), max_retries=0
+    )
+    session = client._http
+    session.mount("https://", adapter)
+    session.mount("http://", adapter)
+    return client
+
+
+class GcsStorage(StoreDefaults):
+    capabilities: ClassVar[frozenset[Capability]] = frozenset(
+        {Capability.STREAMING, Capability.DEADLINE, Capability.WARM_UP, Capability.STALE_SWEEP}
+    )
+
     """The ``Storage`` backend for ``gs://bucket/prefix``.
 
     Example::
@@ -224,25 +299,8 @@ class GcsStorage:
         if self._client is None:
             with self._client_lock:
                 if self._client is None:
-                    self._client = self._make_client()
+                    self._client = make_client(self._project, self.max_concurrency)
         return self._client
-
-    def _make_client(self) -> Any:
-        if os.environ.get("STORAGE_EMULATOR_HOST"):
-            # The emulator checks no credentials; without these the client would
-            # search for real ones (and a project) and fail or hang on a metadata server.
-            client = gcs.Client(project=self._project or "spotguard-emulator", credentials=AnonymousCredentials())
-        else:
-            client = gcs.Client(project=self._project)
-        # requests' pool keeps 10 connections per host: more parallel parts than
-        # that would queue for a socket, so size it to our concurrency.
-        adapter = requests.adapters.HTTPAdapter(
-            pool_connections=4, pool_maxsize=max(10, self.max_concurrency + 4), max_retries=0
-        )
-        session = client._http
-        session.mount("https://", adapter)
-        session.mount("http://", adapter)
-        return client
 
     @property
     def bucket(self) -> Any:
@@ -274,31 +332,7 @@ class GcsStorage:
 
     def is_transient(self, exc: BaseException) -> bool:
         """429, 5xx, resets, timeouts, corruption in transit: yes. 400/401/403/404/409/412: no."""
-        if isinstance(exc, TransientStorageError):
-            return True
-        if isinstance(exc, StorageError):
-            return False
-        if isinstance(exc, gexc.RetryError):
-            return exc.cause is not None and self.is_transient(exc.cause)
-        if isinstance(exc, gexc.GoogleAPICallError):
-            return exc.code in _TRANSIENT_STATUS or isinstance(exc, gexc.TooManyRequests | gexc.ServerError)
-        if isinstance(exc, InvalidResponse):
-            status = getattr(exc.response, "status_code", None)
-            return status in _TRANSIENT_STATUS
-        if isinstance(exc, DataCorruption):
-            # The client and the server disagree about bytes that crossed the wire:
-            # the library has deleted the object; sending it again may well work.
-            return True
-        if isinstance(
-            exc,
-            requests.exceptions.ConnectionError
-            | requests.exceptions.Timeout
-            | requests.exceptions.ChunkedEncodingError,
-        ):
-            return True
-        if isinstance(exc, google.auth.exceptions.TransportError):
-            return True
-        return isinstance(exc, ConnectionError | TimeoutError)
+        return is_transient_error(exc)
 
     def warm(self) -> None:
         """Create the client, resolve credentials and reach the bucket now, not at notice time."""
@@ -325,12 +359,12 @@ class GcsStorage:
         full = self._key(key)
         size = os.path.getsize(local)
         if size >= self.parallel_threshold and self.max_concurrency > 1 and size > self.part_size:
-            blob = self._put_composed(Path(local), full, size, expected, progress)
-        else:
-            with self._streams:
-                blob = self._put_one(Path(local), full, expected)
-            if progress:
-                progress(size)
+            self._put_composed(Path(local), full, size, expected, progress)  # verified as it completes
+            return
+        with self._streams:
+            blob = self._put_one(Path(local), full, expected)
+        if progress:
+            progress(size)
         self._verify(blob, full, size, expected)
 
     def _new_blob(self, name: str, crc: int) -> Any:
@@ -400,62 +434,18 @@ class GcsStorage:
         )
         return blob
 
-    def _put_composed(self, local: Path, full: str, size: int, expected: int, progress: Progress | None) -> Any:
-        self._drop_leftovers(full)
-        parts_prefix = self._parts_prefix(full)
-        plan = self._part_plan(size)
-        uploaded: list[Any] = []
-        fd = open_nofollow(local)
-        try:
-
-            def one(index: int, offset: int, length: int) -> Any:
-                # The budget before the first byte is read: a part waiting for a stream costs nothing.
-                with self._streams:
-                    blob = self._put_part(fd, f"{parts_prefix}{index:05d}", offset, length)
-                if progress:
-                    progress(length)
-                return blob
-
-            workers = min(self.max_concurrency, len(plan))
-            with cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gcs-part") as pool:
-                futures = [pool.submit(one, *p) for p in plan]
-                try:
-                    for fut in cf.as_completed(futures):
-                        uploaded.append(fut.result())
-                except BaseException:
-                    for f in futures:
-                        f.cancel()
-                    # Parts that finished after the failure must be deleted too.
-                    cf.wait(futures)
-                    uploaded.extend(
-                        f.result() for f in futures if f.done() and not f.cancelled() and f.exception() is None
-                    )
-                    raise
-            return self._compose(parts_prefix, [f.result() for f in futures], full, expected, uploaded)
-        except Exception as exc:
-            raise self._wrap(f"upload {full} in {len(plan)} parts", exc) from exc
-        finally:
-            os.close(fd)
-            self._delete_blobs({b.name for b in uploaded})
-
-    def _compose(self, parts_prefix: str, sources: list[Any], full: str, expected: int, made: list[Any]) -> Any:
-        """Join the parts into ``full``; every intermediate object made is added to ``made``."""
-        # Over 32 parts (capped part sizes on a very large file): compose in rounds of 32.
-        level = 0
-        while len(sources) > _MAX_COMPOSE:
-            level += 1
-            groups = [sources[i : i + _MAX_COMPOSE] for i in range(0, len(sources), _MAX_COMPOSE)]
-            sources = []
-            for n, group in enumerate(groups):
-                joined = self.bucket.blob(f"{parts_prefix}join-{level}-{n:05d}")
-                joined.content_type = "application/octet-stream"
-                joined.compose(group, retry=self._retry_now(), timeout=self.timeout)
-                made.append(joined)
-                sources.append(joined)
-        dest = self._new_blob(full, expected)
-        dest.content_type = "application/octet-stream"
-        dest.compose(sources, retry=self._retry_now(), timeout=self.timeout)
-        return dest
+    def _put_composed(self, local: Path, full: str, size: int, expected: int, progress: Progress | None) -> None:
+        """Through the part engine: parts as temporary objects, composed and verified at the end."""
+        send_file(
+            local,
+            size,
+            f"{expected:08x}",
+            what=f"gcs: {full}",
+            plan=self._part_plan(size),
+            pool=self._stream_pool.get(),
+            initiate=lambda fd: _GcsUpload(self, full, size, fd),
+            progress=progress,
+        )
 
     def _parts_prefix(self, full: str) -> str:
         """Where the parts of one upload of ``full`` go: under the key, so that a later upload of
@@ -483,12 +473,15 @@ class GcsStorage:
             log.info("gcs: deleting %d parts of %s left by an earlier run", len(stale), full)
             self._delete_blobs(stale)
 
-    def begin_stream(self, key: str, size: int, fd: int, *, progress: Progress | None = None) -> _GcsStream | None:
+    def begin_stream(self, key: str, size: int, fd: int, *, progress: Progress | None = None) -> PartStream | None:
         """Parts uploaded as the file is written, composed at the finish; None for a file that
         ``put_file`` would send in one upload."""
         if size < self.parallel_threshold or self.max_concurrency == 1 or size <= self.part_size:
             return None
-        return _GcsStream(self, self._key(key), size, fd, progress)
+        full = self._key(key)
+        plan = self._part_plan(size)
+        initiate = lambda: _GcsUpload(self, full, size, fd)  # noqa: E731
+        return PartStream(f"gcs: {full}", size, plan, self._stream_pool.get(), initiate, progress=progress)
 
     def _verify(self, blob: Any, full: str, size: int, expected: int) -> None:
         stored = gcs_crc_to_hex(blob.crc32c)
@@ -623,25 +616,26 @@ class GcsStorage:
             log.warning("gcs: could not delete %d objects, first %s: %s", len(errors), name, exc)
 
 
-class _GcsStream(PartStream):
-    """Parts as temporary objects, each with its declared CRC32C, composed once the file is done."""
+class _GcsUpload:
+    """One composite upload as the part engine drives it (:class:`~spotguard.storage.stream.PartUpload`):
+    parts as temporary objects, each with its declared CRC32C, composed and verified at ``complete``;
+    every temporary object made is deleted either way."""
 
-    def __init__(self, storage: GcsStorage, full: str, size: int, fd: int, progress: Progress | None) -> None:
-        super().__init__(f"gcs: {full}", size, storage._part_plan(size), storage._stream_pool.get(), progress=progress)
+    def __init__(self, storage: GcsStorage, full: str, size: int, fd: int) -> None:
         self._storage = storage
         self._full = full
+        self._size = size
         self._fd = fd
         self._parts_prefix = storage._parts_prefix(full)
         self._made: list[Any] = []
         self._made_lock = threading.Lock()
+        storage._drop_leftovers(full)
 
-    def _start(self) -> None:
-        self._storage._drop_leftovers(self._full)
-
-    def _send_part(self, number: int, offset: int, length: int) -> tuple[int, Any]:
+    def put_part(self, number: int, offset: int, length: int) -> tuple[int, Any]:
         storage = self._storage
         name = f"{self._parts_prefix}{number:05d}"
         try:
+            # The budget before the first byte is read: a part waiting for a stream costs nothing.
             with storage._streams:
                 blob = storage._put_part(self._fd, name, offset, length)
         except Exception as exc:
@@ -653,20 +647,25 @@ class _GcsStream(PartStream):
             raise StorageError(f"gcs: {name}: the store reported no CRC32C for the part")
         return int(crc, 16), blob
 
-    def _complete(self, tokens: list[Any], crc: int) -> None:
+    def complete(self, tokens: list[Any], crc: int) -> None:
         storage = self._storage
         try:
-            dest = storage._compose(self._parts_prefix, tokens, self._full, crc, self._made)
+            dest = compose_parts(
+                storage.bucket,
+                tokens,
+                storage._new_blob(self._full, crc),
+                parts_prefix=self._parts_prefix,
+                made=self._made,
+                retry=storage._retry_now(),
+                timeout=storage.timeout,
+            )
         except Exception as exc:
             raise storage._wrap(f"compose {self._full} of {len(tokens)} parts", exc) from exc
         finally:
-            self._drop_parts()
-        storage._verify(dest, self._full, self.size, crc)
+            self.abort()
+        storage._verify(dest, self._full, self._size, crc)
 
-    def _abort_upload(self) -> None:
-        self._drop_parts()
-
-    def _drop_parts(self) -> None:
+    def abort(self) -> None:
         with self._made_lock:
             made, self._made = self._made, []
         self._storage._delete_blobs({blob.name for blob in made})

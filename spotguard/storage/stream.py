@@ -1,60 +1,84 @@
-"""Uploading a file while it is still being written: parts go up as soon as their bytes are there.
+"""The one part engine: every multipart upload, of a finished file or of one still being written.
 
-The writer announces byte ranges of a file whose final size it knows (``add``); every part of the
-backend's plan whose bytes are all announced is sent at once, read from a descriptor the caller
-opened on the file being written (it stays valid across the writer's rename). ``finish`` sends
-whatever is left, checks the part CRC32Cs combined against the file's and only then completes the
-object; ``abort`` (or a failed ``finish``) leaves nothing visible and nothing open in the store.
+A backend plans the parts of a file (``(number, offset, length)``, in offset order) and implements
+:class:`PartUpload`, the calls of one upload open in its store; this engine does the rest: it opens
+the upload before the first part (``initiate``, a factory the backend hands in), sends parts in the
+backend's shared pool (``put_part``), checks the part CRC32Cs combined against the file's and only
+then completes the object (``complete``), and on any failure or cancel removes what was sent
+(``abort``): nothing half-written is ever visible, nothing stays open in the store.
 
-A backend that can stream has ``begin_stream``; one without it uploads the finished file whole.
+Two ways in, one engine:
+
+* a finished file: :func:`send_file` (every part goes at once);
+* a file still being written: the writer announces byte ranges of a file whose final size it knows
+  (:meth:`PartStream.add`); every part whose bytes are all announced is sent at once, read from a
+  descriptor the caller opened on the file being written (it stays valid across the writer's
+  rename); :meth:`PartStream.finish` sends whatever is left. A backend that can do this declares
+  :attr:`~spotguard.storage.base.Capability.STREAMING` and returns a :class:`PartStream` from
+  ``begin_stream``.
+
+The call sequence is the one of fsspec's buffered files and of torch DCP's storage writers:
+initiate, parts (in parallel, any order), complete or abort, exactly once.
 """
 
 from __future__ import annotations
 
 import bisect
 import concurrent.futures as cf
+import os
 import threading
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
 
 from spotguard.crc32c import crc32c_combine
 from spotguard.crc32c import crc32c_hex_to_int as _hex_to_int
-from spotguard.storage.base import Progress, StorageError
+from spotguard.safefile import open_nofollow
+from spotguard.storage.base import Progress, StorageError, UploadStream
+
+__all__ = ["PartStream", "PartUpload", "Plan", "StreamPool", "UploadStream", "send_file"]
 
 Plan = list[tuple[int, int, int]]  # (part number, offset, length), in offset order
 
 
-class UploadStream(Protocol):
-    def add(self, offset: int, length: int) -> None:
-        """Bytes ``[offset, offset + length)`` are written; never blocks (parts go up in threads)."""
+class PartUpload(Protocol):
+    """One multipart upload open in a store (made by the backend's ``initiate`` factory, which opens
+    it). The engine calls ``put_part`` for every part of the plan, from pool threads, in any order;
+    then exactly one of ``complete`` (parts' tokens in plan order) or ``abort``."""
+
+    def put_part(self, number: int, offset: int, length: int) -> tuple[int, Any]:
+        """Send one part (its bytes read by the upload from its file); its CRC32C and what
+        ``complete`` needs of it (an ETag, a part object)."""
         ...
 
-    def finish(self, crc32c: str) -> None:
-        """The whole file is written and its CRC32C is ``crc32c``: send the rest, check, complete.
-        Blocking. On failure the upload is aborted before this raises."""
+    def complete(self, tokens: list[Any], crc: int) -> None:
+        """Make the object visible from its parts, whose CRC32Cs combine to ``crc`` (checked by the
+        engine); verified where the store can say. Nothing is left to abort once this returns."""
         ...
 
     def abort(self) -> None:
-        """Drop the upload: nothing completed, nothing left open. Blocking; idempotent."""
-        ...
-
-
-@runtime_checkable
-class Streaming(Protocol):
-    def begin_stream(self, key: str, size: int, fd: int, *, progress: Progress | None = None) -> UploadStream | None:
-        """A stream for ``key`` of ``size`` bytes read from ``fd`` (the caller closes it after
-        ``finish``/``abort``), or None for a file too small to be worth it (it goes whole)."""
+        """Remove what was sent; nothing of the upload stays open in the store."""
         ...
 
 
 class PartStream:
-    """The bookkeeping every backend's stream shares: coverage per part, parts sent in a shared
-    pool, failure and abort. A backend fills in ``_start``, ``_send_part``, ``_complete`` and
-    ``_abort_upload`` (called from the pool's threads, or from ``finish``/``abort``)."""
+    """The engine for one upload: coverage per part, parts sent in a shared pool, the CRC32C check,
+    failure and abort. The store's side is the :class:`PartUpload` that ``initiate`` opens (at the
+    first part, from a pool thread, or at ``finish``)."""
 
     def __init__(
-        self, what: str, size: int, plan: Plan, pool: cf.Executor, *, progress: Progress | None = None
+        self,
+        what: str,
+        size: int,
+        plan: Plan,
+        pool: cf.Executor,
+        initiate: Callable[[], PartUpload],
+        *,
+        progress: Progress | None = None,
     ) -> None:
         self.what = what
+        self._initiate = initiate
+        self._upload: PartUpload | None = None
         self.size = size
         self._plan = plan
         self._pool = pool
@@ -118,7 +142,9 @@ class PartStream:
                 raise StorageError(
                     f"{self.what}: CRC32C of the bytes sent {combined:08x} != the file's {expected:08x}; not completed"
                 )
-            self._complete([token for _, token in results], expected)
+            assert self._upload is not None
+            self._upload.complete([token for _, token in results], expected)
+            self._upload = None  # completed: nothing left to abort
         except BaseException:
             self.abort()
             raise
@@ -131,25 +157,9 @@ class PartStream:
             future.cancel()
         cf.wait(futures)
         with self._start_lock:
-            if self._started:
-                self._started = False
-                self._abort_upload()
-
-    # --- for the backend ------------------------------------------------------------------
-
-    def _start(self) -> None:
-        """Open the upload in the store (before the first part)."""
-
-    def _send_part(self, number: int, offset: int, length: int) -> tuple[int, Any]:
-        """Send one part; return its CRC32C and what ``_complete`` needs of it."""
-        raise NotImplementedError
-
-    def _complete(self, tokens: list[Any], crc: int) -> None:
-        """Make the object visible from its parts (in plan order), verified."""
-        raise NotImplementedError
-
-    def _abort_upload(self) -> None:
-        """Remove what was sent; called once, after ``_start`` succeeded."""
+            upload, self._upload = self._upload, None
+        if upload is not None:
+            upload.abort()
 
     # --- internals ------------------------------------------------------------------------
 
@@ -161,7 +171,7 @@ class PartStream:
             if self._aborted:
                 raise StorageError(f"{self.what}: the upload was aborted")
             if not self._started:
-                self._start()
+                self._upload = self._initiate()
                 self._started = True
 
     def _run_part(self, number: int, offset: int, length: int) -> tuple[int, Any]:
@@ -169,13 +179,34 @@ class PartStream:
             raise StorageError(f"{self.what}: not sending part {number}: an earlier part failed") from self._failed
         try:
             self._ensure_started()
-            result = self._send_part(number, offset, length)
+            assert self._upload is not None
+            result = self._upload.put_part(number, offset, length)
         except BaseException as exc:
             self._failed = self._failed or exc
             raise
         if self._progress is not None:
             self._progress(length)
         return result
+
+
+def send_file(
+    local: Path,
+    size: int,
+    crc32c: str,
+    *,
+    what: str,
+    plan: Plan,
+    pool: cf.Executor,
+    initiate: Callable[[int], PartUpload],
+    progress: Progress | None = None,
+) -> None:
+    """Upload the finished file ``local`` in the parts of ``plan``: ``initiate`` gets the descriptor
+    the parts are read from (opened without following links, closed when this returns)."""
+    fd = open_nofollow(local)
+    try:
+        PartStream(what, size, plan, pool, lambda: initiate(fd), progress=progress).finish(crc32c)
+    finally:
+        os.close(fd)
 
 
 class StreamPool:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypedDict
 
-from spotguard.storage.base import check_bucket_url
+from spotguard.storage.schemes import check_bucket_url
 
 #: Where the daemon listens unless told otherwise (systemd's RuntimeDirectory).
 DEFAULT_SOCKET = Path("/run/spotguard/spotguard.sock")
