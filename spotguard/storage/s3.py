@@ -275,11 +275,10 @@ class S3Storage(StoreDefaults):
             self._put_object(full, data, expected, md5=md5)
 
     def _put_object(self, full: str, data: bytes, expected: int, *, md5: bool, **conditions: str) -> None:
-        self._api.call(
-            f"put_object {full}" + (" (if absent)" if conditions else ""),
-            self.client.put_object,
-            Bucket=self.bucket,
-            Key=full,
+        self._api.on_key(
+            "put_object",
+            full,
+            " (if absent)" if conditions else "",
             Body=data,
             **integrity_args(data, expected, md5),
             **conditions,
@@ -353,7 +352,7 @@ class S3Storage(StoreDefaults):
             problem = f"stored CRC32C {answered} != expected {expected:08x}"
         if problem:
             with contextlib.suppress(StorageError):
-                self._api.call(f"delete_object {full}", self.client.delete_object, Bucket=self.bucket, Key=full)
+                self._api.on_key("delete_object", full)
             message = f"s3: {full}: {problem}; object deleted"
             if answered is not None:
                 raise ChecksumMismatch(message, sent=f"{expected:08x}", answered=answered)
@@ -377,7 +376,7 @@ class S3Storage(StoreDefaults):
         try:
             info = self._stat_full(full)
         finally:
-            self._api.call(f"delete_object {full}", self.client.delete_object, Bucket=self.bucket, Key=full)
+            self._api.on_key("delete_object", full)
         probe = ChecksumProbe(self.store_name, f"{crc:08x}", None if info is None else info.crc32c)
         if adopt and not probe.agrees:
             self._verdict.adopt_md5()
@@ -432,13 +431,7 @@ class S3Storage(StoreDefaults):
 
     def _stat_full(self, full: str) -> ObjectInfo | None:
         try:
-            head = self._api.call(
-                f"head_object {full}",
-                self.client.head_object,
-                Bucket=self.bucket,
-                Key=full,
-                ChecksumMode="ENABLED",
-            )
+            head = self._api.on_key("head_object", full, ChecksumMode="ENABLED")
         except ObjectNotFound:
             return None
         crc = None

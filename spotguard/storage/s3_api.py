@@ -217,6 +217,13 @@ class S3Api:
         except Exception as exc:
             raise self.wrap(what, exc) from exc
 
+    def on_key(self, operation: str, full: str, /, what: str = "", **kwargs: Any) -> Any:
+        """``call`` of the client's ``operation`` on the object ``full`` of this bucket (``what``: more
+        words for messages, after the operation and the key)."""
+        return self.call(
+            f"{operation} {full}{what}", getattr(self.client, operation), Bucket=self.bucket, Key=full, **kwargs
+        )
+
     def wrap(self, what: str, exc: BaseException) -> StorageError:
         if is_not_found(exc):
             return ObjectNotFound(f"s3: {what}: not found")

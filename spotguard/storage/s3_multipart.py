@@ -134,11 +134,9 @@ class S3Multipart:
 
     def create(self, full: str, *, md5: bool) -> str:
         self._abort_leftovers(full)
-        created = self.api.call(
-            f"create_multipart_upload {full}",
-            self.api.client.create_multipart_upload,
-            Bucket=self.api.bucket,
-            Key=full,
+        created = self.api.on_key(
+            "create_multipart_upload",
+            full,
             **({} if md5 else {"ChecksumAlgorithm": "CRC32C", "ChecksumType": "FULL_OBJECT"}),
         )
         upload_id = str(created["UploadId"])
@@ -158,11 +156,10 @@ class S3Multipart:
         with self._streams:
             data = read_exactly(fd, offset, length, f"s3: {full} (part {number})")
             crc = crc_of(data)
-            resp = self.api.call(
-                f"upload_part {full} #{number}",
-                self.api.client.upload_part,
-                Bucket=self.api.bucket,
-                Key=full,
+            resp = self.api.on_key(
+                "upload_part",
+                full,
+                f" #{number}",
                 UploadId=upload_id,
                 PartNumber=number,
                 Body=data,
@@ -177,11 +174,9 @@ class S3Multipart:
         if not md5:
             checksums = {"ChecksumCRC32C": _int_to_b64(expected), "ChecksumType": "FULL_OBJECT"}
         try:
-            self.api.call(
-                f"complete_multipart_upload {full}",
-                self.api.client.complete_multipart_upload,
-                Bucket=self.api.bucket,
-                Key=full,
+            self.api.on_key(
+                "complete_multipart_upload",
+                full,
                 UploadId=upload_id,
                 MultipartUpload={
                     "Parts": [
@@ -220,13 +215,7 @@ class S3Multipart:
     def abort(self, full: str, upload_id: str) -> bool:
         """Abort one multipart upload; whether nothing of it is left open (already gone counts)."""
         try:
-            self.api.call(
-                f"abort_multipart_upload {full}",
-                self.api.client.abort_multipart_upload,
-                Bucket=self.api.bucket,
-                Key=full,
-                UploadId=upload_id,
-            )
+            self.api.on_key("abort_multipart_upload", full, UploadId=upload_id)
         except ObjectNotFound:
             pass
         except Exception:
