@@ -135,3 +135,35 @@ def test_the_services_emit_on_the_bus_they_are_given(tmp_path: Path) -> None:
     planner.plan(notice)
     book.checkpointed(notice.event_id, saved_step=4)
     assert told == ["plan bucket", "moved pending->over"]
+
+
+def test_a_failing_observer_of_the_daemon_does_not_keep_metrics_from_a_notice(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from spotguard.config import DaemonConfig
+    from spotguard.daemon.app import Daemon
+    from spotguard.daemon.metrics import DaemonMetrics
+
+    caplog.set_level(logging.ERROR, logger="spotguard.daemon")
+    config = DaemonConfig(
+        provider="none", socket=tmp_path / "s.sock", checkpoint_dir=tmp_path / "nvme", state_dir=tmp_path / "state"
+    )
+    daemon = Daemon(config, provider="none")
+
+    def broken(event: NoticeSeen) -> None:
+        raise RuntimeError("observer bug")
+
+    daemon.bus.subscribe(NoticeSeen, broken)  # before metrics: they must still be told
+    registry = CollectorRegistry()
+    DaemonMetrics(registry).attach(daemon)
+    notice = drill("z")
+    try:
+        assert asyncio.run(daemon.on_notice(notice)) is True
+    finally:
+        daemon.events.close()
+    labels = {"provider": "none", "kind": str(Kind.DRILL), "action": str(daemon.action_for(notice))}
+    assert registry.get_sample_value("spotguard_notices_total", labels) == 1
+    assert daemon.last_notice is not None and daemon.last_notice["event_id"] == notice.event_id
+    assert any(f"NoticeSeen of {notice.event_id}" in r.getMessage() for r in caplog.records)
