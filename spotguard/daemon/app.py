@@ -19,12 +19,14 @@ from typing import Any
 
 from spotguard.config import ConfigError, DaemonConfig
 from spotguard.daemon.events import (
-    MonitorErrorListener,
-    NoticeListener,
-    SavedListener,
-    SaveFailedListener,
+    EventBus,
+    MonitorFailed,
+    NoticeMoved,
+    NoticeSeen,
+    PlanChanged,
+    UploadCommitted,
 )
-from spotguard.daemon.notices import EventLog, NoticeBook, NoticeState, TrackedNotice
+from spotguard.daemon.notices import EventLog, NoticeBook, TrackedNotice
 from spotguard.daemon.notify import SystemdNotifier, watchdog_loop
 from spotguard.daemon.peering import Peering
 from spotguard.daemon.plan import Planner, probe_upload
@@ -33,7 +35,6 @@ from spotguard.daemon.server import SocketServer
 from spotguard.daemon.stall import StallWatch
 from spotguard.daemon.status import plan_status_of, render_status
 from spotguard.daemon.uploader import Uploader
-from spotguard.manifest import Manifest
 from spotguard.notice import Action, Notice, utcnow
 from spotguard.peer.discovery import PeerRegistry
 from spotguard.peer.handoff import Handoff
@@ -49,7 +50,7 @@ logger = logging.getLogger("spotguard.daemon")
 _PLAN_REVISE_INTERVAL = 1.0  # seconds between revisions of the deadline plan while a notice is pending
 
 
-def _build_uploader(config: DaemonConfig, storage: Storage | None, root: Path) -> Uploader:
+def _build_uploader(config: DaemonConfig, storage: Storage | None, root: Path, bus: EventBus) -> Uploader:
     return Uploader(
         storage,
         root,
@@ -61,6 +62,7 @@ def _build_uploader(config: DaemonConfig, storage: Storage | None, root: Path) -
         alert_after=config.upload_alert_after,
         scan_interval=config.scan_interval,
         forecast_interval=config.forecast_interval,
+        bus=bus,
     )
 
 
@@ -82,12 +84,15 @@ class Daemon:
         self.acknowledgements = Acknowledgements()  # sent once a notice's checkpoint is in the bucket
         self.storage = storage
         self.root = config.checkpoint_dir.absolute()
+        # The one event stream: every service emits on it; the daemon's own handlers subscribe first
+        # (a commit is acknowledged before metrics and webhook hear of it), observers in attach().
+        self.bus = EventBus()
         self.events = EventLog(config.state_dir, self.root)
-        self.notices = NoticeBook(self.events, grace=config.notice_grace)
-        self.notices.on_move.append(self._notice_moved)
+        self.notices = NoticeBook(self.events, grace=config.notice_grace, bus=self.bus)
+        self.bus.subscribe(NoticeMoved, self._notice_moved)
         self._notices_changed = asyncio.Event()  # wakes the task that ends notices on time
-        self.uploader = _build_uploader(config, storage, self.root)
-        self.uploader.on_committed.append(self._on_committed)
+        self.uploader = _build_uploader(config, storage, self.root, self.bus)
+        self.bus.subscribe(UploadCommitted, self._on_committed)
         self.peering = Peering(
             config,
             storage=storage,
@@ -95,10 +100,10 @@ class Daemon:
             token=peer_token,  # the job's shared secret: never logged, never in status
             submit=lambda path: self.uploader.submit(path, urgent=False),
         )
-        # The deadline plan: what it is made of (state size, upload rate) is fed by listeners.
-        self.planner = Planner(peer_available=self.peering.available, bucket=storage is not None)
-        self.planner.listeners.append(self.peering.follow_plan)
-        self.uploader.on_committed.append(self._measure_upload)
+        # The deadline plan: what it is made of (state size, upload rate) is fed from the event stream.
+        self.planner = Planner(peer_available=self.peering.available, bucket=storage is not None, bus=self.bus)
+        self.bus.subscribe(PlanChanged, lambda event: self.peering.follow_plan(event.notice, event.plan))
+        self.bus.subscribe(UploadCommitted, self._measure_upload)
         self._stopping = asyncio.Event()
         self.requests = RequestHandler(self, stopping=self._stopping.is_set)
         self.server = SocketServer(
@@ -114,22 +119,17 @@ class Daemon:
         self._init_observed_state()
 
     def _init_observed_state(self) -> None:
-        """What the daemon shows (status, metrics, webhook) and who listens to it."""
+        """What the daemon shows (status, metrics, webhook; observers subscribe to ``bus``)."""
         self.last_notice: dict[str, Any] | None = None  # its timeline, for status and reports
-        self.notice_listeners: list[NoticeListener] = []  # every new event id, ignored ones included
-        self.saved_listeners: list[SavedListener] = []
-        self.monitor_error_listeners: list[MonitorErrorListener] = []
         self.stalls = StallWatch(
             min_seconds=self.config.stall_min_seconds,
             fraction=self.config.stall_fraction,
             trainers=self.server.trainers,
             pending=lambda: self.pending,
+            bus=self.bus,
         )
-        self.stall_listeners = self.stalls.listeners
         self.stalled = self.stalls.stalled  # peer id -> its report, while it stays stalled
-        self.save_failed_listeners: list[SaveFailedListener] = []
         self.save_failures: list[dict[str, Any]] = []  # the last few, newest last
-        self.plan_listeners = self.planner.listeners
         self.metrics_url: str | None = None  # set by build_and_run when metrics are served
         self.monitor_errors: dict[str, str] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -170,7 +170,7 @@ class Daemon:
         if action is Action.IGNORE:
             self.notices.ignore(notice)
             logger.info("ignoring %s notice %s (policy)", notice.kind, notice.event_id)
-            await self._tell_listeners(notice, action)
+            await self.bus.emit_async(NoticeSeen(notice, action))
             return True
         logger.warning(
             "%s %s notice %s: deadline %s (%.0f s); telling %d trainer(s) to %s",
@@ -191,15 +191,8 @@ class Daemon:
             self.last_notice["trainers_told"] = told
         # After the trainers are told (they must not wait for it), before the observers hear of it.
         self.planner.plan(notice)
-        await self._tell_listeners(notice, action)
+        await self.bus.emit_async(NoticeSeen(notice, action))
         return True
-
-    async def _tell_listeners(self, notice: Notice, action: Action) -> None:
-        for listener in self.notice_listeners:
-            try:
-                await listener(notice, action)
-            except Exception:
-                logger.exception("a notice listener failed for %s", notice.event_id)
 
     def _start_timeline(self, tracked: TrackedNotice) -> None:
         notice = tracked.notice
@@ -212,11 +205,12 @@ class Daemon:
             "received_at": notice.received.isoformat(),
             "state": str(tracked.state),
         }
-        self._notice_moved(tracked, tracked.state)
+        self._notice_moved(NoticeMoved(tracked, tracked.state))
 
-    def _notice_moved(self, tracked: TrackedNotice, old: NoticeState) -> None:
-        """After every change of notice state: the timeline shows it; the uploader races the
-        current notice's deadline, or none once every notice is over."""
+    def _notice_moved(self, event: NoticeMoved) -> None:
+        """After every change of notice state (and when its timeline starts): the timeline shows it;
+        the uploader races the current notice's deadline, or none once every notice is over."""
+        tracked, old = event.tracked, event.old
         if self.last_notice is not None and self.last_notice.get("event_id") == tracked.event_id:
             self.last_notice["state"] = str(tracked.state)
             if tracked.state is not old:
@@ -250,8 +244,8 @@ class Daemon:
         """Seconds a told trainer may take to reach a checkpoint point before it is reported."""
         return self.stalls.bound(notice)
 
-    async def _on_committed(self, name: str, manifest: Manifest, seconds: float) -> None:
-        event_id = manifest.meta.get("event_id")
+    async def _on_committed(self, event: UploadCommitted) -> None:
+        name, event_id = event.name, event.manifest.meta.get("event_id")
         if self.last_notice is not None and self.last_notice.get("checkpoint") == name:
             self.last_notice["committed_at"] = utcnow().isoformat()
         if isinstance(event_id, str) and event_id in self.events:
@@ -276,8 +270,8 @@ class Daemon:
         """Bytes per second recent uploads (and the start-up probe) reached."""
         return self.planner.meter.rate()
 
-    async def _measure_upload(self, name: str, manifest: Manifest, seconds: float) -> None:
-        self.planner.observe_upload(manifest.total_bytes, seconds)
+    def _measure_upload(self, event: UploadCommitted) -> None:
+        self.planner.observe_upload(event.manifest.total_bytes, event.seconds)
 
     async def _revise_plan(self) -> None:
         """While a notice is pending, revise its plan from the uploader's live forecast."""
@@ -302,24 +296,17 @@ class Daemon:
 
     # --- lifetime ----------------------------------------------------------------------
 
-    def _tell_monitor_error(self, name: str, exc: BaseException) -> None:
-        for listener in self.monitor_error_listeners:
-            try:
-                listener(name, exc)
-            except Exception:
-                logger.exception("a monitor-error listener failed for %s", name)
-
     async def _check_once(self, monitor: Monitor) -> None:
         try:
             notices = await monitor.check_all()
         except MonitorError as exc:
             self.monitor_errors[monitor.name] = str(exc)
-            self._tell_monitor_error(monitor.name, exc)
+            self.bus.emit(MonitorFailed(monitor.name, exc))
             logger.warning("%s", exc)
             return
         except Exception as exc:  # a monitor bug must not stop the others or the daemon
             self.monitor_errors[monitor.name] = repr(exc)
-            self._tell_monitor_error(monitor.name, exc)
+            self.bus.emit(MonitorFailed(monitor.name, exc))
             logger.exception("%s monitor failed", monitor.name)
             return
         self.monitor_errors.pop(monitor.name, None)

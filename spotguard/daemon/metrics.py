@@ -27,9 +27,18 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 
-from spotguard.daemon.events import DaemonEvents
-from spotguard.manifest import Manifest
-from spotguard.notice import Action, Notice
+from spotguard.daemon.events import (
+    CheckpointSaved,
+    DaemonEvents,
+    Event,
+    MonitorFailed,
+    NoticeSeen,
+    SaveFailed,
+    TrainerStalled,
+    UploadCommitted,
+    UploadFailed,
+)
+from spotguard.notice import Action
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -116,7 +125,7 @@ class DaemonMetrics:
 
     >>> registry = CollectorRegistry()
     >>> metrics = DaemonMetrics(registry)
-    >>> metrics.attach(daemon)                      # listeners on the daemon and its uploader
+    >>> metrics.attach(daemon)                      # one observer of the daemon's event stream
     >>> server = MetricsServer(registry, "127.0.0.1", 9464)
     >>> url = await server.start()                  # http://127.0.0.1:9464/metrics
     """
@@ -127,6 +136,7 @@ class DaemonMetrics:
         self._register_upload_metrics(registry)
         self._live = _LiveCollector()
         registry.register(self._live)
+        self._margin_of_last_commit: Callable[[], float | None] = lambda: None
 
     def _register_trainer_metrics(self, registry: CollectorRegistry) -> None:
         """Notices, the trainers' saves and stalls, the monitors' errors."""
@@ -192,19 +202,10 @@ class DaemonMetrics:
         )
 
     def attach(self, daemon: DaemonEvents) -> None:
-        daemon.notice_listeners.append(self.on_notice)
-        daemon.saved_listeners.append(self.on_saved)
-        daemon.monitor_error_listeners.append(self.on_monitor_error)
-        daemon.stall_listeners.append(self.on_stall)
-        daemon.save_failed_listeners.append(self.on_save_failed)
-        daemon.uploader.on_failure.append(self.on_upload_failure)
         uploader = daemon.uploader
         self.upload_failing_streak.set_function(uploader.failing_streak)
-
-        async def on_committed(name: str, manifest: Manifest, seconds: float) -> None:
-            self.on_committed(manifest, seconds, (uploader.last_committed or {}).get("deadline_margin_s"))
-
-        uploader.on_committed.append(on_committed)
+        self._margin_of_last_commit = lambda: (uploader.last_committed or {}).get("deadline_margin_s")
+        daemon.bus.subscribe(Event, self.observe)
 
         def pending_seconds() -> float | None:
             pending = daemon.pending
@@ -220,32 +221,30 @@ class DaemonMetrics:
         self._live.plan = daemon.plan_status
         self._live.measured_rate = daemon.measured_rate
 
-    # --- listeners (all on the daemon's loop; none blocks) --------------------------------
+    # --- the event stream (on the daemon's loop; never blocks) ----------------------------
 
-    async def on_notice(self, notice: Notice, action: Action) -> None:
-        self.notices.labels(notice.provider, str(notice.kind), str(action)).inc()
-
-    def on_saved(self, name: str, manifest: Manifest) -> None:
-        self.checkpoints_saved.labels(manifest.reason).inc()
-        self.checkpoint_bytes.set(manifest.total_bytes)
-
-    def on_committed(self, manifest: Manifest, seconds: float, margin: float | None) -> None:
-        self.upload_bytes.observe(manifest.total_bytes)
-        self.upload_seconds.observe(seconds)
-        if margin is not None:
-            self.deadline_margin.set(margin)
-
-    def on_upload_failure(self, name: str, exc: BaseException) -> None:
-        self.upload_failures.inc()
-
-    def on_monitor_error(self, monitor: str, exc: BaseException) -> None:
-        self.monitor_errors.labels(monitor).inc()
-
-    def on_stall(self, notice: Notice, action: Action, report: dict[str, Any]) -> None:
-        self.trainer_stalls.inc()
-
-    def on_save_failed(self, failure: dict[str, Any]) -> None:
-        self.save_failures.labels(str(failure["reason"]), str(failure["error"])).inc()
+    def observe(self, event: Event) -> None:
+        """Count what ``event`` tells; the kinds no metric counts pass by."""
+        match event:
+            case NoticeSeen(notice=notice, action=action):
+                self.notices.labels(notice.provider, str(notice.kind), str(action)).inc()
+            case CheckpointSaved(manifest=manifest):
+                self.checkpoints_saved.labels(manifest.reason).inc()
+                self.checkpoint_bytes.set(manifest.total_bytes)
+            case UploadCommitted(manifest=manifest, seconds=seconds):
+                self.upload_bytes.observe(manifest.total_bytes)
+                self.upload_seconds.observe(seconds)
+                margin = self._margin_of_last_commit()
+                if margin is not None:
+                    self.deadline_margin.set(margin)
+            case UploadFailed():
+                self.upload_failures.inc()
+            case MonitorFailed(monitor=monitor):
+                self.monitor_errors.labels(monitor).inc()
+            case TrainerStalled():
+                self.trainer_stalls.inc()
+            case SaveFailed(failure=failure):
+                self.save_failures.labels(str(failure["reason"]), str(failure["error"])).inc()
 
 
 class MetricsServer:

@@ -23,12 +23,12 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from datetime import datetime, timedelta
-from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from spotguard.daemon.events import EventBus, NoticeMoved
+from spotguard.daemon.lifecycle import NoticeState, TrackedNotice
 from spotguard.notice import Action, Notice, utcnow
 from spotguard.safefile import atomic_file
 
@@ -124,39 +124,17 @@ class EventLog:
                 yield Notice.from_dict(entry["notice"]), entry
 
 
-class NoticeState(StrEnum):
-    PENDING = "pending"
-    HELD = "held"
-    OVER = "over"
-
-
-@dataclass
-class TrackedNotice:
-    notice: Notice
-    action: Action
-    state: NoticeState
-    ends: datetime  # when it is over at the latest
-
-    @property
-    def event_id(self) -> str:
-        return self.notice.event_id
-
-    def rank(self) -> tuple[bool, bool, datetime]:
-        """Lower first: a hard notice before a soft one, pending before held, then the earlier deadline."""
-        return self.action is not Action.STOP, self.state is not NoticeState.PENDING, self.notice.deadline
-
-
-OnMove = Callable[[TrackedNotice, NoticeState], None]  # the notice (in its new state), its old state
-
-
 class NoticeBook:
-    """The lifecycle of every notice the daemon acts on; ``clock`` is injected for tests."""
+    """The lifecycle of every notice the daemon acts on; ``clock`` is injected for tests. Each move
+    is told on ``bus`` as a :class:`~spotguard.daemon.events.NoticeMoved`."""
 
-    def __init__(self, log: EventLog, *, grace: float, clock: Callable[[], datetime] = utcnow) -> None:
+    def __init__(
+        self, log: EventLog, *, grace: float, bus: EventBus | None = None, clock: Callable[[], datetime] = utcnow
+    ) -> None:
         self.log = log
         self.grace = timedelta(seconds=grace)
+        self.bus = bus if bus is not None else EventBus()
         self.clock = clock
-        self.on_move: list[OnMove] = []
         self._live: dict[str, TrackedNotice] = {}  # pending or held
 
     def seen(self, event_id: str) -> bool:
@@ -231,7 +209,7 @@ class NoticeBook:
         return self.peek()
 
     def peek(self) -> TrackedNotice | None:
-        """:meth:`current` without ending what is due first (for listeners of a move)."""
+        """:meth:`current` without ending what is due first (for observers of a move)."""
         return min(self._live.values(), key=TrackedNotice.rank, default=None)
 
     def get(self, event_id: str) -> TrackedNotice | None:
@@ -252,11 +230,7 @@ class NoticeBook:
         self.log.record(tracked.notice, state=str(state), **{f"{state}_at": self.clock().isoformat()})
         log = logger.warning if state is NoticeState.OVER and tracked.action is Action.STOP else logger.info
         log("%s notice %s: %s -> %s: %s", tracked.notice.kind, tracked.event_id, old, state, why)
-        for listener in self.on_move:
-            try:
-                listener(tracked, old)
-            except Exception:
-                logger.exception("a notice-state listener failed for %s", tracked.event_id)
+        self.bus.emit(NoticeMoved(tracked, old))
 
 
 def _fields(fields: dict[str, Any]) -> str:

@@ -25,85 +25,21 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from enum import StrEnum
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from spotguard.daemon.events import EventBus, PlanChanged
+from spotguard.daemon.route import FIT_FRACTION, Plan, Route, choose_route
 from spotguard.localstore import scan_local
 from spotguard.notice import Notice
 from spotguard.storage.base import Storage, put_bytes
 
 logger = logging.getLogger("spotguard.plan")
 
-# The bucket route is chosen only with room to spare: a link's rate wobbles, and the last files
-# still need their commit after the data.
-FIT_FRACTION = 0.8
 PROBE_BYTES = 1 << 20
 PROBE_PREFIX = ".spotguard-rate-probe"  # never a step directory: listings and retention ignore it
 _SAMPLES = 5  # recent uploads the rate is measured over
-
-
-class Route(StrEnum):
-    BUCKET = "bucket"
-    PEER = "peer"
-    LOCAL = "local"
-
-
-@dataclass(frozen=True)
-class Plan:
-    route: Route
-    bytes: int
-    rate_bytes_s: float | None  # None: nothing measured yet
-    seconds_needed: float | None  # None: unknown (no rate)
-    seconds_left: float
-    why: str
-    event_id: str = ""
-    revision: int = 0  # 0 at notice time, +1 per change of route while the race runs
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "route": str(self.route),
-            "bytes": self.bytes,
-            "rate_bytes_s": None if self.rate_bytes_s is None else round(self.rate_bytes_s),
-            "seconds_needed": None if self.seconds_needed is None else round(self.seconds_needed, 2),
-            "seconds_left": round(self.seconds_left, 2),
-            "why": self.why,
-            "event_id": self.event_id,
-            "revision": self.revision,
-        }
-
-    def describe(self) -> str:
-        rate = "no rate measured yet" if self.rate_bytes_s is None else f"{self.rate_bytes_s / 1e6:.1f} MB/s"
-        needed = "?" if self.seconds_needed is None else f"{self.seconds_needed:.1f}"
-        return (
-            f"route {self.route}: {self.bytes / (1 << 20):.0f} MiB at {rate} needs {needed} s, "
-            f"{self.seconds_left:.1f} s left ({self.why})"
-        )
-
-
-def choose_route(
-    size: int, rate: float | None, seconds_left: float, *, peer_available: bool, bucket: bool = True
-) -> Plan:
-    """The route for ``size`` bytes at ``rate`` bytes/s with ``seconds_left`` to the deadline."""
-    needed = 0.0 if size == 0 else (size / rate if rate else None)
-    if not bucket:
-        return Plan(Route.LOCAL, size, rate, needed, seconds_left, "no bucket is configured")
-    if needed is None:
-        return Plan(Route.BUCKET, size, rate, None, seconds_left, "no upload rate measured yet: trying the bucket")
-    if needed <= FIT_FRACTION * seconds_left:
-        return Plan(Route.BUCKET, size, rate, needed, seconds_left, "the bucket makes the deadline")
-    if peer_available:
-        return Plan(Route.PEER, size, rate, needed, seconds_left, "the bucket cannot make the deadline; a peer can")
-    return Plan(
-        Route.LOCAL,
-        size,
-        rate,
-        needed,
-        seconds_left,
-        "neither the bucket nor a peer makes the deadline: the newest complete checkpoint in the bucket "
-        "is the resume point",
-    )
 
 
 class RateMeter:
@@ -121,20 +57,19 @@ class RateMeter:
         return sum(b for b, _ in self._samples) / seconds if seconds > 0 else None
 
 
-#: A notice's deadline plan, and each change of its route (the observers: metrics, webhook, status).
-PlanListener = Callable[[Notice, Plan], None]
-
-
 class Planner:
-    """Keeps what a plan is made of (size, rate) and the plan of the notice being raced."""
+    """Keeps what a plan is made of (size, rate) and the plan of the notice being raced; each plan
+    and each change of its route is told on ``bus`` as a :class:`~spotguard.daemon.events.PlanChanged`."""
 
-    def __init__(self, *, peer_available: Callable[[], bool] = lambda: False, bucket: bool = True) -> None:
+    def __init__(
+        self, *, peer_available: Callable[[], bool] = lambda: False, bucket: bool = True, bus: EventBus | None = None
+    ) -> None:
         self.bucket = bucket
+        self.bus = bus if bus is not None else EventBus()
         self.meter = RateMeter()
         self.state_bytes: int | None = None
         self.peer_available = peer_available
         self.current: Plan | None = None
-        self.listeners: list[PlanListener] = []
         self._notice: Notice | None = None
         self._announced: dict[str, int] = {}  # bytes of the files trainers finished per checkpoint, this notice
 
@@ -171,7 +106,7 @@ class Planner:
         self._notice = notice
         self.current = replace(made, event_id=notice.event_id)
         logger.warning("deadline plan for %s: %s", notice.event_id, self.current.describe())
-        self._tell(notice, self.current)
+        self.bus.emit(PlanChanged(notice, self.current))
         return self.current
 
     def revise(self, forecast: dict[str, Any] | None) -> Plan | None:
@@ -202,20 +137,13 @@ class Planner:
         self.current = replace(made, route=route, why=why, event_id=old.event_id, revision=revision)
         if route is not old.route:
             logger.warning("deadline plan for %s revised: %s", notice.event_id, self.current.describe())
-            self._tell(notice, self.current)
+            self.bus.emit(PlanChanged(notice, self.current))
         return self.current
 
     def end(self) -> None:
         self.current = None
         self._notice = None
         self._announced.clear()
-
-    def _tell(self, notice: Notice, plan: Plan) -> None:
-        for listener in self.listeners:
-            try:
-                listener(notice, plan)
-            except Exception:
-                logger.exception("a plan listener failed for %s", notice.event_id)
 
 
 def probe_upload(storage: Storage, size: int = PROBE_BYTES) -> tuple[int, float]:

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from spotguard import protocol
 from spotguard.config import DaemonConfig
-from spotguard.daemon.events import SavedListener, SaveFailedListener
+from spotguard.daemon.events import CheckpointSaved, EventBus, SaveFailed
 from spotguard.daemon.notices import NoticeBook
 from spotguard.daemon.peering import Peering
 from spotguard.daemon.plan import Planner
@@ -22,7 +22,6 @@ from spotguard.daemon.uploader import Uploader
 from spotguard.localstore import prune_local
 from spotguard.manifest import (
     FileEntry,
-    Manifest,
     ManifestError,
     check_relpath,
     load_manifest,
@@ -55,8 +54,7 @@ class RequestHost(Protocol):
     stalls: StallWatch
     peering: Peering
     last_notice: dict[str, Any] | None  # the latest notice's timeline
-    saved_listeners: list[SavedListener]
-    save_failed_listeners: list[SaveFailedListener]
+    bus: EventBus  # CheckpointSaved, SaveFailed
     save_failures: list[dict[str, Any]]
 
     @property
@@ -230,7 +228,7 @@ class RequestHandler:
         logger.info(
             "trainer pid %d committed %s (%s, %d bytes)", peer.pid, resolved.name, manifest.reason, manifest.total_bytes
         )
-        self._tell_saved(resolved.name, manifest)
+        self.host.bus.emit(CheckpointSaved(resolved.name, manifest))
         self._record_saved(message.get("event_id"), resolved.name, manifest.step)
         # Node 0 of a multi-node job holds the whole job's manifest but uploads only its share.
         share = await asyncio.to_thread(load_part, resolved) if manifest.meta.get("nodes", 1) > 1 else None
@@ -278,24 +276,13 @@ class RequestHandler:
             and self.host.last_notice.get("event_id") == event_id
         ):
             self.host.last_notice["save_failed"] = failure
-        for listener in self.host.save_failed_listeners:
-            try:
-                listener(failure)
-            except Exception:
-                logger.exception("a save-failed listener failed for step %s", message["step"])
+        self.host.bus.emit(SaveFailed(failure))
 
     def _record_saved(self, event_id: object, name: str, step: int) -> None:
         """The trainer saved for a notice: remember it (across restarts) and for the timeline."""
         if self.host.last_notice and self.host.last_notice.get("event_id") == event_id:
             self.host.last_notice.update(saved_at=utcnow().isoformat(), saved_step=step, checkpoint=name)
         self.host.notices.checkpointed(event_id, saved_step=step)
-
-    def _tell_saved(self, name: str, manifest: Manifest) -> None:
-        for listener in self.host.saved_listeners:
-            try:
-                listener(name, manifest)
-            except Exception:
-                logger.exception("a saved listener failed for %s", name)
 
     def _prune_without_bucket(self) -> None:
         prune_local(self.host.root, self.host.config.keep_local)

@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from spotguard.daemon.events import StallListener
+from spotguard.daemon.events import EventBus, TrainerStalled
 from spotguard.daemon.server import Peer
 from spotguard.notice import Action, Notice
 
@@ -21,7 +21,8 @@ class StallWatch:
     """Which told trainers have not acted on the pending notice within the bound.
 
     ``trainers`` and ``pending`` are asked on every look: the connected trainers and the notice they
-    are told about now (None when none is pending).
+    are told about now (None when none is pending). Each report is told on ``bus`` as a
+    :class:`~spotguard.daemon.events.TrainerStalled`.
     """
 
     def __init__(
@@ -31,13 +32,14 @@ class StallWatch:
         fraction: float,
         trainers: Callable[[], Sequence[Peer]],
         pending: Callable[[], tuple[Notice, Action] | None],
+        bus: EventBus,
     ) -> None:
         self.min_seconds = min_seconds
         self.fraction = fraction
         self._trainers = trainers
         self._pending = pending
         self.stalled: dict[int, dict[str, Any]] = {}  # peer id -> its report, while it stays stalled
-        self.listeners: list[StallListener] = []
+        self.bus = bus
 
     def bound(self, notice: Notice) -> float:
         """Seconds a told trainer may take to reach a checkpoint point before it is reported."""
@@ -101,11 +103,7 @@ class StallWatch:
             notice.event_id,
             bound,
         )
-        for listener in self.listeners:
-            try:
-                listener(notice, action, report)
-            except Exception:
-                logger.exception("a stall listener failed for pid %d", peer.pid)
+        self.bus.emit(TrainerStalled(notice, action, report))
 
     async def watch(self, stopping: asyncio.Event) -> None:
         while not stopping.is_set():

@@ -7,7 +7,7 @@ import random
 import time
 from typing import Any
 
-from spotguard.daemon.events import UploadFailureListener
+from spotguard.daemon.events import EventBus, UploadFailed
 from spotguard.notice import utcnow
 from spotguard.storage.base import ChecksumMismatch
 
@@ -16,15 +16,14 @@ logger = logging.getLogger("spotguard.uploader")
 
 class UploadFailures:
     """Failures in a row per checkpoint (until it is committed), the backoff they earn, the
-    checkpoints never retried, and the latest failures for the status."""
+    checkpoints never retried, and the latest failures for the status. Each failure is told on
+    ``bus`` as an :class:`~spotguard.daemon.events.UploadFailed`."""
 
-    def __init__(
-        self, *, retry_after: float, retry_max: float, alert_after: int, listeners: list[UploadFailureListener]
-    ) -> None:
+    def __init__(self, *, retry_after: float, retry_max: float, alert_after: int, bus: EventBus) -> None:
         self.retry_after = retry_after  # the first wait after a failed upload; doubled per failure in a row
         self.retry_max = retry_max  # ... up to this
         self.alert_after = alert_after  # failures in a row of one checkpoint before an error-level alert
-        self.listeners = listeners
+        self.bus = bus
         self.in_a_row: dict[str, int] = {}
         self.not_before: dict[str, float] = {}  # backoff after a failed attempt
         self.recent: list[dict[str, Any]] = []
@@ -77,11 +76,7 @@ class UploadFailures:
             )
         self.recent.append({"name": name, "error": str(exc), "at": utcnow().isoformat(), "in_a_row": failed})
         del self.recent[:-20]
-        for callback in self.listeners:
-            try:
-                callback(name, exc)
-            except Exception:
-                logger.exception("a failure listener failed for %s", name)
+        self.bus.emit(UploadFailed(name, exc))
         if refused:
             return False
         self.not_before[name] = time.monotonic() + delay

@@ -23,7 +23,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from spotguard.daemon.events import CommittedListener, UploadFailureListener
+from spotguard.daemon.events import EventBus, UploadCommitted
 from spotguard.daemon.forecast import commit_report, forecast_report, monotonic_deadline, watch_deadline
 from spotguard.daemon.retention import apply_retention
 from spotguard.daemon.streams import EarlyUploads
@@ -76,8 +76,11 @@ class Uploader:
         retry_max: float = 60.0,
         alert_after: int = 5,
         forecast_interval: float = 5.0,
+        bus: EventBus | None = None,
     ) -> None:
         self.storage = storage
+        # Each commit (UploadCommitted, observers awaited in turn) and each failed attempt (UploadFailed).
+        self.bus = bus if bus is not None else EventBus()
         self.root = root
         self.keep_local = keep_local
         self.keep_remote = keep_remote
@@ -90,11 +93,9 @@ class Uploader:
         # Another writer committed a different checkpoint under the same name: never sent again.
         self.conflicts: set[str] = set()
         self.other_nodes_timeout = 600.0  # how long node 0 waits for the others' shares (without a notice)
-        self.on_committed: list[CommittedListener] = []
-        self.on_failure: list[UploadFailureListener] = []
         self.last_committed: dict[str, Any] | None = None
         self._failures = UploadFailures(
-            retry_after=retry_after, retry_max=retry_max, alert_after=alert_after, listeners=self.on_failure
+            retry_after=retry_after, retry_max=retry_max, alert_after=alert_after, bus=self.bus
         )
         self.failures = self._failures.recent
         self.refused = self._failures.refused  # checkpoints not retried until a restart
@@ -391,11 +392,7 @@ class Uploader:
         self._urgent.discard(name)
         self._failures.succeeded(name)
         self.last_committed = commit_report(name, manifest, elapsed, deadline=self._deadline, bucket=self.storage.url)
-        for callback in self.on_committed:
-            try:
-                await callback(name, manifest, elapsed)
-            except Exception:
-                logger.exception("a commit listener failed for %s", name)
+        await self.bus.emit_async(UploadCommitted(name, manifest, elapsed))
         await self._retention()
 
     async def _retention(self) -> None:

@@ -22,7 +22,7 @@ route while the race runs gets a ``"type": "plan"`` message of its own.
 And, between the two, ``"type": "stalled"`` for each trainer (``pid``) that has not reached a
 checkpoint point within the daemon's bound (``seconds`` waited, ``seconds_left`` to the deadline).
 
-Never on the urgent path: the daemon's listeners only put a message on a queue; one worker task
+Never on the urgent path: its handlers of the daemon's events only put a message on a queue; one worker task
 on the daemon's loop POSTs them in order (an outcome never overtakes its notice), each with a
 5 s timeout and a few jittered retries on connection errors, timeouts, 429 and 5xx. Failures are
 logged and dropped.
@@ -49,8 +49,17 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from spotguard.config import WEBHOOK_FIELDS
-from spotguard.daemon.events import DaemonEvents
-from spotguard.daemon.plan import Plan, Route
+from spotguard.daemon.events import (
+    CheckpointSaved,
+    DaemonEvents,
+    NoticeSeen,
+    PlanChanged,
+    SaveFailed,
+    TrainerStalled,
+    UploadCommitted,
+    UploadFailed,
+)
+from spotguard.daemon.route import Route
 from spotguard.manifest import Manifest
 from spotguard.notice import Action, Notice, utcnow
 
@@ -157,18 +166,20 @@ class WebhookNotifier:
 
     def attach(self, daemon: DaemonEvents) -> None:
         self.bucket = daemon.bucket_url
-        daemon.notice_listeners.append(self.on_notice)
-        daemon.saved_listeners.append(self.on_saved)
-        daemon.stall_listeners.append(self.on_stall)
-        daemon.save_failed_listeners.append(self.on_save_failed)
-        daemon.uploader.on_committed.append(self.on_committed)
-        daemon.uploader.on_failure.append(self.on_upload_failure)
-        daemon.plan_listeners.append(self.on_plan)
+        bus = daemon.bus
+        bus.subscribe(NoticeSeen, self.on_notice)
+        bus.subscribe(CheckpointSaved, self.on_saved)
+        bus.subscribe(TrainerStalled, self.on_stall)
+        bus.subscribe(SaveFailed, self.on_save_failed)
+        bus.subscribe(UploadCommitted, self.on_committed)
+        bus.subscribe(UploadFailed, self.on_upload_failure)
+        bus.subscribe(PlanChanged, self.on_plan)
         self._plan_of = daemon.plan_status
 
     # --- the event's story --------------------------------------------------------------
 
-    async def on_notice(self, notice: Notice, action: Action) -> None:
+    def on_notice(self, seen: NoticeSeen) -> None:
+        notice, action = seen.notice, seen.action
         if action is Action.IGNORE or notice.event_id in self._events or notice.event_id in self._resolved:
             return
         event = _Event(notice, action)
@@ -187,7 +198,8 @@ class WebhookNotifier:
         loop = asyncio.get_running_loop()
         event.timer = loop.call_later(max(0.0, left), self._deadline_passed, notice.event_id)
 
-    def on_saved(self, name: str, manifest: Manifest) -> None:
+    def on_saved(self, saved: CheckpointSaved) -> None:
+        name, manifest = saved.name, saved.manifest
         event = self._event_of(manifest)
         if event is None:
             return
@@ -200,9 +212,10 @@ class WebhookNotifier:
                 f"{name} committed locally on {self.host}; no bucket is configured, so it dies with the VM",
             )
 
-    def on_plan(self, notice: Notice, plan: Plan) -> None:
+    def on_plan(self, changed: PlanChanged) -> None:
         """A revision that starts the peer route is worth a message of its own (the first plan rides
         on the notice's)."""
+        notice, plan = changed.notice, changed.plan
         event = self._events.get(notice.event_id)
         if event is None or plan.revision == 0 or plan.route is not Route.PEER:
             return
@@ -214,12 +227,14 @@ class WebhookNotifier:
             **_plan_fields(values),
         )
 
-    def on_stall(self, notice: Notice, action: Action, report: dict[str, Any]) -> None:
+    def on_stall(self, stalled: TrainerStalled) -> None:
+        notice, action, report = stalled.notice, stalled.action, stalled.report
         event = self._events.get(notice.event_id) or _Event(notice, action)
         message = f"{report['message']} (on {self.host})"
         self._enqueue(event, "stalled", message, pid=report["pid"], seconds=report["seconds"])
 
-    def on_save_failed(self, failure: dict[str, Any]) -> None:
+    def on_save_failed(self, failed: SaveFailed) -> None:
+        failure = failed.failure
         event_id = failure.get("event_id")
         event = self._events.get(event_id) if isinstance(event_id, str) else None
         message = (
@@ -236,12 +251,13 @@ class WebhookNotifier:
             values.update(error=failure["error"], **details)
         self._put(values, logger.error)
 
-    def on_upload_failure(self, name: str, exc: BaseException) -> None:
+    def on_upload_failure(self, failed: UploadFailed) -> None:
         for event in self._events.values():
-            if event.checkpoint == name:
-                event.failure = str(exc)
+            if event.checkpoint == failed.name:
+                event.failure = str(failed.error)
 
-    async def on_committed(self, name: str, manifest: Manifest, upload_seconds: float) -> None:
+    def on_committed(self, committed: UploadCommitted) -> None:
+        name, manifest, upload_seconds = committed.name, committed.manifest, committed.seconds
         event = self._event_of(manifest)
         if event is None:
             return

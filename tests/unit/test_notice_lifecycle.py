@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from spotguard.daemon.events import NoticeMoved
 from spotguard.daemon.notices import EventLog, NoticeBook, NoticeState
 from spotguard.notice import Action, Kind, Notice, utcnow
 
@@ -45,7 +46,7 @@ def test_a_hard_notice_is_pending_then_held_then_over_after_deadline_plus_grace(
     clock = Clock()
     notices = book(tmp_path, clock, grace=60)
     moves: list[tuple[str, str]] = []
-    notices.on_move.append(lambda t, old: moves.append((str(old), str(t.state))))
+    notices.bus.subscribe(NoticeMoved, lambda e: moves.append((str(e.old), str(e.tracked.state))))
     drill = notices.open(notice(clock, 3), Action.STOP)
     assert notices.current() is drill and drill.state is NoticeState.PENDING
     notices.checkpointed(drill.event_id, saved_step=7)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from spotguard.daemon.events import PlanChanged
 from spotguard.daemon.plan import FIT_FRACTION, Planner, RateMeter, Route, choose_route
 from spotguard.manifest import FileEntry, step_dir_name, write_part
 from spotguard.notice import Kind, Notice
@@ -48,7 +49,7 @@ def test_a_bucket_upload_falling_behind_starts_the_peer_route_and_never_goes_bac
     free_peer = [False]
     planner = Planner(peer_available=lambda: free_peer[0])
     told: list[tuple[str, Route, int]] = []
-    planner.listeners.append(lambda notice, plan: told.append((notice.event_id, plan.route, plan.revision)))
+    planner.bus.subscribe(PlanChanged, lambda e: told.append((e.notice.event_id, e.plan.route, e.plan.revision)))
     planner.observe_size(50 * MB)
     planner.observe_upload(100 * MB, 1.0)
     notice = Notice.in_seconds("none", Kind.DRILL, 30.0, identity="x")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from spotguard.daemon.events import UploadCommitted
 from spotguard.daemon.uploader import Uploader
 from spotguard.notice import utcnow
 from spotguard.storage.base import Progress, StorageError
@@ -63,7 +64,7 @@ def test_a_checkpoint_failing_n_times_in_a_row_raises_one_alert_and_the_streak_e
         committed.set()
 
     async def scenario() -> list[int]:
-        uploader.on_committed.append(on_committed)
+        uploader.bus.subscribe(UploadCommitted, on_committed)
         task = asyncio.create_task(uploader.run())
         streaks = []
         try:

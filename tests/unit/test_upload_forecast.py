@@ -13,6 +13,7 @@ import pytest
 
 from spotguard.cli import _upload_line
 from spotguard.crc32c import crc32c_of_bytes
+from spotguard.daemon.events import UploadCommitted
 from spotguard.daemon.uploader import Uploader
 from spotguard.manifest import FileEntry
 from spotguard.notice import utcnow
@@ -94,7 +95,7 @@ async def run_urgent_upload(
     async def on_committed(*_: object) -> None:
         committed.set()
 
-    uploader.on_committed.append(on_committed)
+    uploader.bus.subscribe(UploadCommitted, on_committed)
     task = asyncio.create_task(uploader.run())
     reports: list[dict[str, object]] = []
     try:
