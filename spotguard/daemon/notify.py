@@ -53,10 +53,7 @@ class SystemdNotifier:
 
     def ready(self, status: str | None = None) -> bool:
         """Tell systemd start-up is complete (``Type=notify``); optionally set STATUS too."""
-        fields = ["READY=1"]
-        if status is not None:
-            fields.append(_status_field(status))
-        return self.notify(*fields)
+        return self._with_status("READY=1", status)
 
     def status(self, text: str) -> bool:
         """Set the one-line status shown by ``systemctl status``."""
@@ -68,10 +65,10 @@ class SystemdNotifier:
 
     def stopping(self, status: str | None = None) -> bool:
         """Tell systemd we are shutting down (uploads may still be draining)."""
-        fields = ["STOPPING=1"]
-        if status is not None:
-            fields.append(_status_field(status))
-        return self.notify(*fields)
+        return self._with_status("STOPPING=1", status)
+
+    def _with_status(self, field: str, status: str | None) -> bool:
+        return self.notify(field, *([] if status is None else [_status_field(status)]))
 
     def extend_timeout(self, usec: int) -> bool:
         """Ask for ``usec`` more microseconds before the current start/stop timeout fires.

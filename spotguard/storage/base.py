@@ -27,41 +27,38 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Protocol, TypeVar, runtime_checkable
 
 from spotguard.crc32c import crc32c_of_bytes
-from spotguard.errors import SpotguardError, TransientError
+from spotguard.storage.errors import (  # re-exported: the contract's errors
+    ChecksumMismatch,
+    ObjectExists,
+    ObjectNotFound,
+    StorageError,
+    TransientStorageError,
+)
 
 if TYPE_CHECKING:
     from spotguard.storage.journal import UploadJournal
 
 T = TypeVar("T")
 
-
-class StorageError(SpotguardError):
-    """An operation on the bucket failed for good (after retries, or fatally)."""
-
-
-class TransientStorageError(StorageError, TransientError):
-    """Worth retrying: 503 SlowDown, 500, throttling, a reset connection."""
-
-
-class ObjectNotFound(StorageError):
-    pass
-
-
-class ChecksumMismatch(StorageError):
-    """The store accepted the bytes but answered a checksum that does not match them.
-
-    Not transient: the same store computes the same wrong value for the same bytes, so sending
-    them again changes nothing. ``sent`` and ``answered`` are the CRC32Cs, as hex."""
-
-    def __init__(self, message: str, *, sent: str, answered: str) -> None:
-        super().__init__(message)
-        self.sent = sent
-        self.answered = answered
-
-
-class ObjectExists(StorageError):
-    """A conditional create found the key already written (by another writer, or by an earlier
-    attempt of ours whose answer was lost): nothing was overwritten."""
+__all__ = [
+    "CHECKSUM_MODES",
+    "Capability",
+    "ChecksumMismatch",
+    "ChecksumProbe",
+    "ObjectExists",
+    "ObjectInfo",
+    "ObjectNotFound",
+    "Progress",
+    "Sink",
+    "Storage",
+    "StorageError",
+    "StoreDefaults",
+    "TransientStorageError",
+    "UploadStream",
+    "put_bytes",
+    "read_exactly",
+    "retry",
+]
 
 
 Progress = Callable[[int], None]  # called with a number of bytes just transferred

@@ -18,17 +18,8 @@ import google_crc32c
 
 from spotguard.crc32c import crc32c_of_file
 from spotguard.safefile import TMP_MARK, atomic_file, fsync_dir, open_nofollow
-from spotguard.storage.base import (
-    Capability,
-    ObjectExists,
-    ObjectInfo,
-    ObjectNotFound,
-    Progress,
-    Sink,
-    StorageError,
-    StoreDefaults,
-    read_exactly,
-)
+from spotguard.storage.base import Capability, ObjectInfo, Progress, Sink, StoreDefaults, read_exactly
+from spotguard.storage.errors import ObjectExists, ObjectNotFound, StorageError
 from spotguard.storage.stream import PartStream, StreamPool
 
 _COPY_CHUNK = 8 * 1024 * 1024

@@ -60,19 +60,8 @@ from spotguard.crc32c import base64_to_hex
 from spotguard.crc32c import crc32c_hex_to_int as _hex_to_int
 from spotguard.crc32c import crc32c_int_to_base64 as _int_to_b64
 from spotguard.safefile import open_nofollow
-from spotguard.storage.base import (
-    Capability,
-    ChecksumMismatch,
-    ObjectExists,
-    ObjectInfo,
-    ObjectNotFound,
-    Progress,
-    Sink,
-    StorageError,
-    StoreDefaults,
-    TransientStorageError,
-    read_exactly,
-)
+from spotguard.storage.base import Capability, ObjectInfo, Progress, Sink, StoreDefaults, read_exactly
+from spotguard.storage.errors import ChecksumMismatch, ObjectExists, ObjectNotFound, StorageError, TransientStorageError
 from spotguard.storage.stream import PartStream, StreamPool, send_file
 from spotguard.storage.transfer import fetch_object
 

@@ -58,18 +58,8 @@ from urllib.parse import urlsplit
 from spotguard.crc32c import base64_to_hex
 from spotguard.crc32c import crc32c_hex_to_int as _hex_to_int
 from spotguard.safefile import read_nofollow
-from spotguard.storage.base import (
-    CHECKSUM_MODES,
-    Capability,
-    ChecksumMismatch,
-    ObjectInfo,
-    ObjectNotFound,
-    Progress,
-    Sink,
-    StorageError,
-    StoreDefaults,
-    TransientStorageError,
-)
+from spotguard.storage.base import CHECKSUM_MODES, Capability, ObjectInfo, Progress, Sink, StoreDefaults
+from spotguard.storage.errors import ChecksumMismatch, ObjectNotFound, StorageError, TransientStorageError
 from spotguard.storage.journal import UploadJournal
 from spotguard.storage.s3_api import TRANSIENT_CODES, S3Api, client_config
 from spotguard.storage.s3_multipart import ChecksumVerdict, Part, S3Multipart, crc_of, integrity_args
