@@ -208,16 +208,9 @@ class DaemonConfig:
         return self.on_rebalance if kind == "rebalance" else self.on_maintenance
 
     def monitor_settings(self) -> MonitorSettings:
-        """What the provider's monitors and the doctor's probe are built from."""
-        return MonitorSettings(
-            metadata_url=self.metadata_url,
-            poll_interval=self.poll_interval,
-            http_timeout=self.http_timeout,
-            imds_v1_fallback=self.imds_v1_fallback,
-            asg_lifecycle_hook=self.asg_lifecycle_hook,
-            asg_name=self.asg_name,
-            vm_name=self.vm_name,
-        )
+        """What the provider's monitors and the doctor's probe are built from: every field of
+        :class:`MonitorSettings` is the config's field of the same name."""
+        return MonitorSettings(**{item.name: getattr(self, item.name) for item in fields(MonitorSettings)})
 
     def storage_options(self) -> dict[str, Any]:
         """Keyword arguments for ``open_storage(self.bucket, ...)``, the same for the daemon and doctor:
