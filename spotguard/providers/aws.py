@@ -41,13 +41,13 @@ import logging
 import time
 from collections.abc import Callable
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Unpack
 
 import aiohttp
 
-from spotguard.notice import Acknowledgement, Kind, Notice, event_id_for, parse_iso, utcnow
+from spotguard.notice import Acknowledgement, Kind, Notice, event_id_for, parse_iso
 from spotguard.providers import base
-from spotguard.providers.base import Monitor, MonitorError, MonitorSettings, PolledMonitor
+from spotguard.providers.base import Monitor, MonitorError, MonitorSettings, PolledMonitor, Polling
 
 logger = logging.getLogger(__name__)
 
@@ -179,24 +179,20 @@ class AwsMonitor(PolledMonitor):
         self,
         session: aiohttp.ClientSession,
         base_url: str = DEFAULT_BASE_URL,
-        interval: float = 1.0,
-        timeout: float = 2.0,
         *,
         token_ttl: int = DEFAULT_TOKEN_TTL,
         imds_v1_fallback: bool = False,
         lifecycle_hook: str | None = None,
         asg_name: str | None = None,
-        clock: Callable[[], datetime] = utcnow,
         monotonic: Callable[[], float] = time.monotonic,
+        **polling: Unpack[Polling],
     ) -> None:
         if not 1 <= token_ttl <= DEFAULT_TOKEN_TTL:
             raise ValueError(f"token_ttl must be 1..{DEFAULT_TOKEN_TTL}, got {token_ttl}")
-        super().__init__(session, base_url, interval, timeout)
-        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        super().__init__(session, base_url, **polling)
         self._token_ttl = token_ttl
         self._refresh_margin = min(60.0, token_ttl / 4)
         self._v1_fallback = imds_v1_fallback
-        self._clock = clock
         self._monotonic = monotonic
         self._token: str | None = None
         self._token_expires = 0.0
@@ -467,8 +463,8 @@ def monitors(session: aiohttp.ClientSession, settings: MonitorSettings) -> list[
     monitor = AwsMonitor(
         session,
         settings.base_url(DEFAULT_BASE_URL),
-        settings.poll_interval,
-        settings.http_timeout,
+        interval=settings.poll_interval,
+        timeout=settings.http_timeout,
         imds_v1_fallback=settings.imds_v1_fallback,
         lifecycle_hook=settings.asg_lifecycle_hook,
         asg_name=settings.asg_name,

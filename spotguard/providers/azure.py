@@ -26,15 +26,14 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Unpack
 
 import aiohttp
 
-from spotguard.notice import Acknowledgement, Kind, Notice, event_id_for, utcnow
+from spotguard.notice import Acknowledgement, Kind, Notice, event_id_for
 from spotguard.providers import base
-from spotguard.providers.base import Monitor, MonitorError, MonitorSettings, PolledMonitor
+from spotguard.providers.base import Monitor, MonitorError, MonitorSettings, PolledMonitor, Polling
 
 logger = logging.getLogger(__name__)
 
@@ -92,16 +91,12 @@ class AzureMonitor(PolledMonitor):
         self,
         session: aiohttp.ClientSession,
         base_url: str = DEFAULT_BASE_URL,
-        interval: float = 1.0,
-        timeout: float = 2.0,
         *,
         vm_name: str | None = None,
-        clock: Callable[[], datetime] = utcnow,
+        **polling: Unpack[Polling],
     ) -> None:
-        super().__init__(session, base_url, interval, timeout)
-        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        super().__init__(session, base_url, **polling)
         self._vm_name = vm_name
-        self._clock = clock
         self._incarnation: int | None = None
         self._started_seen: dict[str, datetime] = {}
 
@@ -222,7 +217,11 @@ def detect(read: base.DmiReader) -> bool:
 
 def monitors(session: aiohttp.ClientSession, settings: MonitorSettings) -> list[Monitor]:
     url = settings.base_url(DEFAULT_BASE_URL)
-    return [AzureMonitor(session, url, settings.poll_interval, settings.http_timeout, vm_name=settings.vm_name)]
+    return [
+        AzureMonitor(
+            session, url, interval=settings.poll_interval, timeout=settings.http_timeout, vm_name=settings.vm_name
+        )
+    ]
 
 
 PROVIDER = base.Provider(

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict, runtime_checkable
 
 from spotguard.errors import TransientError
-from spotguard.notice import Acknowledgement, Notice
+from spotguard.notice import Acknowledgement, Notice, utcnow
 
 if TYPE_CHECKING:
     import aiohttp
@@ -56,6 +56,15 @@ class Monitor(Protocol):
     async def close(self) -> None: ...
 
 
+class Polling(TypedDict, total=False):
+    """How a polled monitor polls, as keyword arguments of every cloud's monitor: seconds between checks,
+    seconds per request, and the UTC wall clock notices are dated by."""
+
+    interval: float
+    timeout: float
+    clock: Callable[[], datetime]
+
+
 class PolledMonitor:
     """What the metadata monitors share: the caller's HTTP session, base URL, poll interval and timeout.
 
@@ -64,11 +73,22 @@ class PolledMonitor:
 
     name = "none"
 
-    def __init__(self, session: aiohttp.ClientSession, base_url: str, interval: float, timeout: float) -> None:
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        base_url: str,
+        interval: float = 1.0,
+        timeout: float = 2.0,
+        clock: Callable[[], datetime] = utcnow,
+    ) -> None:
         self.interval = interval
         self._session = session
         self._base = base_url.rstrip("/")
         self._timeout_s = timeout
+        import aiohttp  # here: importing the provider contract must not load it (the hook reads settings)
+
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._clock = clock  # UTC wall time, for deadlines
 
     async def check_all(self) -> list[Notice]:
         raise NotImplementedError

@@ -36,16 +36,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 import aiohttp
 
-from spotguard.notice import Kind, Notice, event_id_for, utcnow
+from spotguard.notice import Kind, Notice, event_id_for
 from spotguard.providers import base
-from spotguard.providers.base import Monitor, MonitorError, MonitorSettings, PolledMonitor
+from spotguard.providers.base import Monitor, MonitorError, MonitorSettings, PolledMonitor, Polling
 
 logger = logging.getLogger(__name__)
 
@@ -94,24 +93,24 @@ class GcpMonitor(PolledMonitor):
         self,
         session: aiohttp.ClientSession,
         base_url: str = DEFAULT_BASE_URL,
-        interval: float = 1.0,
-        timeout: float = 2.0,
         *,
         long_poll: bool = True,
         long_poll_timeout: float = 60.0,
         retry_delay: float = 1.0,
         max_retries: int = 3,
-        clock: Callable[[], datetime] = utcnow,
         boot_id: str | None = None,
+        **polling: Unpack[Polling],
     ) -> None:
-        super().__init__(session, base_url, 0.0 if long_poll else interval, timeout)
+        # Long polls wait in the request: no pause between them (``interval`` paces retries only).
+        interval = polling.get("interval", 1.0)
+        paced: Polling = {**polling, "interval": 0.0 if long_poll else interval}
+        super().__init__(session, base_url, **paced)
         self.poll_interval = interval
         self._url = self._base + INSTANCE_PATH
         self._long_poll = long_poll
         self._long_poll_timeout = max(1, round(long_poll_timeout))
         self._retry_delay = retry_delay
         self._max_retries = max_retries
-        self._clock = clock
         self._boot_id = boot_id if boot_id is not None else read_boot_id()
         self._etag: str | None = None
         self._pause = 0.0
@@ -238,7 +237,7 @@ def detect(read: base.DmiReader) -> bool:
 def monitors(session: aiohttp.ClientSession, settings: MonitorSettings) -> list[Monitor]:
     url = settings.base_url(DEFAULT_BASE_URL)
     interval, timeout = settings.poll_interval, settings.http_timeout
-    return [GcpMonitor(session, url, interval, timeout, long_poll_timeout=DAEMON_LONG_POLL_S)]
+    return [GcpMonitor(session, url, interval=interval, timeout=timeout, long_poll_timeout=DAEMON_LONG_POLL_S)]
 
 
 PROVIDER = base.Provider(

@@ -177,9 +177,7 @@ class S3Storage(StoreDefaults):
         self.url = url
         bucket, prefix = parse_s3_url(url)
         config = client_config(max_concurrency, retry_mode, max_attempts, connect_timeout, read_timeout)
-        self._api = S3Api(
-            bucket, prefix, config=config, attempts=attempts, client=client, endpoint_url=endpoint_url, region=region
-        )
+        self._api = S3Api(bucket, prefix, config, attempts, client, endpoint_url, region)
         self.part_size = part_size
         self.max_concurrency = max_concurrency
         # One budget of upload streams for the whole instance, shared by every file in flight.

@@ -8,6 +8,7 @@ Kept apart from :mod:`spotguard.storage.s3` (the store's contract) and
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import boto3
@@ -124,35 +125,28 @@ def client_config(
     )
 
 
+@dataclass
 class S3Api:
     """One bucket's client: made at first use (or given), calls retried, errors made StorageErrors.
 
     ``set_deadline`` switches every call to the racing client (2 attempts, short timeouts) and
     bounds our retries by the deadline; ``key`` turns a store key into the bucket's full key."""
 
-    def __init__(
-        self,
-        bucket: str,
-        prefix: str,
-        *,
-        config: Config,
-        attempts: int,
-        client: Any = None,
-        endpoint_url: str | None = None,
-        region: str | None = None,
-    ) -> None:
-        self.bucket = bucket
-        self.prefix = prefix
-        self.attempts = attempts
-        self.config = config
-        self._endpoint_url = endpoint_url
-        self._region = region
-        self._owns_client = client is None
-        self._client = client
+    bucket: str
+    prefix: str
+    config: Config
+    attempts: int  # our retry's, on top of botocore's
+    given_client: Any = None  # a ready client (tests, custom sessions): used as is, never closed here
+    endpoint_url: str | None = None
+    region: str | None = None
+    deadline: float | None = None  # time.monotonic() of a notice's deadline, while one runs
+
+    def __post_init__(self) -> None:
+        self._owns_client = self.given_client is None
+        self._client = self.given_client
         self._client_lock = threading.Lock()
         self._session: Any = None
         self._racing_client: Any = None  # the client used while a notice's deadline runs (set_deadline)
-        self.deadline: float | None = None
 
     @property
     def client(self) -> Any:
@@ -161,7 +155,7 @@ class S3Api:
                 if self._client is None:
                     self._session = boto3.session.Session()
                     self._client = self._session.client(
-                        "s3", endpoint_url=self._endpoint_url, region_name=self._region, config=self.config
+                        "s3", endpoint_url=self.endpoint_url, region_name=self.region, config=self.config
                     )
         if self.deadline is not None and self._owns_client:
             return self._racing()
@@ -182,7 +176,7 @@ class S3Api:
                         )
                     )
                     self._racing_client = self._session.client(
-                        "s3", endpoint_url=self._endpoint_url, region_name=self._region, config=config
+                        "s3", endpoint_url=self.endpoint_url, region_name=self.region, config=config
                     )
         return self._racing_client
 

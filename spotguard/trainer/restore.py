@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, MutableMapping
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 from socket import gethostname
 from typing import Any
@@ -32,17 +33,16 @@ from spotguard.trainer.state import DCP_LAYOUT, read_state
 logger = logging.getLogger("spotguard.trainer")
 
 
+@dataclass
 class Resumer:
     """Finds, fetches and loads the checkpoint a Guard resumes from."""
 
-    def __init__(
-        self, checkpoint_dir: Path, bucket: str | None, client: DaemonClient, *, io_threads: int, daemon_wait: float
-    ) -> None:
-        self.checkpoint_dir = checkpoint_dir
-        self.bucket = bucket
-        self.client = client
-        self.io_threads = io_threads
-        self.daemon_wait = daemon_wait
+    checkpoint_dir: Path
+    bucket: str | None
+    client: DaemonClient
+    _: KW_ONLY
+    io_threads: int
+    daemon_wait: float
 
     def choose(self, state: Mapping[str, Any], *, strict: bool) -> ResumeReport | None:
         """The checkpoint to load, whole on this disk, with what of ``state`` it leaves out; None if
