@@ -363,6 +363,13 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return run_doctor(config, checkpoint_gb=args.checkpoint_gb)
 
 
+def cmd_peer_token(args: argparse.Namespace) -> int:
+    from spotguard.peer.tokens import new_token
+
+    print(new_token())  # 32 random bytes, hex: SPOTGUARD_PEER_TOKEN or peer_token_file (docs/security.md)
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from spotguard.demo import run_demo
 
@@ -467,6 +474,9 @@ def _add_tools(sub: Any) -> None:
     _add_daemon_settings(doctor)
     doctor.add_argument("--checkpoint-gb", type=float, default=10.0, help="checkpoint size for the estimate (10)")
     doctor.set_defaults(func=cmd_doctor)
+
+    token = sub.add_parser("peer-token", help="print a fresh peer token for a job (32 random bytes, hex)")
+    token.set_defaults(func=cmd_peer_token)
 
 
 def build_parser() -> argparse.ArgumentParser:
