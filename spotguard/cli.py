@@ -136,7 +136,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from spotguard.daemon.app import build_and_run
 
-    run_only = ("poll_interval", "state_dir", "peer_listen", "peers", "peer_advertise", "peer_token_file")
+    run_only = (
+        "poll_interval", "state_dir", "peer_listen", "peers", "peer_advertise", "peer_token_file", "peer_networks",
+    )  # fmt: skip
     config = _config_from(args, run_only)
     logging.basicConfig(
         level=config.log_level.upper(),
@@ -363,6 +365,13 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return run_doctor(config, checkpoint_gb=args.checkpoint_gb)
 
 
+def cmd_peer_token(args: argparse.Namespace) -> int:
+    from spotguard.peer.tokens import new_token
+
+    print(new_token())  # 32 random bytes, hex: SPOTGUARD_PEER_TOKEN or peer_token_file (docs/security.md)
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from spotguard.demo import run_demo
 
@@ -402,6 +411,11 @@ def _add_run(sub: Any) -> None:
         "address, or this host's own address when it listens on a wildcard",
     )
     run.add_argument("--peer-token-file", help="file holding the job's peer token (else $SPOTGUARD_PEER_TOKEN)")
+    run.add_argument(
+        "--peer-networks",
+        help="CIDR[,CIDR...] peers found in the bucket may be dialled on (default: 10/8, 172.16/12, 192.168/16, "
+        "100.64/10, fc00::/7; loopback too unless --peer-listen is another address); link-local never",
+    )
     run.set_defaults(func=cmd_run)
 
 
@@ -467,6 +481,9 @@ def _add_tools(sub: Any) -> None:
     _add_daemon_settings(doctor)
     doctor.add_argument("--checkpoint-gb", type=float, default=10.0, help="checkpoint size for the estimate (10)")
     doctor.set_defaults(func=cmd_doctor)
+
+    token = sub.add_parser("peer-token", help="print a fresh peer token for a job (32 random bytes, hex)")
+    token.set_defaults(func=cmd_peer_token)
 
 
 def build_parser() -> argparse.ArgumentParser:

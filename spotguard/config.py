@@ -7,6 +7,7 @@ frozen, validated :class:`DaemonConfig`; any bad value raises
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import string
@@ -19,6 +20,7 @@ from urllib.parse import urlparse
 
 from spotguard.errors import ConfigError
 from spotguard.notice import Action
+from spotguard.peer.networks import DEFAULT_PEER_NETWORKS, LOOPBACK_NETWORKS, PeerNetworks, parse_networks
 from spotguard.peer.wire import parse_address
 from spotguard.providers import registry as providers
 from spotguard.providers.base import MonitorSettings
@@ -115,6 +117,9 @@ class DaemonConfig:
     peer_token_file: Path | None = None
     peer_max_replica_bytes: int = 1 << 40  # the most one replica may hold
     peer_max_replicas: int = 2  # replicas held at once (each until it is committed in the bucket)
+    # CIDRs the peers found in the bucket may be dialled on (spotguard/peer/networks.py); link-local and
+    # the metadata services never are. Loopback is added unless this daemon listens on another address.
+    peer_networks: tuple[str, ...] = DEFAULT_PEER_NETWORKS
 
     def __post_init__(self) -> None:
         self._check_sources()
@@ -194,6 +199,10 @@ class DaemonConfig:
         for name in ("peer_max_replica_bytes", "peer_max_replicas"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
+        try:
+            parse_networks(self.peer_networks)
+        except ValueError as exc:
+            raise ConfigError("peer_networks", f"{exc}; write CIDRs such as 10.0.0.0/8, fc00::/7") from None
 
     @property
     def peer_discovery(self) -> bool:
@@ -203,6 +212,16 @@ class DaemonConfig:
     def peer_addresses(self) -> list[tuple[str, int]]:
         """``peers`` as (host, port) pairs (none when they are found in the bucket)."""
         return [] if self.peer_discovery else [parse_address(address) for address in _addresses(self.peers)]
+
+    def peer_network_policy(self) -> PeerNetworks:
+        """Where peers found in the bucket may be dialled: ``peer_networks``, plus loopback when this
+        daemon listens on loopback (a test, a single-host job) or listens nowhere (it only sends, and
+        cannot tell where its fleet lives; entries are signed all the same)."""
+        networks = parse_networks(self.peer_networks)
+        host = parse_address(self.peer_listen)[0] if self.peer_listen else None
+        if host is None or host == "localhost" or _is_loopback(host):
+            networks += parse_networks(LOOPBACK_NETWORKS)
+        return PeerNetworks(networks)
 
     def action_for_soft(self, kind: str) -> Action:
         return self.on_rebalance if kind == "rebalance" else self.on_maintenance
@@ -219,6 +238,13 @@ class DaemonConfig:
         offered = {"max_concurrency": self.upload_concurrency, "checksum": self.checksum}
         store = scheme_of(self.bucket or "")
         return {key: value for key, value in offered.items() if store is not None and key in store.options}
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _addresses(value: str | None) -> list[str]:
@@ -276,6 +302,11 @@ def _as_int_tuple(value: Any) -> tuple[int, ...]:
     return tuple(int(item) for item in items)
 
 
+def _as_str_tuple(value: Any) -> tuple[str, ...]:
+    items = value if isinstance(value, list | tuple) else str(value).replace(",", " ").split()
+    return tuple(str(item).strip() for item in items if str(item).strip())
+
+
 def _as_number(kind: type) -> Callable[[Any], Any]:
     def parse(value: Any) -> Any:
         if isinstance(value, bool):
@@ -307,6 +338,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "int | None": _as_optional_int,
     "bool": _as_bool,
     "tuple[int, ...]": _as_int_tuple,
+    "tuple[str, ...]": _as_str_tuple,
     "Action": Action,
 }
 

@@ -100,6 +100,7 @@ def run_doctor(
     _check_provider(config, findings, report, dmi_root)
     _check_metadata(config, findings, report)
     _check_socket(config, report)
+    _check_peer_token(config, report)
     _check_checkpoint_root(config, findings, report, checkpoint_gb, write_probe_bytes)
     _check_bucket(config, findings, report, upload_probe_bytes, open_storage)
     _estimate(findings, report, checkpoint_gb)
@@ -213,6 +214,26 @@ def _check_socket(config: DaemonConfig, report: Callable[[Check], None]) -> None
 
 
 # --- checkpoint root ------------------------------------------------------------------------------
+
+
+def _check_peer_token(config: DaemonConfig, report: Callable[[Check], None]) -> None:
+    """With the peer tier on: a token can be read, and it is not weak (spotguard/peer/tokens.py)."""
+    if not (config.peer_listen or config.peers):
+        return
+    from spotguard.peer.tokens import token_weakness
+    from spotguard.peer.wire import load_token
+
+    fix = "make one with `spotguard peer-token` and give every VM of the job the same (docs/security.md)"
+    try:
+        token = load_token(os.environ, config.peer_token_file)
+    except ValueError as exc:
+        report(Check(FAIL, "peer token", str(exc), fix))
+        return
+    weakness = token_weakness(token)
+    if weakness is not None:
+        report(Check(WARN, "peer token", f"weak: {weakness}", fix))
+    else:
+        report(Check(OK, "peer token", f"{len(token)} bytes, no weakness found"))
 
 
 def _check_checkpoint_root(

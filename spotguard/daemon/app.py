@@ -39,6 +39,7 @@ from spotguard.notice import Action, Notice, utcnow
 from spotguard.peer.discovery import PeerRegistry
 from spotguard.peer.handoff import Handoff
 from spotguard.peer.receiver import PeerReceiver
+from spotguard.peer.tokens import token_weakness
 from spotguard.peer.wire import load_token
 from spotguard.providers.base import Acknowledgements, Monitor, MonitorError
 from spotguard.storage.base import Capability, Storage, StorageError
@@ -431,6 +432,8 @@ async def build_and_run(config: DaemonConfig) -> int:
             peer_token = load_token(os.environ, config.peer_token_file)
         except ValueError as exc:
             raise ConfigError("peer_token", str(exc)) from None
+        if (weakness := token_weakness(peer_token)) is not None:
+            logger.warning("peers: the job's peer token is weak (%s); make one with `spotguard peer-token`", weakness)
     provider, monitors, session = await _build_monitors(config)
     daemon = Daemon(
         config,

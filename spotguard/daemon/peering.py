@@ -53,7 +53,7 @@ class Peering:
         self._registry_task: asyncio.Task[None] | None = None
         self._resume_lock = asyncio.Lock()
         if config.peer_discovery and token is not None and storage is not None:
-            self.registry = PeerRegistry(storage)
+            self.registry = PeerRegistry(storage, token=token, networks=config.peer_network_policy())
         if config.peers and token is not None and config.bucket is not None:
             self.handoff = Handoff(self.candidates, token, config.bucket)
 

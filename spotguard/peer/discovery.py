@@ -13,11 +13,30 @@ skipped, an entry whose heartbeat is older than :data:`STALE_AFTER` periods is s
 preempted without a clean shutdown leaves its entry behind), and one older than
 :data:`PRUNE_AFTER` periods is deleted. Heartbeats are wall-clock times of the writer; VMs keep
 their clocks synchronised (NTP, the clouds' own time sources), well inside a period.
+
+Nothing in an entry is trusted as written (docs/security.md):
+
+* each entry is signed: ``"sig"`` is HMAC-SHA256, under a key derived from the job's token
+  (spotguard/peer/tokens.py, a label of its own), of the canonical JSON (sorted keys, no spaces) of
+  ``{"v": 1, "bucket": <the bucket URL with its prefix>, "key": <the entry's object key>,
+  "address": ..., "heartbeat": ...}``. An entry without a valid signature (written without the token,
+  or moved to another job's prefix or another key) is ignored;
+* a heartbeat more than :data:`MAX_SKEW` seconds in the future is refused (it would never go stale
+  and would always sort first);
+* at most :data:`MAX_CANDIDATES` entries are candidates, the freshest;
+* an address is dialled only inside the allowed networks, never link-local nor a metadata service
+  (spotguard/peer/networks.py); a host name is resolved once, here, and dialled by its address.
+
+An entry refused for any of these reasons is logged once (per entry key and reason), and not dialled.
+Entries refused for their signature or heartbeat are pruned by the store's time of their last write,
+as unreadable ones are.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import logging
 import re
@@ -27,6 +46,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from spotguard.peer.networks import PeerNetworks
+from spotguard.peer.tokens import REGISTRY_KEY_LABEL, derive_key
 from spotguard.peer.wire import parse_address
 from spotguard.storage.base import ObjectNotFound, Storage, StorageError, put_bytes
 
@@ -36,6 +57,9 @@ PREFIX = ".spotguard-peers"  # never a step directory: listings, retention and r
 HEARTBEAT = 30.0  # seconds between rewrites of this daemon's entry
 STALE_AFTER = 3  # heartbeat periods without a rewrite before an entry is no candidate
 PRUNE_AFTER = 20  # heartbeat periods without a rewrite before a reader deletes the entry
+MAX_SKEW = 60.0  # seconds a heartbeat may lie in the reader's future (clock skew between VMs)
+MAX_CANDIDATES = 16  # entries asked at most, the freshest
+ENTRY_VERSION = 1
 # Where the source address is looked up for a wildcard listen address: the metadata service's
 # link-local address is routed through the VM's primary interface on AWS, GCP and Azure alike.
 _ROUTE_PROBE = "169.254.169.254"
@@ -47,6 +71,19 @@ class PeerEntry:
     key: str
     address: str
     heartbeat: float
+    signature: str = ""
+
+
+def signing_key(token: bytes) -> bytes:
+    """The key entries are signed with: derived from the job's token, used for nothing else."""
+    return derive_key(token, REGISTRY_KEY_LABEL)
+
+
+def entry_signature(key: bytes, bucket: str, entry_key: str, address: str, heartbeat: float) -> str:
+    """HMAC-SHA256 of the entry's canonical JSON: its fields, the bucket (with its prefix) and its key."""
+    fields = {"v": ENTRY_VERSION, "bucket": bucket, "key": entry_key, "address": address, "heartbeat": heartbeat}
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+    return hmac.new(key, canonical, hashlib.sha256).hexdigest()
 
 
 def own_address() -> str:
@@ -86,7 +123,7 @@ def entry_name(address: str) -> str:
 class PeerRegistry:
     """This daemon's entry under ``.spotguard-peers/`` (when it listens), and the others'.
 
-    >>> registry = PeerRegistry(storage, address="10.0.1.7:7140")
+    >>> registry = PeerRegistry(storage, token=token, networks=networks, address="10.0.1.7:7140")
     >>> await registry.run()  # registers now, then every heartbeat, until cancelled
     >>> await registry.candidates()
     [('10.0.1.8', 7140)]
@@ -96,15 +133,22 @@ class PeerRegistry:
         self,
         storage: Storage,
         *,
+        token: bytes,
+        networks: PeerNetworks,
         address: str | None = None,
         heartbeat: float = HEARTBEAT,
+        max_candidates: int = MAX_CANDIDATES,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.storage = storage
         self.address: str | None = None  # None: this daemon only sends, it is nobody's candidate
         self.key: str | None = None
         self.heartbeat = heartbeat
+        self.networks = networks
+        self.max_candidates = max_candidates
         self.clock = clock
+        self._signing_key = signing_key(token)  # never logged, never in status
+        self._reported: dict[str, str] = {}  # entry key -> why it was refused, as last logged
         self.last_seen: list[str] = []  # the candidates of the last look, for status
         if address is not None:
             self.advertise(address)
@@ -119,9 +163,11 @@ class PeerRegistry:
 
     def register(self) -> None:
         """Write (or rewrite) this daemon's entry (blocking)."""
-        if self.key is None:
+        if self.key is None or self.address is None:
             return
-        entry = {"address": self.address, "heartbeat": self.clock()}
+        heartbeat = self.clock()
+        sig = entry_signature(self._signing_key, self.storage.url, self.key, self.address, heartbeat)
+        entry = {"address": self.address, "heartbeat": heartbeat, "sig": sig}
         put_bytes(self.storage, self.key, json.dumps(entry).encode())
 
     def unregister(self) -> None:
@@ -148,23 +194,66 @@ class PeerRegistry:
     # --- the others --------------------------------------------------------------------------
 
     async def candidates(self) -> list[tuple[str, int]]:
-        """The other daemons with a fresh heartbeat, freshest first (the likeliest to answer)."""
+        """The other daemons with a fresh, signed heartbeat on an allowed network: at most
+        ``max_candidates``, freshest first (the likeliest to answer), each as the address to dial."""
         try:
             entries = await asyncio.to_thread(self.read)
         except (StorageError, OSError) as exc:
             logger.warning("peer registry: could not read %s/: %s; no peer candidates", PREFIX, exc)
             return []
         now = self.clock()
-        fresh = [e for e in entries if e.key != self.key and now - e.heartbeat <= STALE_AFTER * self.heartbeat]
+        fresh = []
+        for entry in entries:
+            if entry.key == self.key:
+                continue
+            why = self.refusal(entry, now)
+            if why is None:
+                fresh.append(entry)
+            else:
+                self._report(entry.key, why)
         fresh.sort(key=lambda entry: -entry.heartbeat)
-        found = []
-        for entry in fresh:
-            try:
-                found.append(parse_address(entry.address))
-            except ValueError:
-                logger.warning("peer registry: %s holds %r, not HOST:PORT", entry.key, entry.address)
-        self.last_seen = [entry.address for entry in fresh]
+        found = await asyncio.to_thread(self._dialable, fresh)
+        self.last_seen = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}" for host, port in found]
         return found
+
+    def refusal(self, entry: PeerEntry, now: float) -> str | None:
+        """Why ``entry`` is no candidate (its signature, its heartbeat), or None."""
+        if not self.signed(entry):
+            return "not signed with the job's token (forged, or moved from another job or key): ignored"
+        if entry.heartbeat > now + MAX_SKEW:
+            return f"its heartbeat is more than {MAX_SKEW:.0f} s in the future: ignored"
+        if now - entry.heartbeat > STALE_AFTER * self.heartbeat:
+            return f"not refreshed for {STALE_AFTER} heartbeats: stale, not asked"
+        return None
+
+    def signed(self, entry: PeerEntry) -> bool:
+        expected = entry_signature(self._signing_key, self.storage.url, entry.key, entry.address, entry.heartbeat)
+        return hmac.compare_digest(expected, entry.signature)
+
+    def _dialable(self, entries: list[PeerEntry]) -> list[tuple[str, int]]:
+        """The first ``max_candidates`` entries whose address may be dialled, resolved (blocking)."""
+        found: list[tuple[str, int]] = []
+        for entry in entries:
+            if len(found) >= self.max_candidates:
+                break
+            try:
+                host, port = parse_address(entry.address)
+            except ValueError:
+                self._report(entry.key, f"holds {entry.address!r}, not HOST:PORT")
+                continue
+            dial, why = self.networks.resolve(host, port)
+            if dial is None:
+                self._report(entry.key, f"{entry.address}: {why}")
+                continue
+            self._reported.pop(entry.key, None)  # refused before, fine now: a later refusal is news
+            found.append((dial, port))
+        return found
+
+    def _report(self, key: str, why: str) -> None:
+        """Log a refused entry once per key and reason (a reader looks again on every notice)."""
+        if self._reported.get(key) != why:
+            self._reported[key] = why
+            logger.warning("peer registry: %s %s", key, why)
 
     def read(self) -> list[PeerEntry]:
         """Every readable entry (blocking); entries past :data:`PRUNE_AFTER` periods are deleted."""
@@ -172,13 +261,14 @@ class PeerRegistry:
         with ThreadPoolExecutor(max_workers=max(1, min(16, len(listing)))) as pool:
             entries = [entry for entry in pool.map(self._entry, [info.key for info in listing]) if entry is not None]
         now, limit = self.clock(), PRUNE_AFTER * self.heartbeat
-        dead = [e.key for e in entries if e.key != self.key and now - e.heartbeat > limit]
-        readable = {entry.key for entry in entries}
-        # An entry that cannot be read goes by the store's time of its last write instead.
+        # A signed entry ages by its heartbeat; any other (unreadable, unsigned, a heartbeat in the
+        # future) by the store's time of its last write: a forged heartbeat must not keep it forever.
+        trusted = {e.key: e for e in entries if self.signed(e) and e.heartbeat <= now + MAX_SKEW}
+        dead = [key for key, e in trusted.items() if key != self.key and now - e.heartbeat > limit]
         dead += [
             info.key
             for info in listing
-            if info.key not in readable and info.modified is not None and now - info.modified.timestamp() > limit
+            if info.key not in trusted and info.modified is not None and now - info.modified.timestamp() > limit
         ]
         if dead:
             logger.info("peer registry: removing %d entry(ies) not refreshed for long: %s", len(dead), ", ".join(dead))
@@ -188,15 +278,18 @@ class PeerRegistry:
     def _entry(self, key: str) -> PeerEntry | None:
         try:
             document = json.loads(self.storage.read_bytes(key))
-            return PeerEntry(key, str(document["address"]), float(document["heartbeat"]))
+            return PeerEntry(key, str(document["address"]), float(document["heartbeat"]), str(document.get("sig", "")))
         except ObjectNotFound:
             return None  # removed between the listing and the read: a clean shutdown
-        except (ValueError, KeyError, TypeError) as exc:
-            logger.warning("peer registry: %s cannot be read: %s", key, exc)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            self._report(key, f"cannot be read: {exc}")
             return None
 
     def status(self) -> dict[str, object]:
         return {"advertised": self.address, "candidates": self.last_seen}
 
 
-__all__ = ["HEARTBEAT", "PREFIX", "PeerEntry", "PeerRegistry", "advertised_address", "own_address"]
+__all__ = [
+    "HEARTBEAT", "MAX_CANDIDATES", "MAX_SKEW", "PREFIX", "PeerEntry", "PeerRegistry", "advertised_address",
+    "entry_signature", "own_address", "signing_key",
+]  # fmt: skip

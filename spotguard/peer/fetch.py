@@ -56,6 +56,9 @@ logger = logging.getLogger("spotguard.peers")
 
 STAGING = ".peer-fetch"  # under the checkpoint root: not a step directory, so never taken for one
 _FETCHABLE = frozenset({ReplicaState.VERIFIED, ReplicaState.UPLOADED})
+PROBE_TIMEOUT = 5.0  # seconds one peer has to connect, authenticate and list what it holds
+PROBE_DEADLINE = 20.0  # seconds asking every candidate takes at most, all of them together
+MAX_PROBES = 16  # connections asking peers at once
 
 
 # --- the holding side (a receiver's connection) ---------------------------------------------------
@@ -262,23 +265,21 @@ def _commit(step_dir: Path, manifest_text: str, target: Path) -> Path:
 
 
 async def resume_from_peers(
-    addresses: list[tuple[str, int]], token: bytes, bucket: str, root: Path, after: int, *, fetch: bool = True
+    addresses: list[tuple[str, int]],
+    token: bytes,
+    bucket: str,
+    root: Path,
+    after: int,
+    *,
+    fetch: bool = True,
+    deadline: float = PROBE_DEADLINE,
+    limit: int = MAX_PROBES,
 ) -> PeerResume:
     """Fetch the newest whole verified replica of ``bucket`` newer than step ``after`` that a peer holds
-    (an older one, if the newest fails its checks); shares newer than everything are named."""
-    offers: list[Offer] = []
-    for host, port in addresses:
-        try:
-            client = await PeerClient.connect(host, port, token)
-        except (OSError, TimeoutError, wire.PeerError) as exc:
-            logger.warning("peer %s:%d: not asked for a newer checkpoint: %s", host, port, exc)
-            continue
-        try:
-            offers += _offers((host, port), await list_replicas(client), bucket, after)
-        except (OSError, wire.PeerError) as exc:
-            logger.warning("peer %s:%d: cannot list its replicas: %s", host, port, exc)
-        finally:
-            await client.close()
+    (an older one, if the newest fails its checks); shares newer than everything are named. The peers
+    are asked what they hold all at once (``limit`` connections at most in flight), within one
+    ``deadline`` for them all: a dead or silent candidate costs its slot, never the others' time."""
+    offers = await _ask_all(addresses, token, bucket, after, deadline=deadline, limit=limit)
     found = PeerResume(after=after)
     for offer in sorted((o for o in offers if not o.share), key=lambda o: -o.step):
         if not fetch:
@@ -300,6 +301,42 @@ async def resume_from_peers(
     best = found.offer.step if found.offer is not None else after
     found.not_fetched = sorted({o.where for o in offers if (o.share or not fetch) and o.step > best})
     return found
+
+
+async def _ask_all(
+    addresses: list[tuple[str, int]], token: bytes, bucket: str, after: int, *, deadline: float, limit: int
+) -> list[Offer]:
+    """Every candidate's offers, asked in parallel (at most ``limit`` at once) within ``deadline``."""
+    if not addresses:
+        return []
+    gate = asyncio.Semaphore(max(1, limit))
+
+    async def one(host: str, port: int) -> list[Offer]:
+        async with gate:
+            return await _ask_one(host, port, token, bucket, after)
+
+    tasks = [asyncio.create_task(one(host, port), name=f"list-peer-{host}:{port}") for host, port in addresses]
+    done, pending = await asyncio.wait(tasks, timeout=deadline)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    if pending:
+        logger.warning("%d peer(s) not asked or not answering within %.0f s: left out", len(pending), deadline)
+    return [offer for task in done if not task.cancelled() and task.exception() is None for offer in task.result()]
+
+
+async def _ask_one(host: str, port: int, token: bytes, bucket: str, after: int) -> list[Offer]:
+    """What one peer offers; nothing if it cannot be reached or asked within :data:`PROBE_TIMEOUT`."""
+    try:
+        async with asyncio.timeout(PROBE_TIMEOUT):
+            client = await PeerClient.connect(host, port, token, timeout=PROBE_TIMEOUT)
+            try:
+                return _offers((host, port), await list_replicas(client), bucket, after)
+            finally:
+                await client.close()
+    except (OSError, TimeoutError, wire.PeerError) as exc:
+        logger.warning("peer %s:%d: not asked for a newer checkpoint: %s", host, port, exc or type(exc).__name__)
+        return []
 
 
 def _offers(peer: tuple[str, int], items: list[dict[str, Any]], bucket: str, after: int) -> list[Offer]:

@@ -162,3 +162,27 @@ def test_run_and_doctor_take_the_checksum_flag(tmp_path: Path) -> None:
         check=False,
     )
     assert bad.returncode == 2 and "config: checksum: 'sha1' is not one of auto, crc32c, md5" in bad.stderr, bad.stderr
+
+
+def test_peer_networks_from_flag_env_and_file(tmp_path: Path) -> None:
+    base = {"bucket": "file:///b", "peers": "bucket"}
+    assert load_config(base, env={}).peer_networks == (
+        "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "fc00::/7",
+    )  # fmt: skip
+    flagged = load_config({**base, "peer_networks": "10.1.0.0/16, 192.168.5.0/24"}, env={})
+    assert flagged.peer_networks == ("10.1.0.0/16", "192.168.5.0/24")
+    toml = tmp_path / "spotguard.toml"
+    toml.write_text('peer_networks = ["10.2.0.0/16"]\n')
+    assert load_config(base, env={}, config_file=toml).peer_networks == ("10.2.0.0/16",)
+    from_env = load_config(base, env={"SPOTGUARD_PEER_NETWORKS": "fd00::/8"})
+    assert from_env.peer_networks == ("fd00::/8",)
+    with pytest.raises(ConfigError, match="peer_networks"):
+        load_config({**base, "peer_networks": "10.0.0.0/8,not-a-network"}, env={})
+    # Loopback: when this daemon listens on loopback or nowhere; never when it listens elsewhere.
+    policy = load_config({**base, "peer_listen": "0.0.0.0:7140"}, env={}).peer_network_policy()
+    assert policy.resolve("127.0.0.1", 7140)[0] is None and policy.resolve("10.0.0.9", 7140)[0] == "10.0.0.9"
+    policy = load_config({**base, "peer_listen": "127.0.0.1:0"}, env={}).peer_network_policy()
+    assert policy.resolve("127.0.0.1", 7140)[0] == "127.0.0.1"
+    # Link-local and the metadata service never, even when named.
+    named = load_config({**base, "peer_networks": "169.254.0.0/16,0.0.0.0/0"}, env={}).peer_network_policy()
+    assert named.resolve("169.254.169.254", 80)[0] is None and named.resolve("8.8.8.8", 80)[0] == "8.8.8.8"

@@ -13,11 +13,30 @@ import pytest
 
 from spotguard.cli import main
 from spotguard.config import ConfigError, DaemonConfig
-from spotguard.peer.discovery import HEARTBEAT, PREFIX, PRUNE_AFTER, STALE_AFTER, PeerRegistry, advertised_address
+from spotguard.peer.discovery import (
+    HEARTBEAT,
+    PREFIX,
+    PRUNE_AFTER,
+    STALE_AFTER,
+    PeerRegistry,
+    advertised_address,
+    entry_signature,
+    signing_key,
+)
+from spotguard.peer.networks import DEFAULT_PEER_NETWORKS, LOOPBACK_NETWORKS, PeerNetworks, parse_networks
 from spotguard.storage.base import put_bytes
 from spotguard.storage.checkpoints import list_remote, prune_remote, restore, upload_checkpoint
 from spotguard.storage.file import FileStorage
 from tests.checkpoints import write_checkpoint
+
+TOKEN = b"the-job-s-peer-token-0123456789abcdef"
+NETWORKS = PeerNetworks(parse_networks(DEFAULT_PEER_NETWORKS + LOOPBACK_NETWORKS))
+
+
+def signed(storage: FileStorage, key: str, document: dict[str, object]) -> bytes:
+    """An entry as a daemon of the job writes it: signed with the key derived from the token."""
+    sig = entry_signature(signing_key(TOKEN), storage.url, key, str(document["address"]), float(document["heartbeat"]))  # type: ignore[arg-type]
+    return json.dumps({**document, "sig": sig}).encode()
 
 
 class Clock:
@@ -39,9 +58,9 @@ def keys(storage: FileStorage) -> list[str]:
 
 def test_a_listening_daemon_is_found_and_a_sender_skips_itself(storage: FileStorage) -> None:
     clock = Clock()
-    b = PeerRegistry(storage, address="127.0.0.1:7141", clock=clock)
-    a = PeerRegistry(storage, address="127.0.0.1:7140", clock=clock)
-    sender_only = PeerRegistry(storage, clock=clock)
+    b = PeerRegistry(storage, token=TOKEN, networks=NETWORKS, address="127.0.0.1:7141", clock=clock)
+    a = PeerRegistry(storage, token=TOKEN, networks=NETWORKS, address="127.0.0.1:7140", clock=clock)
+    sender_only = PeerRegistry(storage, token=TOKEN, networks=NETWORKS, clock=clock)
     b.register()
     a.register()
     sender_only.register()  # nothing to register: it listens nowhere
@@ -57,14 +76,14 @@ def test_a_listening_daemon_is_found_and_a_sender_skips_itself(storage: FileStor
 
 def test_stale_entries_are_skipped_and_long_dead_ones_pruned(storage: FileStorage) -> None:
     clock = Clock()
-    alive = PeerRegistry(storage, address="127.0.0.1:7141", clock=clock)
-    reader = PeerRegistry(storage, clock=clock)
+    alive = PeerRegistry(storage, token=TOKEN, networks=NETWORKS, address="127.0.0.1:7141", clock=clock)
+    reader = PeerRegistry(storage, token=TOKEN, networks=NETWORKS, clock=clock)
     alive.register()
     # A VM preempted without a clean shutdown: its entry stays, its heartbeat ages.
     stale = {"address": "127.0.0.1:7142", "heartbeat": clock.now - (STALE_AFTER + 1) * HEARTBEAT}
     dead = {"address": "127.0.0.1:7143", "heartbeat": clock.now - (PRUNE_AFTER + 1) * HEARTBEAT}
-    put_bytes(storage, f"{PREFIX}/stale-7142.json", json.dumps(stale).encode())
-    put_bytes(storage, f"{PREFIX}/dead-7143.json", json.dumps(dead).encode())
+    put_bytes(storage, f"{PREFIX}/stale-7142.json", signed(storage, f"{PREFIX}/stale-7142.json", stale))
+    put_bytes(storage, f"{PREFIX}/dead-7143.json", signed(storage, f"{PREFIX}/dead-7143.json", dead))
     put_bytes(storage, f"{PREFIX}/garbage.json", b"not json")
     assert asyncio.run(reader.candidates()) == [("127.0.0.1", 7141)]
     assert f"{PREFIX}/dead-7143.json" not in keys(storage)
@@ -81,7 +100,7 @@ def test_stale_entries_are_skipped_and_long_dead_ones_pruned(storage: FileStorag
 
 
 def test_registry_objects_never_show_up_as_checkpoints(storage: FileStorage, tmp_path: Path) -> None:
-    registry = PeerRegistry(storage, address="127.0.0.1:7140")
+    registry = PeerRegistry(storage, token=TOKEN, networks=NETWORKS, address="127.0.0.1:7140")
     registry.register()
     for step in (1, 2):
         upload_checkpoint(storage, write_checkpoint(tmp_path / "local", step, {"w.bin": os.urandom(4096)}))
@@ -98,7 +117,7 @@ def test_registry_objects_never_show_up_as_checkpoints(storage: FileStorage, tmp
 def test_spotguard_list_does_not_show_registry_objects(
     storage: FileStorage, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    PeerRegistry(storage, address="127.0.0.1:7140").register()
+    PeerRegistry(storage, token=TOKEN, networks=NETWORKS, address="127.0.0.1:7140").register()
     assert main(["list", storage.url]) == 0
     assert "no checkpoints" in capsys.readouterr().out
 

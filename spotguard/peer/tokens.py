@@ -1,0 +1,67 @@
+"""The job's peer token: making one, telling a weak one, and the keys derived from it. Stdlib only.
+
+The token is the job's one shared secret (``SPOTGUARD_PEER_TOKEN`` or ``peer_token_file``). Each use
+other than the peer channel's own handshake gets its own key, derived with HKDF-SHA256 (RFC 5869)
+under a fixed label, so a key learnt from one use (an entry signature checked offline, say) says
+nothing about the token or another use's key.
+
+``spotguard peer-token`` prints a fresh token: 32 random bytes from :mod:`secrets`, hex (64 characters).
+A configured token that is weaker is still used (a fleet must not stop on a warning), but the daemon
+logs a warning at start and ``spotguard doctor`` warns; :func:`token_weakness` says why. Its
+heuristic is deliberately simple:
+
+* shorter than :data:`STRONG_TOKEN_BYTES` (32) bytes;
+* fewer than :data:`MIN_DISTINCT` (10) distinct characters (``aaaa…``, ``abab…``, a long run of one digit);
+* all of one class: only digits, only lower-case letters, or only upper-case letters (a word, a number);
+* a short unit repeated (``changeme-changeme-…``, ``0123456789`` twice and more).
+
+It cannot tell a guessable phrase of many characters from a random one: a token from
+``spotguard peer-token`` (or ``openssl rand -hex 32``) is the advice either way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+
+STRONG_TOKEN_BYTES = 32
+MIN_DISTINCT = 10
+# HKDF's salt and info for the key that signs the peer registry's entries (spotguard/peer/discovery.py).
+# Never used for anything else.
+REGISTRY_KEY_LABEL = b"spotguard peer registry entry signing v1"
+_SALT = b"spotguard-peer-token-kdf"
+
+
+def new_token() -> str:
+    """A fresh job token: 32 random bytes, hex."""
+    return secrets.token_hex(STRONG_TOKEN_BYTES)
+
+
+def derive_key(token: bytes, label: bytes, length: int = 32) -> bytes:
+    """HKDF-SHA256 (RFC 5869) of ``token``: extract with a fixed salt, expand under ``label``."""
+    prk = hmac.new(_SALT, token, hashlib.sha256).digest()
+    out, block, counter = b"", b"", 1
+    while len(out) < length:
+        block = hmac.new(prk, block + label + bytes([counter]), hashlib.sha256).digest()
+        out += block
+        counter += 1
+    return out[:length]
+
+
+def token_weakness(token: bytes) -> str | None:
+    """Why ``token`` is weak (see the module's heuristic), or None."""
+    text = token.decode("utf-8", "replace")
+    if len(token) < STRONG_TOKEN_BYTES:
+        return f"it is {len(token)} bytes, shorter than {STRONG_TOKEN_BYTES}"
+    if len(set(text)) < MIN_DISTINCT:
+        return f"it has only {len(set(text))} distinct characters"
+    if text.isdigit() or (text.isalpha() and (text.islower() or text.isupper())):
+        return "it is all of one class of characters"
+    for unit in range(1, len(text) // 2 + 1):
+        if (text[:unit] * (len(text) // unit + 1))[: len(text)] == text:
+            return f"it repeats {unit} character(s) over and over"
+    return None
+
+
+__all__ = ["MIN_DISTINCT", "REGISTRY_KEY_LABEL", "STRONG_TOKEN_BYTES", "derive_key", "new_token", "token_weakness"]
