@@ -42,6 +42,7 @@ from spotguard.manifest import (
     write_part,
 )
 from spotguard.peer import wire
+from spotguard.peer.admission import Admission
 from spotguard.peer.files import Ranges, check_files, parse_manifest
 from spotguard.safefile import atomic_file, fsync_dir
 from spotguard.storage.base import Storage, StorageError
@@ -117,10 +118,13 @@ class ReplicaStore:
     """The replicas held under ``area``, and their commit in ``storage`` (one replica at a time,
     each with ``concurrency`` transfers)."""
 
-    def __init__(self, area: Path, storage: Storage | None, *, concurrency: int) -> None:
+    def __init__(
+        self, area: Path, storage: Storage | None, *, concurrency: int, admission: Admission | None = None
+    ) -> None:
         self.area = area
         self.storage = storage
         self.concurrency = concurrency
+        self.admission = admission if admission is not None else Admission(area, max_replicas=2)
         self.replicas: dict[str, Replica] = {}
         self._uploads: set[asyncio.Task[None]] = set()
         self._upload_slots = asyncio.Semaphore(1)  # one replica at a time: each is parallel inside
@@ -138,7 +142,10 @@ class ReplicaStore:
         if state is ReplicaState.DELETED:
             self.replicas.pop(replica.id, None)
             shutil.rmtree(replica.dir, ignore_errors=True)
+            self.admission.release(replica.id)
             return
+        if state is ReplicaState.VERIFIED:
+            self.admission.settled(replica.id)
         self.replicas[replica.id] = replica
         meta = {"name": replica.name, "bucket": replica.bucket, "sender": replica.sender, "state": str(state)}
         with atomic_file(replica.dir / _META) as out:
@@ -171,18 +178,27 @@ class ReplicaStore:
             ):
                 logger.warning("replica %s (%s) was verified before a restart: committing it", entry.name, replica.name)
                 self.replicas[replica.id] = replica
+                self.admission.hold(replica.id)
                 found.append(replica)
                 continue
             logger.warning("removing %s: a replica never verified before a restart", entry)
             shutil.rmtree(entry, ignore_errors=True)
         return found
 
-    async def create(self, name: str, bucket: str, who: str) -> Replica:
-        """A new replica of ``name`` from ``who``, receiving."""
+    async def create(self, name: str, bucket: str, who: str, announced: int | None = None) -> Replica:
+        """A new replica of ``name`` from ``who``, receiving: its slot and ``announced`` bytes are
+        reserved before anything is awaited (:class:`~spotguard.peer.admission.Admission`), or
+        :class:`~spotguard.peer.wire.PeerError` is raised and nothing is written."""
         replica = Replica(f"{name}-{uuid.uuid4().hex[:8]}", name, bucket, who, self.area / "x")
         replica.dir = self.area / replica.id
-        await asyncio.to_thread(replica.step_dir.mkdir, parents=True)
-        await asyncio.to_thread(self.move, replica, ReplicaState.RECEIVING, f"{who} opened it")
+        self.admission.reserve(replica.id, announced)
+        try:
+            await asyncio.to_thread(replica.step_dir.mkdir, parents=True)
+            await asyncio.to_thread(self.move, replica, ReplicaState.RECEIVING, f"{who} opened it")
+        except BaseException:
+            self.admission.release(replica.id)
+            await asyncio.to_thread(shutil.rmtree, replica.dir, True)
+            raise
         return replica
 
     async def close(self) -> None:
