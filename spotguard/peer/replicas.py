@@ -17,9 +17,12 @@ bytes arrive is the receiver's (spotguard/peer/receiver.py); what becomes of the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import os
 import shutil
+import stat
 import time
 import uuid
 from collections.abc import Mapping
@@ -153,7 +156,7 @@ class ReplicaStore:
 
     async def resume(self) -> None:
         """Take up what a restart left in the area: verified replicas are committed again."""
-        await asyncio.to_thread(self.area.mkdir, parents=True, exist_ok=True)
+        await asyncio.to_thread(make_private_dir, self.area)
         for replica in await asyncio.to_thread(self._recover):
             self.schedule_upload(replica)
 
@@ -296,6 +299,19 @@ class ReplicaStore:
         await asyncio.to_thread(self.move, replica, ReplicaState.DELETED, "safe in the bucket")
 
 
+def make_private_dir(path: Path) -> None:
+    """``path`` as a directory of this user's only (0700), made if missing (blocking). A link, or a
+    directory another user made there, is refused (OSError): peer data is never written through one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700)
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+        raise OSError(f"{path} is not a directory of this user's (a link?): no peer data is kept there")
+    if stat.S_IMODE(info.st_mode) != 0o700:
+        os.chmod(path, 0o700, follow_symlinks=False)
+
+
 def _job_manifest(replica: Replica, text: str, share: dict[str, FileEntry]) -> Manifest:
     """Node 0's copy of the job's manifest, which must list its share exactly as its part does."""
     manifest = parse_manifest(text, replica.name)
@@ -340,4 +356,4 @@ def _commit_job(storage: Storage, step_dir: Path, manifest: Manifest, wait: floa
     commit_remote(storage, step_dir)
 
 
-__all__ = ["AREA", "OTHER_NODES_WAIT", "Replica", "ReplicaState", "ReplicaStore"]
+__all__ = ["AREA", "OTHER_NODES_WAIT", "Replica", "ReplicaState", "ReplicaStore", "make_private_dir"]
