@@ -73,7 +73,8 @@ class ManifestFormatError(ManifestError):
 def step_dir_name(step: int) -> str:
     """The one name of step ``step``'s directory (0 <= step <= :data:`MAX_STEP`)."""
     if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
-        raise ValueError(f"step must be an integer in 0..{MAX_STEP}, got {step!r}")
+        shown = f"{step!r}"[:40] if isinstance(step, int) and abs(step) < 10**40 else type(step).__name__
+        raise ValueError(f"step must be an integer in 0..{MAX_STEP}, got {shown}")
     return f"step-{step:0{STEP_WIDTH}d}"
 
 
