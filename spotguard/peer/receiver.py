@@ -207,7 +207,7 @@ class PeerReceiver:
                 "bucket", f"this daemon commits only to {self.storage.url if self.storage else 'no bucket'}"
             )
         if parse_step_dir(name) is None:
-            raise wire.PeerError("bad-field", f"{name!r} is not a checkpoint name")
+            raise wire.PeerError("bad-field", f"{name[:40]!r} is not a checkpoint name")
         if self.busy():
             raise wire.PeerError("busy", "this daemon has a hard notice of its own pending")
         announced = header.get("bytes")  # optional: the replica's size, when the sender knows it
