@@ -51,7 +51,7 @@ def test_files_and_their_sizes_count_against_the_reservation(tmp_path: Path) -> 
     assert code_of(lambda: admission.grow("r", total=1501, files=2, size=1001)) == "too-large"
     assert code_of(lambda: admission.grow("r", total=600, files=4, size=1)) == "too-many-files"
     free = shutil.disk_usage(tmp_path).free
-    assert code_of(lambda: admission.grow("r", total=free + (1 << 20), files=2, size=1)) == "no-space"
+    assert code_of(lambda: admission.grow("r", total=free + (1 << 30), files=2, size=1)) == "no-space"
     assert admission.held["r"] == 500
 
 
