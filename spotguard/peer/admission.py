@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,6 +34,7 @@ logger = logging.getLogger("spotguard.peers")
 
 MAX_FILES = 100_000  # files in one replica
 MAX_FILE_BYTES = 1 << 40  # bytes in one file of a replica
+_OWN_SIZE_TTL = 5.0  # seconds the newest local checkpoint's size, read from disk, is taken as known
 
 
 class Admission:
@@ -62,6 +64,7 @@ class Admission:
         # newest local checkpoint's size is taken.
         self.own_bytes: Callable[[], int | None] = lambda: None
         self.held: dict[str, int] = {}  # replica id -> bytes reserved and not yet on disk
+        self._own_read: tuple[float, int] | None = None  # (when, bytes) of the last look at the disk
 
     # --- the rule ---------------------------------------------------------------------------
 
@@ -123,7 +126,10 @@ class Admission:
         told = self.own_bytes()
         if told is not None:
             return max(0, told)
-        return newest_local_bytes(self.area.parent)
+        now = time.monotonic()
+        if self._own_read is None or now - self._own_read[0] > _OWN_SIZE_TTL:  # not once per file of a replica
+            self._own_read = (now, newest_local_bytes(self.area.parent))
+        return self._own_read[1]
 
 
 def newest_local_bytes(root: Path) -> int:

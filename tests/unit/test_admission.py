@@ -35,7 +35,7 @@ def test_bytes_are_weighed_against_the_free_space_and_the_node_s_own_checkpoint(
     admission = Admission(tmp_path / "peer-replicas", max_replicas=4, max_replica_bytes=1 << 62)
     assert code_of(lambda: admission.reserve("big", free + (1 << 30))) == "no-space"
     admission.own_bytes = lambda: free  # the daemon knows the state fills the disk
-    assert code_of(lambda: admission.reserve("small", 1 << 20)) == "no-space"
+    assert code_of(lambda: admission.reserve("small", 1 << 30)) == "no-space"
     admission.own_bytes = lambda: 0
     admission.reserve("half", free // 2)
     # Another replica's reservation counts: two halves and a bit more do not fit.
