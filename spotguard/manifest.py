@@ -38,7 +38,17 @@ MANIFEST = "manifest.json"
 
 REASONS = ("urgent", "periodic", "soft", "final")
 
-_STEP_DIR = re.compile(r"^step-(\d{9,})$")
+STEP_WIDTH = 9  # digits of a step directory's name: step-000001234
+
+MAX_STEP = 10**STEP_WIDTH - 1
+
+# Exactly "step-" and STEP_WIDTH ASCII digits: no other digits (int() takes Arabic-Indic ones), no
+# trailing newline ($ would allow one), no longer or shorter names. Used with fullmatch only.
+_STEP_DIR = re.compile(rf"step-([0-9]{{{STEP_WIDTH}}})", re.ASCII)
+
+# Names that look like a step directory but are not one, reported once each (bounded).
+_REPORTED: set[str] = set()
+_REPORT_AT_MOST = 1000
 
 Status = Literal["complete", "incomplete"]
 
@@ -61,22 +71,43 @@ class ManifestFormatError(ManifestError):
 
 
 def step_dir_name(step: int) -> str:
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
-    return f"step-{step:09d}"
+    """The one name of step ``step``'s directory (0 <= step <= :data:`MAX_STEP`)."""
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+        shown = f"{step!r}"[:40] if isinstance(step, int) and abs(step) < 10**40 else type(step).__name__
+        raise ValueError(f"step must be an integer in 0..{MAX_STEP}, got {shown}")
+    return f"step-{step:0{STEP_WIDTH}d}"
 
 
 def parse_step_dir(name: str) -> int | None:
-    match = _STEP_DIR.match(name)
-    return int(match.group(1)) if match else None
+    """The step of the directory ``name`` if it is one, by the one rule every reader uses (local
+    store, peer receiver and fetch, bucket listings, restore, verify); None for anything else. A name
+    that starts like one but is not (``step-5``, ``step-000000005\\n``, other digits) is logged once
+    and never parsed."""
+    if not isinstance(name, str):
+        return None
+    match = _STEP_DIR.fullmatch(name)
+    if match is not None:
+        return int(match.group(1))
+    if name.startswith("step") and name not in _REPORTED and len(_REPORTED) < _REPORT_AT_MOST:
+        _REPORTED.add(name)
+        logger.warning("ignoring %.80r: not a checkpoint name (step- and %d digits 0-9)", name, STEP_WIDTH)
+    return None
+
+
+def _bad_segment(segment: str) -> bool:
+    return segment in ("", ".", "..") or any(ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F for c in segment)
 
 
 def check_relpath(relpath: str) -> str:
-    """A manifest key must stay inside its checkpoint directory."""
-    path = PurePosixPath(relpath)
-    if not relpath or path.is_absolute() or ".." in path.parts or "\\" in relpath or relpath == MANIFEST:
+    """A file name inside a checkpoint, in its one canonical form: a relative POSIX path of plain
+    segments (none empty, ``.``, ``..`` or holding a control character), no backslash, no leading
+    ``/``. Anything else (``./manifest.json``, ``a//b``, ``a/../b``) raises :class:`ManifestError`:
+    a name is never rewritten into another one. Returns ``relpath``."""
+    if not isinstance(relpath, str) or "\\" in relpath or any(_bad_segment(s) for s in relpath.split("/")):
         raise ManifestError(f"file name {relpath!r} is not a plain relative path inside the checkpoint")
-    if is_temporary(path.name):
+    if str(PurePosixPath(relpath)) != relpath or relpath == MANIFEST:
+        raise ManifestError(f"file name {relpath!r} is not a plain relative path inside the checkpoint")
+    if is_temporary(PurePosixPath(relpath).name):
         raise ManifestError(f"file name {relpath!r} looks like a temporary file")
     return relpath
 

@@ -21,6 +21,7 @@ from spotguard.daemon.stall import StallWatch
 from spotguard.daemon.uploader import Uploader
 from spotguard.localstore import prune_local
 from spotguard.manifest import (
+    MAX_STEP,
     FileEntry,
     ManifestError,
     check_relpath,
@@ -261,7 +262,7 @@ class RequestHandler:
             message["error"],
             message["message"],
         )
-        if self.host.storage is not None:
+        if self.host.storage is not None and 0 <= message["step"] <= MAX_STEP:
             # Its files already streamed or sent ahead of the commit must not stay in the bucket.
             name = step_dir_name(message["step"])
             task = asyncio.create_task(self.host.uploader.discard(name, "the save failed"), name=f"discard-{name}")

@@ -16,11 +16,16 @@ share of a multi-node checkpoint is not fetched (the other nodes' shares are els
 than everything else is named in a warning, and the resume goes on from the newest complete one.
 
 The fetch checks every file against the manifest's CRC32C once more, on this side, and commits the
-way a trainer does: the files are written under ``<root>/.peer-fetch/`` (never a step directory, so
-nothing scans it), the manifest last, and only then is the directory renamed into the checkpoint
-root. A fetch cut short leaves nothing that counts. The fetched checkpoint is an ordinary local one:
-the uploader may upload it too, and since its bytes and manifest are the peer's own, that skips the
-files already in the bucket and counts an identical manifest there as committed.
+way a trainer does: the files are written under ``<root>/.peer-fetch-XXXXXXXX/`` (never a step
+directory, so nothing scans it), the manifest last, and only then is the directory renamed into the
+checkpoint root. A fetch cut short leaves nothing that counts. That staging directory is made anew
+for each fetch (``mkdtemp``: a fresh name, mode 0700, never one that exists), each file in it is
+created exclusively and never through a link, and its removal follows no link: a path another local
+user planted there beforehand (``.peer-fetch`` as a link, say) is neither used nor followed.
+
+The fetched checkpoint is an ordinary local one: the uploader may upload it too, and since its bytes
+and manifest are the peer's own, that skips the files already in the bucket and counts an identical
+manifest there as committed.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import contextlib
 import logging
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +47,7 @@ from spotguard.peer.files import (
     Ranges,
     check_files,
     check_range,
+    create_exclusive,
     data_header,
     make_parent,
     make_room,
@@ -54,7 +61,7 @@ from spotguard.space import free_bytes
 
 logger = logging.getLogger("spotguard.peers")
 
-STAGING = ".peer-fetch"  # under the checkpoint root: not a step directory, so never taken for one
+STAGING = ".peer-fetch"  # prefix of the staging directories under the checkpoint root: never a step directory
 _FETCHABLE = frozenset({ReplicaState.VERIFIED, ReplicaState.UPLOADED})
 PROBE_TIMEOUT = 5.0  # seconds one peer has to connect, authenticate and list what it holds
 PROBE_DEADLINE = 20.0  # seconds asking every candidate takes at most, all of them together
@@ -178,13 +185,13 @@ async def fetch_replica(client: PeerClient, replica_id: str, root: Path) -> Path
     text = wire.field(head, "manifest", str)
     name = wire.field(head, "name", str)
     manifest = parse_manifest(text, name)
-    staging = root / STAGING
-    await asyncio.to_thread(shutil.rmtree, staging, True)  # what a fetch cut short before left
+    await asyncio.to_thread(remove_stale_staging, root)
     if (free := await asyncio.to_thread(free_bytes, root)) < manifest.total_bytes:
         raise OSError(f"{name} needs {manifest.total_bytes} bytes, {root} has {free} free")
+    staging = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix=f"{STAGING}-", dir=root))  # 0700, a new name
     step_dir = staging / name
-    await asyncio.to_thread(step_dir.mkdir, parents=True)
     try:
+        await asyncio.to_thread(step_dir.mkdir)
         incoming = _Incoming(client, manifest, step_dir)
         await incoming.receive()
         problems = await asyncio.to_thread(check_files, step_dir, manifest.files, incoming.sizes, incoming.ranges)
@@ -234,6 +241,8 @@ class _Incoming:
             raise wire.PeerError("closed", "the connection closed mid-frame") from None
         if rel not in self.sizes:
             await asyncio.to_thread(make_parent, self.step_dir, rel)
+            # Created here, never found: readable by the trainer, as a checkpoint it wrote itself.
+            await asyncio.to_thread(create_exclusive, self.step_dir, rel, 0o644)
         self.sizes[rel] = size
         await make_room(self.writes)
         write = asyncio.to_thread(write_range, self.step_dir, rel, offset, data, self.ranges.setdefault(rel, []))
@@ -241,17 +250,28 @@ class _Incoming:
         return True
 
 
+def remove_stale_staging(root: Path) -> None:
+    """Staging directories a fetch cut short left (blocking). Only real directories are removed,
+    without following a link inside them; a link of that name is left as it is."""
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return
+    for entry in entries:
+        if entry.name.startswith(f"{STAGING}-") and entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+
+
 def _commit(step_dir: Path, manifest_text: str, target: Path) -> Path:
     """Manifest last, then the whole directory into the checkpoint root in one rename."""
     for path in step_dir.rglob("*"):
-        if path.is_file():
+        if path.is_file() and not path.is_symlink():
             with contextlib.suppress(OSError):
                 fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
                 try:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
-            path.chmod(0o644)  # readable by the trainer, as a checkpoint it wrote itself
     with atomic_file(step_dir / MANIFEST) as out:
         out.write(manifest_text.encode())
     fsync_dir(step_dir)

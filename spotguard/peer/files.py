@@ -61,6 +61,16 @@ def make_parent(step_dir: Path, rel: str) -> None:
         raise wire.PeerError("bad-path", f"{rel} leaves the replica")
 
 
+def create_exclusive(step_dir: Path, rel: str, mode: int) -> None:
+    """Create the file ``rel`` empty, with ``mode`` set on its descriptor: never one that exists, never
+    through a link."""
+    fd = os.open(step_dir / rel, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
 def write_range(
     step_dir: Path, rel: str, offset: int, data: bytes | memoryview, ranges: list[tuple[int, int, int]]
 ) -> None:
@@ -122,6 +132,7 @@ __all__ = [
     "check_files",
     "check_range",
     "combined_crc",
+    "create_exclusive",
     "data_header",
     "make_parent",
     "make_room",

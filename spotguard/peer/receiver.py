@@ -20,6 +20,7 @@ from typing import Any
 
 from spotguard.manifest import parse_step_dir
 from spotguard.peer import wire
+from spotguard.peer.admission import Admission
 from spotguard.peer.files import check_range, data_header, make_parent, make_room, write_range
 from spotguard.peer.replicas import Replica, ReplicaState, ReplicaStore
 from spotguard.storage.base import Storage
@@ -66,7 +67,8 @@ class PeerReceiver:
         self.max_replicas = max_replicas
         self.max_connections = max_connections
         self.concurrency = concurrency
-        self.store = ReplicaStore(area, storage, concurrency=concurrency)
+        admission = Admission(area, max_replicas=max_replicas, max_replica_bytes=max_replica_bytes)
+        self.store = ReplicaStore(area, storage, concurrency=concurrency, admission=admission)
         self.refused = 0  # connections that failed to authenticate or broke the protocol
         self.address: str | None = None
         self._server: asyncio.Server | None = None
@@ -205,12 +207,13 @@ class PeerReceiver:
                 "bucket", f"this daemon commits only to {self.storage.url if self.storage else 'no bucket'}"
             )
         if parse_step_dir(name) is None:
-            raise wire.PeerError("bad-field", f"{name!r} is not a checkpoint name")
+            raise wire.PeerError("bad-field", f"{name[:40]!r} is not a checkpoint name")
         if self.busy():
             raise wire.PeerError("busy", "this daemon has a hard notice of its own pending")
-        if len(self.replicas) >= self.max_replicas:
-            raise wire.PeerError("full", f"already holding {len(self.replicas)} replica(s)")
-        return await self.store.create(name, bucket, who)
+        announced = header.get("bytes")  # optional: the replica's size, when the sender knows it
+        if announced is not None and (isinstance(announced, bool) or not isinstance(announced, int) or announced < 0):
+            raise wire.PeerError("bad-field", "'bytes' must be a non-negative integer")
+        return await self.store.create(name, bucket, who, announced)  # slot and bytes taken before it awaits
 
     async def _data(self, replica: Replica, header: dict[str, Any], reader: wire.FrameStream) -> None:
         rel, size, offset, length = data_header(header)
@@ -218,8 +221,10 @@ class PeerReceiver:
         sizes = replica.sizes
         if sizes.get(rel, size) != size:
             raise wire.PeerError("bad-field", f"{rel}: size {size}, announced before as {sizes[rel]}")
-        if replica.bytes - sizes.get(rel, 0) + size > self.max_replica_bytes:
+        total = replica.bytes - sizes.get(rel, 0) + size
+        if total > self.max_replica_bytes:
             raise wire.PeerError("too-large", f"a replica may hold at most {self.max_replica_bytes} bytes")
+        self.store.admission.grow(replica.id, total, len(sizes) + (rel not in sizes), size)  # before any await
         if rel not in sizes:  # its directory, once per file (only this daemon writes in its area)
             await asyncio.to_thread(make_parent, replica.step_dir, rel)
         sizes[rel] = size

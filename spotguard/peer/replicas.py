@@ -17,9 +17,12 @@ bytes arrive is the receiver's (spotguard/peer/receiver.py); what becomes of the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import os
 import shutil
+import stat
 import time
 import uuid
 from collections.abc import Mapping
@@ -42,6 +45,7 @@ from spotguard.manifest import (
     write_part,
 )
 from spotguard.peer import wire
+from spotguard.peer.admission import Admission
 from spotguard.peer.files import Ranges, check_files, parse_manifest
 from spotguard.safefile import atomic_file, fsync_dir
 from spotguard.storage.base import Storage, StorageError
@@ -117,10 +121,13 @@ class ReplicaStore:
     """The replicas held under ``area``, and their commit in ``storage`` (one replica at a time,
     each with ``concurrency`` transfers)."""
 
-    def __init__(self, area: Path, storage: Storage | None, *, concurrency: int) -> None:
+    def __init__(
+        self, area: Path, storage: Storage | None, *, concurrency: int, admission: Admission | None = None
+    ) -> None:
         self.area = area
         self.storage = storage
         self.concurrency = concurrency
+        self.admission = admission if admission is not None else Admission(area, max_replicas=2)
         self.replicas: dict[str, Replica] = {}
         self._uploads: set[asyncio.Task[None]] = set()
         self._upload_slots = asyncio.Semaphore(1)  # one replica at a time: each is parallel inside
@@ -138,7 +145,10 @@ class ReplicaStore:
         if state is ReplicaState.DELETED:
             self.replicas.pop(replica.id, None)
             shutil.rmtree(replica.dir, ignore_errors=True)
+            self.admission.release(replica.id)
             return
+        if state is ReplicaState.VERIFIED:
+            self.admission.settled(replica.id)
         self.replicas[replica.id] = replica
         meta = {"name": replica.name, "bucket": replica.bucket, "sender": replica.sender, "state": str(state)}
         with atomic_file(replica.dir / _META) as out:
@@ -146,7 +156,7 @@ class ReplicaStore:
 
     async def resume(self) -> None:
         """Take up what a restart left in the area: verified replicas are committed again."""
-        await asyncio.to_thread(self.area.mkdir, parents=True, exist_ok=True)
+        await asyncio.to_thread(make_private_dir, self.area)
         for replica in await asyncio.to_thread(self._recover):
             self.schedule_upload(replica)
 
@@ -171,18 +181,27 @@ class ReplicaStore:
             ):
                 logger.warning("replica %s (%s) was verified before a restart: committing it", entry.name, replica.name)
                 self.replicas[replica.id] = replica
+                self.admission.hold(replica.id)
                 found.append(replica)
                 continue
             logger.warning("removing %s: a replica never verified before a restart", entry)
             shutil.rmtree(entry, ignore_errors=True)
         return found
 
-    async def create(self, name: str, bucket: str, who: str) -> Replica:
-        """A new replica of ``name`` from ``who``, receiving."""
+    async def create(self, name: str, bucket: str, who: str, announced: int | None = None) -> Replica:
+        """A new replica of ``name`` from ``who``, receiving: its slot and ``announced`` bytes are
+        reserved before anything is awaited (:class:`~spotguard.peer.admission.Admission`), or
+        :class:`~spotguard.peer.wire.PeerError` is raised and nothing is written."""
         replica = Replica(f"{name}-{uuid.uuid4().hex[:8]}", name, bucket, who, self.area / "x")
         replica.dir = self.area / replica.id
-        await asyncio.to_thread(replica.step_dir.mkdir, parents=True)
-        await asyncio.to_thread(self.move, replica, ReplicaState.RECEIVING, f"{who} opened it")
+        self.admission.reserve(replica.id, announced)
+        try:
+            await asyncio.to_thread(replica.step_dir.mkdir, parents=True)
+            await asyncio.to_thread(self.move, replica, ReplicaState.RECEIVING, f"{who} opened it")
+        except BaseException:
+            self.admission.release(replica.id)
+            await asyncio.to_thread(shutil.rmtree, replica.dir, True)
+            raise
         return replica
 
     async def close(self) -> None:
@@ -280,6 +299,19 @@ class ReplicaStore:
         await asyncio.to_thread(self.move, replica, ReplicaState.DELETED, "safe in the bucket")
 
 
+def make_private_dir(path: Path) -> None:
+    """``path`` as a directory of this user's only (0700), made if missing (blocking). A link, or a
+    directory another user made there, is refused (OSError): peer data is never written through one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700)
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+        raise OSError(f"{path} is not a directory of this user's (a link?): no peer data is kept there")
+    if stat.S_IMODE(info.st_mode) != 0o700:
+        os.chmod(path, 0o700, follow_symlinks=False)
+
+
 def _job_manifest(replica: Replica, text: str, share: dict[str, FileEntry]) -> Manifest:
     """Node 0's copy of the job's manifest, which must list its share exactly as its part does."""
     manifest = parse_manifest(text, replica.name)
@@ -324,4 +356,4 @@ def _commit_job(storage: Storage, step_dir: Path, manifest: Manifest, wait: floa
     commit_remote(storage, step_dir)
 
 
-__all__ = ["AREA", "OTHER_NODES_WAIT", "Replica", "ReplicaState", "ReplicaStore"]
+__all__ = ["AREA", "OTHER_NODES_WAIT", "Replica", "ReplicaState", "ReplicaStore", "make_private_dir"]

@@ -1,0 +1,251 @@
+"""A real receiver daemon on loopback: which replicas it admits, and which names it takes.
+
+Slots and bytes are reserved before the receiver awaits anything; an offer that would leave no room
+for this node's own next checkpoint is refused; step and file names are taken in one canonical form
+only. Each refusal leaves nothing on disk nor in the bucket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from spotguard.crc32c import crc32c_of_bytes
+from spotguard.harness import Vm, wait_for
+from spotguard.localstore import scan_local
+from spotguard.peer import wire
+from spotguard.peer.client import PeerClient
+from spotguard.storage.base import Storage
+from spotguard.storage.checkpoints import list_remote, restore
+from spotguard.storage.file import FileStorage
+from spotguard.storage.s3 import S3Storage
+from tests.checkpoints import write_checkpoint
+from tests.integration import test_peer_receiver as receiving
+from tests.integration.test_peer_receiver import TOKEN, address, bucket_keys, replica_area
+
+receiver_vm = receiving.receiver_vm  # the fixture: a real receiver daemon on 127.0.0.1
+
+MiB = 1 << 20
+
+
+async def connect(vm: Vm) -> PeerClient:
+    return await PeerClient.connect(*address(vm), TOKEN.encode())
+
+
+async def offer(client: PeerClient, name: str, bucket: str, nbytes: int | None = None) -> dict[str, Any]:
+    """A ``replica`` frame (with the optional announced ``bytes``); the receiver's answer (an error
+    frame raises :class:`~spotguard.peer.wire.PeerError`)."""
+    frame: dict[str, Any] = {"t": "replica", "name": name, "bucket": bucket}
+    if nbytes is not None:
+        frame["bytes"] = nbytes
+    client.writer.write(wire.encode(frame))
+    await client.writer.drain()
+    return await wire.read_frame(client.reader)
+
+
+def refusal(call: Any) -> str:
+    """The error code a coroutine ends with (it must end with one)."""
+
+    async def run() -> str:
+        with pytest.raises(wire.PeerError) as caught:
+            await call()
+        return caught.value.code
+
+    return asyncio.run(run())
+
+
+def test_seven_concurrent_offers_get_exactly_the_two_slots(receiver_vm: Vm, url: str) -> None:
+    async def race() -> list[str]:
+        clients = await asyncio.gather(*(connect(receiver_vm) for _ in range(7)))
+        try:
+            answers = await asyncio.gather(
+                *(offer(c, f"step-00000010{i}", url) for i, c in enumerate(clients)), return_exceptions=True
+            )
+            codes = [a["t"] if isinstance(a, dict) else getattr(a, "code", repr(a)) for a in answers]
+            # While they are held, the receiver shows exactly the two it took.
+            held = receiver_vm.status()["peers"]["replicas"]
+            assert len(held) == 2 and all(r["state"] == "receiving" for r in held)
+            return codes
+        finally:
+            await asyncio.gather(*(c.close() for c in clients))
+
+    codes = asyncio.run(race())
+    assert sorted(codes) == ["full"] * 5 + ["ok"] * 2, codes
+    wait_for(lambda: replica_area(receiver_vm) == [], 10, "the unfinished replicas to be removed")
+    assert receiver_vm.status()["peers"]["replicas"] == [] and bucket_keys(url) == []
+
+
+@pytest.fixture
+def small_vm(tmp_path: Path, url: str) -> Iterator[Vm]:
+    """A receiver whose checkpoint root is a 64 MiB tmpfs, holding a committed 40 MiB checkpoint of its own."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs takes root")
+    vm = Vm(tmp_path, "vm-small", url, extra_args=["--provider", "none", "--peer-listen", "127.0.0.1:0"])
+    vm.root.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(vm.root)], check=True)
+    try:
+        write_checkpoint(vm.root, 3, {"own.bin": os.urandom(40 * MiB)})
+        vm.start_daemon(env={"SPOTGUARD_PEER_TOKEN": TOKEN})
+        try:
+            yield vm
+        finally:
+            vm.kill_daemon()
+    finally:
+        subprocess.run(["umount", str(vm.root)], check=True)
+
+
+def test_an_offer_that_leaves_no_room_for_the_node_s_own_checkpoint_is_refused(small_vm: Vm, url: str) -> None:
+    async def offered(nbytes: int) -> str:
+        client = await connect(small_vm)
+        try:
+            return str((await offer(client, "step-000000050", url, nbytes))["t"])
+        except wire.PeerError as exc:
+            return exc.code
+        finally:
+            await client.close()
+
+    assert asyncio.run(offered((1 << 40) + 1)) == "too-large"  # over the replica bound itself
+    free = os.statvfs(small_vm.root).f_bavail * os.statvfs(small_vm.root).f_frsize
+    assert free < 30 * MiB
+    assert asyncio.run(offered(60 * MiB)) == "no-space"  # more than the whole disk
+    # It would fit in what is free, but not beside this node's own next checkpoint (40 MiB).
+    assert asyncio.run(offered(free - 4 * MiB)) == "no-space"
+    wait_for(lambda: replica_area(small_vm) == [], 10, "nothing in the replica area")
+    assert not any(k.startswith("step-000000050") for k in bucket_keys(url))
+    assert "no-space" in small_vm.log.read_text() or "do not fit" in small_vm.log.read_text()
+
+
+def test_a_replica_that_announces_nothing_is_held_to_its_files_sizes(receiver_vm: Vm, url: str, tmp_path: Path) -> None:
+    payload = tmp_path / "payload"
+    payload.write_bytes(b"x")
+    free = os.statvfs(receiver_vm.root).f_bavail * os.statvfs(receiver_vm.root).f_frsize
+
+    async def stream(size: int, name: str = "w.bin") -> None:
+        client = await connect(receiver_vm)
+        try:
+            await client.open_replica("step-000000060", url)
+            with payload.open("rb", buffering=0) as file:
+                await client.send_part(file, name, size, 0, 1)
+            await client.query()
+        finally:
+            await client.close()
+
+    declared = free + (1 << 30)  # beyond the free space by a margin that other writers on this disk do not close
+    expected = "no-space" if declared <= 1 << 40 else "too-large"
+    assert refusal(lambda: stream(declared)) == expected
+    wait_for(lambda: replica_area(receiver_vm) == [], 10, "the refused replica to be removed")
+    assert bucket_keys(url) == []
+
+
+BAD_STEPS = [
+    "step-000000005\n",
+    "step-" + "\u0660" * 8 + "\u0665",  # Arabic-Indic digits: int() takes them
+    "step-" + "9" * 5000,
+    "step-0000000005",
+    "step-00000005",
+    "step-00000000a",
+    "./step-000000005",
+]
+
+BAD_FILES = ["./manifest.json", "a/../b", "a//b", "/etc/x", "a\x00b", "a\nb", "x\x1b[2J", "a/", "a\\b", "."]
+
+
+def test_non_canonical_step_names_are_refused_and_nothing_is_written(receiver_vm: Vm, url: str) -> None:
+    async def offered(name: str) -> str:
+        client = await connect(receiver_vm)
+        try:
+            return str((await offer(client, name, url))["t"])
+        except wire.PeerError as exc:
+            return exc.code
+        finally:
+            await client.close()
+
+    for name in BAD_STEPS:
+        assert asyncio.run(offered(name)) == "bad-field", name
+    assert receiver_vm.status()["peers"]["replicas"] == []  # the receiver still answers
+    assert replica_area(receiver_vm) == [] and bucket_keys(url) == []
+    assert "Traceback" not in receiver_vm.log.read_text()
+
+
+def test_non_canonical_file_names_are_refused_and_nothing_is_written(receiver_vm: Vm, url: str, tmp_path: Path) -> None:
+    payload = tmp_path / "payload"
+    payload.write_bytes(b"x")
+
+    async def sent(rel: str) -> None:
+        client = await connect(receiver_vm)
+        try:
+            await client.open_replica("step-000000070", url)
+            with payload.open("rb", buffering=0) as file:
+                await client.send_part(file, rel, 1, 0, 1)
+            await client.query()
+        finally:
+            await client.close()
+
+    for rel in BAD_FILES:
+        assert refusal(lambda rel=rel: sent(rel)) == "bad-path", rel
+    wait_for(lambda: replica_area(receiver_vm) == [], 10, "the refused replicas to be removed")
+    assert bucket_keys(url) == [] and not (receiver_vm.dir / "b").exists()
+    assert "Traceback" not in receiver_vm.log.read_text()
+
+    # A manifest naming such a file is refused at the commit, even with every canonical file in place.
+    step_dir = write_checkpoint(tmp_path / "sender", 71, {"w.bin": b"weights"})
+    text = (step_dir / "manifest.json").read_text().replace('"w.bin"', '"./w.bin"')
+
+    async def hand_over() -> None:
+        client = await connect(receiver_vm)
+        try:
+            await client.open_replica(step_dir.name, url)
+            await client.send_file(step_dir / "w.bin", "w.bin")
+            client.writer.write(wire.encode({"t": "commit", "manifest": text}))
+            await client.writer.drain()
+            await wire.read_frame(client.reader)
+        finally:
+            await client.close()
+
+    assert refusal(hand_over) == "bad-manifest"
+    wait_for(lambda: replica_area(receiver_vm) == [], 10, "the refused replica to be removed")
+    assert bucket_keys(url) == []
+
+
+def _upload_as(storage: Storage, step_dir: Path, name: str) -> None:
+    """A whole checkpoint's objects under the directory name ``name`` (manifest last)."""
+    files = sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != "manifest.json")
+    for path in [*files, step_dir / "manifest.json"]:
+        key = f"{name}/{path.relative_to(step_dir).as_posix()}"
+        storage.put_file(path, key, crc32c=crc32c_of_bytes(path.read_bytes()))
+
+
+IMPOSTORS = ["step-000000009\n", "step-" + "\u0660" * 8 + "\u0669", "step-0000000009", "step-00000009", "step-9"]
+
+
+@pytest.mark.parametrize("store", ["s3", "file"])
+def test_listings_and_restore_ignore_non_canonical_step_directories(url: str, tmp_path: Path, store: str) -> None:
+    real = write_checkpoint(tmp_path / "src", 5, {"w.bin": b"the real step 5"})
+    newer = write_checkpoint(tmp_path / "src", 9, {"w.bin": b"an impostor of step 9"})
+    # A newline in a key is beyond the S3 emulator's URLs: that one goes to the file store only.
+    impostors = IMPOSTORS if store == "file" else IMPOSTORS[1:]
+    storage: Storage = S3Storage(url) if store == "s3" else FileStorage(f"file://{tmp_path / 'bucket'}")
+    try:
+        _upload_as(storage, real, real.name)
+        for name in impostors:
+            _upload_as(storage, newer, name)
+        assert [(i.name, i.status) for i in list_remote(storage)] == [("step-000000005", "complete")]
+        dest = tmp_path / "dest"
+        dest.mkdir()
+        assert restore(storage, dest) == dest / "step-000000005"
+        assert (dest / "step-000000005" / "w.bin").read_bytes() == b"the real step 5"
+    finally:
+        storage.close()
+
+    # The same on a local disk: such directories are never scanned as checkpoints.
+    local = tmp_path / "local"
+    write_checkpoint(local, 5, {"w.bin": b"the real step 5"})
+    for name in IMPOSTORS:
+        os.rename(write_checkpoint(tmp_path / "other", 9, {"w.bin": b"x"}), local / name)
+    assert [(i.name, i.status) for i in scan_local(local)] == [("step-000000005", "complete")]
