@@ -149,10 +149,10 @@ class RequestHandler:
         """A trainer's state takes ``nbytes`` now: the next plan counts with it, the pending one at once."""
         if peer.hello is None:
             raise protocol.ProtocolError("no-hello", "state-size: say hello first")
+        if self.host.planner.announced.of(peer.id) != (nbytes, sharded):  # a hello and its queued message may agree
+            share = " (its share of sharded state)" if sharded else ""
+            logger.info("trainer pid %d: its state takes %d bytes%s", peer.pid, nbytes, share)
         self.host.planner.announced.set(peer.id, nbytes, sharded=sharded)
-        logger.info(
-            "trainer pid %d: its state takes %d bytes%s", peer.pid, nbytes, " (its share of sharded state)" * sharded
-        )
         if self.host.pending is not None:
             self.host.planner.revise(self.host.uploader.forecast())
 
