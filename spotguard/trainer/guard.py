@@ -216,8 +216,9 @@ class Guard:
         ``periodic=False``: a notice is then answered with a checkpoint of the last completed step, and
         the daemon reports a loop that does not ask within its bound.
         """
-        self.state_size.poll()  # cheap; re-measures the remembered state at most every 30 s
         urgent, due = self._flags.agree(periodic and self._schedule.due(step))
+        if not urgent:  # (an urgent save measures after it is committed)
+            self.state_size.poll()  # re-measures the remembered state at most every 30 s (ms for a big model)
         if urgent:
             # Once per notice: the daemon watches for loops that never reach a checkpoint point
             # (stuck in eval or a data-loader start) and reports them.
@@ -244,7 +245,6 @@ class Guard:
         notice); a periodic one logs it and training goes on. The daemon is told either way.
         """
         check_state(state)
-        self.state_size.remember(state)
         decided, notice = self._flags.save_reason()
         reason = decided if reason is None else reason
         in_background = reason == "periodic" and self.world_size == 1
@@ -267,6 +267,7 @@ class Guard:
         if in_background:
             self._saved(step, notice)  # no notice here: the periodic clock restarts
             self._saver.save_in_background(writer, state, notice)
+            self.state_size.remember(state)  # after the save: measuring (ms) must not delay it
             return writer.dir
         try:
             self._saver.save_now(writer, state, notice)
@@ -276,6 +277,7 @@ class Guard:
             self._flags.stop_if_hard(notice)
             raise
         self._saved(step, notice)
+        self.state_size.remember(state)
         return writer.dir
 
     def wait(self, *, raise_error: bool = True) -> None:

@@ -101,9 +101,15 @@ def test_state_created_at_the_first_step_is_announced_again_and_survives_a_recon
         vm.stop_daemon()
         vm.start_daemon(env={"SPOTGUARD_METRICS_PORT": "0", "SPOTGUARD_WEBHOOK_URL": receiver.url})
         assert wait_for(lambda: [b for b in announced(vm) if b], 20, "the hello to carry the size") == [grown]
+        # Each save measures what it saved.
+        state["ema"] = torch.zeros(2 * MiB)  # 8 MiB more
+        guard.save(state, 1)
+        guard.wait()
+        saved = wait_for(lambda: [b for b in announced(vm) if b and b > grown], 10, "the size at the save")[0]
+        assert saved >= grown + 8 * MiB
         request(vm.socket, "drill", deadline_s=60.0)
         plan = vm.status()["plan"]
-        assert plan["bytes"] == grown and plan["size_from"] == "announced"
+        assert plan["bytes"] >= saved and plan["size_from"] == "announced+checkpoint"
     finally:
         guard.close()
 
