@@ -10,7 +10,8 @@ each storage once. Modules and optimizers are read through their parameters, buf
 (references), never through ``state_dict()``: an FSDP module's ``state_dict()`` gathers across ranks
 (a rank that measured alone would hang the others), and a loader's may talk to its workers. Other
 objects (schedulers, loaders, plain values) are small and count in a margin only. A DTensor or a
-ShardedTensor counts its local shard, and the state is then ``sharded`` (this rank's share).
+ShardedTensor counts its local shard, and the state is then ``sharded`` (this rank's share), as it is
+with a module wrapped by FSDP's first version (its flat parameters hold the rank's shard).
 
 The size goes in the hello of every (re)connection and, when it changes by more than
 ``CHANGE_FRACTION``, in a ``state-size`` message (at most one per ``MIN_INTERVAL_S``; a change held
@@ -52,6 +53,14 @@ def _local_tensors(value: torch.Tensor) -> tuple[list[torch.Tensor], bool]:
     return [value], False
 
 
+def _fsdp1(value: Any) -> bool:
+    """A module wrapped by FSDP (the first one): its flat parameters are plain tensors, yet each holds
+    only this rank's shard."""
+    return isinstance(value, torch.nn.Module) and any(
+        type(module).__name__ == "FullyShardedDataParallel" for module in value.modules()
+    )
+
+
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         yield value
@@ -76,14 +85,15 @@ def measure_state(state: Mapping[str, Any]) -> StateSize:
     True
     """
     storages: dict[tuple[int, str], int] = {}
-    sharded = False
-    for value in state.values():
-        for tensor in _tensors(value):
-            local, share = _local_tensors(tensor)
-            sharded = sharded or share
-            for part in local:
-                storage = part.untyped_storage()
-                storages[(storage.data_ptr(), str(part.device))] = storage.nbytes()
+    sharded = any(_fsdp1(value) for value in state.values())
+    with torch.no_grad():  # a DTensor's to_local() must not record autograd history
+        for value in state.values():
+            for tensor in _tensors(value):
+                local, share = _local_tensors(tensor)
+                sharded = sharded or share
+                for part in local:
+                    storage = part.untyped_storage()
+                    storages[(storage.data_ptr(), str(part.device))] = storage.nbytes()
     tensors = sum(storages.values())
     return StateSize(tensors + tensors // 100 + _MARGIN_PER_ENTRY * max(1, len(state)), sharded)
 
