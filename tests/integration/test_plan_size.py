@@ -16,12 +16,13 @@ from typing import Any
 import pytest
 import torch
 
-from spotguard import Guard
+from spotguard import Guard, protocol
 from spotguard.control import request
 from spotguard.harness import Vm, wait_for
 from spotguard.trainer.announce import MIN_INTERVAL_S, SizeAnnouncer, measure_state
 from spotguard.trainer.client import DaemonClient
 from tests.integration.test_daemon_notices import status_text
+from tests.integration.test_daemon_socket import exchange
 from tests.integration.test_metrics_webhook import Receiver, scrape, value
 
 MiB = 1 << 20
@@ -53,6 +54,7 @@ def test_a_notice_before_the_first_save_is_planned_with_the_announced_state(
         assert guard.resume(state) == 0  # nothing to resume: the trainer has never saved
         sizes = wait_for(lambda: [b for b in announced(vm) if b], 10, "the trainer to announce its state")
         assert sizes[0] >= 32 * MiB and vm.status()["trainers"][0]["sharded"] is False
+        wait_for(lambda: vm.status()["upload_rate_bytes_s"], 20, "the start-up probe's rate")
 
         event_id = request(vm.socket, "drill", deadline_s=60.0)["event_id"]
         plan = vm.status()["plan"]
@@ -199,3 +201,24 @@ dist.destroy_process_group()
     assert done.returncode == 0, done.stderr
     nbytes, sharded = done.stdout.split()
     assert int(nbytes) >= 1 << 20 and sharded == "True"
+
+
+def test_a_state_size_before_hello_is_refused_and_two_sharded_trainers_add_up(vm_factory: Callable[..., Vm]) -> None:
+    vm = vm_factory("raw")
+    replies = exchange(vm.socket, protocol.encode("state-size", bytes=5, sharded=False) + protocol.encode("status"))
+    assert replies[0]["type"] == "error" and replies[0]["code"] == "no-hello"
+    assert replies[1]["type"] == "status" and replies[1]["trainers"] == []
+    # Two ranks of one node, each holding its share (their hellos carry it), while a notice is pending.
+    hello = {"world_size": 2, "checkpoint_dir": str(vm.root), "state_bytes": 40 * MiB, "sharded": True}
+    clients = [
+        DaemonClient(vm.socket, {**hello, "rank": rank, "pid": os.getpid()}, lambda _m: None).start() for rank in (0, 1)
+    ]
+    try:
+        wait_for(lambda: announced(vm) == [40 * MiB, 40 * MiB], 10, "both ranks' shares")
+        request(vm.socket, "drill", deadline_s=60.0)
+        assert vm.status()["plan"]["bytes"] == 80 * MiB
+        clients[1].send("state-size", bytes=60 * MiB, sharded=True)  # the pending plan is revised at once
+        wait_for(lambda: vm.status()["plan"]["bytes"] == 100 * MiB, 10, "the revised plan")
+    finally:
+        for client in clients:
+            client.close()
