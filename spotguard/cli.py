@@ -219,10 +219,8 @@ def _notice_line(notice: dict[str, Any] | None) -> str:
 def _plan_line(plan: dict[str, Any]) -> str:
     rate = "no rate measured" if plan["rate_bytes_s"] is None else f"{plan['rate_bytes_s'] / 1e6:.1f} MB/s"
     needed = "?" if plan["seconds_needed"] is None else f"{plan['seconds_needed']:.0f}"
-    return (
-        f"{plan['route']}: {_human(plan['bytes'])} at {rate} needs {needed} s, "
-        f"{plan['seconds_left']:.0f} s left ({plan['why']})"
-    )
+    size = "? bytes" if plan.get("size_from") == "unknown" else _human(plan["bytes"])
+    return f"{plan['route']}: {size} at {rate} needs {needed} s, {plan['seconds_left']:.0f} s left ({plan['why']})"
 
 
 def _upload_line(cur: dict[str, Any]) -> str:

@@ -4,7 +4,11 @@ Newline-delimited JSON objects, each ``{"v": 1, "type": ..., ...}``, at most
 ``MAX_MESSAGE_BYTES`` per line by default. Stdlib only: both sides import it.
 
 Client -> daemon:
-  hello   {rank, world_size, pid, checkpoint_dir}    a trainer introduces itself
+  hello   {rank, world_size, pid, checkpoint_dir,    a trainer introduces itself; state_bytes/sharded once it
+           state_bytes?, sharded?}                   knows its state's size (re-sent on every reconnect)
+  state-size {bytes, sharded}                        the trainer's state now takes about bytes (its tensors'
+                                                     storage, this rank's share when sharded); sent when it
+                                                     changes by more than 5 % (no reply)
   file    {path, name, size, crc32c}                 one file of a checkpoint being written is complete
                                                      (uploading starts before the commit; no reply)
   file-range {path, name, tmp, size, offset,         bytes [offset, offset+length) of a file being written under
@@ -63,6 +67,7 @@ class ProtocolError(SpotguardError, ValueError):
 # Required fields and their types, per message type.
 _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "hello": {"rank": int, "world_size": int, "pid": int},
+    "state-size": {"bytes": int, "sharded": bool},
     "file": {"path": str, "name": str, "size": int, "crc32c": str},
     "file-range": {"path": str, "name": str, "tmp": str, "size": int, "offset": int, "length": int},
     "saved": {"path": str, "step": int, "reason": str},
@@ -80,11 +85,12 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
 # Fields that may be absent, and their types when present.
 _OPTIONAL: dict[str, dict[str, type | tuple[type, ...]]] = {
     "drill": {"deadline_s": (int, float)},
+    "hello": {"state_bytes": int, "sharded": bool},
 }
 CLIENT_TYPES = frozenset(
     {
-        "hello", "file", "file-range", "saved", "checkpoint-started", "save-failed", "safe-steps", "peer-resume",
-        "drill", "status",
+        "hello", "state-size", "file", "file-range", "saved", "checkpoint-started", "save-failed", "safe-steps",
+        "peer-resume", "drill", "status",
     }
 )  # fmt: skip
 DAEMON_TYPES = frozenset({"welcome", "checkpoint-now", "ok", "safe-steps", "peer-resume", "status", "error"})
@@ -116,6 +122,9 @@ def decode(line: bytes, *, allowed: frozenset[str] | None = None, limit: int = M
     _check_fields(message_type, message)
     if message_type == "file-range":
         _check_range(message)
+    size = message.get("bytes" if message_type == "state-size" else "state_bytes")
+    if message_type in ("hello", "state-size") and isinstance(size, int) and size < 0:
+        raise ProtocolError("bad-field", f"{message_type}: the state's bytes must not be negative")
     return message
 
 
@@ -136,7 +145,8 @@ def _check_fields(message_type: str, message: Mapping[str, Any]) -> None:
             raise ProtocolError("bad-field", f"{message_type}: field {name!r} missing or not {_type_name(expected)}")
     for name, expected in _OPTIONAL.get(message_type, {}).items():
         value = message.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, expected)):
+        wrong_bool = isinstance(value, bool) and expected is not bool
+        if value is not None and (wrong_bool or not isinstance(value, expected)):
             raise ProtocolError("bad-field", f"{message_type}: field {name!r} is not {_type_name(expected)}")
 
 

@@ -103,13 +103,21 @@ class _LiveCollector:
                 "spotguard_plan_seconds_left", "Seconds to the deadline when the plan was last revised"
             ),
         }
+        known = GaugeMetricFamily(
+            "spotguard_plan_size_known",
+            "1 when the deadline plan's size is known (source: announced, checkpoint, announced+checkpoint, "
+            "urgent-checkpoint), 0 when it is a guess (source: unknown)",
+            labels=["source"],
+        )
         if plan is not None:
             route.add_metric([plan["route"]], 1)
             for key, family in families.items():
                 if plan[key] is not None:
                     family.add_metric([], plan[key])
+            known.add_metric([plan["size_from"]], 0 if plan["size_from"] == "unknown" else 1)
         yield route
         yield from families.values()
+        yield known
         measured = GaugeMetricFamily(
             "spotguard_upload_rate_bytes_per_second",
             "Upload rate of recent uploads and the start-up probe (absent before any was measured)",

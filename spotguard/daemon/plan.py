@@ -1,13 +1,24 @@
 """The deadline plan: at notice time, will the state reach the bucket before the deadline?
 
-From the state's size (the last checkpoint a trainer committed, or the newest one on local disk; in a
-multi-node job this node's share of it, which is all this node uploads) and the measured upload rate
+From the state's size and the measured upload rate
 (recent uploads, and a small probe at start so the first notice has a number) the daemon picks a
 route:
 
 * ``bucket``: it fits (``seconds_needed <= FIT_FRACTION x seconds_left``);
 * ``peer``: it does not, and a peer can take it (peers are configured and one is free);
 * ``local``: neither; the newest complete checkpoint in the bucket stays the resume point.
+
+The state's size is the larger of two numbers, and the plan says which it knew (``size_from``):
+
+* ``announced``: what the connected trainers said their state takes (``hello``'s ``state_bytes``, then
+  ``state-size`` as it changes; the hook measures it from ``resume``, each save and, every 30 s, the
+  state it remembers). A job's first notice often comes before its first save: this is then the
+  only number. This node's estimate is the sum over its trainers when any holds sharded state (each
+  rank writes its share), else the largest one (replicated state is written once per node);
+* ``checkpoint``: the last checkpoint a trainer committed, or the newest one on local disk; in a
+  multi-node job this node's share of it, which is all this node uploads.
+
+With neither (``unknown``) the plan is a guess, and says so.
 
 The bucket upload runs on every route (it costs nothing to try). The plan is revised while the race
 runs from the uploader's live forecast (rate and time left of the urgent upload): an upload falling
@@ -30,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from spotguard.daemon.events import EventBus, PlanChanged
-from spotguard.daemon.route import FIT_FRACTION, Plan, Route, choose_route
+from spotguard.daemon.route import FIT_FRACTION, UNKNOWN_SIZE, Plan, Route, SizeFrom, choose_route
 from spotguard.localstore import scan_local
 from spotguard.notice import Notice
 from spotguard.storage.base import Storage, put_bytes
@@ -57,6 +68,32 @@ class RateMeter:
         return sum(b for b, _ in self._samples) / seconds if seconds > 0 else None
 
 
+class AnnouncedSizes:
+    """What each connected trainer last said its state takes, and the node's estimate of them."""
+
+    def __init__(self) -> None:
+        self._sizes: dict[int, tuple[int, bool]] = {}  # connection id -> (bytes, sharded)
+
+    def set(self, trainer: int, nbytes: int, *, sharded: bool) -> None:
+        self._sizes[trainer] = (nbytes, sharded)
+
+    def drop(self, trainer: int) -> None:
+        self._sizes.pop(trainer, None)
+
+    def of(self, trainer: int) -> tuple[int, bool] | None:
+        return self._sizes.get(trainer)
+
+    def estimate(self) -> int | None:
+        """Bytes this node writes of the state: every rank's share when any is sharded; else the
+        largest, since replicated state is written once per node (DCP deduplicates it). None when no
+        trainer announced."""
+        if not self._sizes:
+            return None
+        if any(sharded for _, sharded in self._sizes.values()):
+            return sum(nbytes for nbytes, _ in self._sizes.values())
+        return max(nbytes for nbytes, _ in self._sizes.values())
+
+
 class Planner:
     """Keeps what a plan is made of (size, rate) and the plan of the notice being raced; each plan
     and each change of its route is told on ``bus`` as a :class:`~spotguard.daemon.events.PlanChanged`."""
@@ -67,7 +104,8 @@ class Planner:
         self.bucket = bucket
         self.bus = bus if bus is not None else EventBus()
         self.meter = RateMeter()
-        self.state_bytes: int | None = None
+        self.state_bytes: int | None = None  # the last checkpoint's (this node's share of it)
+        self.announced = AnnouncedSizes()
         self.peer_available = peer_available
         self.current: Plan | None = None
         self._notice: Notice | None = None
@@ -94,18 +132,28 @@ class Planner:
             share = newest.node_files if newest.status != "complete" else None
             self.state_bytes = newest.bytes if share is None else sum(entry.size for entry in share.values())
 
+    def size(self) -> tuple[int, SizeFrom]:
+        """The state's size a plan counts with: the larger of the trainers' announced estimate and the
+        last checkpoint's, and which of them were known (0 and ``unknown`` when neither)."""
+        announced = self.announced.estimate()
+        return max(announced or 0, self.state_bytes or 0), SizeFrom.of(announced, self.state_bytes)
+
     def plan(self, notice: Notice) -> Plan:
         """The plan at notice time (replacing any earlier notice's)."""
+        size, size_from = self.size()
         made = choose_route(
-            self.state_bytes or 0,
+            size,
             self.meter.rate(),
             notice.seconds_left(),
             peer_available=self.peer_available(),
             bucket=self.bucket,
+            size_from=size_from,
         )
         self._notice = notice
         self.current = replace(made, event_id=notice.event_id)
         logger.warning("deadline plan for %s: %s", notice.event_id, self.current.describe())
+        if size_from is SizeFrom.UNKNOWN:
+            logger.warning("deadline plan for %s is a guess: %s", notice.event_id, UNKNOWN_SIZE)
         self.bus.emit(PlanChanged(notice, self.current))
         return self.current
 
@@ -118,14 +166,26 @@ class Planner:
         left = notice.seconds_left()
         # The urgent checkpoint's own size once it is known: announced files, or its commit.
         newest = max(self._announced.values(), default=0)
-        size, done, rate = max(old.bytes, newest, self.state_bytes or 0), 0, self.meter.rate()
+        size, size_from = self.size()
+        if old.bytes > size:  # e.g. the trainer that announced it has gone: its number still stands
+            size, size_from = old.bytes, old.size_from
+        done, rate, urgent = 0, self.meter.rate(), newest
         if forecast is not None and forecast.get("urgent"):
-            # What the trainer has announced so far is a better size than the last checkpoint's (there
+            # What the trainer has written so far is a better size than the last checkpoint's (there
             # may be none); the live rate, once a part is in, is better than the recent uploads' one.
-            size, done = max(size, int(forecast["bytes_total"])), int(forecast["bytes_done"])
+            urgent, done = max(urgent, int(forecast["bytes_total"])), int(forecast["bytes_done"])
             if forecast.get("rate_bytes_s") and done >= PROBE_BYTES:  # a few small files say little of a rate
                 rate = float(forecast["rate_bytes_s"])
-        made = choose_route(max(0, size - done), rate, left, peer_available=self.peer_available(), bucket=self.bucket)
+        if urgent > size:
+            size, size_from = urgent, SizeFrom.URGENT
+        made = choose_route(
+            max(0, size - done),
+            rate,
+            left,
+            peer_available=self.peer_available(),
+            bucket=self.bucket,
+            size_from=size_from,
+        )
         made = replace(made, bytes=size)
         route = old.route
         if made.route is Route.PEER or (made.route is Route.LOCAL and old.route is Route.BUCKET):
@@ -160,4 +220,15 @@ def probe_upload(storage: Storage, size: int = PROBE_BYTES) -> tuple[int, float]
         storage.delete([key])
 
 
-__all__ = ["FIT_FRACTION", "PROBE_PREFIX", "Plan", "Planner", "RateMeter", "Route", "choose_route", "probe_upload"]
+__all__ = [
+    "FIT_FRACTION",
+    "PROBE_PREFIX",
+    "AnnouncedSizes",
+    "Plan",
+    "Planner",
+    "RateMeter",
+    "Route",
+    "SizeFrom",
+    "choose_route",
+    "probe_upload",
+]

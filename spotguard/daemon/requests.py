@@ -92,6 +92,9 @@ class RequestHandler:
         kind = message["type"]
         if kind == "hello":
             return self._hello(peer, message)
+        if kind == "state-size":
+            self._state_size(peer, message["bytes"], sharded=message["sharded"])
+            return []  # a hint for the next plan: the trainer does not wait
         if kind == "file":
             self._file(message)
             return []  # fire and forget: the trainer is busy writing the next file
@@ -133,6 +136,8 @@ class RequestHandler:
             )
             logger.warning("trainer pid %d: %s", peer.pid, fields["warning"])
         logger.info("trainer connected: pid %d rank %s/%s", peer.pid, message["rank"], message["world_size"])
+        if isinstance(message.get("state_bytes"), int):
+            self._state_size(peer, message["state_bytes"], sharded=bool(message.get("sharded")))
         replies: list[Reply] = [("welcome", fields)]
         pending = self.host.pending
         if pending is not None:
@@ -140,6 +145,17 @@ class RequestHandler:
             replies.append(checkpoint_now(*pending))
             self.host.stalls.mark_told([peer], pending[0])
         return replies
+
+    def _state_size(self, peer: Peer, nbytes: int, *, sharded: bool) -> None:
+        """A trainer's state takes ``nbytes`` now: the next plan counts with it, the pending one at once."""
+        if peer.hello is None:
+            raise protocol.ProtocolError("no-hello", "state-size: say hello first")
+        if self.host.planner.announced.of(peer.id) != (nbytes, sharded):  # a hello and its queued message may agree
+            share = " (its share of sharded state)" if sharded else ""
+            logger.info("trainer pid %d: its state takes %d bytes%s", peer.pid, nbytes, share)
+        self.host.planner.announced.set(peer.id, nbytes, sharded=sharded)
+        if self.host.pending is not None:
+            self.host.planner.revise(self.host.uploader.forecast())
 
     def _step_dir(self, path: Path) -> Path:
         """A reported checkpoint directory, resolved; it must be a direct child of the checkpoint root."""
@@ -306,6 +322,7 @@ class RequestHandler:
 
     def on_disconnect(self, peer: Peer) -> None:
         self.host.stalls.forget(peer)
+        self.host.planner.announced.drop(peer.id)  # a pending plan keeps its number (the state may be mid-write)
         # Nothing it was writing can be finished now (a reconnected writer's file goes whole).
         self.host.uploader.abort_streams("the writer disconnected before finishing it", owner=peer.id)
         if peer.is_trainer:

@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 from spotguard.daemon.notices import NoticeBook, TrackedNotice
 from spotguard.daemon.plan import Planner
-from spotguard.daemon.server import SocketServer
+from spotguard.daemon.server import Peer, SocketServer
 from spotguard.daemon.uploader import Uploader
 from spotguard.notice import utcnow
 from spotguard.providers.base import Monitor
@@ -29,6 +29,7 @@ class StatusSource(Protocol):
     uploader: Uploader
     save_failures: list[dict[str, Any]]
     metrics_url: str | None
+    planner: Planner
 
     def plan_status(self) -> dict[str, Any] | None: ...
 
@@ -44,11 +45,7 @@ def render_status(source: StatusSource, *, peers: dict[str, Any] | None, stoppin
         "monitors": [monitor.name for monitor in source.monitors],
         "monitor_errors": dict(source.monitor_errors),
         "checkpoint_dir": str(source.root),
-        "trainers": [
-            {"pid": p.pid, "uid": p.uid, "rank": p.hello["rank"], "world_size": p.hello["world_size"]}
-            for p in source.server.trainers()
-            if p.hello is not None
-        ],
+        "trainers": [trainer_status(p, source.planner) for p in source.server.trainers() if p.hello is not None],
         "pending": None if current is None else notice_status(current),
         "last_notice": source.last_notice,
         "stalled": list(source.stalled.values()),
@@ -59,6 +56,19 @@ def render_status(source: StatusSource, *, peers: dict[str, Any] | None, stoppin
         "peers": peers,
         "stopping": stopping,
         "metrics_url": source.metrics_url,
+    }
+
+
+def trainer_status(peer: Peer, planner: Planner) -> dict[str, Any]:
+    """A connected trainer: who it is, and what it announced its state takes (null: nothing yet)."""
+    hello, announced = peer.hello or {}, planner.announced.of(peer.id)
+    return {
+        "pid": peer.pid,
+        "uid": peer.uid,
+        "rank": hello.get("rank"),
+        "world_size": hello.get("world_size"),
+        "state_bytes": None if announced is None else announced[0],
+        "sharded": None if announced is None else announced[1],
     }
 
 

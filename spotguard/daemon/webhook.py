@@ -16,7 +16,8 @@ a periodic save) gets one ``"type": "save-failed"`` POST at once, with ``error``
 ``write-failed``), ``step``, ``reason``, ``bytes_needed``, ``bytes_free`` and ``path``.
 
 The notice message carries the deadline plan (``route``: bucket, peer or local; ``plan_bytes``,
-``rate_bytes_s``, ``seconds_needed``; see spotguard/daemon/plan.py); a revision that starts the peer
+``rate_bytes_s``, ``seconds_needed``, ``plan_size_from``: where its size came from, ``unknown`` when it
+is a guess; see spotguard/daemon/plan.py); a revision that starts the peer
 route while the race runs gets a ``"type": "plan"`` message of its own.
 
 And, between the two, ``"type": "stalled"`` for each trainer (``pid``) that has not reached a
@@ -111,6 +112,7 @@ def _plan_fields(plan: dict[str, Any] | None) -> dict[str, Any]:
     return {
         "route": plan["route"],
         "plan_bytes": plan["bytes"],
+        "plan_size_from": plan["size_from"],
         "rate_bytes_s": plan["rate_bytes_s"],
         "seconds_needed": plan["seconds_needed"],
     }
@@ -118,7 +120,8 @@ def _plan_fields(plan: dict[str, Any] | None) -> dict[str, Any]:
 
 def _plan_words(plan: dict[str, Any]) -> str:
     needed = "unknown" if plan["seconds_needed"] is None else f"{plan['seconds_needed']:.1f} s"
-    return f"{plan['route']} ({plan['bytes']} bytes, {needed} needed, {plan['seconds_left']:.1f} s left)"
+    size = "size unknown" if plan["size_from"] == "unknown" else f"{plan['bytes']} bytes ({plan['size_from']})"
+    return f"{plan['route']} ({size}, {needed} needed, {plan['seconds_left']:.1f} s left)"
 
 
 class WebhookNotifier:

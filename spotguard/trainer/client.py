@@ -63,6 +63,11 @@ class DaemonClient:
         self._thread.start()
         return self
 
+    def update_hello(self, **fields: Any) -> None:
+        """Fields the hello of every later (re)connection carries (e.g. the state's size once known)."""
+        with self._lock:
+            self._hello = {**self._hello, **fields}
+
     def send(self, message_type: str, **fields: Any) -> None:
         """Queue a message; it goes out now if connected, else right after the next reconnect."""
         line = protocol.encode(message_type, **fields)
@@ -150,7 +155,9 @@ class DaemonClient:
                 self._closing.wait(self._retry_max)  # so a bug that repeats does not spin
 
     def _serve(self, sock: socket.socket) -> None:
-        sock.sendall(protocol.encode("hello", **self._hello))
+        with self._lock:
+            hello = self._hello
+        sock.sendall(protocol.encode("hello", **hello))
         with self._lock:
             self._sock = sock
             self._flush_locked()

@@ -22,6 +22,7 @@ from typing import Any
 from spotguard.localstore import CheckpointWriter
 from spotguard.space import SpotguardDiskFull
 from spotguard.trainer import dist, threads
+from spotguard.trainer.announce import SizeAnnouncer
 from spotguard.trainer.client import DaemonClient, root_of
 from spotguard.trainer.contents import ResumeReport, SpotguardMismatch, describe_state
 from spotguard.trainer.external import AlreadyCommitted, commit_external
@@ -85,6 +86,8 @@ class Guard:
         self._flags = self.flags_type()
         self.last_resume_report: ResumeReport | None = None  # what the last resume loaded and left
         self.client, self.checkpoint_dir = self._connect(settings, daemon_wait)
+        #: Tells the daemon how big the state is (its deadline plan needs it before the first save).
+        self.state_size = SizeAnnouncer(self.client)
         self._saver = self.saver_type(
             self.checkpoint_dir, self.client, keep=keep, io_threads=io_threads, on_commit=self._flags.committed_locally
         )
@@ -214,6 +217,8 @@ class Guard:
         the daemon reports a loop that does not ask within its bound.
         """
         urgent, due = self._flags.agree(periodic and self._schedule.due(step))
+        if not urgent:  # (an urgent save measures after it is committed)
+            self.state_size.poll()  # re-measures the remembered state at most every 30 s (ms for a big model)
         if urgent:
             # Once per notice: the daemon watches for loops that never reach a checkpoint point
             # (stuck in eval or a data-loader start) and reports them.
@@ -262,6 +267,7 @@ class Guard:
         if in_background:
             self._saved(step, notice)  # no notice here: the periodic clock restarts
             self._saver.save_in_background(writer, state, notice)
+            self.state_size.remember(state)  # after the save: measuring (ms) must not delay it
             return writer.dir
         try:
             self._saver.save_now(writer, state, notice)
@@ -271,6 +277,7 @@ class Guard:
             self._flags.stop_if_hard(notice)
             raise
         self._saved(step, notice)
+        self.state_size.remember(state)
         return writer.dir
 
     def wait(self, *, raise_error: bool = True) -> None:
@@ -306,13 +313,30 @@ class Guard:
         check_state(state)
         self.wait(raise_error=False)  # a periodic save still being written may be the newest
         self.last_resume_report = None
-        report = self._resumer.choose(state, strict=strict)
-        if report is None:
-            return 0
-        manifest = self._resumer.load(report, state)
+        try:
+            report = self._resumer.choose(state, strict=strict)
+            if report is None:
+                return 0
+            manifest = self._resumer.load(report, state)
+        finally:
+            # Every loop resumes before its first step: the daemon hears the size from here on
+            # (loaded optimizer state included), long before the first save.
+            self.state_size.remember(state)
         self._schedule.last_step = manifest.step
         self.last_resume_report = report
         return manifest.step
+
+    def announce_state(self, state: Mapping[str, Any]) -> None:
+        """Tell the daemon how big ``state`` is, for a loop that does not call :meth:`resume`.
+
+        >>> guard.announce_state({"model": model, "optimizer": opt})
+
+        The daemon's deadline plan counts with it when a notice comes before the first save. A
+        reference to ``state`` is kept (nothing is copied) and measured again at
+        :meth:`should_checkpoint` at most every 30 s, so that state created later (an optimizer's
+        at its first step) is counted too. Never raises: a state that cannot be measured is skipped.
+        """
+        self.state_size.remember(state)
 
     # --- lifetime ------------------------------------------------------------------------
 

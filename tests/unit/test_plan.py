@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from spotguard.daemon.events import PlanChanged
-from spotguard.daemon.plan import FIT_FRACTION, Planner, RateMeter, Route, choose_route
+from spotguard.daemon.plan import FIT_FRACTION, AnnouncedSizes, Planner, RateMeter, Route, SizeFrom, choose_route
 from spotguard.manifest import FileEntry, step_dir_name, write_part
 from spotguard.notice import Kind, Notice
 from tests.checkpoints import write_checkpoint
@@ -25,7 +25,7 @@ def test_without_a_free_peer_a_state_too_big_for_the_deadline_stays_local() -> N
     assert plan.route is Route.LOCAL
     assert plan.to_dict() | {"why": ""} == {
         "route": "local", "bytes": 400 * MB, "rate_bytes_s": MB, "seconds_needed": 400.0, "seconds_left": 10.0,
-        "why": "", "event_id": "", "revision": 0,
+        "why": "", "event_id": "", "revision": 0, "size_from": "checkpoint",
     }  # fmt: skip
 
 
@@ -89,3 +89,77 @@ def test_the_size_on_disk_is_what_this_node_uploads_of_its_newest_checkpoint(tmp
     planner = Planner()
     planner.size_from_disk(tmp_path)
     assert planner.state_bytes == 300
+
+
+def test_replicated_trainers_on_a_node_count_once_and_sharded_ones_add_up() -> None:
+    sizes = AnnouncedSizes()
+    assert sizes.estimate() is None
+    # DDP: every rank holds the whole state, DCP writes it once per node: the largest counts.
+    sizes.set(1, 90 * MB, sharded=False)
+    sizes.set(2, 96 * MB, sharded=False)
+    assert sizes.estimate() == 96 * MB
+    # FSDP: each rank holds its share and writes it: the shares add up.
+    sizes.set(1, 48 * MB, sharded=True)
+    sizes.set(2, 48 * MB, sharded=True)
+    assert sizes.estimate() == 96 * MB and sizes.of(2) == (48 * MB, True)
+    sizes.drop(2)  # a trainer that disconnects no longer counts
+    sizes.drop(7)
+    assert sizes.estimate() == 48 * MB and sizes.of(2) is None
+
+
+def test_a_plan_before_any_save_counts_with_the_announced_size() -> None:
+    planner = Planner()
+    planner.observe_upload(150 * MB, 1.0)
+    planner.announced.set(1, 96 * MB, sharded=False)
+    plan = planner.plan(Notice.in_seconds("none", Kind.DRILL, 30.0, identity="first"))
+    assert plan.bytes == 96 * MB and plan.size_from is SizeFrom.ANNOUNCED and plan.size_known
+    assert plan.seconds_needed is not None and plan.seconds_needed > 0.6
+    assert "92 MiB (announced)" in plan.describe() and plan.to_dict()["size_from"] == "announced"
+    # A checkpoint of a smaller state saved earlier does not shrink it: the larger counts.
+    planner.end()
+    planner.observe_size(50 * MB)
+    plan = planner.plan(Notice.in_seconds("none", Kind.DRILL, 30.0, identity="second"))
+    assert plan.bytes == 96 * MB and plan.size_from is SizeFrom.BOTH
+    planner.announced.drop(1)
+    planner.end()
+    plan = planner.plan(Notice.in_seconds("none", Kind.DRILL, 30.0, identity="third"))
+    assert plan.bytes == 50 * MB and plan.size_from is SizeFrom.CHECKPOINT
+
+
+def test_the_announced_size_alone_can_send_a_plan_to_a_peer() -> None:
+    planner = Planner(peer_available=lambda: True)
+    planner.observe_upload(1 * MB, 1.0)
+    planner.announced.set(1, 100 * MB, sharded=True)
+    planner.announced.set(2, 100 * MB, sharded=True)
+    plan = planner.plan(Notice.in_seconds("none", Kind.DRILL, 100.0, identity="x"))
+    assert plan.route is Route.PEER and plan.bytes == 200 * MB and plan.seconds_needed == 200.0
+
+
+def test_a_plan_with_nothing_known_says_it_is_a_guess() -> None:
+    planner = Planner()
+    planner.observe_upload(150 * MB, 1.0)
+    plan = planner.plan(Notice.in_seconds("none", Kind.DRILL, 30.0, identity="x"))
+    assert plan.size_from is SizeFrom.UNKNOWN and not plan.size_known
+    assert plan.route is Route.BUCKET and plan.seconds_needed is None and plan.bytes == 0
+    assert "size unknown: no trainer announced its state and no checkpoint exists yet" in plan.why
+    assert "0 MiB" not in plan.describe() and "size unknown" in plan.describe()
+    assert choose_route(0, None, 30.0, peer_available=False, size_from=SizeFrom.UNKNOWN).seconds_needed is None
+
+
+def test_a_revision_learns_the_size_announced_while_the_race_runs() -> None:
+    planner = Planner(peer_available=lambda: False)
+    planner.observe_upload(10 * MB, 1.0)
+    notice = Notice.in_seconds("none", Kind.DRILL, 30.0, identity="x")
+    assert planner.plan(notice).size_from is SizeFrom.UNKNOWN
+    planner.announced.set(1, 500 * MB, sharded=False)
+    revised = planner.revise(None)
+    assert revised is not None and revised.route is Route.LOCAL and revised.size_from is SizeFrom.ANNOUNCED
+    assert revised.bytes == 500 * MB and revised.revision == 1
+    # The trainer goes (its urgent save under way): its number still stands for this notice.
+    planner.announced.drop(1)
+    revised = planner.revise(None)
+    assert revised is not None and revised.bytes == 500 * MB and revised.size_from is SizeFrom.ANNOUNCED
+    # The urgent checkpoint's own files, once more than that, are the size.
+    writing = {"urgent": True, "rate_bytes_s": None, "bytes_total": 600 * MB, "bytes_done": 0}
+    revised = planner.revise(writing)
+    assert revised is not None and revised.bytes == 600 * MB and revised.size_from is SizeFrom.URGENT

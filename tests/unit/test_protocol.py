@@ -135,3 +135,31 @@ def test_peer_resume_asks_with_the_newest_step_known_and_is_answered_with_a_path
         protocol.decode(protocol.encode("peer-resume", after=5, path=None), allowed=protocol.DAEMON_TYPES)["path"]
         is None
     )
+
+
+def test_state_size_is_a_client_message_and_hello_may_carry_it() -> None:
+    line = protocol.encode("state-size", bytes=96 << 20, sharded=False)
+    assert protocol.decode(line, allowed=protocol.CLIENT_TYPES)["bytes"] == 96 << 20
+    assert "state-size" not in protocol.DAEMON_TYPES
+    hello = {"rank": 0, "world_size": 2, "pid": 1, "checkpoint_dir": "/x"}
+    assert "state_bytes" not in protocol.decode(protocol.encode("hello", **hello))  # still optional
+    told = protocol.decode(protocol.encode("hello", **hello, state_bytes=5, sharded=True))
+    assert told["state_bytes"] == 5 and told["sharded"] is True
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        b'{"v": 1, "type": "state-size", "bytes": 5}',  # sharded or not?
+        b'{"v": 1, "type": "state-size", "bytes": -1, "sharded": false}',
+        b'{"v": 1, "type": "state-size", "bytes": true, "sharded": false}',
+        b'{"v": 1, "type": "state-size", "bytes": 5, "sharded": 1}',
+        b'{"v": 1, "type": "hello", "rank": 0, "world_size": 1, "pid": 1, "state_bytes": "96M"}',
+        b'{"v": 1, "type": "hello", "rank": 0, "world_size": 1, "pid": 1, "state_bytes": -5}',
+        b'{"v": 1, "type": "hello", "rank": 0, "world_size": 1, "pid": 1, "sharded": "yes"}',
+    ],
+)
+def test_state_sizes_are_checked(line: bytes) -> None:
+    with pytest.raises(protocol.ProtocolError) as info:
+        protocol.decode(line, allowed=protocol.CLIENT_TYPES)
+    assert info.value.code == "bad-field"
