@@ -336,7 +336,8 @@ class Daemon:
         # Before the socket: whoever sees the daemon answer sees its peer receiver listening too.
         await self.peering.start_receiver(self.hard_notice_pending)
         if self.peering.receiver is not None:  # room kept for this node's own next checkpoint: its state's size
-            self.peering.receiver.store.admission.own_bytes = lambda: self.planner.state_bytes
+            # (the larger of what the trainers announce and the last checkpoint's; None: read the disk)
+            self.peering.receiver.store.admission.own_bytes = lambda: self.planner.size()[0] or None
         await self.server.start()
         # Restarted in the middle of an incident? Ask every source once before declaring READY.
         first_checks = asyncio.gather(*(self._check_once(m) for m in self.monitors))
