@@ -3,8 +3,8 @@
 A VM that handed its urgent checkpoint to a peer dies; the peer then commits it in the bucket, which
 takes a while for a big state. A replacement VM that starts before that is done asks its daemon
 (``peer-resume`` on the socket, which :meth:`spotguard.Guard.resume` sends before it chooses), and the
-daemon asks its configured peers (``list``, then ``fetch``: spotguard/peer/wire.py) on the same
-authenticated channel the handoff uses.
+daemon asks its configured peers (``list``, then ``fetch``: docs/peer-protocol.md) on the same
+protected channel the handoff uses.
 
 The consistency rule: **the newest complete checkpoint wins**: a peer's replica of the same bucket is
 fetched when it is newer than every complete checkpoint on the local disk and in the bucket (between
@@ -36,6 +36,7 @@ from typing import Any
 
 from spotguard.manifest import MANIFEST, Manifest, ManifestError, load_part, node_holdings, parse_step_dir, verify_dir
 from spotguard.peer import wire
+from spotguard.peer.channel import Channel
 from spotguard.peer.client import PeerClient
 from spotguard.peer.files import (
     Ranges,
@@ -64,8 +65,7 @@ _FETCHABLE = frozenset({ReplicaState.VERIFIED, ReplicaState.UPLOADED})
 async def serve(
     receiver: PeerReceiver,
     header: dict[str, Any],
-    reader: wire.Reads,
-    writer: asyncio.StreamWriter,
+    channel: Channel,
     who: str,
 ) -> None:
     """Answer a ``list`` or ``fetch`` request on an authenticated connection."""
@@ -73,26 +73,26 @@ async def serve(
         bucket = receiver.storage.url if receiver.storage is not None else None
         held = [r for r in receiver.replicas.values() if r.state in _FETCHABLE and r.bucket == bucket]
         items = await asyncio.to_thread(lambda: [item for r in held if (item := _describe(r)) is not None])
-        writer.write(wire.encode({"t": "replicas", "items": items}))
+        channel.write(wire.encode({"t": "replicas", "items": items}))
         return
     replica_id = wire.field(header, "id", str)
     replica = receiver.replicas.get(replica_id)
     if replica is None or replica.state not in _FETCHABLE:
-        writer.write(wire.error_frame("gone", f"no verified replica {replica_id!r} here"))
+        channel.write(wire.error_frame("gone", f"no verified replica {replica_id!r} here"))
         return
     try:
         if await asyncio.to_thread(load_part, replica.step_dir) is not None:
-            writer.write(wire.error_frame("share", f"{replica.name}: a node's share, not a whole checkpoint"))
+            channel.write(wire.error_frame("share", f"{replica.name}: a node's share, not a whole checkpoint"))
             return
         text = await asyncio.to_thread((replica.step_dir / MANIFEST).read_text)
         manifest = Manifest.from_json(text.encode())
     except (OSError, ManifestError) as exc:
-        writer.write(wire.error_frame("gone", f"{replica.name}: {exc}"))
+        channel.write(wire.error_frame("gone", f"{replica.name}: {exc}"))
         return
     logger.info("replica %s (%s): %s fetches it", replica.id, replica.name, who)
-    writer.write(wire.encode({"t": "checkpoint", "id": replica.id, "name": replica.name, "manifest": text}))
-    writer.transport.set_write_buffer_limits(high=2 * wire.MAX_DATA)  # as the handoff's sender does
-    sender = PeerClient(reader, writer, who)  # its data frames are the handoff's
+    channel.write(wire.encode({"t": "checkpoint", "id": replica.id, "name": replica.name, "manifest": text}))
+    channel.transport.set_write_buffer_limits(high=2 * wire.MAX_DATA)  # as the handoff's sender does
+    sender = PeerClient(channel, who)  # its data frames are the handoff's
     try:
         for rel in sorted(manifest.files):
             if replica.state is ReplicaState.DELETED:  # committed in the bucket meanwhile, or dropped
@@ -100,9 +100,9 @@ async def serve(
             await sender.send_file(replica.step_dir / rel, rel)
     except OSError as exc:
         logger.warning("replica %s: its fetch by %s ended early: %s", replica.id, who, exc)
-        writer.write(wire.error_frame("gone", f"{replica.name}: {exc}"))
+        channel.write(wire.error_frame("gone", f"{replica.name}: {exc}"))
         return
-    writer.write(wire.encode({"t": "end"}))
+    channel.write(wire.encode({"t": "end"}))
 
 
 def attach(receiver: PeerReceiver) -> None:
@@ -156,9 +156,9 @@ class PeerResume:
 
 
 async def list_replicas(client: PeerClient) -> list[dict[str, Any]]:
-    client.writer.write(wire.encode({"t": "list"}))
-    await client.writer.drain()
-    reply = await wire.read_frame(client.reader)
+    client.channel.write(wire.encode({"t": "list"}))
+    await client.channel.drain()
+    reply = await wire.read_frame(client.channel)
     wire.expect(reply, "replicas")
     items = wire.field(reply, "items", list)
     return [item for item in items if isinstance(item, dict)]
@@ -168,9 +168,9 @@ async def fetch_replica(client: PeerClient, replica_id: str, root: Path) -> Path
     """Fetch a verified replica into ``root`` as a committed step directory; returns it. Raises
     :class:`~spotguard.wire.PeerError` (``mismatch`` for a file that fails its CRC32C) or
     ``OSError``; nothing of a failed fetch is left behind."""
-    client.writer.write(wire.encode({"t": "fetch", "id": replica_id}))
-    await client.writer.drain()
-    head = await wire.read_frame(client.reader)
+    client.channel.write(wire.encode({"t": "fetch", "id": replica_id}))
+    await client.channel.drain()
+    head = await wire.read_frame(client.channel)
     wire.expect(head, "checkpoint")
     text = wire.field(head, "manifest", str)
     name = wire.field(head, "name", str)
@@ -216,7 +216,7 @@ class _Incoming:
                 raise result
 
     async def _one_frame(self) -> bool:
-        frame = await wire.read_frame(self.client.reader)
+        frame = await wire.read_frame(self.client.channel)
         if frame["t"] == "end":
             return False
         wire.expect(frame, "data")
@@ -225,10 +225,8 @@ class _Incoming:
         if entry is None or size != entry.size:
             raise wire.PeerError("bad-field", f"{rel}: {size} bytes, not a file of the manifest")
         check_range(rel, size, offset, length)
-        try:
-            data = await self.client.reader.readexactly(length)
-        except asyncio.IncompleteReadError:
-            raise wire.PeerError("closed", "the connection closed mid-frame") from None
+        data = memoryview(bytearray(length))
+        await self.client.channel.readinto(data)  # decrypted straight into it, each record in time
         if rel not in self.sizes:
             await asyncio.to_thread(make_parent, self.step_dir, rel)
         self.sizes[rel] = size
