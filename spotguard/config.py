@@ -19,6 +19,7 @@ from urllib.parse import urlparse
 
 from spotguard.errors import ConfigError
 from spotguard.notice import Action
+from spotguard.peer.channel import IO_TIMEOUT
 from spotguard.peer.wire import parse_address
 from spotguard.providers import registry as providers
 from spotguard.providers.base import MonitorSettings
@@ -114,6 +115,9 @@ class DaemonConfig:
     peer_token_file: Path | None = None
     peer_max_replica_bytes: int = 1 << 40  # the most one replica may hold
     peer_max_replicas: int = 2  # replicas held at once (each until it is committed in the bucket)
+    # Seconds a peer may stay silent mid-record (or leave our writes unread) before its connection, and
+    # the replica it was sending, are dropped (spotguard/peer/channel.py; also TCP_USER_TIMEOUT)
+    peer_io_timeout: float = IO_TIMEOUT
 
     def __post_init__(self) -> None:
         self._check_sources()
@@ -191,6 +195,8 @@ class DaemonConfig:
         for name in ("peer_max_replica_bytes", "peer_max_replicas"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
+        if not self.peer_io_timeout > 0:
+            raise ConfigError("peer_io_timeout", f"must be > 0, got {self.peer_io_timeout}")
 
     @property
     def peer_discovery(self) -> bool:

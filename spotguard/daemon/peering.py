@@ -72,6 +72,7 @@ class Peering:
             max_replica_bytes=self.config.peer_max_replica_bytes,
             max_replicas=self.config.peer_max_replicas,
             concurrency=self.config.upload_concurrency,
+            io_timeout=self.config.peer_io_timeout,
         )
         try:
             await receiver.start()
