@@ -20,6 +20,7 @@ import contextlib
 import json
 import socket
 import struct
+import time
 
 from spotguard.peer import noise, wire
 
@@ -40,9 +41,15 @@ HANDSHAKE_TIMEOUT = 5.0  # seconds from accept to the first record of an authent
 # Seconds a peer may leave a started record unfinished, or leave our writes unread, before it is
 # dropped (with its replica, if it was sending one); also TCP_USER_TIMEOUT.
 IO_TIMEOUT = 30.0
+WATCH_INTERVAL = 1.0  # how often the record deadline is checked
+# The bound on how long a silent peer holds its connection (and a replica slot on a receiver).
+SILENT_PEER_RELEASE = IO_TIMEOUT + WATCH_INTERVAL
 MAX_HANDSHAKE_MESSAGE = 1024
 MAX_PLAINTEXT = noise.MAX_MESSAGE - noise.TAGLEN  # one record's bytes
+# A payload's full records are read this many at once (a reused buffer of ~1 MiB per connection).
+BATCH_RECORDS = 16
 _LENGTH = struct.Struct(">H")
+_FULL_RECORD = _LENGTH.size + noise.MAX_MESSAGE
 _REFUSAL = _LENGTH.pack(0)  # a handshake "message" of length 0: a clear-text error frame follows
 _KEEPALIVE = {"TCP_KEEPIDLE": 10, "TCP_KEEPINTVL": 5, "TCP_KEEPCNT": 3}
 
@@ -84,6 +91,10 @@ class Channel:
         self._record = bytearray(noise.MAX_MESSAGE)  # one record's ciphertext, reused
         self._plain = bytearray(MAX_PLAINTEXT)  # a record's plaintext not read yet: plain[start:end]
         self._start = self._end = 0
+        self._reading_since: float | None = None  # when the record being read was begun
+        self._watchdog: asyncio.TimerHandle | None = None
+        self._timed_out = False
+        self._batch: bytearray | None = None  # full records of a payload, read at once
 
     @property
     def transport(self) -> asyncio.WriteTransport:
@@ -93,16 +104,39 @@ class Channel:
 
     async def _next_record(self) -> memoryview:
         """The next record's ciphertext (in the reused buffer), read within the deadline."""
+        self._reading_since = time.monotonic()
+        self._watch()
         try:
-            async with asyncio.timeout(self.io_timeout):
-                (length,) = _LENGTH.unpack(await self.stream.readexactly(_LENGTH.size))
-                if length < noise.TAGLEN:
-                    raise wire.PeerError("bad-record", f"a record of {length} bytes")
-                view = memoryview(self._record)[:length]
-                await self.stream.readinto(view)
+            (length,) = _LENGTH.unpack(await self.stream.readexactly(_LENGTH.size))
+            if length < noise.TAGLEN:
+                raise wire.PeerError("bad-record", f"a record of {length} bytes")
+            view = memoryview(self._record)[:length]
+            await self.stream.readinto(view)
         except asyncio.IncompleteReadError:
+            if self._timed_out:
+                raise TimeoutError(f"no whole record for {self.io_timeout:g} s") from None
             raise wire.PeerError("closed", "the connection closed mid-record") from None
+        finally:
+            self._reading_since = None
         return view
+
+    def _watch(self) -> None:
+        """The deadline on records, checked every :data:`WATCH_INTERVAL` seconds while the connection
+        is open (cheaper than a timeout around each of a payload's thousands of records): a record
+        begun and not finished within ``io_timeout`` ends the connection."""
+        transport = self.writer.transport
+        if self._watchdog is not None or transport is None or transport.is_closing():
+            return
+        since = self._reading_since
+        if since is not None and time.monotonic() - since > self.io_timeout:
+            self._timed_out = True
+            transport.abort()  # the pending read ends; it raises TimeoutError
+            return
+        self._watchdog = asyncio.get_running_loop().call_later(WATCH_INTERVAL, self._rewatch)
+
+    def _rewatch(self) -> None:
+        self._watchdog = None
+        self._watch()
 
     def _open(self, ciphertext: memoryview, out: memoryview) -> None:
         try:
@@ -120,11 +154,15 @@ class Channel:
         self._start, self._end = 0, size
 
     async def readinto(self, view: memoryview) -> None:
-        """Fill ``view``: whole records are decrypted straight into it."""
+        """Fill ``view``: whole records are decrypted straight into it; a payload's full records
+        (:data:`MAX_PLAINTEXT` bytes each, as the protocol lays them out) are read in batches."""
         done = min(len(view), self._end - self._start)
         view[:done] = self._plain[self._start : self._start + done]
         self._start += done
         while done < len(view):
+            if len(view) - done >= MAX_PLAINTEXT:
+                done += await self._read_full_records(view[done:])
+                continue
             ciphertext = await self._next_record()
             size = len(ciphertext) - noise.TAGLEN
             if size <= len(view) - done:
@@ -136,6 +174,30 @@ class Channel:
             view[done:] = self._plain[:take]
             self._start, self._end = take, size
             done += take
+
+    async def _read_full_records(self, view: memoryview) -> int:
+        """Up to :data:`BATCH_RECORDS` full records in one read, each decrypted into ``view``; the
+        number of bytes filled. A record of another length there breaks the protocol's layout."""
+        count = min(len(view) // MAX_PLAINTEXT, BATCH_RECORDS)
+        if self._batch is None:
+            self._batch = bytearray(BATCH_RECORDS * _FULL_RECORD)
+        batch = memoryview(self._batch)[: count * _FULL_RECORD]
+        self._reading_since = time.monotonic()
+        self._watch()
+        try:
+            await self.stream.readinto(batch)
+        except asyncio.IncompleteReadError:
+            if self._timed_out:
+                raise TimeoutError(f"no whole record for {self.io_timeout:g} s") from None
+            raise wire.PeerError("closed", "the connection closed mid-record") from None
+        finally:
+            self._reading_since = None
+        for index in range(count):
+            record = batch[index * _FULL_RECORD : (index + 1) * _FULL_RECORD]
+            if _LENGTH.unpack_from(record)[0] != noise.MAX_MESSAGE:
+                raise wire.PeerError("bad-record", "a payload's record that is not full before its last")
+            self._open(record[_LENGTH.size :], view[index * MAX_PLAINTEXT : (index + 1) * MAX_PLAINTEXT])
+        return count * MAX_PLAINTEXT
 
     async def readexactly(self, n: int, /) -> bytes:
         if self._end - self._start >= n:
@@ -178,6 +240,9 @@ class Channel:
             await self.writer.drain()
 
     def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
         self.writer.close()
 
     async def wait_closed(self) -> None:
@@ -228,6 +293,8 @@ async def accept(
     channel = Channel(stream, writer, sending, receiving, io_timeout=io_timeout)
     try:
         await channel.fill()
+        if isinstance(stream, wire.FrameStream):
+            stream.direct_min = 1
     except wire.PeerError as exc:
         if exc.code == "bad-record":
             raise wire.PeerError("auth", "authentication failed (its first record does not decrypt)") from None
@@ -268,6 +335,8 @@ async def initiate(
         raise wire.PeerError("auth", f"{address} does not know the job's token") from None
     sending, receiving = handshake.split()
     channel = Channel(stream, writer, sending, receiving, io_timeout=io_timeout)
+    if isinstance(stream, wire.FrameStream):
+        stream.direct_min = 1
     channel.write(wire.encode({"t": "ping"}))
     await channel.drain()
     return channel
@@ -299,7 +368,9 @@ __all__ = [
     "PROLOGUE",
     "PROTOCOL",
     "V1_REFUSAL",
+    "SILENT_PEER_RELEASE",
     "V2_NOTICE",
+    "WATCH_INTERVAL",
     "Channel",
     "accept",
     "initiate",

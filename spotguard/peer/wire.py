@@ -124,6 +124,11 @@ class FrameStream(asyncio.streams.FlowControlMixin, asyncio.BufferedProtocol):
         self._target: memoryview | None = None  # a handler's buffer being filled by the socket
         self._filled = 0
         self._direct = False  # the last get_buffer gave the handler's buffer
+        # Reads of at least this many bytes go straight into the handler's buffer. Until a connection is
+        # authenticated, small ones go through the scratch (a stranger's next bytes are then not left in
+        # the kernel, where they would turn our refusal into a reset); after, the channel's 2-byte record
+        # lengths go straight too, so that a record's start is not copied and reading never pauses.
+        self.direct_min = _SCRATCH
         self._waiter: asyncio.Future[None] | None = None
         self._eof = False
         self._error: BaseException | None = None
@@ -151,7 +156,7 @@ class FrameStream(asyncio.streams.FlowControlMixin, asyncio.BufferedProtocol):
     def get_buffer(self, sizehint: int) -> memoryview:
         # Straight into the handler's buffer when it wants more than the scratch holds; small reads (a
         # length, a header) go through the scratch, so that what follows them is not left in the kernel.
-        self._direct = self._target is not None and self._start == self._end and len(self._target) >= _SCRATCH
+        self._direct = self._target is not None and self._start == self._end and len(self._target) >= self.direct_min
         if self._direct:
             assert self._target is not None
             return self._target[self._filled :]

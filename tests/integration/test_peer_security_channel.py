@@ -211,7 +211,10 @@ def test_a_record_changed_on_the_path_ends_the_connection_and_its_replica(
 
     assert asyncio.run(handoff_through_relay()) is not None  # the sender learns it was not handed
     assert_nothing_kept(receiver_vm, url)
-    assert "bad-record" in receiver_vm.log.read_text()
+    log = receiver_vm.log.read_text()
+    # A record that fails to decrypt, or (a record dropped from a batch of full ones) the bytes still
+    # missing at the record deadline.
+    assert "bad-record" in log or "too slow" in log
 
 
 # --- 2. idle strangers ----------------------------------------------------------------------------
