@@ -21,6 +21,7 @@ import json
 import socket
 import struct
 import time
+from typing import Any
 
 from spotguard.peer import noise, wire
 
@@ -207,6 +208,18 @@ class Channel:
         out = bytearray(n)
         await self.readinto(memoryview(out))
         return bytes(out)
+
+    async def read_frame(self, *, timeout: float | None = None, max_header: int = wire.MAX_HEADER) -> dict[str, Any]:
+        """The next frame. ``timeout``, when longer than the record deadline, replaces it while this
+        frame is awaited and read: a receiver waiting for a sender's next request, a sender waiting
+        for the answer to a commit."""
+        if timeout is None or timeout <= self.io_timeout:
+            return await wire.read_frame(self, max_header)
+        saved, self.io_timeout = self.io_timeout, timeout
+        try:
+            return await wire.read_frame(self, max_header)
+        finally:
+            self.io_timeout = saved
 
     # --- writing ------------------------------------------------------------------------
 

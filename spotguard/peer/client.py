@@ -60,19 +60,9 @@ class PeerClient:
     async def _ask(self, header: dict[str, Any], answer: str = "ok", *, timeout: float | None = None) -> dict[str, Any]:
         self.channel.write(wire.encode(header))
         await self.channel.drain()
-        reply = await self._read_reply(timeout)
+        reply = await self.channel.read_frame(timeout=timeout)
         wire.expect(reply, answer)
         return reply
-
-    async def _read_reply(self, timeout: float | None) -> dict[str, Any]:
-        """The next frame; ``timeout`` replaces the channel's deadline for it when longer."""
-        if timeout is None or timeout <= self.channel.io_timeout:
-            return await wire.read_frame(self.channel)
-        saved, self.channel.io_timeout = self.channel.io_timeout, timeout  # a reply that takes its time
-        try:
-            return await wire.read_frame(self.channel)
-        finally:
-            self.channel.io_timeout = saved
 
     async def query(self) -> dict[str, Any]:
         return await self._ask({"t": "query"}, "state")

@@ -131,7 +131,8 @@ class PeerReceiver:
             if self._connections > self.max_connections:
                 raise wire.PeerError("busy", f"at most {self.max_connections} peer connections")
             while True:
-                header = await asyncio.wait_for(wire.read_frame(channel), IDLE_TIMEOUT)
+                # Between requests a sender may wait for its trainer (it pings): the idle limit applies.
+                header = await asyncio.wait_for(channel.read_frame(timeout=IDLE_TIMEOUT), IDLE_TIMEOUT)
                 replica = await self._request(header, channel, who, replica)
                 await channel.drain()
         except wire.PeerError as exc:

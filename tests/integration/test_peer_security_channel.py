@@ -279,6 +279,10 @@ def test_a_sender_silent_mid_payload_is_dropped_within_the_deadline(receiver_vm:
         try:
             await client.open_replica("step-000000011", url)
             wait_for(lambda: len(receiver_vm.status()["peers"]["replicas"]) == 1, 5, "the replica opened")
+            # Idle between requests (a sender waiting for its trainer) is not silence mid-record: the
+            # connection outlives the record deadline there (the idle limit is 30 s).
+            await asyncio.sleep(IO_TIMEOUT + 1.5)  # the time itself is what is tested
+            assert (await client.query())["replicas"] == 1
             header = {"t": "data", "name": "weights.bin", "size": 1 << 20, "offset": 0, "len": 1 << 20}
             sealed = client.channel.seal(wire.encode(header), os.urandom(300 * KiB))
             client.channel.write_sealed(sealed[:-1000])  # and then nothing: no more bytes, no FIN
