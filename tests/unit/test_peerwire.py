@@ -26,6 +26,7 @@ def test_peer_keys_come_from_flags_env_and_file(tmp_path: Path) -> None:
         ({"bucket": "s3://b/r", "peer_listen": "0.0.0.0:99999"}, "peer_listen"),
         ({"peer_listen": "127.0.0.1:7140"}, "peer_listen"),  # peers share a bucket
         ({"bucket": "s3://b/r", "peer_max_replicas": "0"}, "peer_max_replicas"),
+        ({"bucket": "s3://b/r", "peer_io_timeout": "0"}, "peer_io_timeout"),
     ],
 )
 def test_bad_peer_settings_name_their_key(flags: dict[str, str], key: str) -> None:
