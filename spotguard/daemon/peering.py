@@ -55,7 +55,7 @@ class Peering:
         if config.peer_discovery and token is not None and storage is not None:
             self.registry = PeerRegistry(storage)
         if config.peers and token is not None and config.bucket is not None:
-            self.handoff = Handoff(self.candidates, token, config.bucket)
+            self.handoff = Handoff(self.candidates, token, config.bucket, io_timeout=config.peer_io_timeout)
 
     async def start_receiver(self, busy: Callable[[], bool]) -> None:
         """Listen for peers' checkpoints (``busy``: a hard notice is pending here), and register in the bucket."""
@@ -114,7 +114,9 @@ class Peering:
             newest = max(after, await asyncio.to_thread(self._newest_complete))
             fetch = message.get("fetch") is not False  # false: a multi-node job, only told what is newer
             peers = await self.candidates()  # the listed ones, or those found in the bucket
-            return await resume_from_peers(peers, token, storage.url, self.root, newest, fetch=fetch)
+            return await resume_from_peers(
+                peers, token, storage.url, self.root, newest, fetch=fetch, io_timeout=self.config.peer_io_timeout
+            )
 
         async with self._resume_lock:  # two ranks' hooks asking at once fetch once
             try:

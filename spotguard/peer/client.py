@@ -139,14 +139,21 @@ async def send_checkpoint(client: PeerClient, step_dir: Path, bucket: str) -> di
 
 
 async def choose_peer(
-    addresses: list[tuple[str, int]], token: bytes, bucket: str, *, timeout: float = _CHOOSE_TIMEOUT
+    addresses: list[tuple[str, int]],
+    token: bytes,
+    bucket: str,
+    *,
+    timeout: float = _CHOOSE_TIMEOUT,
+    io_timeout: float = IO_TIMEOUT,
 ) -> PeerClient | None:
     """The first peer in ``addresses`` that answers, shares ``bucket`` and has no hard notice of its
     own; None if none. All are asked at once (connect, authenticate, query: ``timeout`` seconds for
     the three), so dead or stale candidates cost no time while another answers; once one is found,
     earlier-listed ones still answering get ``_PREFER_GRACE`` more. The others are closed."""
     tasks = [
-        asyncio.create_task(_ask(host, port, token, bucket, timeout), name=f"ask-peer-{host}:{port}")
+        asyncio.create_task(
+            _ask(host, port, token, bucket, timeout=timeout, io_timeout=io_timeout), name=f"ask-peer-{host}:{port}"
+        )
         for host, port in addresses
     ]
     chosen: PeerClient | None = None
@@ -163,12 +170,14 @@ async def choose_peer(
     return chosen
 
 
-async def _ask(host: str, port: int, token: bytes, bucket: str, timeout: float) -> PeerClient | None:
+async def _ask(
+    host: str, port: int, token: bytes, bucket: str, *, timeout: float, io_timeout: float
+) -> PeerClient | None:
     """A connection to ``host:port`` if that peer may be chosen; else None (and it is closed)."""
     client: PeerClient | None = None
     try:
         async with asyncio.timeout(timeout):
-            client = await PeerClient.connect(host, port, token, timeout=timeout)
+            client = await PeerClient.connect(host, port, token, timeout=timeout, io_timeout=io_timeout)
             state = await client.query()
     except (OSError, TimeoutError, wire.PeerError) as exc:
         logger.warning("peer %s:%d did not answer: %s", host, port, exc or type(exc).__name__)

@@ -36,7 +36,7 @@ from typing import Any
 
 from spotguard.manifest import MANIFEST, Manifest, ManifestError, load_part, node_holdings, parse_step_dir, verify_dir
 from spotguard.peer import wire
-from spotguard.peer.channel import Channel
+from spotguard.peer.channel import IO_TIMEOUT, Channel
 from spotguard.peer.client import PeerClient
 from spotguard.peer.files import (
     Ranges,
@@ -260,14 +260,21 @@ def _commit(step_dir: Path, manifest_text: str, target: Path) -> Path:
 
 
 async def resume_from_peers(
-    addresses: list[tuple[str, int]], token: bytes, bucket: str, root: Path, after: int, *, fetch: bool = True
+    addresses: list[tuple[str, int]],
+    token: bytes,
+    bucket: str,
+    root: Path,
+    after: int,
+    *,
+    fetch: bool = True,
+    io_timeout: float = IO_TIMEOUT,
 ) -> PeerResume:
     """Fetch the newest whole verified replica of ``bucket`` newer than step ``after`` that a peer holds
     (an older one, if the newest fails its checks); shares newer than everything are named."""
     offers: list[Offer] = []
     for host, port in addresses:
         try:
-            client = await PeerClient.connect(host, port, token)
+            client = await PeerClient.connect(host, port, token, io_timeout=io_timeout)
         except (OSError, TimeoutError, wire.PeerError) as exc:
             logger.warning("peer %s:%d: not asked for a newer checkpoint: %s", host, port, exc)
             continue
@@ -282,7 +289,7 @@ async def resume_from_peers(
         if not fetch:
             break
         try:
-            client = await PeerClient.connect(*offer.peer, token)
+            client = await PeerClient.connect(*offer.peer, token, io_timeout=io_timeout)
         except (OSError, TimeoutError, wire.PeerError) as exc:
             logger.warning("%s: not fetched: %s", offer.where, exc)
             continue
