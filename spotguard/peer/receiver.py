@@ -175,7 +175,7 @@ class PeerReceiver:
     def _evict(self, writer: asyncio.StreamWriter) -> None:
         self._pending.pop(writer, None)
         peername = writer.get_extra_info("peername")
-        logger.info("peer %s: still in its handshake while newer ones wait; closing it", peername)
+        logger.debug("peer %s: still in its handshake while newer ones wait; closing it", peername)
         writer.transport.abort()
 
     def _refuse(self, writer: asyncio.StreamWriter, channel: Channel | None, who: str, exc: wire.PeerError) -> None:

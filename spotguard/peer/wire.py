@@ -105,11 +105,12 @@ def error_frame(code: str, message: str) -> bytes:
 
 
 class FrameStream(asyncio.streams.FlowControlMixin, asyncio.BufferedProtocol):
-    """The receiving end of a connection: frame headers come through a small scratch buffer, a data
-    frame's payload is received (``recv_into``) straight into the buffer its handler passes to
-    :meth:`readinto`, which then goes whole to a disk write. asyncio's ``StreamReader`` instead
-    copies every byte three or four times (received ``bytes``, appended to its buffer, sliced out,
-    the buffer shifted). Memory per connection: the scratch buffer, plus the handler's buffers.
+    """The receiving end of a connection: small reads come through a small scratch buffer, big ones
+    (a record, a batch of a payload's records: spotguard/peer/channel.py) are received
+    (``recv_into``) straight into the buffer its reader passes to :meth:`readinto`. asyncio's
+    ``StreamReader`` instead copies every byte three or four times (received ``bytes``, appended to
+    its buffer, sliced out, the buffer shifted). Memory per connection: the scratch buffer, plus the
+    reader's buffers.
     Writing goes through an ordinary ``asyncio.StreamWriter`` (this class does its flow control)."""
 
     def __init__(
