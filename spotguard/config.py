@@ -20,6 +20,7 @@ from urllib.parse import urlparse
 
 from spotguard.errors import ConfigError
 from spotguard.notice import Action
+from spotguard.peer.channel import IO_TIMEOUT
 from spotguard.peer.networks import DEFAULT_PEER_NETWORKS, LOOPBACK_NETWORKS, PeerNetworks, parse_networks
 from spotguard.peer.wire import parse_address
 from spotguard.providers import registry as providers
@@ -120,6 +121,9 @@ class DaemonConfig:
     # CIDRs the peers found in the bucket may be dialled on (spotguard/peer/networks.py); link-local and
     # the metadata services never are. Loopback is added unless this daemon listens on another address.
     peer_networks: tuple[str, ...] = DEFAULT_PEER_NETWORKS
+    # Seconds a peer may stay silent mid-record (or leave our writes unread) before its connection, and
+    # the replica it was sending, are dropped (spotguard/peer/channel.py; also TCP_USER_TIMEOUT)
+    peer_io_timeout: float = IO_TIMEOUT
 
     def __post_init__(self) -> None:
         self._check_sources()
@@ -203,6 +207,8 @@ class DaemonConfig:
             parse_networks(self.peer_networks)
         except ValueError as exc:
             raise ConfigError("peer_networks", f"{exc}; write CIDRs such as 10.0.0.0/8, fc00::/7") from None
+        if not self.peer_io_timeout > 0:
+            raise ConfigError("peer_io_timeout", f"must be > 0, got {self.peer_io_timeout}")
 
     @property
     def peer_discovery(self) -> bool:

@@ -55,7 +55,7 @@ class Peering:
         if config.peer_discovery and token is not None and storage is not None:
             self.registry = PeerRegistry(storage, token=token, networks=config.peer_network_policy())
         if config.peers and token is not None and config.bucket is not None:
-            self.handoff = Handoff(self.candidates, token, config.bucket)
+            self.handoff = Handoff(self.candidates, token, config.bucket, io_timeout=config.peer_io_timeout)
 
     async def start_receiver(self, busy: Callable[[], bool]) -> None:
         """Listen for peers' checkpoints (``busy``: a hard notice is pending here), and register in the bucket."""
@@ -72,6 +72,7 @@ class Peering:
             max_replica_bytes=self.config.peer_max_replica_bytes,
             max_replicas=self.config.peer_max_replicas,
             concurrency=self.config.upload_concurrency,
+            io_timeout=self.config.peer_io_timeout,
         )
         try:
             await receiver.start()
@@ -113,7 +114,9 @@ class Peering:
             newest = max(after, await asyncio.to_thread(self._newest_complete))
             fetch = message.get("fetch") is not False  # false: a multi-node job, only told what is newer
             peers = await self.candidates()  # the listed ones, or those found in the bucket
-            return await resume_from_peers(peers, token, storage.url, self.root, newest, fetch=fetch)
+            return await resume_from_peers(
+                peers, token, storage.url, self.root, newest, fetch=fetch, io_timeout=self.config.peer_io_timeout
+            )
 
         async with self._resume_lock:  # two ranks' hooks asking at once fetch once
             try:

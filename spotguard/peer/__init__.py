@@ -4,7 +4,9 @@ which verifies it and commits it in the shared bucket; a fresh VM may fetch it b
 It sits below the daemon: it takes plain values (addresses, a token, a ``Storage``) and imports
 nothing from ``spotguard.config`` nor ``spotguard.daemon``.
 
-- :mod:`~spotguard.peer.wire`: frames, the token, the challenge-response handshake.
+- :mod:`~spotguard.peer.wire`: frames, the token, the receiving end of a connection.
+- :mod:`~spotguard.peer.noise`: the Noise NNpsk0 handshake and ciphers.
+- :mod:`~spotguard.peer.channel`: the protected channel (docs/peer-protocol.md): handshake, records, deadlines.
 - :mod:`~spotguard.peer.files`: received ranges written and checked against a manifest (both sides).
 - :mod:`~spotguard.peer.replicas`: a receiver's replicas, their lifecycle and their commit in the bucket.
 - :mod:`~spotguard.peer.receiver`: the listening side's connection protocol.

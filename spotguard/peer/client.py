@@ -1,12 +1,11 @@
-"""The sending side of the peer tier: one authenticated connection to a peer's receiver, and
-choosing the peer to hand a checkpoint to (spotguard/peer/handoff.py). Wire format and
-authentication: spotguard/peer/wire.py.
+"""The sending side of the peer tier: one protected connection to a peer's receiver, and
+choosing the peer to hand a checkpoint to (spotguard/peer/handoff.py). The protocol:
+docs/peer-protocol.md (the channel: spotguard/peer/channel.py; the frames: spotguard/peer/wire.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 from pathlib import Path
@@ -14,11 +13,16 @@ from typing import Any, BinaryIO
 
 from spotguard.manifest import MANIFEST, PART_PREFIX, ManifestError, load_manifest, node_holdings
 from spotguard.peer import wire
+from spotguard.peer.channel import HANDSHAKE_TIMEOUT, IO_TIMEOUT, Channel, open_channel
 
 logger = logging.getLogger("spotguard.peers")
 
 _CHOOSE_TIMEOUT = 2.0  # seconds a candidate has to connect, authenticate and answer
 _PREFER_GRACE = 0.25  # seconds an earlier-listed candidate still answering may take once another is found
+# Seconds the receiver may take to answer a commit: it checks every file against the manifest first
+# (reading back those whose ranges overlapped), so this grows with the checkpoint; a dead host is
+# noticed sooner by TCP keepalive.
+COMMIT_TIMEOUT = 600.0
 
 
 class PeerClient:
@@ -32,42 +36,31 @@ class PeerClient:
     >>> await client.commit(step_dir)
     """
 
-    def __init__(self, reader: wire.Reads, writer: asyncio.StreamWriter, address: str) -> None:
-        self.reader = reader
-        self.writer = writer
+    def __init__(self, channel: Channel, address: str) -> None:
+        self.channel = channel
         self.address = address
 
+    @property
+    def reader(self) -> Channel:
+        return self.channel
+
+    @property
+    def writer(self) -> Channel:
+        return self.channel
+
     @classmethod
-    async def connect(cls, host: str, port: int, token: bytes, *, timeout: float = 5.0) -> PeerClient:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, limit=1 << 20), timeout)
-        # Enough in the socket's buffer that the next chunk is read from disk while this one goes out.
-        writer.transport.set_write_buffer_limits(high=2 * wire.MAX_DATA)
-        client = cls(reader, writer, f"{host}:{port}")
-        try:
-            await asyncio.wait_for(client._authenticate(token), timeout)
-        except BaseException:
-            await client.close()
-            raise
-        return client
+    async def connect(
+        cls, host: str, port: int, token: bytes, *, timeout: float = HANDSHAKE_TIMEOUT, io_timeout: float = IO_TIMEOUT
+    ) -> PeerClient:
+        channel = await open_channel(host, port, token, timeout=timeout, io_timeout=io_timeout)
+        # Enough in the socket's buffer that the next chunk is read and sealed while this one goes out.
+        channel.transport.set_write_buffer_limits(high=2 * wire.MAX_DATA)
+        return cls(channel, f"{host}:{port}")
 
-    async def _authenticate(self, token: bytes) -> None:
-        challenge = await wire.read_frame(self.reader, wire.MAX_HEADER_BEFORE_AUTH)
-        wire.expect(challenge, "challenge")
-        theirs = challenge.get("nonce")
-        if challenge.get("v") != wire.VERSION or not wire.is_nonce(theirs):
-            raise wire.PeerError("bad-frame", "a challenge of another version")
-        ours = wire.new_nonce()
-        proof = wire.sender_proof(token, str(theirs), ours)
-        self.writer.write(wire.encode({"t": "auth", "v": wire.VERSION, "nonce": ours, "mac": proof}))
-        welcome = await wire.read_frame(self.reader, wire.MAX_HEADER_BEFORE_AUTH)
-        wire.expect(welcome, "welcome")
-        if not wire.proof_matches(wire.receiver_proof(token, ours, str(theirs)), welcome.get("mac")):
-            raise wire.PeerError("auth", f"{self.address} does not know the job's token")
-
-    async def _ask(self, header: dict[str, Any], answer: str = "ok") -> dict[str, Any]:
-        self.writer.write(wire.encode(header))
-        await self.writer.drain()
-        reply = await wire.read_frame(self.reader)
+    async def _ask(self, header: dict[str, Any], answer: str = "ok", *, timeout: float | None = None) -> dict[str, Any]:
+        self.channel.write(wire.encode(header))
+        await self.channel.drain()
+        reply = await self.channel.read_frame(timeout=timeout)
         wire.expect(reply, answer)
         return reply
 
@@ -76,8 +69,8 @@ class PeerClient:
 
     async def ping(self) -> None:
         """Keep the connection alive while there is nothing to send (no answer comes)."""
-        self.writer.write(wire.encode({"t": "ping"}))
-        await self.writer.drain()
+        self.channel.write(wire.encode({"t": "ping"}))
+        await self.channel.drain()
 
     async def open_replica(self, name: str, bucket: str) -> None:
         await self._ask({"t": "replica", "name": name, "bucket": bucket})
@@ -86,22 +79,28 @@ class PeerClient:
         self, file: BinaryIO, rel: str, size: int, offset: int, length: int, *, chunk: int = wire.SEND_CHUNK
     ) -> None:
         """Bytes ``[offset, offset+length)`` of the open ``file`` (``rel``, ``size`` bytes in all) in data
-        frames of at most ``chunk`` bytes. The kernel sends them from the page cache (``sendfile``): no
-        read into Python, no copy through the transport's buffer."""
-        loop = asyncio.get_running_loop()
+        frames of at most ``chunk`` bytes. Each frame is read and sealed in a thread while the previous
+        one goes out (frames are sealed in order: each takes the channel's next nonces)."""
         end = offset + length
         while True:  # at least once: an empty file is sent as one empty range
             want = min(chunk, end - offset)
-            self.writer.write(wire.encode({"t": "data", "name": rel, "size": size, "offset": offset, "len": want}))
-            if want:
-                sent = await loop.sendfile(self.writer.transport, file, offset, want)
-                if sent < want:  # the frame's header promised more: the connection cannot go on
-                    raise OSError(f"{rel} ended at {offset + sent} bytes while it was sent")
-            else:
-                await self.writer.drain()
+            header = wire.encode({"t": "data", "name": rel, "size": size, "offset": offset, "len": want})
+            records = await asyncio.to_thread(self._seal_frame, file, header, offset, want, rel)
+            self.channel.write_sealed(records)
+            await self.channel.drain()
             offset += want
             if offset >= end:
                 return
+
+    def _seal_frame(self, file: BinaryIO, header: bytes, offset: int, length: int, rel: str) -> bytearray:
+        data = bytearray(length)
+        view, got = memoryview(data), 0
+        while got < length:
+            n = os.preadv(file.fileno(), [view[got:]], offset + got)
+            if n == 0:  # the frame's header promises more: the connection cannot go on
+                raise OSError(f"{rel} ended at {offset + got} bytes while it was sent")
+            got += n
+        return self.channel.seal(header, data)
 
     async def send_file(self, path: Path, rel: str, *, chunk: int = wire.SEND_CHUNK) -> int:
         """All of ``path`` as ``rel``; returns its size."""
@@ -123,12 +122,11 @@ class PeerClient:
             header["manifest"] = await asyncio.to_thread((step_dir / MANIFEST).read_text)
         if len(header) == 1:
             raise ManifestError(f"{step_dir.name}: neither a manifest nor a node's part to send")
-        return await self._ask(header)
+        return await self._ask(header, timeout=COMMIT_TIMEOUT)
 
     async def close(self) -> None:
-        self.writer.close()
-        with contextlib.suppress(Exception):
-            await self.writer.wait_closed()
+        self.channel.close()
+        await self.channel.wait_closed()
 
 
 async def send_checkpoint(client: PeerClient, step_dir: Path, bucket: str) -> dict[str, Any]:
@@ -141,14 +139,21 @@ async def send_checkpoint(client: PeerClient, step_dir: Path, bucket: str) -> di
 
 
 async def choose_peer(
-    addresses: list[tuple[str, int]], token: bytes, bucket: str, *, timeout: float = _CHOOSE_TIMEOUT
+    addresses: list[tuple[str, int]],
+    token: bytes,
+    bucket: str,
+    *,
+    timeout: float = _CHOOSE_TIMEOUT,
+    io_timeout: float = IO_TIMEOUT,
 ) -> PeerClient | None:
     """The first peer in ``addresses`` that answers, shares ``bucket`` and has no hard notice of its
     own; None if none. All are asked at once (connect, authenticate, query: ``timeout`` seconds for
     the three), so dead or stale candidates cost no time while another answers; once one is found,
     earlier-listed ones still answering get ``_PREFER_GRACE`` more. The others are closed."""
     tasks = [
-        asyncio.create_task(_ask(host, port, token, bucket, timeout), name=f"ask-peer-{host}:{port}")
+        asyncio.create_task(
+            _ask(host, port, token, bucket, timeout=timeout, io_timeout=io_timeout), name=f"ask-peer-{host}:{port}"
+        )
         for host, port in addresses
     ]
     chosen: PeerClient | None = None
@@ -165,12 +170,14 @@ async def choose_peer(
     return chosen
 
 
-async def _ask(host: str, port: int, token: bytes, bucket: str, timeout: float) -> PeerClient | None:
+async def _ask(
+    host: str, port: int, token: bytes, bucket: str, *, timeout: float, io_timeout: float
+) -> PeerClient | None:
     """A connection to ``host:port`` if that peer may be chosen; else None (and it is closed)."""
     client: PeerClient | None = None
     try:
         async with asyncio.timeout(timeout):
-            client = await PeerClient.connect(host, port, token, timeout=timeout)
+            client = await PeerClient.connect(host, port, token, timeout=timeout, io_timeout=io_timeout)
             state = await client.query()
     except (OSError, TimeoutError, wire.PeerError) as exc:
         logger.warning("peer %s:%d did not answer: %s", host, port, exc or type(exc).__name__)
@@ -213,4 +220,4 @@ async def _first_in_order(tasks: list[asyncio.Task[PeerClient | None]]) -> PeerC
         await asyncio.wait([t for t in possible if not t.done()], timeout=wait, return_when=asyncio.FIRST_COMPLETED)
 
 
-__all__ = ["PeerClient", "choose_peer", "send_checkpoint"]
+__all__ = ["COMMIT_TIMEOUT", "PeerClient", "choose_peer", "send_checkpoint"]

@@ -3,8 +3,8 @@
 A VM that handed its urgent checkpoint to a peer dies; the peer then commits it in the bucket, which
 takes a while for a big state. A replacement VM that starts before that is done asks its daemon
 (``peer-resume`` on the socket, which :meth:`spotguard.Guard.resume` sends before it chooses), and the
-daemon asks its configured peers (``list``, then ``fetch``: spotguard/peer/wire.py) on the same
-authenticated channel the handoff uses.
+daemon asks its configured peers (``list``, then ``fetch``: docs/peer-protocol.md) on the same
+protected channel the handoff uses.
 
 The consistency rule: **the newest complete checkpoint wins**: a peer's replica of the same bucket is
 fetched when it is newer than every complete checkpoint on the local disk and in the bucket (between
@@ -42,6 +42,7 @@ from typing import Any
 
 from spotguard.manifest import MANIFEST, Manifest, ManifestError, load_part, node_holdings, parse_step_dir, verify_dir
 from spotguard.peer import wire
+from spotguard.peer.channel import IO_TIMEOUT, Channel
 from spotguard.peer.client import PeerClient
 from spotguard.peer.files import (
     Ranges,
@@ -74,8 +75,7 @@ MAX_PROBES = 16  # connections asking peers at once
 async def serve(
     receiver: PeerReceiver,
     header: dict[str, Any],
-    reader: wire.Reads,
-    writer: asyncio.StreamWriter,
+    channel: Channel,
     who: str,
 ) -> None:
     """Answer a ``list`` or ``fetch`` request on an authenticated connection."""
@@ -83,26 +83,26 @@ async def serve(
         bucket = receiver.storage.url if receiver.storage is not None else None
         held = [r for r in receiver.replicas.values() if r.state in _FETCHABLE and r.bucket == bucket]
         items = await asyncio.to_thread(lambda: [item for r in held if (item := _describe(r)) is not None])
-        writer.write(wire.encode({"t": "replicas", "items": items}))
+        channel.write(wire.encode({"t": "replicas", "items": items}))
         return
     replica_id = wire.field(header, "id", str)
     replica = receiver.replicas.get(replica_id)
     if replica is None or replica.state not in _FETCHABLE:
-        writer.write(wire.error_frame("gone", f"no verified replica {replica_id!r} here"))
+        channel.write(wire.error_frame("gone", f"no verified replica {replica_id!r} here"))
         return
     try:
         if await asyncio.to_thread(load_part, replica.step_dir) is not None:
-            writer.write(wire.error_frame("share", f"{replica.name}: a node's share, not a whole checkpoint"))
+            channel.write(wire.error_frame("share", f"{replica.name}: a node's share, not a whole checkpoint"))
             return
         text = await asyncio.to_thread((replica.step_dir / MANIFEST).read_text)
         manifest = Manifest.from_json(text.encode())
     except (OSError, ManifestError) as exc:
-        writer.write(wire.error_frame("gone", f"{replica.name}: {exc}"))
+        channel.write(wire.error_frame("gone", f"{replica.name}: {exc}"))
         return
     logger.info("replica %s (%s): %s fetches it", replica.id, replica.name, who)
-    writer.write(wire.encode({"t": "checkpoint", "id": replica.id, "name": replica.name, "manifest": text}))
-    writer.transport.set_write_buffer_limits(high=2 * wire.MAX_DATA)  # as the handoff's sender does
-    sender = PeerClient(reader, writer, who)  # its data frames are the handoff's
+    channel.write(wire.encode({"t": "checkpoint", "id": replica.id, "name": replica.name, "manifest": text}))
+    channel.transport.set_write_buffer_limits(high=2 * wire.MAX_DATA)  # as the handoff's sender does
+    sender = PeerClient(channel, who)  # its data frames are the handoff's
     try:
         for rel in sorted(manifest.files):
             if replica.state is ReplicaState.DELETED:  # committed in the bucket meanwhile, or dropped
@@ -110,9 +110,9 @@ async def serve(
             await sender.send_file(replica.step_dir / rel, rel)
     except OSError as exc:
         logger.warning("replica %s: its fetch by %s ended early: %s", replica.id, who, exc)
-        writer.write(wire.error_frame("gone", f"{replica.name}: {exc}"))
+        channel.write(wire.error_frame("gone", f"{replica.name}: {exc}"))
         return
-    writer.write(wire.encode({"t": "end"}))
+    channel.write(wire.encode({"t": "end"}))
 
 
 def attach(receiver: PeerReceiver) -> None:
@@ -166,9 +166,9 @@ class PeerResume:
 
 
 async def list_replicas(client: PeerClient) -> list[dict[str, Any]]:
-    client.writer.write(wire.encode({"t": "list"}))
-    await client.writer.drain()
-    reply = await wire.read_frame(client.reader)
+    client.channel.write(wire.encode({"t": "list"}))
+    await client.channel.drain()
+    reply = await wire.read_frame(client.channel)
     wire.expect(reply, "replicas")
     items = wire.field(reply, "items", list)
     return [item for item in items if isinstance(item, dict)]
@@ -178,9 +178,9 @@ async def fetch_replica(client: PeerClient, replica_id: str, root: Path) -> Path
     """Fetch a verified replica into ``root`` as a committed step directory; returns it. Raises
     :class:`~spotguard.wire.PeerError` (``mismatch`` for a file that fails its CRC32C) or
     ``OSError``; nothing of a failed fetch is left behind."""
-    client.writer.write(wire.encode({"t": "fetch", "id": replica_id}))
-    await client.writer.drain()
-    head = await wire.read_frame(client.reader)
+    client.channel.write(wire.encode({"t": "fetch", "id": replica_id}))
+    await client.channel.drain()
+    head = await wire.read_frame(client.channel)
     wire.expect(head, "checkpoint")
     text = wire.field(head, "manifest", str)
     name = wire.field(head, "name", str)
@@ -226,7 +226,7 @@ class _Incoming:
                 raise result
 
     async def _one_frame(self) -> bool:
-        frame = await wire.read_frame(self.client.reader)
+        frame = await wire.read_frame(self.client.channel)
         if frame["t"] == "end":
             return False
         wire.expect(frame, "data")
@@ -235,10 +235,8 @@ class _Incoming:
         if entry is None or size != entry.size:
             raise wire.PeerError("bad-field", f"{rel}: {size} bytes, not a file of the manifest")
         check_range(rel, size, offset, length)
-        try:
-            data = await self.client.reader.readexactly(length)
-        except asyncio.IncompleteReadError:
-            raise wire.PeerError("closed", "the connection closed mid-frame") from None
+        data = memoryview(bytearray(length))
+        await self.client.channel.readinto(data)  # decrypted straight into it, each record in time
         if rel not in self.sizes:
             await asyncio.to_thread(make_parent, self.step_dir, rel)
             # Created here, never found: readable by the trainer, as a checkpoint it wrote itself.
@@ -294,18 +292,19 @@ async def resume_from_peers(
     fetch: bool = True,
     deadline: float = PROBE_DEADLINE,
     limit: int = MAX_PROBES,
+    io_timeout: float = IO_TIMEOUT,
 ) -> PeerResume:
     """Fetch the newest whole verified replica of ``bucket`` newer than step ``after`` that a peer holds
     (an older one, if the newest fails its checks); shares newer than everything are named. The peers
     are asked what they hold all at once (``limit`` connections at most in flight), within one
     ``deadline`` for them all: a dead or silent candidate costs its slot, never the others' time."""
-    offers = await _ask_all(addresses, token, bucket, after, deadline=deadline, limit=limit)
+    offers = await _ask_all(addresses, token, bucket, after, deadline=deadline, limit=limit, io_timeout=io_timeout)
     found = PeerResume(after=after)
     for offer in sorted((o for o in offers if not o.share), key=lambda o: -o.step):
         if not fetch:
             break
         try:
-            client = await PeerClient.connect(*offer.peer, token)
+            client = await PeerClient.connect(*offer.peer, token, io_timeout=io_timeout)
         except (OSError, TimeoutError, wire.PeerError) as exc:
             logger.warning("%s: not fetched: %s", offer.where, exc)
             continue
@@ -324,7 +323,14 @@ async def resume_from_peers(
 
 
 async def _ask_all(
-    addresses: list[tuple[str, int]], token: bytes, bucket: str, after: int, *, deadline: float, limit: int
+    addresses: list[tuple[str, int]],
+    token: bytes,
+    bucket: str,
+    after: int,
+    *,
+    deadline: float,
+    limit: int,
+    io_timeout: float = IO_TIMEOUT,
 ) -> list[Offer]:
     """Every candidate's offers, asked in parallel (at most ``limit`` at once) within ``deadline``."""
     if not addresses:
@@ -333,7 +339,7 @@ async def _ask_all(
 
     async def one(host: str, port: int) -> list[Offer]:
         async with gate:
-            return await _ask_one(host, port, token, bucket, after)
+            return await _ask_one(host, port, token, bucket, after, io_timeout=io_timeout)
 
     tasks = [asyncio.create_task(one(host, port), name=f"list-peer-{host}:{port}") for host, port in addresses]
     done, pending = await asyncio.wait(tasks, timeout=deadline)
@@ -345,11 +351,11 @@ async def _ask_all(
     return [offer for task in done if not task.cancelled() and task.exception() is None for offer in task.result()]
 
 
-async def _ask_one(host: str, port: int, token: bytes, bucket: str, after: int) -> list[Offer]:
+async def _ask_one(host: str, port: int, token: bytes, bucket: str, after: int, *, io_timeout: float) -> list[Offer]:
     """What one peer offers; nothing if it cannot be reached or asked within :data:`PROBE_TIMEOUT`."""
     try:
         async with asyncio.timeout(PROBE_TIMEOUT):
-            client = await PeerClient.connect(host, port, token, timeout=PROBE_TIMEOUT)
+            client = await PeerClient.connect(host, port, token, timeout=PROBE_TIMEOUT, io_timeout=io_timeout)
             try:
                 return _offers((host, port), await list_replicas(client), bucket, after)
             finally:

@@ -32,6 +32,7 @@ from typing import Any, BinaryIO
 
 from spotguard.manifest import FileEntry, ManifestError, node_holdings, parse_step_dir
 from spotguard.peer import wire
+from spotguard.peer.channel import IO_TIMEOUT
 from spotguard.peer.client import PeerClient, choose_peer
 from spotguard.safefile import is_unlinked, open_nofollow
 
@@ -65,10 +66,11 @@ class _Streamed:
 
 
 class Handoff:
-    def __init__(self, candidates: Candidates, token: bytes, bucket: str) -> None:
+    def __init__(self, candidates: Candidates, token: bytes, bucket: str, *, io_timeout: float = IO_TIMEOUT) -> None:
         self._candidates = candidates  # asked at each handoff: with discovery, the fleet changes
         self._token = token
         self.bucket = bucket
+        self._io_timeout = io_timeout  # the channel's record deadline (spotguard/peer/channel.py)
         self.state = HandoffState.IDLE
         self.peer: str | None = None
         self.name: str | None = None
@@ -157,7 +159,7 @@ class Handoff:
         started = time.monotonic()
         addresses = await self._candidates()
         self._move(HandoffState.CHOOSING, f"asking {len(addresses)} peer(s)")
-        client = await choose_peer(addresses, self._token, self.bucket)
+        client = await choose_peer(addresses, self._token, self.bucket, io_timeout=self._io_timeout)
         if client is None:
             self.error = "no peer answered with the same bucket and no hard notice of its own"
             self._move(HandoffState.FAILED, self.error)

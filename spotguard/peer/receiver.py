@@ -1,9 +1,19 @@
 """The listening side of the peer tier: a daemon takes another's urgent checkpoint over the wire.
 
-:class:`PeerReceiver` serves ``peer_listen`` (wire format and authentication: spotguard/peer/wire.py):
-it authenticates each connection, answers its requests and writes the data frames of its replica
-to disk. What becomes of a replica once received (verified against the sender's manifest, committed
-in the shared bucket, removed) is its :class:`~spotguard.peer.replicas.ReplicaStore`'s.
+:class:`PeerReceiver` serves ``peer_listen`` (the protocol: docs/peer-protocol.md): it runs each
+connection's handshake (spotguard/peer/channel.py), answers its requests and writes the data frames
+of its replica to disk.
+
+The port is bounded: connections still in their handshake have a pool of their own
+(:data:`HANDSHAKE_POOL`, at most :data:`HANDSHAKES_PER_SOURCE` from one address, each with
+:data:`~spotguard.peer.channel.HANDSHAKE_TIMEOUT` seconds); a new one that finds the pool (or its
+address's share) full closes the oldest there. Authenticated connections count against
+``max_connections`` only. So idle strangers, however many, cost a job's peer at most a reconnect,
+never its place. A peer silent for ``io_timeout`` seconds mid-record (or idle between frames for
+:data:`IDLE_TIMEOUT`) is dropped, and its unfinished replica with it.
+
+What becomes of a replica once received (verified against the sender's manifest, committed in the
+shared bucket, removed) is its :class:`~spotguard.peer.replicas.ReplicaStore`'s.
 
 :class:`~spotguard.peer.client.PeerClient` is the sending side. A fresh VM's daemon may fetch a
 verified replica back to resume from it (spotguard/peer/fetch.py).
@@ -19,20 +29,22 @@ from pathlib import Path
 from typing import Any
 
 from spotguard.manifest import parse_step_dir
-from spotguard.peer import wire
+from spotguard.peer import noise, wire
 from spotguard.peer.admission import Admission
+from spotguard.peer.channel import HANDSHAKE_TIMEOUT, IO_TIMEOUT, Channel, accept, refusal, tune_socket
 from spotguard.peer.files import check_range, data_header, make_parent, make_room, write_range
 from spotguard.peer.replicas import Replica, ReplicaState, ReplicaStore
 from spotguard.storage.base import Storage
 
 logger = logging.getLogger("spotguard.peers")
 
-_AUTH_TIMEOUT = 5.0  # seconds a connection has to authenticate
-_IDLE_TIMEOUT = 30.0  # seconds without a frame before an authenticated connection is dropped
+IDLE_TIMEOUT = 30.0  # seconds without a frame before an authenticated connection is dropped
+HANDSHAKE_POOL = 16  # connections in their handshake at once
+HANDSHAKES_PER_SOURCE = 4  # of which from one address
 
 
-# A request frame's handler: (receiver, header, reader, writer, peer address); it writes its answer.
-RequestHandler = Callable[["PeerReceiver", dict[str, Any], wire.Reads, asyncio.StreamWriter, str], Awaitable[None]]
+# A request frame's handler: (receiver, header, channel, peer address); it writes its answer.
+RequestHandler = Callable[["PeerReceiver", dict[str, Any], Channel, str], Awaitable[None]]
 
 
 class PeerReceiver:
@@ -56,6 +68,8 @@ class PeerReceiver:
         max_replicas: int = 2,
         max_connections: int = 8,
         concurrency: int = 8,
+        io_timeout: float = IO_TIMEOUT,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
     ) -> None:
         self.area = area
         self.storage = storage
@@ -67,12 +81,16 @@ class PeerReceiver:
         self.max_replicas = max_replicas
         self.max_connections = max_connections
         self.concurrency = concurrency
+        self.io_timeout = io_timeout
+        self.handshake_timeout = handshake_timeout
         admission = Admission(area, max_replicas=max_replicas, max_replica_bytes=max_replica_bytes)
         self.store = ReplicaStore(area, storage, concurrency=concurrency, admission=admission)
         self.refused = 0  # connections that failed to authenticate or broke the protocol
         self.address: str | None = None
         self._server: asyncio.Server | None = None
-        self._connections = 0
+        self._psk = b""  # from the token, at start
+        self._connections = 0  # authenticated
+        self._pending: dict[asyncio.StreamWriter, str] = {}  # in their handshake, oldest first: source address
         self._writers: set[asyncio.StreamWriter] = set()  # open connections, closed with the receiver
         self.handlers: dict[str, RequestHandler] = {}  # more request types (frame type -> handler)
 
@@ -86,6 +104,7 @@ class PeerReceiver:
     async def start(self) -> str:
         """Resume what a restart left in the area, then listen; returns ``host:port`` (the real port)."""
         await self.store.resume()
+        self._psk = await asyncio.to_thread(noise.derive_psk, self._token)
         self._server = await wire.start_server(self._serve, self.host, self.port)
         port = self._server.sockets[0].getsockname()[1]
         self.address = f"{self.host}:{port}"
@@ -101,34 +120,33 @@ class PeerReceiver:
                 await self._server.wait_closed()
         await self.store.close()
 
-    async def _serve(self, reader: wire.FrameStream, writer: asyncio.StreamWriter) -> None:
+    async def _serve(self, stream: wire.FrameStream, writer: asyncio.StreamWriter) -> None:
         peername = writer.get_extra_info("peername")
         who = f"{peername[0]}:{peername[1]}" if isinstance(peername, tuple) else "?"
+        tune_socket(writer.get_extra_info("socket"), self.io_timeout)
+        channel: Channel | None = None
         replica: Replica | None = None
-        self._connections += 1
         self._writers.add(writer)
         try:
+            channel = await self._handshake(stream, writer, who)
+            self._connections += 1
             if self._connections > self.max_connections:
-                writer.write(wire.error_frame("busy", f"at most {self.max_connections} peer connections"))
-                return
-            await asyncio.wait_for(self._authenticate(reader, writer), _AUTH_TIMEOUT)
+                raise wire.PeerError("busy", f"at most {self.max_connections} peer connections")
             while True:
-                header = await asyncio.wait_for(wire.read_frame(reader), _IDLE_TIMEOUT)
-                replica = await self._request(header, reader, writer, who, replica)
-                await writer.drain()
+                # Between requests a sender may wait for its trainer (it pings): the idle limit applies.
+                header = await asyncio.wait_for(channel.read_frame(timeout=IDLE_TIMEOUT), IDLE_TIMEOUT)
+                replica = await self._request(header, channel, who, replica)
+                await channel.drain()
         except wire.PeerError as exc:
-            if exc.code != "closed":
-                self.refused += 1
-                logger.warning("peer %s: %s; closing the connection", who, exc)
-                with contextlib.suppress(OSError):
-                    writer.write(wire.error_frame(exc.code, exc.message))
+            self._refuse(writer, channel, who, exc)
         except TimeoutError:
             self.refused += 1
-            logger.warning("peer %s: too slow (authentication or an idle connection); closing it", who)
+            logger.warning("peer %s: too slow (its handshake, a record, or idle); closing the connection", who)
         except (OSError, asyncio.IncompleteReadError) as exc:
             logger.warning("peer %s: connection lost: %s", who, exc)
         finally:
-            self._connections -= 1
+            if channel is not None:
+                self._connections -= 1
             self._writers.discard(writer)
             if replica is not None and replica.state is ReplicaState.RECEIVING:
                 # A sender that died mid-stream leaves nothing that could count as complete.
@@ -136,31 +154,50 @@ class PeerReceiver:
                     await replica.settle()  # no write may land after the removal
                 why = "the sender went away unfinished"
                 await asyncio.to_thread(self.store.move, replica, ReplicaState.DELETED, why)
+            writer.close()
             with contextlib.suppress(Exception):
-                writer.close()
-                await writer.wait_closed()
+                async with asyncio.timeout(self.io_timeout):
+                    await writer.wait_closed()
 
-    async def _authenticate(self, reader: wire.FrameStream, writer: asyncio.StreamWriter) -> None:
-        nonce = wire.new_nonce()
-        writer.write(wire.encode({"t": "challenge", "v": wire.VERSION, "nonce": nonce}))
-        await writer.drain()
-        header = await wire.read_frame(reader, wire.MAX_HEADER_BEFORE_AUTH)
-        theirs = header.get("nonce")
-        if (
-            header["t"] != "auth"
-            or header.get("v") != wire.VERSION
-            or not wire.is_nonce(theirs)
-            or not wire.proof_matches(wire.sender_proof(self._token, nonce, str(theirs)), header.get("mac"))
-        ):
-            raise wire.PeerError("auth", "authentication failed")
-        proof = wire.receiver_proof(self._token, str(theirs), nonce)
-        writer.write(wire.encode({"t": "welcome", "v": wire.VERSION, "mac": proof}))
+    async def _handshake(self, stream: wire.FrameStream, writer: asyncio.StreamWriter, who: str) -> Channel:
+        """The connection's handshake, in the bounded pool of unauthenticated connections."""
+        source = who.rpartition(":")[0]
+        same = [other for other, where in self._pending.items() if where == source]
+        for oldest in [*same[: max(0, len(same) - HANDSHAKES_PER_SOURCE + 1)]]:
+            self._evict(oldest)
+        if len(self._pending) >= HANDSHAKE_POOL:
+            self._evict(next(iter(self._pending)))
+        self._pending[writer] = source
+        try:
+            async with asyncio.timeout(self.handshake_timeout):
+                return await accept(stream, writer, self._psk, io_timeout=self.io_timeout)
+        finally:
+            self._pending.pop(writer, None)
+
+    def _evict(self, writer: asyncio.StreamWriter) -> None:
+        self._pending.pop(writer, None)
+        peername = writer.get_extra_info("peername")
+        logger.debug("peer %s: still in its handshake while newer ones wait; closing it", peername)
+        writer.transport.abort()
+
+    def _refuse(self, writer: asyncio.StreamWriter, channel: Channel | None, who: str, exc: wire.PeerError) -> None:
+        if exc.code == "closed":
+            if channel is None:  # a spotguard-peer/1 daemon closes on our greeting: it is refused there
+                logger.info("peer %s: closed the connection before its handshake (an old daemon needs %s)", who,
+                            "an upgrade to spotguard-peer/2")  # fmt: skip
+            return
+        self.refused += 1
+        logger.warning("peer %s: %s; closing the connection", who, exc)
+        with contextlib.suppress(OSError, RuntimeError):
+            if channel is not None:
+                channel.write(wire.error_frame(exc.code, exc.message))
+            else:
+                writer.write(refusal(exc.code, exc.message))
 
     async def _request(
         self,
         header: dict[str, Any],
-        reader: wire.FrameStream,
-        writer: asyncio.StreamWriter,
+        channel: Channel,
         who: str,
         replica: Replica | None,
     ) -> Replica | None:
@@ -168,25 +205,25 @@ class PeerReceiver:
         if kind == "ping":
             return replica  # a sender waiting for its trainer's next file keeps the connection alive
         if kind == "query":
-            writer.write(wire.encode(self.state_frame()))
+            channel.write(wire.encode(self.state_frame()))
             return replica
         if kind == "replica":
             if replica is not None:
                 raise wire.PeerError("bad-frame", "one replica per connection")
             replica = await self._open(header, who)
-            writer.write(wire.encode({"t": "ok", "id": replica.id}))
+            channel.write(wire.encode({"t": "ok", "id": replica.id}))
             return replica
         if kind in self.handlers:  # e.g. list and fetch: spotguard/peer/fetch.py
-            await self.handlers[kind](self, header, reader, writer, who)
+            await self.handlers[kind](self, header, channel, who)
             return replica
         if replica is None:
             raise wire.PeerError("bad-frame", f"{kind!r} before a replica was opened")
         if kind == "data":
-            await self._data(replica, header, reader)
+            await self._data(replica, header, channel)
             return replica
         if kind == "commit":
             await self.store.commit(replica, header)
-            writer.write(wire.encode({"t": "ok", "state": str(replica.state)}))
+            channel.write(wire.encode({"t": "ok", "state": str(replica.state)}))
             self.store.schedule_upload(replica)
             return None  # the connection no longer holds it
         raise wire.PeerError("bad-frame", f"unknown frame type {kind!r}")
@@ -215,7 +252,7 @@ class PeerReceiver:
             raise wire.PeerError("bad-field", "'bytes' must be a non-negative integer")
         return await self.store.create(name, bucket, who, announced)  # slot and bytes taken before it awaits
 
-    async def _data(self, replica: Replica, header: dict[str, Any], reader: wire.FrameStream) -> None:
+    async def _data(self, replica: Replica, header: dict[str, Any], channel: Channel) -> None:
         rel, size, offset, length = data_header(header)
         check_range(rel, size, offset, length)
         sizes = replica.sizes
@@ -242,7 +279,7 @@ class PeerReceiver:
         if len(buffer) < length:  # a bigger frame (at most MAX_DATA): the smaller buffer goes
             buffer = bytearray(length)
         data = memoryview(buffer)[:length]
-        await reader.readinto(data)
+        await channel.readinto(data)  # decrypted straight into the buffer the disk write takes
         ranges = replica.ranges.setdefault(rel, [])
         write = asyncio.ensure_future(asyncio.to_thread(write_range, replica.step_dir, rel, offset, data, ranges))
         write.add_done_callback(lambda _: free.append(buffer))
@@ -256,4 +293,4 @@ class PeerReceiver:
         }
 
 
-__all__ = ["PeerReceiver", "RequestHandler"]
+__all__ = ["HANDSHAKES_PER_SOURCE", "HANDSHAKE_POOL", "IDLE_TIMEOUT", "PeerReceiver", "RequestHandler"]

@@ -1,60 +1,23 @@
-"""The wire format between the daemons of one job (the peer tier). Stdlib only.
+"""The frames the daemons of one job exchange (the peer tier), and the receiving end of a connection.
 
-Every frame is a 4-byte big-endian length, then that many bytes of a UTF-8 JSON object whose ``t``
-names the frame; a ``data`` frame is followed by exactly ``len`` raw bytes. Limits: a frame's JSON is
-at most :data:`MAX_HEADER_BEFORE_AUTH` bytes until the connection is authenticated, at most
-:data:`MAX_HEADER` after; a ``data`` frame carries at most :data:`MAX_DATA` bytes.
+The whole protocol, spotguard-peer/2, is written down in docs/peer-protocol.md. In short: a
+connection is a Noise NNpsk0 channel on a psk derived from the job's token
+(spotguard/peer/channel.py, spotguard/peer/noise.py); inside it, every frame is a 4-byte big-endian
+length, then that many bytes of a UTF-8 JSON object whose ``t`` names the frame; a ``data`` frame is
+followed by exactly ``len`` raw bytes. Limits: a frame's JSON is at most :data:`MAX_HEADER` bytes
+(:data:`MAX_HEADER_BEFORE_AUTH` for the clear-text greeting and refusals), a ``data`` frame carries
+at most :data:`MAX_DATA` bytes.
 
-Authentication is a challenge-response on the job's shared token; the token itself never travels:
-
-1. the receiver sends ``{"t": "challenge", "v": 1, "nonce": <32 hex>}``;
-2. the sender answers ``{"t": "auth", "v": 1, "nonce": <its own 32 hex>, "mac": HMAC-SHA256(token,
-   "spotguard-peer/1 sender" | receiver nonce | sender nonce)}``;
-3. the receiver compares in constant time (``hmac.compare_digest``) and either closes with one
-   ``{"t": "error", "code": "auth"}`` or answers ``{"t": "welcome", "mac": HMAC-SHA256(token,
-   "spotguard-peer/1 receiver" | sender nonce | receiver nonce)}``, which the sender checks in turn
-   (it hands a checkpoint only to a daemon that knows the token).
-
-Nothing of a payload is read before step 3. Fresh nonces on both sides make a recorded exchange
-useless for another connection. What follows is not encrypted nor MACed frame by frame: against
-corruption every file is checked against the CRC32C of the sender's manifest; against an attacker
-on the path between the VMs, keep the peer port inside the job's private network (the Terraform
-modules open it only between the job's own VMs).
-
-After the handshake the sender sends requests, each answered by one frame (``error`` frames carry
-``code`` and ``message``):
-
-* ``{"t": "ping"}`` -> nothing (keeps a connection waiting for the trainer's next file alive: an
-  authenticated connection idle for 30 s is dropped);
-* ``{"t": "query"}`` -> ``{"t": "state", "busy": bool, "bucket": url, "replicas": n}``; ``busy`` is true
-  while the receiver has a hard notice of its own pending (it is no rescue);
-* ``{"t": "replica", "name": "step-NNNNNNNNN", "bucket": url}`` -> ``ok``: one replica per connection;
-* ``{"t": "data", "name": rel, "size": file size, "offset": o, "len": n}`` + n bytes -> nothing
-  (errors only: the sender streams without waiting);
-* ``{"t": "commit", "manifest": manifest.json's text}`` -> ``{"t": "ok", "state": "verified"}`` once
-  every file the manifest lists is there with its size and CRC32C.
-
-A fresh VM's daemon resuming from a peer (spotguard/peer/fetch.py) asks on the same kind of
-authenticated connection:
-
-* ``{"t": "list"}`` -> ``{"t": "replicas", "items": [{"id", "name", "bucket", "state", "bytes",
-  "share"}]}``: the replicas the receiver holds for its own bucket that are verified (or uploaded and
-  not yet deleted); ``share`` is true for a node's share of a multi-node checkpoint (no manifest of
-  its own: not fetchable);
-* ``{"t": "fetch", "id": id}`` -> ``{"t": "checkpoint", "id", "name", "manifest": manifest.json's
-  text}``, then ``data`` frames (as above) of every file the manifest lists, then ``{"t": "end"}``. A
-  replica that is not there, not verified or a share is refused with an ``error`` frame; one deleted
-  while it is sent ends in an ``error`` frame (``gone``) instead of ``end``. The fetching side checks
-  every file against the manifest's CRC32C itself: a fetch counts only once it is verified.
+The requests (``ping``, ``query``, ``replica``, ``data``, ``commit``; ``list`` and ``fetch`` for a
+fresh VM resuming from a peer) and their answers are listed in docs/peer-protocol.md; an ``error``
+frame (``code``, ``message``) answers any request it refuses and ends the connection.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import hmac
 import json
-import secrets
 import struct
 from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
@@ -62,7 +25,7 @@ from typing import Any, Protocol
 
 from spotguard.errors import SpotguardError
 
-VERSION = 1
+VERSION = 2
 MAX_HEADER_BEFORE_AUTH = 1024
 MAX_HEADER = 16 * 1024 * 1024  # a commit frame carries the manifest, which lists every file
 MAX_DATA = 8 * 1024 * 1024
@@ -98,6 +61,10 @@ class Reads(Protocol):
     async def readexactly(self, n: int, /) -> bytes: ...
 
 
+class ReadsInto(Reads, Protocol):
+    async def readinto(self, view: memoryview, /) -> None: ...
+
+
 async def read_frame(reader: Reads, max_header: int = MAX_HEADER) -> dict[str, Any]:
     """One frame's JSON object (a ``data`` frame's payload is left to read)."""
     try:
@@ -109,7 +76,7 @@ async def read_frame(reader: Reads, max_header: int = MAX_HEADER) -> dict[str, A
         raise PeerError("closed", "the connection closed mid-frame") from None
     try:
         header = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise PeerError("bad-frame", "a frame that is not JSON") from None
     if not isinstance(header, dict) or not isinstance(header.get("t"), str):
         raise PeerError("bad-frame", "a frame that is not a JSON object with a type")
@@ -138,14 +105,17 @@ def error_frame(code: str, message: str) -> bytes:
 
 
 class FrameStream(asyncio.streams.FlowControlMixin, asyncio.BufferedProtocol):
-    """The receiving end of a connection: frame headers come through a small scratch buffer, a data
-    frame's payload is received (``recv_into``) straight into the buffer its handler passes to
-    :meth:`readinto`, which then goes whole to a disk write. asyncio's ``StreamReader`` instead
-    copies every byte three or four times (received ``bytes``, appended to its buffer, sliced out,
-    the buffer shifted). Memory per connection: the scratch buffer, plus the handler's buffers.
+    """The receiving end of a connection: small reads come through a small scratch buffer, big ones
+    (a record, a batch of a payload's records: spotguard/peer/channel.py) are received
+    (``recv_into``) straight into the buffer its reader passes to :meth:`readinto`. asyncio's
+    ``StreamReader`` instead copies every byte three or four times (received ``bytes``, appended to
+    its buffer, sliced out, the buffer shifted). Memory per connection: the scratch buffer, plus the
+    reader's buffers.
     Writing goes through an ordinary ``asyncio.StreamWriter`` (this class does its flow control)."""
 
-    def __init__(self, handler: Callable[[FrameStream, asyncio.StreamWriter], Coroutine[Any, Any, None]]) -> None:
+    def __init__(
+        self, handler: Callable[[FrameStream, asyncio.StreamWriter], Coroutine[Any, Any, None]] | None
+    ) -> None:
         self._event_loop = asyncio.get_running_loop()
         super().__init__(self._event_loop)
         self._handler = handler
@@ -154,6 +124,12 @@ class FrameStream(asyncio.streams.FlowControlMixin, asyncio.BufferedProtocol):
         self._start = self._end = 0  # unread bytes: scratch[start:end]
         self._target: memoryview | None = None  # a handler's buffer being filled by the socket
         self._filled = 0
+        self._direct = False  # the last get_buffer gave the handler's buffer
+        # Reads of at least this many bytes go straight into the handler's buffer. Until a connection is
+        # authenticated, small ones go through the scratch (a stranger's next bytes are then not left in
+        # the kernel, where they would turn our refusal into a reset); after, the channel's 2-byte record
+        # lengths go straight too, so that a record's start is not copied and reading never pauses.
+        self.direct_min = _SCRATCH
         self._waiter: asyncio.Future[None] | None = None
         self._eof = False
         self._error: BaseException | None = None
@@ -167,9 +143,10 @@ class FrameStream(asyncio.streams.FlowControlMixin, asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self._transport = transport
-        writer = asyncio.StreamWriter(transport, self, None, self._event_loop)
-        self._task = self._event_loop.create_task(self._handler(self, writer))
-        self._task.add_done_callback(self._handler_done)
+        if self._handler is not None:  # a server's connection; a client drives its own
+            writer = asyncio.StreamWriter(transport, self, None, self._event_loop)
+            self._task = self._event_loop.create_task(self._handler(self, writer))
+            self._task.add_done_callback(self._handler_done)
 
     def _handler_done(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and (exc := task.exception()) is not None:
@@ -178,7 +155,11 @@ class FrameStream(asyncio.streams.FlowControlMixin, asyncio.BufferedProtocol):
                 self._transport.close()
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self._target is not None and self._start == self._end:
+        # Straight into the handler's buffer when it wants more than the scratch holds; small reads (a
+        # length, a header) go through the scratch, so that what follows them is not left in the kernel.
+        self._direct = self._target is not None and self._start == self._end and len(self._target) >= self.direct_min
+        if self._direct:
+            assert self._target is not None
             return self._target[self._filled :]
         if self._start == self._end:
             self._start = self._end = 0
@@ -188,7 +169,7 @@ class FrameStream(asyncio.streams.FlowControlMixin, asyncio.BufferedProtocol):
         return self._view[self._end :]
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self._target is not None and self._start == self._end:
+        if self._direct and self._target is not None:
             self._filled += nbytes
             if self._filled < len(self._target):
                 return
@@ -266,33 +247,7 @@ async def start_server(
     return await asyncio.get_running_loop().create_server(lambda: FrameStream(handler), host, port)
 
 
-# --- authentication --------------------------------------------------------------------------
-
-
-def new_nonce() -> str:
-    return secrets.token_hex(16)
-
-
-def _mac(token: bytes, role: str, first: str, second: str) -> str:
-    message = f"spotguard-peer/{VERSION} {role}|{first}|{second}".encode()
-    return hmac.new(token, message, hashlib.sha256).hexdigest()
-
-
-def sender_proof(token: bytes, receiver_nonce: str, sender_nonce: str) -> str:
-    return _mac(token, "sender", receiver_nonce, sender_nonce)
-
-
-def receiver_proof(token: bytes, sender_nonce: str, receiver_nonce: str) -> str:
-    return _mac(token, "receiver", sender_nonce, receiver_nonce)
-
-
-def proof_matches(expected: str, given: object) -> bool:
-    """Constant-time comparison of a proof with what the other side sent (anything at all)."""
-    return isinstance(given, str) and hmac.compare_digest(expected.encode(), given.encode("utf-8", "replace"))
-
-
-def is_nonce(value: object) -> bool:
-    return isinstance(value, str) and len(value) == 32 and all(c in "0123456789abcdef" for c in value)
+# --- the job's token ------------------------------------------------------------------------
 
 
 def load_token(env: Mapping[str, str], token_file: Path | None) -> bytes:
@@ -338,18 +293,14 @@ __all__ = [
     "FrameStream",
     "PeerError",
     "Reads",
+    "ReadsInto",
     "encode",
     "error_frame",
     "expect",
     "field",
-    "is_nonce",
     "load_token",
-    "new_nonce",
     "parse_address",
-    "proof_matches",
     "read_frame",
-    "receiver_proof",
-    "sender_proof",
     "start_server",
     "token_fingerprint",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +15,8 @@ from spotguard.control import request
 from spotguard.daemon.plan import PROBE_PREFIX
 from spotguard.harness import Vm, wait_for
 from spotguard.manifest import load_manifest
-from spotguard.peer import wire
+from spotguard.peer import noise, wire
+from spotguard.peer.channel import PROLOGUE
 from spotguard.peer.client import PeerClient, choose_peer, send_checkpoint
 from spotguard.peer.replicas import AREA
 from spotguard.storage.checkpoints import list_remote
@@ -72,12 +74,13 @@ def test_wrong_tokens_and_garbage_are_refused_and_change_nothing(receiver_vm: Vm
     assert asyncio.run(wrong_token()) == "auth"
     # Garbage from the first byte: an HTTP request is a frame of ~1.2 GB, far over the pre-auth limit.
     assert b'"code":"too-large"' in raw_exchange(where, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-    # A payload frame instead of the answer to the challenge: refused before any byte of it is kept.
+    # A payload frame instead of the handshake: refused before any byte of it is kept.
     frame = wire.encode({"t": "data", "name": "weights.bin", "size": 4, "offset": 0, "len": 4}) + b"abcd"
     assert b'"code":"auth"' in raw_exchange(where, frame)
-    # A replay of someone's answer to another challenge.
-    replay = {"t": "auth", "v": 1, "nonce": "0" * 32, "mac": wire.sender_proof(TOKEN.encode(), "1" * 32, "0" * 32)}
-    assert b'"code":"auth"' in raw_exchange(where, wire.encode(replay))
+    # A first handshake message sealed with another token's psk.
+    guess = noise.HandshakeState(initiator=True, psk=noise.derive_psk(b"a-guess-at-the-token-0123"), prologue=PROLOGUE)
+    message = guess.write_message()
+    assert b'"code":"auth"' in raw_exchange(where, struct.pack(">H", len(message)) + message)
 
     status = receiver_vm.status()["peers"]
     assert status["refused"] == 4 and status["replicas"] == []

@@ -26,6 +26,7 @@ def test_peer_keys_come_from_flags_env_and_file(tmp_path: Path) -> None:
         ({"bucket": "s3://b/r", "peer_listen": "0.0.0.0:99999"}, "peer_listen"),
         ({"peer_listen": "127.0.0.1:7140"}, "peer_listen"),  # peers share a bucket
         ({"bucket": "s3://b/r", "peer_max_replicas": "0"}, "peer_max_replicas"),
+        ({"bucket": "s3://b/r", "peer_io_timeout": "0"}, "peer_io_timeout"),
     ],
 )
 def test_bad_peer_settings_name_their_key(flags: dict[str, str], key: str) -> None:
@@ -48,15 +49,6 @@ def test_the_token_comes_from_the_environment_first_then_the_file(tmp_path: Path
         wire.load_token({}, tmp_path / "missing")
 
 
-def test_proofs_depend_on_the_role_both_nonces_and_the_token() -> None:
-    token, a, b = b"k" * 16, "a" * 32, "b" * 32
-    proof = wire.sender_proof(token, a, b)
-    assert wire.proof_matches(proof, wire.sender_proof(token, a, b))
-    assert proof != wire.receiver_proof(token, a, b)  # a receiver's answer is no sender's
-    assert proof != wire.sender_proof(token, b, a) and proof != wire.sender_proof(b"j" * 16, a, b)
-    assert not wire.proof_matches(proof, None) and not wire.proof_matches(proof, "\udcff")
-
-
 def test_a_file_is_verified_from_its_ranges_crcs_in_any_order_and_read_back_when_they_do_not_tile() -> None:
     from spotguard.crc32c import crc32c_hex_to_int, crc32c_of_bytes
     from spotguard.peer.files import combined_crc
@@ -72,31 +64,31 @@ def test_a_file_is_verified_from_its_ranges_crcs_in_any_order_and_read_back_when
 
 
 def test_a_fetch_that_breaks_the_rules_leaves_nothing_in_the_checkpoint_root(tmp_path: Path) -> None:
-    """A holder (a bare server on 127.0.0.1 speaking the wire format) that sends a file the manifest
+    """A holder (a bare server on 127.0.0.1 speaking the protocol) that sends a file the manifest
     does not list, or stops before the end: the fetch fails and nothing counts as a checkpoint."""
     import asyncio
 
     from spotguard.crc32c import crc32c_of_bytes
     from spotguard.manifest import FileEntry, Manifest
+    from spotguard.peer.channel import accept
     from spotguard.peer.client import PeerClient
     from spotguard.peer.fetch import STAGING, fetch_replica
+    from spotguard.peer.noise import derive_psk
 
     token = b"t" * 16
     manifest = Manifest(step=4, reason="urgent", world_size=1, files={"w.bin": FileEntry(3, crc32c_of_bytes(b"abc"))})
     head = {"t": "checkpoint", "id": "x", "name": "step-000000004", "manifest": manifest.to_json().decode()}
 
     async def attempt(*after_head: bytes) -> str:
-        async def holder(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            nonce = wire.new_nonce()
-            writer.write(wire.encode({"t": "challenge", "v": 1, "nonce": nonce}))
-            auth = await wire.read_frame(reader)
-            writer.write(wire.encode({"t": "welcome", "mac": wire.receiver_proof(token, auth["nonce"], nonce)}))
-            await wire.read_frame(reader)  # the fetch
-            writer.write(wire.encode(head) + b"".join(after_head))
-            await writer.drain()
+        async def holder(stream: wire.FrameStream, writer: asyncio.StreamWriter) -> None:
+            channel = await accept(stream, writer, derive_psk(token))
+            assert (await wire.read_frame(channel))["t"] == "ping"  # the client's first record
+            assert (await wire.read_frame(channel))["t"] == "fetch"
+            channel.write(wire.encode(head) + b"".join(after_head))
+            await channel.drain()
             writer.close()
 
-        server = await asyncio.start_server(holder, "127.0.0.1", 0)
+        server = await wire.start_server(holder, "127.0.0.1", 0)
         client = await PeerClient.connect("127.0.0.1", server.sockets[0].getsockname()[1], token)
         try:
             with pytest.raises(wire.PeerError) as caught:

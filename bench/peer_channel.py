@@ -1,0 +1,172 @@
+"""The protected peer channel (spotguard-peer/2): a handoff's throughput against a plain TCP copy of
+the same bytes, and the cipher's single-core rate.
+
+- plain: the checkpoint's files over ``--connections`` loopback TCP connections at once (files dealt
+  out to them, ``socket.sendfile``) to a receiver process that writes them to its disk: no
+  handshake, no encryption, no checks;
+- protected: the same checkpoint handed to a real daemon's peer receiver (``spotguard run
+  --peer-listen``, its own process) with ``PeerClient``: Noise handshake, every byte sealed in
+  AES-GCM records, decrypted into the receiver's buffers, written, every file's CRC32C checked; the
+  time runs to the receiver's ``verified`` answer;
+- cipher: one core sealing (and opening) 64 KiB records, AES-GCM and ChaCha20-Poly1305.
+
+Runs are interleaved (plain, protected, plain, ...); medians. Target: protected >= 0.8 of plain.
+
+    python bench/peer_channel.py --gib 1 --files 8 --runs 5 [--connections 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from common import machine, median, write_results
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
+from peer_rescue import TOKEN, make_checkpoint, peer_copy
+
+from spotguard.harness import Vm, wait_for
+from spotguard.manifest import load_manifest
+from spotguard.peer.channel import MAX_PLAINTEXT
+from spotguard.peer.wire import parse_address
+
+MiB = 1 << 20
+
+
+def sink_main(out_dir: str, connections: int) -> None:
+    """The plain copy's receiver: ``connections`` connections, each a stream of (name length, name,
+    size, bytes) written to disk; a byte back once a connection's stream ends."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    print(listener.getsockname()[1], flush=True)
+
+    def serve(conn: socket.socket) -> None:
+        with conn, conn.makefile("rb") as stream:
+            while header := stream.read(4):
+                name = stream.read(int.from_bytes(header, "big")).decode()
+                left = int.from_bytes(stream.read(8), "big")
+                with open(Path(out_dir) / name, "wb") as out:
+                    while left:
+                        chunk = stream.read(min(left, 8 * MiB))
+                        out.write(chunk)
+                        left -= len(chunk)
+            conn.sendall(b"k")
+
+    threads = []
+    for _ in range(connections):
+        conn, _ = listener.accept()
+        threads.append(threading.Thread(target=serve, args=(conn,)))
+        threads[-1].start()
+    for thread in threads:
+        thread.join()
+
+
+def plain_copy(step_dir: Path, scratch: Path, connections: int) -> float:
+    out = scratch / "plain"
+    out.mkdir()
+    command = [sys.executable, __file__, "sink", str(out), str(connections)]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        files = sorted(load_manifest(step_dir).files)
+        shares = [files[i::connections] for i in range(connections)]
+
+        def send(share: list[str]) -> None:
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                for rel in share:
+                    path = step_dir / rel
+                    sock.sendall(len(rel).to_bytes(4, "big") + rel.encode() + path.stat().st_size.to_bytes(8, "big"))
+                    with path.open("rb") as handle:
+                        sock.sendfile(handle)
+                sock.shutdown(socket.SHUT_WR)
+                assert sock.recv(1) == b"k"
+
+        started = time.perf_counter()
+        threads = [threading.Thread(target=send, args=(share,)) for share in shares]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return time.perf_counter() - started
+    finally:
+        proc.wait(timeout=60)
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def cipher_rates(runs: int) -> dict[str, float]:
+    """MB/s of one core sealing / opening 64 KiB records (the channel's largest), medians of ``runs``."""
+    record = os.urandom(MAX_PLAINTEXT)
+    count = 2000
+    rates: dict[str, float] = {}
+    for name, aead in (("aesgcm", AESGCM(os.urandom(32))), ("chachapoly", ChaCha20Poly1305(os.urandom(32)))):
+        sealed = aead.encrypt(b"\0" * 12, record, None)
+        out = bytearray(len(record))
+        for what in ("seal", "open"):
+            samples = []
+            for _ in range(runs):
+                started = time.perf_counter()
+                for n in range(count):
+                    nonce = n.to_bytes(12, "big") if what == "seal" else b"\0" * 12
+                    if what == "seal":
+                        aead.encrypt(nonce, record, None)
+                    else:
+                        aead.decrypt_into(nonce, sealed, None, out)
+                samples.append(count * len(record) / (time.perf_counter() - started) / 1e6)
+            rates[f"{name}_{what}"] = median(samples)
+    return rates
+
+
+def main() -> int:
+    cli = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    cli.add_argument("--gib", type=float, default=1.0)
+    cli.add_argument("--files", type=int, default=8)
+    cli.add_argument("--runs", type=int, default=5)
+    cli.add_argument("--connections", type=int, default=4, help="the plain copy's connections")
+    args = cli.parse_args()
+    ciphers = cipher_rates(args.runs)
+    for name, rate in ciphers.items():
+        print(f"cipher {name:16s} {rate:8.0f} MB/s (one core, 64 KiB records)")
+    with tempfile.TemporaryDirectory(prefix="spotguard-peer-channel-") as tmp:
+        scratch = Path(tmp)
+        step_dir = make_checkpoint(scratch / "sender", args.gib, args.files)
+        nbytes = load_manifest(step_dir).total_bytes
+        bucket = (scratch / "bucket").as_uri()
+        (scratch / "bucket").mkdir()
+        receiver = Vm(scratch, "peer", bucket, extra_args=["--provider", "none", "--peer-listen", "127.0.0.1:0"])
+        receiver.start_daemon(env={"SPOTGUARD_PEER_TOKEN": TOKEN})
+        times: dict[str, list[float]] = {"plain": [], "protected": []}
+        try:
+            where = parse_address(receiver.status()["peers"]["listen"])
+            for _ in range(args.runs):
+                times["plain"].append(plain_copy(step_dir, scratch, args.connections))
+                times["protected"].append(peer_copy(step_dir, where, bucket))
+                # The replica goes on to the (file://) bucket: let it finish before the next run.
+                wait_for(lambda: receiver.status()["peers"]["replicas"] == [], 120, "the replica to be committed")
+                shutil.rmtree(scratch / "bucket" / step_dir.name, ignore_errors=True)
+        finally:
+            receiver.kill_daemon()
+    rates = {name: nbytes / median(samples) / 1e6 for name, samples in times.items()}
+    ratio = rates["protected"] / rates["plain"]
+    for name, samples in times.items():
+        runs = [round(s, 2) for s in samples]
+        print(f"{name:9s} median {median(samples):6.2f} s  {rates[name]:7.0f} MB/s  runs {runs}")
+    print(f"protected / plain throughput: {ratio:.2f} (target >= 0.80)")
+    report: dict[str, Any] = {"machine": machine(), "bytes": nbytes, "files": args.files, "seconds": times}
+    report.update(connections=args.connections, rates_mb_s=rates, ratio=ratio, cipher_mb_s=ciphers)
+    print(f"results: {write_results('peer_channel', report)}")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 3 and sys.argv[1] == "sink":
+        sink_main(sys.argv[2], int(sys.argv[3]))
+        sys.exit(0)
+    sys.exit(main())

@@ -1,0 +1,393 @@
+"""The protected channel between two daemons of a job: spotguard-peer/2 (docs/peer-protocol.md).
+
+A connection starts with the receiver's greeting (a clear-text frame that a spotguard-peer/1 daemon
+reads as a version error), then the Noise NNpsk0 handshake on a psk derived from the job's token
+(spotguard/peer/noise.py), each message as a 2-byte length and the message. From then on every byte
+either side sends, frame headers and data alike, goes in records: a 2-byte length and one Noise
+transport message (at most 65535 bytes, tag included) under that direction's key and counter. A
+record changed, replayed, reordered, dropped or injected fails to decrypt and ends the connection.
+
+:class:`Channel` is a byte stream on top of that: what :func:`spotguard.peer.wire.encode` and
+:func:`~spotguard.peer.wire.read_frame` speak works on it unchanged. Every read of a record and
+every drain of a write has a deadline (:data:`IO_TIMEOUT`), and both sides set TCP keepalive and
+``TCP_USER_TIMEOUT``: a peer that goes silent, mid-payload or not, is dropped within that time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import struct
+import time
+from typing import Any
+
+from spotguard.peer import noise, wire
+
+PROTOCOL = "spotguard-peer/2"
+PROLOGUE = PROTOCOL.encode()  # bound into the handshake: another version's handshake cannot succeed
+V2_NOTICE = f"peer speaks {PROTOCOL}; this daemon speaks spotguard-peer/1 — upgrade it"
+# The receiver's first bytes: a frame a spotguard-peer/1 daemon reads as an error, with this message.
+GREETING = wire.encode(
+    {
+        "t": "error",
+        "code": "version",
+        "proto": PROTOCOL,
+        "message": V2_NOTICE,
+    }
+)
+V1_REFUSAL = f"peer speaks spotguard-peer/1; this daemon needs /2 — upgrade the peer's spotguard to {PROTOCOL}"
+HANDSHAKE_TIMEOUT = 5.0  # seconds from accept to the first record of an authenticated connection
+# Seconds a peer may leave a started record unfinished, or leave our writes unread, before it is
+# dropped (with its replica, if it was sending one); also TCP_USER_TIMEOUT.
+IO_TIMEOUT = 30.0
+WATCH_INTERVAL = 1.0  # how often the record deadline is checked
+# The bound on how long a silent peer holds its connection (and a replica slot on a receiver).
+SILENT_PEER_RELEASE = IO_TIMEOUT + WATCH_INTERVAL
+MAX_HANDSHAKE_MESSAGE = 1024
+MAX_PLAINTEXT = noise.MAX_MESSAGE - noise.TAGLEN  # one record's bytes
+# A payload's full records are read this many at once (a reused buffer of ~1 MiB per connection).
+BATCH_RECORDS = 16
+_LENGTH = struct.Struct(">H")
+_FULL_RECORD = _LENGTH.size + noise.MAX_MESSAGE
+_REFUSAL = _LENGTH.pack(0)  # a handshake "message" of length 0: a clear-text error frame follows
+_KEEPALIVE = {"TCP_KEEPIDLE": 10, "TCP_KEEPINTVL": 5, "TCP_KEEPCNT": 3}
+
+
+def tune_socket(sock: socket.socket | None, io_timeout: float = IO_TIMEOUT) -> None:
+    """Keepalive probes after 10 s of silence (a dead host is noticed in ~25 s), and unacknowledged
+    data for ``io_timeout`` seconds ends the connection (where the OS has these options)."""
+    if sock is None:
+        return
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in _KEEPALIVE.items():
+            if hasattr(socket, name):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+        if hasattr(socket, "TCP_USER_TIMEOUT"):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1, int(io_timeout * 1000)))
+
+
+class Channel:
+    """An authenticated, encrypted byte stream: ``write`` + ``drain`` send, ``readexactly`` /
+    ``readinto`` receive (decrypting straight into the caller's buffer when a record fits in it).
+    Raises :class:`~spotguard.peer.wire.PeerError` (``closed``, ``bad-record``), ``TimeoutError``
+    past the deadline, ``OSError``."""
+
+    def __init__(
+        self,
+        stream: wire.ReadsInto,
+        writer: asyncio.StreamWriter,
+        sending: noise.CipherState,
+        receiving: noise.CipherState,
+        *,
+        io_timeout: float = IO_TIMEOUT,
+    ) -> None:
+        self.stream = stream
+        self.writer = writer
+        self._send = sending
+        self._recv = receiving
+        self.io_timeout = io_timeout
+        self._record = bytearray(noise.MAX_MESSAGE)  # one record's ciphertext, reused
+        self._plain = bytearray(MAX_PLAINTEXT)  # a record's plaintext not read yet: plain[start:end]
+        self._start = self._end = 0
+        self._reading_since: float | None = None  # when the record being read was begun
+        self._watchdog: asyncio.TimerHandle | None = None
+        self._timed_out = False
+        self._batch: bytearray | None = None  # full records of a payload, read at once
+
+    @property
+    def transport(self) -> asyncio.WriteTransport:
+        return self.writer.transport
+
+    # --- reading ------------------------------------------------------------------------
+
+    async def _next_record(self) -> memoryview:
+        """The next record's ciphertext (in the reused buffer), read within the deadline."""
+        self._reading_since = time.monotonic()
+        self._watch()
+        try:
+            (length,) = _LENGTH.unpack(await self.stream.readexactly(_LENGTH.size))
+            if length < noise.TAGLEN:
+                raise wire.PeerError("bad-record", f"a record of {length} bytes")
+            view = memoryview(self._record)[:length]
+            await self.stream.readinto(view)
+        except asyncio.IncompleteReadError:
+            if self._timed_out:
+                raise TimeoutError(f"no whole record for {self.io_timeout:g} s") from None
+            raise wire.PeerError("closed", "the connection closed mid-record") from None
+        finally:
+            self._reading_since = None
+        return view
+
+    def _watch(self) -> None:
+        """The deadline on records, checked every :data:`WATCH_INTERVAL` seconds while the connection
+        is open (cheaper than a timeout around each of a payload's thousands of records): a record
+        begun and not finished within ``io_timeout`` ends the connection."""
+        transport = self.writer.transport
+        if self._watchdog is not None or transport is None or transport.is_closing():
+            return
+        since = self._reading_since
+        if since is not None and time.monotonic() - since > self.io_timeout:
+            self._timed_out = True
+            transport.abort()  # the pending read ends; it raises TimeoutError
+            return
+        self._watchdog = asyncio.get_running_loop().call_later(WATCH_INTERVAL, self._rewatch)
+
+    def _rewatch(self) -> None:
+        self._watchdog = None
+        self._watch()
+
+    def _open(self, ciphertext: memoryview, out: memoryview) -> None:
+        try:
+            self._recv.decrypt_into(ciphertext, out)
+        except noise.NoiseError as exc:
+            raise wire.PeerError("bad-record", str(exc)) from None
+
+    async def fill(self) -> None:
+        """Read and check the next record into the channel's own buffer (the receiver does this for
+        the first one: a peer is authenticated once a record of it decrypts)."""
+        assert self._start == self._end
+        ciphertext = await self._next_record()
+        size = len(ciphertext) - noise.TAGLEN
+        self._open(ciphertext, memoryview(self._plain)[:size])
+        self._start, self._end = 0, size
+
+    async def readinto(self, view: memoryview) -> None:
+        """Fill ``view``: whole records are decrypted straight into it; a payload's full records
+        (:data:`MAX_PLAINTEXT` bytes each, as the protocol lays them out) are read in batches."""
+        done = min(len(view), self._end - self._start)
+        view[:done] = self._plain[self._start : self._start + done]
+        self._start += done
+        while done < len(view):
+            if len(view) - done >= MAX_PLAINTEXT:
+                done += await self._read_full_records(view[done:])
+                continue
+            ciphertext = await self._next_record()
+            size = len(ciphertext) - noise.TAGLEN
+            if size <= len(view) - done:
+                self._open(ciphertext, view[done : done + size])
+                done += size
+                continue
+            self._open(ciphertext, memoryview(self._plain)[:size])
+            take = len(view) - done
+            view[done:] = self._plain[:take]
+            self._start, self._end = take, size
+            done += take
+
+    async def _read_full_records(self, view: memoryview) -> int:
+        """Up to :data:`BATCH_RECORDS` full records in one read, each decrypted into ``view``; the
+        number of bytes filled. A record of another length there breaks the protocol's layout."""
+        count = min(len(view) // MAX_PLAINTEXT, BATCH_RECORDS)
+        if self._batch is None:
+            self._batch = bytearray(BATCH_RECORDS * _FULL_RECORD)
+        batch = memoryview(self._batch)[: count * _FULL_RECORD]
+        self._reading_since = time.monotonic()
+        self._watch()
+        try:
+            await self.stream.readinto(batch)
+        except asyncio.IncompleteReadError:
+            if self._timed_out:
+                raise TimeoutError(f"no whole record for {self.io_timeout:g} s") from None
+            raise wire.PeerError("closed", "the connection closed mid-record") from None
+        finally:
+            self._reading_since = None
+        for index in range(count):
+            record = batch[index * _FULL_RECORD : (index + 1) * _FULL_RECORD]
+            if _LENGTH.unpack_from(record)[0] != noise.MAX_MESSAGE:
+                raise wire.PeerError("bad-record", "a payload's record that is not full before its last")
+            self._open(record[_LENGTH.size :], view[index * MAX_PLAINTEXT : (index + 1) * MAX_PLAINTEXT])
+        return count * MAX_PLAINTEXT
+
+    async def readexactly(self, n: int, /) -> bytes:
+        if self._end - self._start >= n:
+            data = bytes(self._plain[self._start : self._start + n])
+            self._start += n
+            return data
+        out = bytearray(n)
+        await self.readinto(memoryview(out))
+        return bytes(out)
+
+    async def read_frame(self, *, timeout: float | None = None, max_header: int = wire.MAX_HEADER) -> dict[str, Any]:
+        """The next frame. ``timeout``, when longer than the record deadline, replaces it while this
+        frame is awaited and read: a receiver waiting for a sender's next request, a sender waiting
+        for the answer to a commit."""
+        if timeout is None or timeout <= self.io_timeout:
+            return await wire.read_frame(self, max_header)
+        saved, self.io_timeout = self.io_timeout, timeout
+        try:
+            return await wire.read_frame(self, max_header)
+        finally:
+            self.io_timeout = saved
+
+    # --- writing ------------------------------------------------------------------------
+
+    def seal(self, *parts: bytes | bytearray | memoryview) -> bytearray:
+        """``parts`` as records (each part in records of its own), ready for the socket. Takes the next
+        nonces: calls must go out in the order they were made (one may run in a thread while the
+        previous one's bytes are sent)."""
+        views = [memoryview(part).cast("B") for part in parts]
+        count = sum(-(-len(view) // MAX_PLAINTEXT) for view in views)
+        out = bytearray(sum(map(len, views)) + count * (_LENGTH.size + noise.TAGLEN))
+        target = memoryview(out)
+        at = 0
+        for view in views:
+            for start in range(0, len(view), MAX_PLAINTEXT):
+                piece = view[start : start + MAX_PLAINTEXT]
+                size = len(piece) + noise.TAGLEN
+                _LENGTH.pack_into(out, at, size)
+                self._send.encrypt_into(piece, target[at + _LENGTH.size : at + _LENGTH.size + size])
+                at += _LENGTH.size + size
+        return out
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if data:
+            self.writer.write(self.seal(data))
+
+    def write_sealed(self, records: bytearray) -> None:
+        self.writer.write(records)
+
+    async def drain(self) -> None:
+        async with asyncio.timeout(self.io_timeout):
+            await self.writer.drain()
+
+    def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        self.writer.close()
+
+    async def wait_closed(self) -> None:
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(self.io_timeout):
+                await self.writer.wait_closed()
+
+
+# --- the handshake --------------------------------------------------------------------------
+
+
+async def _read_message(stream: wire.Reads, *, initiator: bool) -> bytes:
+    """A handshake message. The initiator takes a refusal (length 0) and raises the error frame that
+    follows it; to the receiver, a message too short for ``e`` and a tag fails authentication."""
+    try:
+        (length,) = _LENGTH.unpack(await stream.readexactly(_LENGTH.size))
+        if length == 0 and initiator:
+            await wire.read_frame(stream, wire.MAX_HEADER_BEFORE_AUTH)  # raises its error
+            raise wire.PeerError("bad-frame", "a refusal without an error frame")
+        if length > MAX_HANDSHAKE_MESSAGE:
+            raise wire.PeerError("too-large", f"a handshake message of {length} bytes")
+        if length < noise.DHLEN + noise.TAGLEN:
+            raise wire.PeerError("auth", f"authentication failed (a handshake message of {length} bytes)")
+        return await stream.readexactly(length)
+    except asyncio.IncompleteReadError:
+        raise wire.PeerError("closed", "the connection closed during the handshake") from None
+
+
+def refusal(code: str, message: str) -> bytes:
+    """What the receiver sends, in clear, to a connection that fails its handshake."""
+    return _REFUSAL + wire.error_frame(code, message)
+
+
+async def accept(
+    stream: wire.ReadsInto, writer: asyncio.StreamWriter, psk: bytes, *, io_timeout: float = IO_TIMEOUT
+) -> Channel:
+    """The receiver's side: greeting, ``-> psk, e``, ``<- e, ee``, and the initiator's first record.
+    The caller bounds it in time (:data:`HANDSHAKE_TIMEOUT`)."""
+    writer.write(GREETING)
+    handshake = noise.HandshakeState(initiator=False, psk=psk, prologue=PROLOGUE)
+    try:
+        handshake.read_message(await _read_message(stream, initiator=False))
+    except noise.NoiseError:
+        raise wire.PeerError("auth", "authentication failed") from None
+    message = handshake.write_message()
+    writer.write(_LENGTH.pack(len(message)) + message)
+    sending, receiving = handshake.split()
+    channel = Channel(stream, writer, sending, receiving, io_timeout=io_timeout)
+    try:
+        await channel.fill()
+        if isinstance(stream, wire.FrameStream):
+            stream.direct_min = 1
+    except wire.PeerError as exc:
+        if exc.code == "bad-record":
+            raise wire.PeerError("auth", "authentication failed (its first record does not decrypt)") from None
+        raise
+    return channel
+
+
+async def _check_greeting(stream: wire.ReadsInto, writer: asyncio.StreamWriter) -> None:
+    try:
+        (length,) = struct.unpack(">I", await stream.readexactly(4))
+        if length > wire.MAX_HEADER_BEFORE_AUTH:
+            raise wire.PeerError("version", "the peer does not speak spotguard-peer (no greeting)")
+        greeting = json.loads(await stream.readexactly(length))
+    except asyncio.IncompleteReadError:
+        raise wire.PeerError("closed", "the connection closed before the peer's greeting") from None
+    except (ValueError, RecursionError):
+        raise wire.PeerError("version", "the peer does not speak spotguard-peer (no greeting)") from None
+    if isinstance(greeting, dict) and greeting.get("t") == "challenge":  # a spotguard-peer/1 receiver
+        writer.write(wire.error_frame("version", V2_NOTICE))
+        raise wire.PeerError("version", V1_REFUSAL)
+    if not isinstance(greeting, dict) or greeting.get("proto") != PROTOCOL:
+        proto = greeting.get("proto") if isinstance(greeting, dict) else None
+        raise wire.PeerError("version", f"peer speaks {proto or 'something else'}; this daemon needs {PROTOCOL}")
+
+
+async def initiate(
+    stream: wire.ReadsInto, writer: asyncio.StreamWriter, psk: bytes, address: str, *, io_timeout: float = IO_TIMEOUT
+) -> Channel:
+    """The connecting side: check the greeting, ``-> psk, e``, ``<- e, ee``, then a first record
+    (a ping) that proves to the receiver this side holds the key."""
+    await _check_greeting(stream, writer)
+    handshake = noise.HandshakeState(initiator=True, psk=psk, prologue=PROLOGUE)
+    message = handshake.write_message()
+    writer.write(_LENGTH.pack(len(message)) + message)
+    try:
+        handshake.read_message(await _read_message(stream, initiator=True))
+    except noise.NoiseError:
+        raise wire.PeerError("auth", f"{address} does not know the job's token") from None
+    sending, receiving = handshake.split()
+    channel = Channel(stream, writer, sending, receiving, io_timeout=io_timeout)
+    if isinstance(stream, wire.FrameStream):
+        stream.direct_min = 1
+    channel.write(wire.encode({"t": "ping"}))
+    await channel.drain()
+    return channel
+
+
+async def open_channel(
+    host: str, port: int, token: bytes, *, timeout: float = HANDSHAKE_TIMEOUT, io_timeout: float = IO_TIMEOUT
+) -> Channel:
+    """Connect to a receiver and run the handshake, all within ``timeout`` seconds."""
+    psk = await asyncio.to_thread(noise.derive_psk, token)
+    loop = asyncio.get_running_loop()
+    async with asyncio.timeout(timeout):
+        transport, stream = await loop.create_connection(lambda: wire.FrameStream(None), host, port)
+    writer = asyncio.StreamWriter(transport, stream, None, loop)
+    tune_socket(transport.get_extra_info("socket"), io_timeout)
+    try:
+        async with asyncio.timeout(timeout):
+            return await initiate(stream, writer, psk, f"{host}:{port}", io_timeout=io_timeout)
+    except BaseException:
+        writer.close()
+        raise
+
+
+__all__ = [
+    "GREETING",
+    "HANDSHAKE_TIMEOUT",
+    "IO_TIMEOUT",
+    "MAX_PLAINTEXT",
+    "PROLOGUE",
+    "PROTOCOL",
+    "V1_REFUSAL",
+    "SILENT_PEER_RELEASE",
+    "V2_NOTICE",
+    "WATCH_INTERVAL",
+    "Channel",
+    "accept",
+    "initiate",
+    "open_channel",
+    "refusal",
+    "tune_socket",
+]
