@@ -21,6 +21,7 @@ import json
 import socket
 import struct
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from spotguard.peer import noise, wire
@@ -105,21 +106,28 @@ class Channel:
 
     async def _next_record(self) -> memoryview:
         """The next record's ciphertext (in the reused buffer), read within the deadline."""
-        self._reading_since = time.monotonic()
-        self._watch()
-        try:
+        with self._record_deadline():
             (length,) = _LENGTH.unpack(await self.stream.readexactly(_LENGTH.size))
             if length < noise.TAGLEN:
                 raise wire.PeerError("bad-record", f"a record of {length} bytes")
             view = memoryview(self._record)[:length]
             await self.stream.readinto(view)
+        return view
+
+    @contextlib.contextmanager
+    def _record_deadline(self) -> Iterator[None]:
+        """Reads of whole records inside: watched against the deadline; a connection that closes (or is
+        closed by the watch) mid-record ends as ``closed`` (or a TimeoutError)."""
+        self._reading_since = time.monotonic()
+        self._watch()
+        try:
+            yield
         except asyncio.IncompleteReadError:
             if self._timed_out:
                 raise TimeoutError(f"no whole record for {self.io_timeout:g} s") from None
             raise wire.PeerError("closed", "the connection closed mid-record") from None
         finally:
             self._reading_since = None
-        return view
 
     def _watch(self) -> None:
         """The deadline on records, checked every :data:`WATCH_INTERVAL` seconds while the connection
@@ -183,16 +191,8 @@ class Channel:
         if self._batch is None:
             self._batch = bytearray(BATCH_RECORDS * _FULL_RECORD)
         batch = memoryview(self._batch)[: count * _FULL_RECORD]
-        self._reading_since = time.monotonic()
-        self._watch()
-        try:
+        with self._record_deadline():
             await self.stream.readinto(batch)
-        except asyncio.IncompleteReadError:
-            if self._timed_out:
-                raise TimeoutError(f"no whole record for {self.io_timeout:g} s") from None
-            raise wire.PeerError("closed", "the connection closed mid-record") from None
-        finally:
-            self._reading_since = None
         for index in range(count):
             record = batch[index * _FULL_RECORD : (index + 1) * _FULL_RECORD]
             if _LENGTH.unpack_from(record)[0] != noise.MAX_MESSAGE:

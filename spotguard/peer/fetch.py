@@ -32,10 +32,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -298,7 +300,8 @@ async def resume_from_peers(
     (an older one, if the newest fails its checks); shares newer than everything are named. The peers
     are asked what they hold all at once (``limit`` connections at most in flight), within one
     ``deadline`` for them all: a dead or silent candidate costs its slot, never the others' time."""
-    offers = await _ask_all(addresses, token, bucket, after, deadline=deadline, limit=limit, io_timeout=io_timeout)
+    ask = functools.partial(_ask_one, token=token, bucket=bucket, after=after, io_timeout=io_timeout)
+    offers = await _ask_all(addresses, ask, deadline=deadline, limit=limit)
     found = PeerResume(after=after)
     for offer in sorted((o for o in offers if not o.share), key=lambda o: -o.step):
         if not fetch:
@@ -323,14 +326,7 @@ async def resume_from_peers(
 
 
 async def _ask_all(
-    addresses: list[tuple[str, int]],
-    token: bytes,
-    bucket: str,
-    after: int,
-    *,
-    deadline: float,
-    limit: int,
-    io_timeout: float = IO_TIMEOUT,
+    addresses: list[tuple[str, int]], ask: Callable[[str, int], Awaitable[list[Offer]]], *, deadline: float, limit: int
 ) -> list[Offer]:
     """Every candidate's offers, asked in parallel (at most ``limit`` at once) within ``deadline``."""
     if not addresses:
@@ -339,7 +335,7 @@ async def _ask_all(
 
     async def one(host: str, port: int) -> list[Offer]:
         async with gate:
-            return await _ask_one(host, port, token, bucket, after, io_timeout=io_timeout)
+            return await ask(host, port)
 
     tasks = [asyncio.create_task(one(host, port), name=f"list-peer-{host}:{port}") for host, port in addresses]
     done, pending = await asyncio.wait(tasks, timeout=deadline)
@@ -351,7 +347,7 @@ async def _ask_all(
     return [offer for task in done if not task.cancelled() and task.exception() is None for offer in task.result()]
 
 
-async def _ask_one(host: str, port: int, token: bytes, bucket: str, after: int, *, io_timeout: float) -> list[Offer]:
+async def _ask_one(host: str, port: int, *, token: bytes, bucket: str, after: int, io_timeout: float) -> list[Offer]:
     """What one peer offers; nothing if it cannot be reached or asked within :data:`PROBE_TIMEOUT`."""
     try:
         async with asyncio.timeout(PROBE_TIMEOUT):
