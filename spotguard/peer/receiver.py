@@ -5,9 +5,10 @@ connection's handshake (spotguard/peer/channel.py), answers its requests and wri
 of its replica to disk.
 
 The port is bounded: connections still in their handshake have a pool of their own
-(:data:`HANDSHAKE_POOL`, at most :data:`HANDSHAKES_PER_SOURCE` from one address, each with
-:data:`~spotguard.peer.channel.HANDSHAKE_TIMEOUT` seconds); a new one that finds the pool (or its
-address's share) full closes the oldest there. Authenticated connections count against
+(:data:`HANDSHAKE_POOL`, each with :data:`~spotguard.peer.channel.HANDSHAKE_TIMEOUT` seconds; while
+several addresses wait, at most :data:`HANDSHAKES_PER_SOURCE` from one); a new one that finds the pool
+full closes the oldest handshake of the address holding the most, and one over its address's share
+closes that address's oldest. Authenticated connections count against
 ``max_connections`` only. So idle strangers, however many, cost a job's peer at most a reconnect,
 never its place. A peer silent for ``io_timeout`` seconds mid-record (or idle between frames for
 :data:`IDLE_TIMEOUT`) is dropped, and its unfinished replica with it.
@@ -24,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -162,17 +164,25 @@ class PeerReceiver:
     async def _handshake(self, stream: wire.FrameStream, writer: asyncio.StreamWriter, who: str) -> Channel:
         """The connection's handshake, in the bounded pool of unauthenticated connections."""
         source = who.rpartition(":")[0]
-        same = [other for other, where in self._pending.items() if where == source]
-        for oldest in [*same[: max(0, len(same) - HANDSHAKES_PER_SOURCE + 1)]]:
-            self._evict(oldest)
-        if len(self._pending) >= HANDSHAKE_POOL:
-            self._evict(next(iter(self._pending)))
+        self._make_room(source)
         self._pending[writer] = source
         try:
             async with asyncio.timeout(self.handshake_timeout):
                 return await accept(stream, writer, self._psk, io_timeout=self.io_timeout)
         finally:
             self._pending.pop(writer, None)
+
+    def _make_room(self, source: str) -> None:
+        """Room in the handshake pool for one more from ``source``. While others wait too, an address
+        keeps at most :data:`HANDSHAKES_PER_SOURCE` (its oldest goes); a full pool loses the oldest
+        handshake of the address holding the most. One address alone may burst up to the pool (a
+        sender's several flows, a resume's probes): a legitimate handshake lasts milliseconds."""
+        counts = Counter(self._pending.values())
+        if counts[source] >= HANDSHAKES_PER_SOURCE and len(counts) > 1:
+            self._evict(next(other for other, where in self._pending.items() if where == source))
+        if len(self._pending) >= HANDSHAKE_POOL:
+            busiest = max(Counter(self._pending.values()).items(), key=lambda item: item[1])[0]
+            self._evict(next(other for other, where in self._pending.items() if where == busiest))
 
     def _evict(self, writer: asyncio.StreamWriter) -> None:
         self._pending.pop(writer, None)
