@@ -39,6 +39,12 @@ def observed_vm(vm_factory: Callable[..., Vm], receiver: Receiver, name: str) ->
     return vm_factory(name, env={"SPOTGUARD_METRICS_PORT": "0", "SPOTGUARD_WEBHOOK_URL": receiver.url})
 
 
+def heard_of(vm: Vm, name: str) -> bool:
+    uploads = vm.status()["uploads"]
+    current = uploads["current"] or {}
+    return name in uploads["queued"] or name in uploads["committed"] or current.get("name") == name
+
+
 def announced(vm: Vm) -> list[int | None]:
     return [trainer["state_bytes"] for trainer in vm.status()["trainers"]]
 
@@ -109,6 +115,9 @@ def test_state_created_at_the_first_step_is_announced_again_and_survives_a_recon
         guard.wait()
         saved = wait_for(lambda: [b for b in announced(vm) if b and b > grown], 10, "the size at the save")[0]
         assert saved >= grown + 8 * MiB
+        # The measure of a background save is told as it starts, its commit ("saved") only after it:
+        # the plan counts the checkpoint once the daemon has heard of it.
+        wait_for(lambda: heard_of(vm, "step-000000001"), 10, "the daemon to hear of the commit")
         request(vm.socket, "drill", deadline_s=60.0)
         plan = vm.status()["plan"]
         assert plan["bytes"] >= saved and plan["size_from"] == "announced+checkpoint"
