@@ -40,9 +40,10 @@ def observed_vm(vm_factory: Callable[..., Vm], receiver: Receiver, name: str) ->
 
 
 def heard_of(vm: Vm, name: str) -> bool:
+    """Whether the daemon has heard ``name``'s commit (queued for upload, or in the bucket already); an
+    upload under way says less: files go up as they are written, before the commit."""
     uploads = vm.status()["uploads"]
-    current = uploads["current"] or {}
-    return name in uploads["queued"] or name in uploads["committed"] or current.get("name") == name
+    return name in uploads["queued"] or name in uploads["committed"]
 
 
 def announced(vm: Vm) -> list[int | None]:
