@@ -21,6 +21,7 @@ from urllib.parse import urlparse
 from spotguard.errors import ConfigError
 from spotguard.notice import Action
 from spotguard.peer.channel import IO_TIMEOUT
+from spotguard.peer.flows import MAX_FLOWS
 from spotguard.peer.networks import DEFAULT_PEER_NETWORKS, LOOPBACK_NETWORKS, PeerNetworks, parse_networks
 from spotguard.peer.wire import parse_address
 from spotguard.providers import registry as providers
@@ -124,6 +125,9 @@ class DaemonConfig:
     # Seconds a peer may stay silent mid-record (or leave our writes unread) before its connection, and
     # the replica it was sending, are dropped (spotguard/peer/channel.py; also TCP_USER_TIMEOUT)
     peer_io_timeout: float = IO_TIMEOUT
+    # The most connections one handoff spreads its replica over (spotguard/peer/flows.py): it opens
+    # more while the bytes left cannot cross on those open before the deadline (clouds cap one flow).
+    peer_max_flows: int = MAX_FLOWS
 
     def __post_init__(self) -> None:
         self._check_sources()
@@ -200,7 +204,7 @@ class DaemonConfig:
                     raise ConfigError(key, str(exc)) from None
         if (self.peer_listen or self.peers) and self.bucket is None:
             raise ConfigError("peers" if self.peers else "peer_listen", "peers share one bucket: set bucket too")
-        for name in ("peer_max_replica_bytes", "peer_max_replicas"):
+        for name in ("peer_max_replica_bytes", "peer_max_replicas", "peer_max_flows"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
         try:

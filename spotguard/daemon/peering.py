@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,9 @@ class Peering:
         if config.peer_discovery and token is not None and storage is not None:
             self.registry = PeerRegistry(storage, token=token, networks=config.peer_network_policy())
         if config.peers and token is not None and config.bucket is not None:
-            self.handoff = Handoff(self.candidates, token, config.bucket, io_timeout=config.peer_io_timeout)
+            self.handoff = Handoff(
+                self.candidates, token, config.bucket, io_timeout=config.peer_io_timeout, max_flows=config.peer_max_flows
+            )
 
     async def start_receiver(self, busy: Callable[[], bool]) -> None:
         """Listen for peers' checkpoints (``busy``: a hard notice is pending here), and register in the bucket."""
@@ -153,7 +156,8 @@ class Peering:
 
     def follow_plan(self, notice: Notice, plan: Plan) -> None:
         if plan.route is Route.PEER and self.handoff is not None:
-            self.handoff.start()
+            deadline = time.monotonic() + plan.seconds_left
+            self.handoff.start(expected_bytes=plan.bytes, deadline=deadline)
 
     def status(self) -> dict[str, Any] | None:
         if not (self.config.peer_listen or self.config.peers):

@@ -56,6 +56,13 @@ _REFUSAL = _LENGTH.pack(0)  # a handshake "message" of length 0: a clear-text er
 _KEEPALIVE = {"TCP_KEEPIDLE": 10, "TCP_KEEPINTVL": 5, "TCP_KEEPCNT": 3}
 
 
+# struct tcp_info (linux/tcp.h): 8 one-byte fields, 24 u32 (rto ... total_retrans), u64 pacing_rate,
+# u64 max_pacing_rate, then u64 tcpi_bytes_acked.
+_BYTES_ACKED_AT = 8 + 24 * 4 + 2 * 8
+_BYTES_ACKED = struct.Struct("=Q")
+_TCP_INFO_SIZE = 256
+
+
 def tune_socket(sock: socket.socket | None, io_timeout: float = IO_TIMEOUT) -> None:
     """Keepalive probes after 10 s of silence (a dead host is noticed in ~25 s), and unacknowledged
     data for ``io_timeout`` seconds ends the connection (where the OS has these options)."""
@@ -101,6 +108,20 @@ class Channel:
     @property
     def transport(self) -> asyncio.WriteTransport:
         return self.writer.transport
+
+    def delivered(self) -> int | None:
+        """Bytes the peer has acknowledged on this connection (Linux ``TCP_INFO``), not counting
+        what waits in buffers on the way; None where the OS does not say. A flow's rate, measured."""
+        sock = self.writer.get_extra_info("socket")
+        if sock is None or not hasattr(socket, "TCP_INFO"):
+            return None
+        try:
+            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_SIZE)
+        except OSError:
+            return None
+        if len(info) < _BYTES_ACKED.size + _BYTES_ACKED_AT:
+            return None  # a kernel older than 4.1
+        return int(_BYTES_ACKED.unpack_from(info, _BYTES_ACKED_AT)[0])
 
     # --- reading ------------------------------------------------------------------------
 

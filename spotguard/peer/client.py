@@ -53,8 +53,9 @@ class PeerClient:
         cls, host: str, port: int, token: bytes, *, timeout: float = HANDSHAKE_TIMEOUT, io_timeout: float = IO_TIMEOUT
     ) -> PeerClient:
         channel = await open_channel(host, port, token, timeout=timeout, io_timeout=io_timeout)
-        # Enough in the socket's buffer that the next chunk is read and sealed while this one goes out.
-        channel.transport.set_write_buffer_limits(high=2 * wire.MAX_DATA)
+        # Enough in the socket's buffer that the next chunk is read and sealed while this one goes out,
+        # and no more: what waits here is this connection's alone (a handoff's other flows cannot take it).
+        channel.transport.set_write_buffer_limits(high=wire.SEND_CHUNK)
         return cls(channel, f"{host}:{port}")
 
     async def _ask(self, header: dict[str, Any], answer: str = "ok", *, timeout: float | None = None) -> dict[str, Any]:
@@ -72,8 +73,18 @@ class PeerClient:
         self.channel.write(wire.encode({"t": "ping"}))
         await self.channel.drain()
 
-    async def open_replica(self, name: str, bucket: str) -> None:
-        await self._ask({"t": "replica", "name": name, "bucket": bucket})
+    async def open_replica(self, name: str, bucket: str) -> str:
+        """Open a replica of ``name`` on this connection; its id, for the flows that join it."""
+        reply = await self._ask({"t": "replica", "name": name, "bucket": bucket})
+        return wire.field(reply, "id", str)
+
+    async def join(self, replica_id: str) -> None:
+        """Carry data frames of ``replica_id``, opened by another connection from this host."""
+        await self._ask({"t": "join", "id": replica_id})
+
+    async def finish(self) -> None:
+        """A joined connection's last request: answered once the peer has read its frames."""
+        await self._ask({"t": "done"})
 
     async def send_part(
         self, file: BinaryIO, rel: str, size: int, offset: int, length: int, *, chunk: int = wire.SEND_CHUNK

@@ -9,6 +9,7 @@ noted, so that a file whose ranges tile it exactly is verified without reading i
 from __future__ import annotations
 
 import asyncio
+import bisect
 import ctypes
 import os
 from pathlib import Path
@@ -99,6 +100,25 @@ async def make_room(writes: set[asyncio.Future[None]]) -> None:
             finished.result()
 
 
+class Extents:
+    """The union of byte ranges ``[start, end)`` seen so far, kept merged and sorted: whether a new
+    range overlaps any of them is a look at its two neighbours."""
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+
+    def add(self, start: int, end: int) -> bool:
+        """Take in ``[start, end)``; whether it overlapped what was there."""
+        first = bisect.bisect_left(self._ends, start)  # the first extent not wholly before it
+        last = bisect.bisect_right(self._starts, end)  # past the last extent not wholly after it
+        overlaps = any(self._starts[i] < end and start < self._ends[i] for i in range(first, last))
+        if first < last:  # merge the touching or overlapping extents into one
+            start, end = min(start, self._starts[first]), max(end, self._ends[last - 1])
+        self._starts[first:last], self._ends[first:last] = [start], [end]
+        return overlaps
+
+
 def combined_crc(ranges: list[tuple[int, int, int]], size: int) -> str | None:
     """The file's CRC32C from its ranges' when they tile ``[0, size)`` exactly; else None (read it)."""
     crc, end = 0, 0
@@ -131,6 +151,7 @@ __all__ = [
     "Ranges",
     "check_files",
     "check_range",
+    "Extents",
     "combined_crc",
     "create_exclusive",
     "data_header",

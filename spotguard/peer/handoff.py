@@ -23,22 +23,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from spotguard.manifest import FileEntry, ManifestError, node_holdings, parse_step_dir
 from spotguard.peer import wire
 from spotguard.peer.channel import IO_TIMEOUT
 from spotguard.peer.client import PeerClient, choose_peer
+from spotguard.peer.flows import KEEPALIVE, MAX_FLOWS, Flows, Piece, Source
 from spotguard.safefile import is_unlinked, open_nofollow
 
 logger = logging.getLogger("spotguard.handoff")
-
-_KEEPALIVE = 10.0  # seconds without a file to send before a ping (the receiver's idle limit is 30 s)
 
 
 class HandoffState(StrEnum):
@@ -57,20 +57,33 @@ class _Streamed:
     """A file being written, sent by ranges as the trainer announces them."""
 
     tmp: str
-    size: int
-    file: BinaryIO  # opened on the temporary name: it stays valid across the rename
-    todo: list[tuple[int, int]] = field(default_factory=list)  # (offset, length) announced, not yet sent
-    done: list[tuple[int, int]] = field(default_factory=list)  # sent
-    sending: bool = False  # a range is going out: closing the file now is left to the sender
-    dropped: bool = False
+    source: Source  # opened on the temporary name: it stays valid across the rename
+    todo: list[tuple[int, int]] = field(default_factory=list)  # (offset, length) announced, not yet queued
+    queued: list[tuple[int, int]] = field(default_factory=list)  # handed to the flows (they send it or fail)
+
+    @property
+    def size(self) -> int:
+        return self.source.size
 
 
 class Handoff:
-    def __init__(self, candidates: Candidates, token: bytes, bucket: str, *, io_timeout: float = IO_TIMEOUT) -> None:
+    def __init__(
+        self,
+        candidates: Candidates,
+        token: bytes,
+        bucket: str,
+        *,
+        io_timeout: float = IO_TIMEOUT,
+        max_flows: int = MAX_FLOWS,
+    ) -> None:
         self._candidates = candidates  # asked at each handoff: with discovery, the fleet changes
         self._token = token
         self.bucket = bucket
         self._io_timeout = io_timeout  # the channel's record deadline (spotguard/peer/channel.py)
+        self.max_flows = max_flows  # connections one replica may use (spotguard/peer/flows.py)
+        self.flows = 0  # connections the last handoff used
+        self._expected = 0  # bytes the plan expects the checkpoint to hold
+        self._deadline: float | None = None  # monotonic; None: no deadline known (one flow)
         self.state = HandoffState.IDLE
         self.peer: str | None = None
         self.name: str | None = None
@@ -80,6 +93,8 @@ class Handoff:
         self._announced: dict[str, tuple[Path, dict[str, FileEntry]]] = {}  # step name -> (dir, files)
         self._saved: set[str] = set()
         self._streams: dict[tuple[str, str], _Streamed] = {}  # (step name, file) -> its ranges
+        self._queued_files: set[str] = set()  # files of the replica wholly handed to its flows
+        self._flows: Flows | None = None
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -92,9 +107,9 @@ class Handoff:
         key = (step_dir.name, rel)
         stream = self._streams.get(key)
         if stream is not None and (
-            (stream.tmp, stream.size) != (tmp, size) or is_unlinked(stream.file.fileno())
+            (stream.tmp, stream.size) != (tmp, size) or is_unlinked(stream.source.file.fileno())
         ):  # given up and written again: what was sent of it counts for nothing (the peer checks at commit)
-            self._drop(key)
+            self._drop(key, stale=True)
             stream = None
         if stream is None:
             try:
@@ -102,7 +117,8 @@ class Handoff:
             except OSError as exc:
                 logger.info("peer handoff: %s/%s goes whole at its file message (%s)", step_dir.name, rel, exc)
                 return
-            stream = self._streams[key] = _Streamed(tmp, size, open(fd, "rb", buffering=0))  # noqa: SIM115  # closed by _drop
+            file = open(fd, "rb", buffering=0)  # noqa: SIM115  # closed by its Source once dropped and sent
+            stream = self._streams[key] = _Streamed(tmp, Source(file, rel, size))
         stream.todo.append((offset, length))
         self._announced.setdefault(step_dir.name, (step_dir, {}))
         self._wake.set()
@@ -113,20 +129,21 @@ class Handoff:
             self._drop((step_dir.name, rel))  # not handing over (yet): the file goes whole if it must
         self._wake.set()
 
-    def _drop(self, key: tuple[str, str]) -> None:
+    def _drop(self, key: tuple[str, str], *, stale: bool = False) -> None:
+        """Forget a file's stream; ``stale``: its pieces not sent yet need not go either."""
         stream = self._streams.pop(key, None)
         if stream is not None:
-            stream.dropped = True
-            if not stream.sending:
-                stream.file.close()
+            stream.source.drop(stale=stale)
 
     def saved(self, step_dir: Path) -> None:
         self._announced.setdefault(step_dir.name, (step_dir, {}))
         self._saved.add(step_dir.name)
         self._wake.set()
 
-    def start(self) -> None:
-        """The route is ``peer``: start handing over (once per notice)."""
+    def start(self, *, expected_bytes: int = 0, deadline: float | None = None) -> None:
+        """The route is ``peer``: start handing over (once per notice). ``expected_bytes`` (the
+        plan's size) and ``deadline`` (monotonic) decide how many flows the handoff needs."""
+        self._expected, self._deadline = expected_bytes, deadline
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="peer-handoff")
 
@@ -138,6 +155,8 @@ class Handoff:
                 self._drop(key)
             self._announced.clear()
             self._saved.clear()
+            self._queued_files.clear()
+            self._flows = None
             self.state = HandoffState.IDLE
 
     async def close(self) -> None:
@@ -176,60 +195,98 @@ class Handoff:
             await client.close()
 
     async def _send(self, client: PeerClient) -> None:
-        sent: set[str] = set()
-        while True:
-            self._wake.clear()
-            if self.name is None and self._announced:
-                self.name = max(self._announced, key=lambda name: parse_step_dir(name) or 0)
-                await client.open_replica(self.name, self.bucket)
-                self._move(HandoffState.SENDING, f"replica of {self.name} opened")
-            if self.name is not None:
-                step_dir, files = self._announced[self.name]
-                for (name, rel), stream in list(self._streams.items()):
-                    if name == self.name and rel not in sent:
-                        await self._send_ranges(client, rel, stream)
-                for rel in [rel for rel in files if rel not in sent]:
-                    await self._finish_file(client, step_dir, rel)
-                    sent.add(rel)
-                if self.name in self._saved:
-                    listed = await asyncio.to_thread(_committed_files, step_dir)
-                    for rel in sorted(set(listed) - sent):  # files never announced
-                        self.bytes_sent += await client.send_file(step_dir / rel, rel)
-                        sent.add(rel)
-                    await client.commit(step_dir)
-                    return
-            try:
-                await asyncio.wait_for(self._wake.wait(), _KEEPALIVE)
-            except TimeoutError:
-                await client.ping()  # a big file takes long to write; the peer drops idle connections
-
-    async def _send_ranges(self, client: PeerClient, rel: str, stream: _Streamed) -> None:
-        stream.sending = True
+        flows: Flows | None = None
+        pacer: asyncio.Task[None] | None = None
         try:
-            while stream.todo and not stream.dropped:  # the trainer may announce more while these go
-                offset, length = stream.todo.pop(0)
-                await client.send_part(stream.file, rel, stream.size, offset, length)
-                stream.done.append((offset, length))
-                self.bytes_sent += length
+            while True:
+                self._wake.clear()
+                if flows is None and self._announced:
+                    flows = self._flows = await self._open(client)
+                    if self._deadline is not None and self.max_flows > 1:
+                        pacer = asyncio.create_task(flows.pace(self._remaining, self._deadline), name="peer-flows")
+                if flows is not None and await self._queue_announced(flows):
+                    assert self.name is not None
+                    await flows.sent()
+                    await client.commit(self._announced[self.name][0])
+                    return
+                try:
+                    await asyncio.wait_for(self._wake.wait(), KEEPALIVE)
+                except TimeoutError:
+                    if flows is None:  # else its flows ping while they wait for pieces
+                        await client.ping()  # the peer drops idle connections
         finally:
-            stream.sending = False
-            if stream.dropped:
-                stream.file.close()
+            if pacer is not None:
+                pacer.cancel("handoff over")
+                await asyncio.gather(pacer, return_exceptions=True)
+            if flows is not None:
+                self.flows = flows.opened
+                await flows.close()
 
-    async def _finish_file(self, client: PeerClient, step_dir: Path, rel: str) -> None:
-        """``rel`` is finished (its ``file`` message came): send what its ranges did not cover."""
+    async def _open(self, client: PeerClient) -> Flows:
+        """The replica of the newest checkpoint announced, and its flows (one, to begin with)."""
+        self.name = max(self._announced, key=lambda name: parse_step_dir(name) or 0)
+        replica_id = await client.open_replica(self.name, self.bucket)
+        self._move(HandoffState.SENDING, f"replica of {self.name} opened")
+        host, _, port = client.address.rpartition(":")
+
+        async def connect() -> PeerClient:
+            return await PeerClient.connect(host, int(port), self._token, io_timeout=self._io_timeout)
+
+        return Flows(client, replica_id, connect, max_flows=self.max_flows)
+
+    async def _queue_announced(self, flows: Flows) -> bool:
+        """Hand the flows what was announced of the replica's checkpoint since the last call;
+        whether it is all queued (the trainer committed it)."""
+        assert self.name is not None
+        step_dir, files = self._announced[self.name]
+        for (name, rel), stream in list(self._streams.items()):
+            if name == self.name and rel not in self._queued_files:
+                self._queue_ranges(flows, stream)
+        for rel in [rel for rel in files if rel not in self._queued_files]:
+            await self._finish_file(flows, step_dir, rel)
+        if self.name not in self._saved:
+            return False
+        listed = await asyncio.to_thread(_committed_files, step_dir)
+        for rel in sorted(set(listed) - self._queued_files):  # files never announced
+            await self._queue_file(flows, step_dir, rel)
+        return True
+
+    def _queue_ranges(self, flows: Flows, stream: _Streamed) -> None:
+        for offset, length in stream.todo:
+            flows.send(stream.source, offset, length, self._count)
+        stream.queued += stream.todo
+        stream.todo.clear()
+
+    async def _queue_file(self, flows: Flows, step_dir: Path, rel: str) -> None:
+        """All of ``rel`` (finished: no ranges were announced, or they do not fit it)."""
+        fd = await asyncio.to_thread(open_nofollow, step_dir / rel)
+        file = open(fd, "rb", buffering=0)  # noqa: SIM115  # closed by its Source once its pieces are sent
+        source = Source(file, rel, os.fstat(fd).st_size)
+        flows.send(source, 0, source.size, self._count)
+        source.drop()
+        self._queued_files.add(rel)
+
+    async def _finish_file(self, flows: Flows, step_dir: Path, rel: str) -> None:
+        """``rel`` is finished (its ``file`` message came): queue what its ranges did not cover."""
         assert self.name is not None
         stream = self._streams.get((self.name, rel))
         if stream is None or stream.size != self._announced[self.name][1][rel].size:
-            self._drop((self.name, rel))
-            self.bytes_sent += await client.send_file(step_dir / rel, rel)
+            self._drop((self.name, rel), stale=True)
+            await self._queue_file(flows, step_dir, rel)
             return
-        try:
-            await self._send_ranges(client, rel, stream)
-            stream.todo.extend(_gaps(stream.done, stream.size))  # the file message is the last word on it
-            await self._send_ranges(client, rel, stream)
-        finally:
-            self._drop((self.name, rel))
+        self._queue_ranges(flows, stream)
+        stream.todo.extend(_gaps(stream.queued, stream.size))  # the file message is the last word on it
+        self._queue_ranges(flows, stream)
+        self._drop((self.name, rel))
+        self._queued_files.add(rel)
+
+    def _count(self, piece: Piece) -> None:
+        self.bytes_sent += piece.length
+
+    def _remaining(self) -> int:
+        """Bytes still to cross: the plan's size less what went, at least what is queued."""
+        backlog = self._flows.backlog if self._flows is not None else 0
+        return max(self._expected - self.bytes_sent, backlog)
 
     def status(self) -> dict[str, Any]:
         return {

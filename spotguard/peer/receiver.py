@@ -27,6 +27,7 @@ import contextlib
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ from spotguard.manifest import parse_step_dir
 from spotguard.peer import noise, wire
 from spotguard.peer.admission import Admission
 from spotguard.peer.channel import HANDSHAKE_TIMEOUT, IO_TIMEOUT, Channel, accept, refusal, tune_socket
-from spotguard.peer.files import check_range, data_header, make_parent, make_room, write_range
+from spotguard.peer.files import Extents, check_range, data_header, make_parent, make_room, write_range
 from spotguard.peer.replicas import Replica, ReplicaState, ReplicaStore
 from spotguard.storage.base import Storage
 
@@ -47,6 +48,16 @@ HANDSHAKES_PER_SOURCE = 4  # of which from one address
 
 # A request frame's handler: (receiver, header, channel, peer address); it writes its answer.
 RequestHandler = Callable[["PeerReceiver", dict[str, Any], Channel, str], Awaitable[None]]
+
+
+@dataclass
+class _Session:
+    """What one authenticated connection holds: the replica it opened, or joined (another flow of
+    the sender's: its data frames count the same, but only the opener commits, and only the
+    opener's end drops an unfinished replica)."""
+
+    replica: Replica | None = None
+    opened: bool = False
 
 
 class PeerReceiver:
@@ -68,7 +79,7 @@ class PeerReceiver:
         busy: Callable[[], bool] = lambda: False,
         max_replica_bytes: int = 1 << 40,
         max_replicas: int = 2,
-        max_connections: int = 8,
+        max_connections: int = 16,
         concurrency: int = 8,
         io_timeout: float = IO_TIMEOUT,
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
@@ -127,7 +138,7 @@ class PeerReceiver:
         who = f"{peername[0]}:{peername[1]}" if isinstance(peername, tuple) else "?"
         tune_socket(writer.get_extra_info("socket"), self.io_timeout)
         channel: Channel | None = None
-        replica: Replica | None = None
+        session = _Session()
         self._writers.add(writer)
         try:
             channel = await self._handshake(stream, writer, who)
@@ -137,7 +148,7 @@ class PeerReceiver:
             while True:
                 # Between requests a sender may wait for its trainer (it pings): the idle limit applies.
                 header = await asyncio.wait_for(channel.read_frame(timeout=IDLE_TIMEOUT), IDLE_TIMEOUT)
-                replica = await self._request(header, channel, who, replica)
+                await self._request(header, channel, who, session)
                 await channel.drain()
         except wire.PeerError as exc:
             self._refuse(writer, channel, who, exc)
@@ -150,6 +161,7 @@ class PeerReceiver:
             if channel is not None:
                 self._connections -= 1
             self._writers.discard(writer)
+            replica = session.replica if session.opened else None
             if replica is not None and replica.state is ReplicaState.RECEIVING:
                 # A sender that died mid-stream leaves nothing that could count as complete.
                 with contextlib.suppress(Exception):
@@ -204,39 +216,52 @@ class PeerReceiver:
             else:
                 writer.write(refusal(exc.code, exc.message))
 
-    async def _request(
-        self,
-        header: dict[str, Any],
-        channel: Channel,
-        who: str,
-        replica: Replica | None,
-    ) -> Replica | None:
+    async def _request(self, header: dict[str, Any], channel: Channel, who: str, session: _Session) -> None:
         kind = header["t"]
         if kind == "ping":
-            return replica  # a sender waiting for its trainer's next file keeps the connection alive
+            return  # a sender waiting for its trainer's next file keeps the connection alive
         if kind == "query":
             channel.write(wire.encode(self.state_frame()))
-            return replica
-        if kind == "replica":
-            if replica is not None:
+            return
+        if kind in ("replica", "join"):
+            if session.replica is not None:
                 raise wire.PeerError("bad-frame", "one replica per connection")
-            replica = await self._open(header, who)
-            channel.write(wire.encode({"t": "ok", "id": replica.id}))
-            return replica
+            session.opened = kind == "replica"
+            session.replica = await self._open(header, who) if session.opened else self._join(header, who)
+            channel.write(wire.encode({"t": "ok", "id": session.replica.id}))
+            return
         if kind in self.handlers:  # e.g. list and fetch: spotguard/peer/fetch.py
             await self.handlers[kind](self, header, channel, who)
-            return replica
+            return
+        replica = session.replica
         if replica is None:
             raise wire.PeerError("bad-frame", f"{kind!r} before a replica was opened")
         if kind == "data":
             await self._data(replica, header, channel)
-            return replica
-        if kind == "commit":
+        elif kind == "done" and not session.opened:  # a joined flow's last request
+            session.replica = None
+            channel.write(wire.encode({"t": "ok"}))
+        elif kind == "commit" and session.opened:
+            replica.committing = True  # no joined flow's frame may land while (or after) it is checked
             await self.store.commit(replica, header)
             channel.write(wire.encode({"t": "ok", "state": str(replica.state)}))
             self.store.schedule_upload(replica)
-            return None  # the connection no longer holds it
-        raise wire.PeerError("bad-frame", f"unknown frame type {kind!r}")
+            session.replica = None  # the connection no longer holds it
+        elif kind in ("done", "commit"):
+            how = "opened" if session.opened else "joined"
+            raise wire.PeerError("bad-frame", f"{kind!r} on a connection that {how} the replica")
+        else:
+            raise wire.PeerError("bad-frame", f"unknown frame type {kind!r}")
+
+    def _join(self, header: dict[str, Any], who: str) -> Replica:
+        """The replica another connection from the same host opened and is still sending."""
+        replica_id = wire.field(header, "id", str)
+        replica = self.replicas.get(replica_id)
+        if replica is None or not replica.receiving:
+            raise wire.PeerError("gone", f"no replica {replica_id[:60]!r} is being received")
+        if replica.sender.rpartition(":")[0] != who.rpartition(":")[0]:
+            raise wire.PeerError("bad-field", f"replica {replica_id} was opened from another host")
+        return replica
 
     def state_frame(self) -> dict[str, Any]:
         return {
@@ -263,6 +288,8 @@ class PeerReceiver:
         return await self.store.create(name, bucket, who, announced)  # slot and bytes taken before it awaits
 
     async def _data(self, replica: Replica, header: dict[str, Any], channel: Channel) -> None:
+        if not replica.receiving:
+            raise wire.PeerError("gone", f"{replica.id} is no longer being received")
         rel, size, offset, length = data_header(header)
         check_range(rel, size, offset, length)
         sizes = replica.sizes
@@ -277,11 +304,11 @@ class PeerReceiver:
         sizes[rel] = size
         # The write goes on in a thread while the next frame is read; a few at most per connection, each
         # holding its buffer until it is done.
-        if offset < replica.ends.get(rel, 0):
-            # It may overlap a range still being written (a file the sender's trainer wrote again):
-            # that one lands first. (The overlap then makes the commit read the file back.)
+        if replica.taken.setdefault(rel, Extents()).add(offset, offset + length):
+            # It overlaps a range that may still be being written (a file the sender's trainer wrote
+            # again, a piece sent again after a flow failed): that one lands first. (The overlap then
+            # makes the commit read the file back.) Ranges of other flows that only adjoin need not wait.
             await replica.settle()
-        replica.ends[rel] = max(replica.ends.get(rel, 0), offset + length)
         writes = replica.writes
         await make_room(writes)
         free = replica.buffers
@@ -290,6 +317,9 @@ class PeerReceiver:
             buffer = bytearray(length)
         data = memoryview(buffer)[:length]
         await channel.readinto(data)  # decrypted straight into the buffer the disk write takes
+        if not replica.receiving:  # committed (or dropped) while this frame came in on a joined flow
+            free.append(buffer)
+            raise wire.PeerError("gone", f"{replica.id} is no longer being received")
         ranges = replica.ranges.setdefault(rel, [])
         write = asyncio.ensure_future(asyncio.to_thread(write_range, replica.step_dir, rel, offset, data, ranges))
         write.add_done_callback(lambda _: free.append(buffer))

@@ -46,7 +46,7 @@ from spotguard.manifest import (
 )
 from spotguard.peer import wire
 from spotguard.peer.admission import Admission
-from spotguard.peer.files import Ranges, check_files, parse_manifest
+from spotguard.peer.files import Extents, Ranges, check_files, parse_manifest
 from spotguard.safefile import atomic_file, fsync_dir
 from spotguard.storage.base import Storage, StorageError
 from spotguard.storage.checkpoints import (
@@ -88,7 +88,12 @@ class Replica:
     # (offset, length, CRC32C) of every range written, per file: verified without reading the file back.
     ranges: Ranges = field(default_factory=dict)
     buffers: list[bytearray] = field(default_factory=list)  # payload buffers no write holds, reused
-    ends: dict[str, int] = field(default_factory=dict)  # per file, the furthest end of a range written
+    taken: dict[str, Extents] = field(default_factory=dict)  # per file, the bytes data frames have covered
+    committing: bool = False  # its commit has begun: no data frame may land any more
+
+    @property
+    def receiving(self) -> bool:
+        return self.state is ReplicaState.RECEIVING and not self.committing
 
     async def settle(self) -> None:
         """Wait for every disk write in flight; raise the first that failed."""

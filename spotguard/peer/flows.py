@@ -1,0 +1,297 @@
+"""One replica over several connections ("flows") to the same peer.
+
+Clouds cap a single TCP flow far below the NIC (AWS: 5 Gbit/s between VMs outside a cluster
+placement group), so a large share cannot cross in a 30 s notice on one connection however fast
+the link is. :class:`Flows` sends a replica's pieces over the connection that opened it and over
+connections joined to it (``{"t":"join","id":...}``, each with a handshake of its own: the receiver
+authenticates every connection and checks every range as on the first). Pieces are dealt to
+whichever flow is free; a joined flow that fails hands its piece back to the others, while the
+opener's failure ends the handoff (the receiver drops a replica whose opener goes away).
+
+How many flows: one to begin with. :meth:`Flows.pace` measures what each flow carries and adds one
+whenever the bytes left cannot cross before the deadline on the flows open, up to ``max_flows``.
+A fast link keeps one flow; a capped one gets as many as the deadline needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import BinaryIO
+
+from spotguard.peer import wire
+from spotguard.peer.client import PeerClient
+
+logger = logging.getLogger("spotguard.handoff")
+
+KEEPALIVE = 10.0  # seconds a flow waits for a piece before a ping (the receiver's idle limit is 30 s)
+PIECE = wire.SEND_CHUNK  # bytes of one piece: what a flow takes from the queue at once (one frame)
+MAX_FLOWS = 8  # the default bound (the receiver's max_connections is 8 too)
+PACE_INTERVAL = 0.25  # seconds between looks at the rate
+COMMIT_RESERVE = 0.2  # share of the time left kept for the receiver's checks and the commit
+
+
+class FlowsFailed(wire.PeerError):
+    """Every flow failed, or the one that opened the replica did."""
+
+
+@dataclass
+class Source:
+    """An open file that pieces are read from: closed once dropped and no piece holds it."""
+
+    file: BinaryIO
+    rel: str
+    size: int
+    holds: int = 0
+    dropped: bool = False
+    stale: bool = False  # its pieces not sent yet need not go (the file was given up or rewritten)
+
+    def hold(self) -> None:
+        self.holds += 1
+
+    def release(self) -> None:
+        self.holds -= 1
+        if self.dropped and self.holds == 0:
+            self.file.close()
+
+    def drop(self, *, stale: bool = False) -> None:
+        """No more pieces will be queued from it; ``stale``: those queued need not go."""
+        self.stale = self.stale or stale
+        if not self.dropped:
+            self.dropped = True
+            if self.holds == 0:
+                self.file.close()
+
+
+@dataclass
+class Piece:
+    source: Source
+    offset: int
+    length: int
+    sent: Callable[[Piece], None] | None = None  # called once it went out
+
+
+class Flows:
+    """The flows of one replica: ``opener`` carries the replica; ``connect`` opens another
+    authenticated connection to the same peer, which joins ``replica_id``.
+
+    >>> flows = Flows(client, "step-000000100-1a2b3c4d", connect, max_flows=8)
+    >>> flows.send(source, 0, source.size)
+    >>> await flows.sent()       # every piece out, every joined flow's frames read by the peer
+    >>> await client.commit(step_dir)
+    >>> await flows.close()
+    """
+
+    def __init__(
+        self,
+        opener: PeerClient,
+        replica_id: str,
+        connect: Callable[[], Awaitable[PeerClient]],
+        *,
+        max_flows: int = MAX_FLOWS,
+        piece: int = PIECE,
+    ) -> None:
+        if max_flows < 1:
+            raise ValueError("max_flows must be at least 1")
+        self.opener = opener
+        self.replica_id = replica_id
+        self.max_flows = max_flows
+        self.bytes_sent = 0
+        self.opened = 1  # flows opened in all (the opener included), for status and tests
+        self._connect = connect
+        self._piece = piece
+        self._queue: deque[Piece] = deque()
+        self._queued_bytes = 0
+        self._in_flight = 0
+        self._more = asyncio.Event()  # a piece was queued
+        self._progress = asyncio.Event()  # a piece went out, or a flow failed
+        self._error: BaseException | None = None
+        self._workers: dict[asyncio.Task[None], PeerClient] = {}
+        self._start(opener)
+
+    @property
+    def count(self) -> int:
+        """Flows open now."""
+        return len(self._workers)
+
+    @property
+    def buffered(self) -> int:
+        """Bytes the flows took that still wait in their connections' buffers (counted as sent)."""
+        return sum(client.channel.transport.get_write_buffer_size() for client in self._workers.values())
+
+    @property
+    def backlog(self) -> int:
+        """Bytes queued or going out."""
+        return self._queued_bytes
+
+    def send(self, source: Source, offset: int, length: int, sent: Callable[[Piece], None] | None = None) -> None:
+        """Queue ``[offset, offset + length)`` of ``source`` (an empty range too: an empty file is
+        sent as one), in pieces of at most ``piece`` bytes."""
+        end = offset + length
+        while True:
+            take = min(self._piece, end - offset)
+            source.hold()
+            self._queue.append(Piece(source, offset, take, sent))
+            self._queued_bytes += take
+            offset += take
+            if offset >= end:
+                break
+        self._more.set()
+
+    async def sent(self) -> None:
+        """The last call before the commit: wait until every queued piece went out, stop the flows,
+        and wait until the peer has read each joined flow's frames (it answers a ``done`` once the
+        frames before it are in). Raises :class:`FlowsFailed` (or the error that ended the opener)
+        if the flows could not carry them."""
+        while self._queue or self._in_flight:
+            self._raise_if_failed()
+            self._progress.clear()
+            await self._progress.wait()
+        self._raise_if_failed()
+        workers, self._workers = self._workers, {}
+        for task in workers:
+            task.cancel("every piece went out")  # each waits for a piece, or pings
+        await asyncio.gather(*workers, return_exceptions=True)
+        for client in workers.values():
+            if client is not self.opener:
+                try:
+                    await client.finish()
+                finally:
+                    await client.close()
+
+    async def grow(self) -> bool:
+        """One more flow, if the bound allows and the peer takes it; whether one was added."""
+        if self._error is not None or self.count >= self.max_flows:
+            return False
+        client: PeerClient | None = None
+        try:
+            client = await self._connect()
+            await client.join(self.replica_id)
+        except (OSError, TimeoutError, wire.PeerError) as exc:
+            logger.warning("peer handoff: flow %d to %s not opened: %s", self.count + 1, self.opener.address, exc)
+            if client is not None:
+                await client.close()
+            return False
+        self.opened += 1
+        self._start(client)
+        return True
+
+    async def pace(self, remaining: Callable[[], int], deadline: float) -> None:
+        """Until cancelled: add a flow whenever ``remaining()`` bytes would not cross on the flows
+        open, at the rate each carried in the last interval, before ``deadline`` (monotonic; less a
+        share kept for the commit)."""
+        last, last_time = self._delivered(), time.monotonic()
+        while True:
+            await asyncio.sleep(PACE_INTERVAL)
+            now, delivered = time.monotonic(), self._delivered()
+            measured = [key for key in delivered if key in last]  # a flow opened since counts next time
+            carried = sum(delivered[key] - last[key] for key in measured)
+            flows = self.count if self in delivered else len(measured)
+            elapsed, last, last_time = now - last_time, delivered, now
+            buffered = self.buffered
+            if not (self._queue or self._in_flight or buffered) or carried <= 0 or not flows:
+                continue  # nothing waiting to go (the trainer is the limit), or nothing measured yet
+            if self.count >= self.max_flows:
+                continue
+            per_flow = carried / elapsed / flows
+            seconds = max((deadline - now) * (1 - COMMIT_RESERVE), PACE_INTERVAL)
+            needed = math.ceil((remaining() + buffered) / seconds / per_flow)
+            if needed > self.count and await self.grow():
+                logger.info(
+                    "peer handoff: %d flows to %s (%.1f MB/s each, %d MiB left, %.1f s to the deadline)",
+                    self.count, self.opener.address, per_flow / 1e6, remaining() >> 20, deadline - now,
+                )  # fmt: skip
+
+    def _delivered(self) -> dict[object, int]:
+        """Bytes each flow's peer acknowledged; where the OS does not say, the bytes of the pieces
+        sent, for all flows at once (coarser: a piece at a time)."""
+        acked = {client: client.channel.delivered() for client in self._workers.values()}
+        if any(count is None for count in acked.values()):
+            return {self: self.bytes_sent}
+        return {client: count for client, count in acked.items() if count is not None}
+
+    async def close(self) -> None:
+        """Stop every flow and close the joined ones (the opener is its owner's to close)."""
+        workers, self._workers = self._workers, {}
+        for task in workers:
+            task.cancel("handoff over")
+        await asyncio.gather(*workers, return_exceptions=True)
+        for client in workers.values():
+            if client is not self.opener:
+                await client.close()
+        while self._queue:
+            self._queued_bytes -= self._queue[0].length
+            self._queue.popleft().source.release()
+
+    # --- one flow ------------------------------------------------------------------------
+
+    def _start(self, client: PeerClient) -> None:
+        task = asyncio.create_task(self._work(client), name=f"peer-flow-{self.opened}")
+        self._workers[task] = client
+        task.add_done_callback(self._ended)
+
+    async def _work(self, client: PeerClient) -> None:
+        while True:
+            if not self._queue:
+                self._more.clear()
+                try:
+                    await asyncio.wait_for(self._more.wait(), KEEPALIVE)
+                except TimeoutError:
+                    await client.ping()  # the trainer is slow to write: the peer drops idle connections
+                continue
+            piece = self._queue.popleft()
+            source = piece.source
+            if not source.stale:
+                self._in_flight += 1
+                try:
+                    await client.send_part(source.file, source.rel, source.size, piece.offset, piece.length)
+                except BaseException:
+                    self._queue.appendleft(piece)  # another flow sends it (or close() releases it)
+                    raise
+                finally:
+                    self._in_flight -= 1
+                self.bytes_sent += piece.length
+                if piece.sent is not None:
+                    piece.sent(piece)
+            self._queued_bytes -= piece.length
+            source.release()
+            self._progress.set()
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task not in self._workers:
+            return
+        client = self._workers.pop(task)
+        exc = task.exception()
+        if client is self.opener or not self._workers:
+            self._error = exc if exc is not None else FlowsFailed("closed", "a flow ended")
+        else:
+            logger.warning("peer handoff: a flow to %s failed (%s); %d go on", client.address, exc, self.count)
+            client.channel.close()  # its transport goes; nothing to wait for
+        self._progress.set()
+        self._more.set()  # the others take what it left
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            error = self._error
+            if isinstance(error, wire.PeerError | OSError | TimeoutError):
+                raise error
+            raise FlowsFailed("closed", f"the flows failed: {error}") from error
+
+
+async def open_flows(
+    client: PeerClient, replica_id: str, host: str, port: int, token: bytes, *, io_timeout: float, max_flows: int
+) -> Flows:
+    """:class:`Flows` for ``replica_id``, opened on ``client``: more flows connect to ``host:port``."""
+
+    async def connect() -> PeerClient:
+        return await PeerClient.connect(host, port, token, io_timeout=io_timeout)
+
+    return Flows(client, replica_id, connect, max_flows=max_flows)
+
+
+__all__ = ["KEEPALIVE", "MAX_FLOWS", "PIECE", "Flows", "FlowsFailed", "Piece", "Source", "open_flows"]

@@ -1,0 +1,171 @@
+"""A handoff spreads its replica over several connections when one is too slow for the deadline.
+
+B is a real daemon (moto as the bucket) listening on the peer port; the sending side is a real
+:class:`~spotguard.peer.handoff.Handoff`, reaching B through a relay on 127.0.0.1 that paces each
+connection (a link whose every flow is capped, as a cloud caps them). Every flow authenticates on
+its own, and B takes data of a replica only on connections that opened or joined it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from spotguard.harness import Vm, wait_for
+from spotguard.manifest import load_manifest
+from spotguard.peer import wire
+from spotguard.peer.client import PeerClient
+from spotguard.peer.handoff import Handoff, HandoffState
+from spotguard.storage.checkpoints import list_remote
+from spotguard.storage.s3 import S3Storage
+from tests.checkpoints import write_checkpoint
+from tests.pacedrelay import PacedRelay
+
+TOKEN = "a-shared-secret-of-the-job-0123456789"
+MiB = 1 << 20
+
+
+@pytest.fixture
+def receiver_vm(tmp_path: Path, url: str) -> Iterator[Vm]:
+    vm = Vm(tmp_path, "vm-b", url, extra_args=["--provider", "none", "--peer-listen", "127.0.0.1:0"])
+    vm.start_daemon(env={"SPOTGUARD_PEER_TOKEN": TOKEN})
+    yield vm
+    vm.kill_daemon()
+
+
+def address(vm: Vm) -> tuple[str, int]:
+    return wire.parse_address(vm.status()["peers"]["listen"])
+
+
+def committed_steps(url: str) -> list[int]:
+    storage = S3Storage(url)
+    try:
+        return [info.step for info in list_remote(storage) if info.status == "complete"]
+    finally:
+        storage.close()
+
+
+async def hand_over(step_dir: Path, url: str, where: tuple[str, int], seconds_left: float | None) -> Handoff:
+    """Hand the committed checkpoint ``step_dir`` to the peer at ``where``, as the daemon would on a
+    notice routed to the peer with ``seconds_left`` to its deadline (None: no deadline known)."""
+
+    async def candidates() -> list[tuple[str, int]]:
+        return [where]
+
+    handoff = Handoff(candidates, TOKEN.encode(), url, max_flows=6)
+    manifest = load_manifest(step_dir)
+    for rel, entry in manifest.files.items():
+        handoff.file_ready(step_dir, rel, entry)
+    handoff.saved(step_dir)
+    deadline = None if seconds_left is None else time.monotonic() + seconds_left
+    handoff.start(expected_bytes=manifest.total_bytes, deadline=deadline)
+    async with asyncio.timeout(60):
+        while handoff.state not in (HandoffState.HANDED, HandoffState.FAILED):
+            await asyncio.sleep(0.05)
+    await handoff.close()
+    return handoff
+
+
+def test_a_capped_flow_gets_company_until_the_deadline_can_be_met(
+    receiver_vm: Vm, url: str, tmp_path: Path
+) -> None:
+    # 40 MiB at 4 MB/s a connection: one flow needs 10.5 s, and the deadline is 5 s away.
+    files = {f"shard-{i}.bin": os.urandom(10 * MiB) for i in range(4)}
+    step_dir = write_checkpoint(tmp_path / "vm-a", 11, files)
+    with PacedRelay(receiver_vm.status()["peers"]["listen"], 4_000_000, buffer_bytes=64 * 1024) as relay:
+        relay_address = wire.parse_address(relay.url.removeprefix("http://"))
+        started = time.monotonic()
+        handoff = asyncio.run(hand_over(step_dir, url, relay_address, seconds_left=5.0))
+        took = time.monotonic() - started
+    assert handoff.state is HandoffState.HANDED, handoff.error
+    assert handoff.flows >= 3, f"{handoff.flows} flow(s) for 40 MiB at 4 MB/s each in 5 s"
+    assert handoff.bytes_sent == sum(len(data) for data in files.values())
+    # Not a timing assertion, a sanity bound: one flow alone could not have done it in 10 s.
+    assert took < 10.0, f"the handoff took {took:.1f} s on {handoff.flows} flows"
+    wait_for(lambda: 11 in committed_steps(url), 30, "B's commit of the handed-over step in the bucket")
+
+
+def test_a_fast_link_keeps_one_flow(receiver_vm: Vm, url: str, tmp_path: Path) -> None:
+    step_dir = write_checkpoint(tmp_path / "vm-a", 12, {"weights.bin": os.urandom(8 * MiB)})
+    handoff = asyncio.run(hand_over(step_dir, url, address(receiver_vm), seconds_left=60.0))
+    assert handoff.state is HandoffState.HANDED, handoff.error
+    assert handoff.flows == 1
+    wait_for(lambda: 12 in committed_steps(url), 30, "B's commit in the bucket")
+
+
+def test_only_authenticated_connections_of_the_same_sender_join_a_replica(
+    receiver_vm: Vm, url: str, tmp_path: Path
+) -> None:
+    where = address(receiver_vm)
+    step_dir = write_checkpoint(tmp_path / "vm-a", 13, {"a.bin": os.urandom(MiB), "b.bin": os.urandom(MiB)})
+
+    async def scenario() -> None:
+        opener = await PeerClient.connect(*where, TOKEN.encode())
+        replica_id = await opener.open_replica(step_dir.name, url)
+        # Without the token there is no connection to join on: the handshake fails.
+        with pytest.raises(wire.PeerError) as caught:
+            await PeerClient.connect(*where, b"not-the-job-s-token-at-all-0000")
+        assert caught.value.code == "auth"
+        # With it, a replica nobody is sending cannot be joined.
+        stranger = await PeerClient.connect(*where, TOKEN.encode())
+        with pytest.raises(wire.PeerError) as caught:
+            await stranger.join("step-000000013-00000000")
+        assert caught.value.code == "gone"
+        await stranger.close()
+        # A joined flow carries data, but may not commit: only the opener does.
+        joined = await PeerClient.connect(*where, TOKEN.encode())
+        await joined.join(replica_id)
+        await joined.send_file(step_dir / "a.bin", "a.bin")
+        await joined.finish()
+        await opener.send_file(step_dir / "b.bin", "b.bin")
+        late = await PeerClient.connect(*where, TOKEN.encode())
+        await late.join(replica_id)
+        with pytest.raises(wire.PeerError) as caught:
+            await late.commit(step_dir)
+        assert caught.value.code == "bad-frame"
+        await late.close()
+        assert (await opener.commit(step_dir))["state"] == "verified"
+        # Once committed, the replica takes no more data from anyone.
+        after = await PeerClient.connect(*where, TOKEN.encode())
+        with pytest.raises(wire.PeerError) as caught:
+            await after.join(replica_id)
+        assert caught.value.code == "gone"
+        await after.close()
+        await joined.close()
+        await opener.close()
+
+    asyncio.run(scenario())
+    wait_for(lambda: 13 in committed_steps(url), 30, "B's commit in the bucket")
+
+
+def test_a_replica_whose_opener_goes_away_is_dropped_whatever_its_joined_flows_sent(
+    receiver_vm: Vm, url: str, tmp_path: Path
+) -> None:
+    where = address(receiver_vm)
+    step_dir = write_checkpoint(tmp_path / "vm-a", 14, {"a.bin": os.urandom(2 * MiB)})
+
+    async def scenario() -> str:
+        opener = await PeerClient.connect(*where, TOKEN.encode())
+        replica_id = await opener.open_replica(step_dir.name, url)
+        joined = await PeerClient.connect(*where, TOKEN.encode())
+        await joined.join(replica_id)
+        await joined.send_file(step_dir / "a.bin", "a.bin")
+        await opener.close()
+        wait_deadline = time.monotonic() + 10
+        while any(r["id"] == replica_id for r in receiver_vm.status()["peers"]["replicas"]):
+            assert time.monotonic() < wait_deadline, "the opener's replica outlived it"
+            await asyncio.sleep(0.05)
+        with pytest.raises((wire.PeerError, OSError)):
+            await joined.send_file(step_dir / "a.bin", "a.bin")
+            await joined.finish()
+        await joined.close()
+        return replica_id
+
+    asyncio.run(scenario())
+    assert 14 not in committed_steps(url)
+    assert not any(r["name"] == step_dir.name for r in receiver_vm.status()["peers"]["replicas"])
