@@ -174,12 +174,17 @@ def write_results(name: str, report: dict[str, Any]) -> Path:
 
 
 @contextlib.contextmanager
-def capped_link(upstream: str, per_connection_bytes_s: float, *, downloads: bool = False) -> Iterator[str]:
+def capped_link(
+    upstream: str, per_connection_bytes_s: float, *, downloads: bool = False, buffer_bytes: int = 0
+) -> Iterator[str]:
     """A TCP relay in a child process: each connection's client-to-server bytes are paced at
     ``per_connection_bytes_s`` (uploads; ``downloads=True``: server-to-client bytes instead), the
-    other direction passes at full speed. Yields its ``http://`` URL."""
+    other direction passes at full speed. ``buffer_bytes``: each paced connection's receive buffer
+    (0: the kernel's, megabytes on loopback: a burst passes before the pacing shows). Yields its
+    ``http://`` URL."""
+    direction = "down" if downloads else "up"
     proc = subprocess.Popen(
-        [sys.executable, __file__, "relay", upstream, str(per_connection_bytes_s), "down" if downloads else "up"],
+        [sys.executable, __file__, "relay", upstream, str(per_connection_bytes_s), direction, str(buffer_bytes)],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -191,9 +196,11 @@ def capped_link(upstream: str, per_connection_bytes_s: float, *, downloads: bool
         proc.wait(timeout=30)
 
 
-def _relay_main(upstream: str, rate: float, direction: str) -> None:
+def _relay_main(upstream: str, rate: float, direction: str, buffer_bytes: int) -> None:
     host, _, port = upstream.removeprefix("http://").partition(":")
     listener = socket.create_server(("127.0.0.1", 0))
+    if buffer_bytes:  # accepted connections take it from the listener
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
     print(f"http://127.0.0.1:{listener.getsockname()[1]}", flush=True)
 
     def pump(source: socket.socket, sink: socket.socket, paced: bool) -> None:
@@ -227,5 +234,6 @@ if __name__ == "__main__":
     cli.add_argument("upstream")
     cli.add_argument("rate", type=float, help="bytes per second per connection")
     cli.add_argument("direction", choices=["up", "down"], help="up: client to server is paced; down: the answers")
+    cli.add_argument("buffer", type=int, nargs="?", default=0, help="receive buffer of each connection (0: the OS's)")
     parsed = cli.parse_args()
-    _relay_main(parsed.upstream, parsed.rate, parsed.direction)
+    _relay_main(parsed.upstream, parsed.rate, parsed.direction, parsed.buffer)

@@ -5,7 +5,8 @@ the same bytes, and the cipher's single-core rate.
   out to them, ``socket.sendfile``) to a receiver process that writes them to its disk: no
   handshake, no encryption, no checks;
 - protected: the same checkpoint handed to a real daemon's peer receiver (``spotguard run
-  --peer-listen``, its own process) with ``PeerClient``: Noise handshake, every byte sealed in
+  --peer-listen``, its own process) over as many flows (``send_committed``; and over one flow, for
+  reference): each connection's Noise handshake, every byte sealed in
   AES-GCM records, decrypted into the receiver's buffers, written, every file's CRC32C checked; the
   time runs to the receiver's ``verified`` answer;
 - cipher: one core sealing (and opening) 64 KiB records, AES-GCM and ChaCha20-Poly1305.
@@ -29,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import machine, median, write_results
+from common import capped_link, machine, median, write_results
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
 from peer_rescue import TOKEN, make_checkpoint, peer_copy
 
@@ -101,6 +102,20 @@ def plain_copy(step_dir: Path, scratch: Path, connections: int) -> float:
         shutil.rmtree(out, ignore_errors=True)
 
 
+def capped_flows(step_dir: Path, receiver: Vm, bucket: str, cap_mb_s: float, flows: int, runs: int) -> list[float]:
+    """Seconds of each handoff over ``flows`` connections, each capped to ``cap_mb_s`` by a relay
+    (a small receive buffer each, so that it paces from the first bytes, as a link does)."""
+    seconds = []
+    address = receiver.status()["peers"]["listen"]
+    with capped_link(address, cap_mb_s * 1e6, buffer_bytes=256 * 1024) as relay:
+        where = parse_address(relay.removeprefix("http://"))
+        for _ in range(runs):
+            seconds.append(round(peer_copy(step_dir, where, bucket, flows), 3))
+            wait_for(lambda: receiver.status()["peers"]["replicas"] == [], 120, "the replica's commit")
+            shutil.rmtree(Path(bucket.removeprefix("file://")) / step_dir.name, ignore_errors=True)
+    return seconds
+
+
 def cipher_rates(runs: int) -> dict[str, float]:
     """MB/s of one core sealing / opening 64 KiB records (the channel's largest), medians of ``runs``."""
     record = os.urandom(MAX_PLAINTEXT)
@@ -129,7 +144,10 @@ def main() -> int:
     cli.add_argument("--gib", type=float, default=1.0)
     cli.add_argument("--files", type=int, default=8)
     cli.add_argument("--runs", type=int, default=5)
-    cli.add_argument("--connections", type=int, default=4, help="the plain copy's connections")
+    cli.add_argument("--connections", type=int, default=4, help="connections of the plain copy and of the handoff")
+    cli.add_argument(
+        "--flow-cap-mb-s", type=float, help="also hand over through a relay capping each connection (MB/s)"
+    )
     args = cli.parse_args()
     ciphers = cipher_rates(args.runs)
     for name, rate in ciphers.items():
@@ -142,25 +160,37 @@ def main() -> int:
         (scratch / "bucket").mkdir()
         receiver = Vm(scratch, "peer", bucket, extra_args=["--provider", "none", "--peer-listen", "127.0.0.1:0"])
         receiver.start_daemon(env={"SPOTGUARD_PEER_TOKEN": TOKEN})
-        times: dict[str, list[float]] = {"plain": [], "protected": []}
+        times: dict[str, list[float]] = {"plain": [], "protected": [], "protected-1-flow": []}
         try:
             where = parse_address(receiver.status()["peers"]["listen"])
+            if args.flow_cap_mb_s:
+                capped = capped_flows(step_dir, receiver, bucket, args.flow_cap_mb_s, args.connections, args.runs)
             for _ in range(args.runs):
                 times["plain"].append(plain_copy(step_dir, scratch, args.connections))
-                times["protected"].append(peer_copy(step_dir, where, bucket))
-                # The replica goes on to the (file://) bucket: let it finish before the next run.
-                wait_for(lambda: receiver.status()["peers"]["replicas"] == [], 120, "the replica to be committed")
-                shutil.rmtree(scratch / "bucket" / step_dir.name, ignore_errors=True)
+                for name, flows in (("protected", args.connections), ("protected-1-flow", 1)):
+                    times[name].append(peer_copy(step_dir, where, bucket, flows))
+                    # The replica goes on to the (file://) bucket: let it finish before the next run.
+                    wait_for(lambda: receiver.status()["peers"]["replicas"] == [], 120, "the replica's commit")
+                    shutil.rmtree(scratch / "bucket" / step_dir.name, ignore_errors=True)
         finally:
             receiver.kill_daemon()
-    rates = {name: nbytes / median(samples) / 1e6 for name, samples in times.items()}
+    rates = {name: nbytes / median(samples) / 1e6 for name, samples in times.items() if samples}
     ratio = rates["protected"] / rates["plain"]
     for name, samples in times.items():
         runs = [round(s, 2) for s in samples]
-        print(f"{name:9s} median {median(samples):6.2f} s  {rates[name]:7.0f} MB/s  runs {runs}")
-    print(f"protected / plain throughput: {ratio:.2f} (target >= 0.80)")
+        print(f"{name:16s} median {median(samples):6.2f} s  {rates[name]:7.0f} MB/s  runs {runs}")
+    print(f"protected ({args.connections} flows) / plain throughput: {ratio:.2f} (target >= 0.80)")
+    print(f"protected (1 flow) / plain throughput: {rates['protected-1-flow'] / rates['plain']:.2f}")
     report: dict[str, Any] = {"machine": machine(), "bytes": nbytes, "files": args.files, "seconds": times}
     report.update(connections=args.connections, rates_mb_s=rates, ratio=ratio, cipher_mb_s=ciphers)
+    if args.flow_cap_mb_s:
+        link = args.connections * args.flow_cap_mb_s
+        capped_rate = nbytes / median(capped) / 1e6
+        print(
+            f"capped link, {args.connections} flows x {args.flow_cap_mb_s:g} MB/s: median {median(capped):.2f} s "
+            f"{capped_rate:.1f} MB/s = {capped_rate / link:.2f} of the link (target >= 0.80), runs {capped}"
+        )
+        report.update(capped_seconds=capped, capped_mb_s=capped_rate, capped_share=capped_rate / link)
     print(f"results: {write_results('peer_channel', report)}")
     return 0
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -44,7 +45,8 @@ from spotguard.control import request
 from spotguard.harness import Vm, wait_for
 from spotguard.localstore import CheckpointWriter
 from spotguard.manifest import load_manifest
-from spotguard.peer.client import PeerClient, send_checkpoint
+from spotguard.peer.client import PeerClient
+from spotguard.peer.flows import send_committed
 from spotguard.peer.wire import parse_address
 
 MiB = 1 << 20
@@ -108,12 +110,12 @@ def floor_copy(step_dir: Path, scratch: Path) -> float:
         shutil.rmtree(out, ignore_errors=True)
 
 
-def peer_copy(step_dir: Path, where: tuple[str, int], bucket: str) -> float:
+def peer_copy(step_dir: Path, where: tuple[str, int], bucket: str, flows: int = 1) -> float:
     async def hand_over() -> float:
         started = time.perf_counter()
         client = await PeerClient.connect(*where, TOKEN.encode())
         try:
-            reply = await send_checkpoint(client, step_dir, bucket)
+            reply = await send_committed(client, step_dir, bucket, TOKEN.encode(), flows=flows)
         finally:
             await client.close()
         assert reply["state"] == "verified", reply
@@ -122,15 +124,22 @@ def peer_copy(step_dir: Path, where: tuple[str, int], bucket: str) -> float:
     return asyncio.run(hand_over())
 
 
-def notice_to_safe(moto: Moto, work: Path, gib: float, deadline: float, *, peer: bool) -> dict[str, Any]:
-    """One drill on daemon A (with peer B or alone) and its trainer; seconds from the notice."""
+def notice_to_safe(
+    moto: Moto, work: Path, gib: float, deadline: float, *, peer: bool, flow_cap: float | None = None
+) -> dict[str, Any]:
+    """One drill on daemon A (with peer B or alone) and its trainer; seconds from the notice.
+    ``flow_cap``: A reaches B's peer port through a relay pacing each connection to that many bytes/s."""
     prefix = f"rescue-{'peer' if peer else 'bucket'}"
     env = {"SPOTGUARD_PEER_TOKEN": TOKEN}
     vm_b = Vm(work, f"{prefix}-b", moto.url(prefix), extra_args=["--provider", "none", "--peer-listen", "127.0.0.1:0"])
     peers = []
+    link = contextlib.ExitStack()
     if peer:
         vm_b.start_daemon(env=env)
-        peers = ["--peers", vm_b.status()["peers"]["listen"]]
+        address = vm_b.status()["peers"]["listen"]
+        if flow_cap is not None:  # B's link: every flow capped, as a cloud caps them
+            address = link.enter_context(capped_link(address, flow_cap, buffer_bytes=256 * 1024))
+        peers = ["--peers", address.removeprefix("http://")]
     vm_a = Vm(work, f"{prefix}-a", moto.url(prefix), extra_args=["--provider", "none", *peers])
     vm_a.start_daemon(env=env)
     bench_dir = str(Path(__file__).parent)
@@ -158,6 +167,8 @@ def notice_to_safe(moto: Moto, work: Path, gib: float, deadline: float, *, peer:
             assert handed["state"] == "handed", handed
             times["safe_on_peer"] = time.time() - t_notice
             times["route"] = vm_a.status()["plan"]["route"]
+            times["flows"] = vm_a.status()["peers"]["handoff"]["flows"]
+            times["in_time"] = times["safe_on_peer"] <= deadline
             vm_a.kill_daemon()  # the VM is gone: B alone commits it
             wait_for(lambda: vm_b.status()["peers"]["replicas"] == [], 1800, "B's commit", interval=0.05)
             times["safe_in_bucket"] = time.time() - t_notice
@@ -171,6 +182,7 @@ def notice_to_safe(moto: Moto, work: Path, gib: float, deadline: float, *, peer:
             times["safe_in_bucket"] = time.time() - t_notice
             times["route"] = status["plan"]["route"] if status.get("plan") else None
     finally:
+        link.close()
         trainer.kill()
         trainer.wait()
         vm_a.kill_daemon()
@@ -182,7 +194,9 @@ def notice_to_safe(moto: Moto, work: Path, gib: float, deadline: float, *, peer:
     return times
 
 
-def rescue(gib: float, mb_s: float, deadline: float) -> dict[str, dict[str, Any]]:
+def rescue(
+    gib: float, mb_s: float, deadline: float, flow_mb_s: float | None, bucket_drill: bool = True
+) -> dict[str, dict[str, Any]]:
     with (
         tempfile.TemporaryDirectory(prefix="spotguard-peer-rescue-") as tmp,
         moto_process() as direct,
@@ -191,9 +205,12 @@ def rescue(gib: float, mb_s: float, deadline: float) -> dict[str, dict[str, Any]
         os.environ["AWS_ENDPOINT_URL_S3"] = relay  # both daemons reach the bucket through it
         moto = Moto(relay, direct.bucket)
         results = {
-            "peer": notice_to_safe(moto, Path(tmp), gib, deadline, peer=True),
-            "bucket": notice_to_safe(moto, Path(tmp), gib, deadline, peer=False),
+            "peer": notice_to_safe(
+                moto, Path(tmp), gib, deadline, peer=True, flow_cap=None if flow_mb_s is None else flow_mb_s * 1e6
+            ),
         }
+        if bucket_drill:
+            results["bucket"] = notice_to_safe(moto, Path(tmp), gib, deadline, peer=False)
     for route, times in results.items():
         said = ", ".join(
             f"{key} {value:.1f} s" if isinstance(value, float) else f"{key} {value}" for key, value in times.items()
@@ -210,8 +227,13 @@ def main() -> int:
     cli.add_argument("--no-rescue", action="store_true", help="only the throughput against the TCP copy")
     cli.add_argument("--per-connection-mb-s", type=float, default=1.0, help="the relay's cap on each connection")
     cli.add_argument("--deadline", type=float, default=30.0, help="the drill's seconds of notice")
+    cli.add_argument("--peer-flow-mb-s", type=float, help="cap each connection to the peer (default: none)")
+    cli.add_argument("--no-bucket-drill", action="store_true", help="the drill with a peer only")
     args = cli.parse_args()
-    rescued = None if args.no_rescue else rescue(args.gib, args.per_connection_mb_s, args.deadline)
+    rescued = None
+    if not args.no_rescue:
+        drill = (args.gib, args.per_connection_mb_s, args.deadline, args.peer_flow_mb_s)
+        rescued = rescue(*drill, bucket_drill=not args.no_bucket_drill)
     with tempfile.TemporaryDirectory(prefix="spotguard-peer-bench-") as tmp:
         scratch = Path(tmp)
         step_dir = make_checkpoint(scratch / "sender", args.gib, args.files)

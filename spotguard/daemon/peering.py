@@ -56,9 +56,8 @@ class Peering:
         if config.peer_discovery and token is not None and storage is not None:
             self.registry = PeerRegistry(storage, token=token, networks=config.peer_network_policy())
         if config.peers and token is not None and config.bucket is not None:
-            self.handoff = Handoff(
-                self.candidates, token, config.bucket, io_timeout=config.peer_io_timeout, max_flows=config.peer_max_flows
-            )
+            timeout, flows = config.peer_io_timeout, config.peer_max_flows
+            self.handoff = Handoff(self.candidates, token, config.bucket, io_timeout=timeout, max_flows=flows)
 
     async def start_receiver(self, busy: Callable[[], bool]) -> None:
         """Listen for peers' checkpoints (``busy``: a hard notice is pending here), and register in the bucket."""

@@ -18,14 +18,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import BinaryIO
+from pathlib import Path
+from typing import Any, BinaryIO
 
+from spotguard.manifest import load_manifest
 from spotguard.peer import wire
+from spotguard.peer.channel import IO_TIMEOUT
 from spotguard.peer.client import PeerClient
+from spotguard.safefile import open_nofollow
 
 logger = logging.getLogger("spotguard.handoff")
 
@@ -284,14 +289,48 @@ class Flows:
 
 
 async def open_flows(
-    client: PeerClient, replica_id: str, host: str, port: int, token: bytes, *, io_timeout: float, max_flows: int
+    client: PeerClient, name: str, bucket: str, token: bytes, *, io_timeout: float = IO_TIMEOUT, max_flows: int
 ) -> Flows:
-    """:class:`Flows` for ``replica_id``, opened on ``client``: more flows connect to ``host:port``."""
+    """A replica of ``name`` opened on ``client``, and its :class:`Flows` (more connect to the same
+    peer with ``token``)."""
+    replica_id = await client.open_replica(name, bucket)
+    host, _, port = client.address.rpartition(":")
 
     async def connect() -> PeerClient:
-        return await PeerClient.connect(host, port, token, io_timeout=io_timeout)
+        return await PeerClient.connect(host, int(port), token, io_timeout=io_timeout)
 
     return Flows(client, replica_id, connect, max_flows=max_flows)
 
 
-__all__ = ["KEEPALIVE", "MAX_FLOWS", "PIECE", "Flows", "FlowsFailed", "Piece", "Source", "open_flows"]
+async def send_committed(
+    client: PeerClient, step_dir: Path, bucket: str, token: bytes, *, flows: int
+) -> dict[str, Any]:
+    """A whole locally committed checkpoint to ``client``'s peer over ``flows`` connections at once
+    (resends, benchmarks); the peer's answer to the commit."""
+    files = await asyncio.to_thread(lambda: dict(load_manifest(step_dir).files))
+    replica = await open_flows(client, step_dir.name, bucket, token, max_flows=flows)
+    try:
+        while replica.count < flows and await replica.grow():
+            pass
+        for rel in sorted(files):
+            fd = await asyncio.to_thread(open_nofollow, step_dir / rel)
+            source = Source(open(fd, "rb", buffering=0), rel, os.fstat(fd).st_size)  # noqa: SIM115  # closed once sent
+            replica.send(source, 0, source.size)
+            source.drop()
+        await replica.sent()
+        return await client.commit(step_dir)
+    finally:
+        await replica.close()
+
+
+__all__ = [
+    "KEEPALIVE",
+    "MAX_FLOWS",
+    "PIECE",
+    "Flows",
+    "FlowsFailed",
+    "Piece",
+    "Source",
+    "open_flows",
+    "send_committed",
+]

@@ -35,7 +35,7 @@ from spotguard.manifest import FileEntry, ManifestError, node_holdings, parse_st
 from spotguard.peer import wire
 from spotguard.peer.channel import IO_TIMEOUT
 from spotguard.peer.client import PeerClient, choose_peer
-from spotguard.peer.flows import KEEPALIVE, MAX_FLOWS, Flows, Piece, Source
+from spotguard.peer.flows import KEEPALIVE, MAX_FLOWS, Flows, Piece, Source, open_flows
 from spotguard.safefile import is_unlinked, open_nofollow
 
 logger = logging.getLogger("spotguard.handoff")
@@ -225,14 +225,11 @@ class Handoff:
     async def _open(self, client: PeerClient) -> Flows:
         """The replica of the newest checkpoint announced, and its flows (one, to begin with)."""
         self.name = max(self._announced, key=lambda name: parse_step_dir(name) or 0)
-        replica_id = await client.open_replica(self.name, self.bucket)
+        flows = await open_flows(
+            client, self.name, self.bucket, self._token, io_timeout=self._io_timeout, max_flows=self.max_flows
+        )
         self._move(HandoffState.SENDING, f"replica of {self.name} opened")
-        host, _, port = client.address.rpartition(":")
-
-        async def connect() -> PeerClient:
-            return await PeerClient.connect(host, int(port), self._token, io_timeout=self._io_timeout)
-
-        return Flows(client, replica_id, connect, max_flows=self.max_flows)
+        return flows
 
     async def _queue_announced(self, flows: Flows) -> bool:
         """Hand the flows what was announced of the replica's checkpoint since the last call;
@@ -296,6 +293,7 @@ class Handoff:
             "bytes_sent": self.bytes_sent,
             "seconds": None if self.seconds is None else round(self.seconds, 3),
             "error": self.error,
+            "flows": self._flows.opened if self._flows is not None else self.flows,  # connections opened
         }
 
 

@@ -71,9 +71,7 @@ async def hand_over(step_dir: Path, url: str, where: tuple[str, int], seconds_le
     return handoff
 
 
-def test_a_capped_flow_gets_company_until_the_deadline_can_be_met(
-    receiver_vm: Vm, url: str, tmp_path: Path
-) -> None:
+def test_a_capped_flow_gets_company_until_the_deadline_can_be_met(receiver_vm: Vm, url: str, tmp_path: Path) -> None:
     # 40 MiB at 4 MB/s a connection: one flow needs 10.5 s, and the deadline is 5 s away.
     files = {f"shard-{i}.bin": os.urandom(10 * MiB) for i in range(4)}
     step_dir = write_checkpoint(tmp_path / "vm-a", 11, files)
