@@ -25,6 +25,10 @@ from spotguard.trainer.notices import Message
 from spotguard.trainer.state import Payloads, Stager, estimate_bytes, is_tensor, write_payloads
 from spotguard.trainer.writer import ParallelWriter
 
+# Saves at a notice, racing its deadline: no housekeeping before they return (pruning, removing a
+# killed writer's leftovers) unless they need the room.
+HURRIED = frozenset({"urgent", "soft"})
+
 logger = logging.getLogger("spotguard.trainer")
 
 
@@ -118,7 +122,10 @@ class Saver:
         except CheckpointExists:
             logger.info("spotguard: %s is already committed; not writing it again", writer.dir.name)
         except SaveCancelled:
-            return  # the directory stays incomplete; the next writer removes it
+            # Pre-empted by an urgent save, which waits for this thread: what it wrote goes now (the
+            # urgent save may need the room, and does no housekeeping of its own).
+            shutil.rmtree(writer.dir, ignore_errors=True)
+            return
         except Exception as exc:
             failure = self.save_failed(writer, exc, needed, notice)
             if writer.reason == "periodic" and isinstance(failure, SpotguardDiskFull):
@@ -161,10 +168,12 @@ class Saver:
             raise no_room or SpotguardDiskFull(self.checkpoint_dir, needed, free, "no room on rank 0's disk")
 
     def _prepare(self, writer: CheckpointWriter, needed: int) -> None:
-        # Leftovers of a writer killed mid-save; the daemon never loads or uploads them.
-        removed = remove_incomplete(self.checkpoint_dir, except_names=frozenset({writer.dir.name}))
-        if removed:
-            logger.info("spotguard: removed incomplete checkpoints %s", ", ".join(removed))
+        # Leftovers of a writer killed mid-save; the daemon never loads or uploads them. A save racing
+        # a deadline leaves them to the next save unless it needs their room.
+        if writer.reason not in HURRIED or free_bytes(self.checkpoint_dir) < needed:
+            removed = remove_incomplete(self.checkpoint_dir, except_names=frozenset({writer.dir.name}))
+            if removed:
+                logger.info("spotguard: removed incomplete checkpoints %s", ", ".join(removed))
         writer.prepare()
         make_room(self.checkpoint_dir, needed, safe=self.safe_in_bucket, exclude={writer.dir.name})
 
@@ -263,7 +272,8 @@ class Saver:
             reason=reason,
             event_id=notice["notice"]["event_id"] if notice else None,
         )
-        if not self.client.connected.is_set():
+        if not self.client.connected.is_set() and reason not in HURRIED:
             # No daemon: nobody uploads these (a bucket set only for resume changes nothing); keep the
-            # disk from filling.
+            # disk from filling. After a save racing a deadline the next save does it (one more
+            # checkpoint on disk meanwhile; a save short of room makes its own).
             prune_local(self.checkpoint_dir, self.keep)

@@ -130,6 +130,28 @@ def test_without_daemon_or_bucket_old_checkpoints_are_pruned(tmp_path: Path) -> 
     assert [i.step for i in scan_local(tmp_path / "c")] == [4, 5]
 
 
+def test_an_urgent_save_does_no_housekeeping_before_it_returns(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    g = Guard(checkpoint_dir=root, socket=tmp_path / "none.sock", keep=2, handle_sigterm=False)
+    try:
+        for step in range(1, 4):
+            g.save({"x": torch.tensor([step])}, step)
+            g.wait()
+        leftover = root / "step-000000007"  # a writer killed mid-save
+        leftover.mkdir()
+        (leftover / "weights.pt").write_bytes(b"half")
+        g.save({"x": torch.tensor([4])}, 4, reason="urgent")
+        # Nothing pruned, nothing removed: it raced a deadline (the disk has room).
+        assert [i.step for i in scan_local(root) if i.status == "complete"] == [2, 3, 4]
+        assert leftover.exists()
+        g.save({"x": torch.tensor([5])}, 5)  # the next save does the housekeeping
+        g.wait()
+    finally:
+        g.close()
+    assert [i.step for i in scan_local(root)] == [4, 5]
+    assert not leftover.exists()
+
+
 def test_guard_without_directory_or_daemon_explains(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SPOTGUARD_CHECKPOINT_DIR", raising=False)
     with pytest.raises(ValueError, match="SPOTGUARD_CHECKPOINT_DIR"):
