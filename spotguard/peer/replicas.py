@@ -127,7 +127,7 @@ class ReplicaStore:
         self.area = area
         self.storage = storage
         self.concurrency = concurrency
-        self.admission = admission if admission is not None else Admission(area, max_replicas=2)
+        self.admission = admission if admission is not None else Admission(area)
         self.replicas: dict[str, Replica] = {}
         self._uploads: set[asyncio.Task[None]] = set()
         self._upload_slots = asyncio.Semaphore(1)  # one replica at a time: each is parallel inside
