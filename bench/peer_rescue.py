@@ -125,7 +125,14 @@ def peer_copy(step_dir: Path, where: tuple[str, int], bucket: str, flows: int = 
 
 
 def notice_to_safe(
-    moto: Moto, work: Path, gib: float, deadline: float, *, peer: bool, flow_cap: float | None = None
+    moto: Moto,
+    work: Path,
+    gib: float,
+    deadline: float,
+    *,
+    peer: bool,
+    flow_cap: float | None = None,
+    max_flows: int | None = None,
 ) -> dict[str, Any]:
     """One drill on daemon A (with peer B or alone) and its trainer; seconds from the notice.
     ``flow_cap``: A reaches B's peer port through a relay pacing each connection to that many bytes/s."""
@@ -141,7 +148,7 @@ def notice_to_safe(
             address = link.enter_context(capped_link(address, flow_cap, buffer_bytes=256 * 1024))
         peers = ["--peers", address.removeprefix("http://")]
     vm_a = Vm(work, f"{prefix}-a", moto.url(prefix), extra_args=["--provider", "none", *peers])
-    vm_a.start_daemon(env=env)
+    vm_a.start_daemon(env={**env, **({"SPOTGUARD_PEER_MAX_FLOWS": str(max_flows)} if max_flows else {})})
     bench_dir = str(Path(__file__).parent)
     trainer = subprocess.Popen(
         [sys.executable, "-c", TRAINER, bench_dir, str(vm_a.root), str(vm_a.socket), str(gib), "8"],
@@ -195,7 +202,13 @@ def notice_to_safe(
 
 
 def rescue(
-    gib: float, mb_s: float, deadline: float, flow_mb_s: float | None, bucket_drill: bool = True
+    gib: float,
+    mb_s: float,
+    deadline: float,
+    flow_mb_s: float | None,
+    *,
+    bucket_drill: bool = True,
+    max_flows: int | None = None,
 ) -> dict[str, dict[str, Any]]:
     with (
         tempfile.TemporaryDirectory(prefix="spotguard-peer-rescue-") as tmp,
@@ -206,7 +219,13 @@ def rescue(
         moto = Moto(relay, direct.bucket)
         results = {
             "peer": notice_to_safe(
-                moto, Path(tmp), gib, deadline, peer=True, flow_cap=None if flow_mb_s is None else flow_mb_s * 1e6
+                moto,
+                Path(tmp),
+                gib,
+                deadline,
+                peer=True,
+                flow_cap=None if flow_mb_s is None else flow_mb_s * 1e6,
+                max_flows=max_flows,
             ),
         }
         if bucket_drill:
@@ -229,11 +248,12 @@ def main() -> int:
     cli.add_argument("--deadline", type=float, default=30.0, help="the drill's seconds of notice")
     cli.add_argument("--peer-flow-mb-s", type=float, help="cap each connection to the peer (default: none)")
     cli.add_argument("--no-bucket-drill", action="store_true", help="the drill with a peer only")
+    cli.add_argument("--peer-max-flows", type=int, help="A's peer_max_flows (default: the daemon's, 8)")
     args = cli.parse_args()
     rescued = None
     if not args.no_rescue:
         drill = (args.gib, args.per_connection_mb_s, args.deadline, args.peer_flow_mb_s)
-        rescued = rescue(*drill, bucket_drill=not args.no_bucket_drill)
+        rescued = rescue(*drill, bucket_drill=not args.no_bucket_drill, max_flows=args.peer_max_flows)
     with tempfile.TemporaryDirectory(prefix="spotguard-peer-bench-") as tmp:
         scratch = Path(tmp)
         step_dir = make_checkpoint(scratch / "sender", args.gib, args.files)

@@ -33,7 +33,7 @@ import inspect
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, dataclass_transform
 
 from spotguard.daemon.lifecycle import NoticeState, TrackedNotice
 from spotguard.daemon.route import Plan
@@ -43,9 +43,15 @@ from spotguard.notice import Action, Notice
 logger = logging.getLogger("spotguard.daemon")
 
 
+@dataclass_transform(frozen_default=True)
 @dataclass(frozen=True)
 class Event:
-    """What every event is; subscribe to it to hear them all."""
+    """What every event is; subscribe to it to hear them all. Each subclass is a frozen dataclass of
+    its own (its annotated attributes are its fields): an event is never changed once emitted."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        dataclass(frozen=True)(cls)
 
     def about(self) -> str:
         """What the event concerns, for the log line of an observer that failed on it: its kind,
@@ -58,7 +64,6 @@ class Event:
         return type(self).__name__
 
 
-@dataclass(frozen=True)
 class NoticeSeen(Event):
     """A notice with a new event id (ignored ones included), after the trainers were told."""
 
@@ -66,7 +71,6 @@ class NoticeSeen(Event):
     action: Action
 
 
-@dataclass(frozen=True)
 class NoticeMoved(Event):
     """A notice changed state: ``tracked`` is in its new one, ``old`` is the one it left."""
 
@@ -74,7 +78,6 @@ class NoticeMoved(Event):
     old: NoticeState
 
 
-@dataclass(frozen=True)
 class CheckpointSaved(Event):
     """A trainer committed this checkpoint locally (a whole manifest, not a node's share)."""
 
@@ -82,14 +85,12 @@ class CheckpointSaved(Event):
     manifest: Manifest
 
 
-@dataclass(frozen=True)
 class SaveFailed(Event):
     """A trainer's save failed; ``failure`` is its entry in status()["save_failures"]."""
 
     failure: dict[str, Any]
 
 
-@dataclass(frozen=True)
 class MonitorFailed(Event):
     """A check of monitor ``monitor`` failed (it is asked again at its next interval)."""
 
@@ -97,7 +98,6 @@ class MonitorFailed(Event):
     error: BaseException
 
 
-@dataclass(frozen=True)
 class TrainerStalled(Event):
     """A trainer told of this notice has not reached a checkpoint point within the bound; ``report`` is
     its entry in status()["stalled"] (pid, rank, event_id, seconds, bound_s, deadline_s, message)."""
@@ -107,7 +107,6 @@ class TrainerStalled(Event):
     report: dict[str, Any]
 
 
-@dataclass(frozen=True)
 class PlanChanged(Event):
     """A notice's deadline plan, and each change of its route."""
 
@@ -115,7 +114,6 @@ class PlanChanged(Event):
     plan: Plan
 
 
-@dataclass(frozen=True)
 class UploadCommitted(Event):
     """A checkpoint is committed in the bucket, ``seconds`` after its upload started."""
 
@@ -124,7 +122,6 @@ class UploadCommitted(Event):
     seconds: float
 
 
-@dataclass(frozen=True)
 class UploadFailed(Event):
     """An upload attempt of checkpoint ``name`` failed (it is retried unless the store refuses its bytes)."""
 

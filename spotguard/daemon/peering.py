@@ -16,12 +16,13 @@ from spotguard.daemon.plan import Plan, Route
 from spotguard.daemon.server import Reply
 from spotguard.localstore import scan_local
 from spotguard.notice import Notice
+from spotguard.peer.admission import ReplicaLimits
 from spotguard.peer.discovery import PREFIX as DISCOVERY_PREFIX
 from spotguard.peer.discovery import PeerRegistry, advertised_address
 from spotguard.peer.fetch import PeerResume, resume_from_peers
 from spotguard.peer.fetch import attach as attach_peer_fetch
 from spotguard.peer.handoff import Handoff, HandoffState
-from spotguard.peer.receiver import PeerReceiver
+from spotguard.peer.receiver import PeerReceiver, ReceiverLimits
 from spotguard.peer.replicas import AREA as PEER_AREA
 from spotguard.peer.wire import parse_address
 from spotguard.storage.base import Storage, StorageError
@@ -71,10 +72,13 @@ class Peering:
             host=host,
             port=port,
             busy=busy,
-            max_replica_bytes=self.config.peer_max_replica_bytes,
-            max_replicas=self.config.peer_max_replicas,
-            concurrency=self.config.upload_concurrency,
-            io_timeout=self.config.peer_io_timeout,
+            limits=ReceiverLimits(
+                replicas=ReplicaLimits(
+                    max_replicas=self.config.peer_max_replicas, max_replica_bytes=self.config.peer_max_replica_bytes
+                ),
+                concurrency=self.config.upload_concurrency,
+                io_timeout=self.config.peer_io_timeout,
+            ),
         )
         try:
             await receiver.start()

@@ -90,6 +90,20 @@ def render(template: Any, fields: dict[str, Any]) -> Any:
     return template
 
 
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How one message is sent: each POST waits at most ``timeout`` seconds; up to ``attempts`` POSTs,
+    the n-th retry after a random 50-100 % of ``backoff * 2**(n-1)`` seconds."""
+
+    timeout: float = 5.0
+    attempts: int = 3
+    backoff: float = 0.5
+
+    def delay(self, attempt: int) -> float:
+        """Seconds to wait after the failed POST number ``attempt`` (from 1)."""
+        return random.uniform(0.5, 1.0) * self.backoff * 2 ** (attempt - 1)
+
+
 @dataclass
 class _Event:
     notice: Notice
@@ -134,7 +148,8 @@ class WebhookNotifier:
     ...     await webhook.close()
 
     ``session`` is the caller's (not closed here); ``template`` is a parsed template
-    (``spotguard.config.parse_webhook_template``) or None for the full event object.
+    (``spotguard.config.parse_webhook_template``) or None for the full event object; ``retry`` says how
+    hard each message is tried (:class:`RetryPolicy`).
     """
 
     def __init__(
@@ -145,18 +160,14 @@ class WebhookNotifier:
         host: str,
         template: Any = None,
         bucket: str | None = None,
-        timeout: float = 5.0,
-        attempts: int = 3,
-        backoff: float = 0.5,
+        retry: RetryPolicy = RetryPolicy(),
         clock: Callable[[], datetime] = utcnow,
     ) -> None:
         self.url = url
         self.host = host
         self.template = template
         self.bucket = bucket
-        self.timeout = timeout
-        self.attempts = attempts
-        self.backoff = backoff
+        self.retry = retry
         self.sent = 0
         self.dropped = 0
         self._session = session
@@ -361,11 +372,11 @@ class WebhookNotifier:
     async def _post(self, body: Any) -> None:
         import aiohttp
 
-        for attempt in range(1, self.attempts + 1):
+        for attempt in range(1, self.retry.attempts + 1):
             problem: str
             try:
                 async with self._session.post(
-                    self.url, json=body, timeout=aiohttp.ClientTimeout(total=self.timeout), allow_redirects=False
+                    self.url, json=body, timeout=aiohttp.ClientTimeout(total=self.retry.timeout), allow_redirects=False
                 ) as response:
                     if 200 <= response.status < 300:
                         self.sent += 1
@@ -376,8 +387,8 @@ class WebhookNotifier:
                         return
             except (aiohttp.ClientError, TimeoutError) as exc:
                 problem = repr(exc)
-            if attempt < self.attempts:
-                delay = random.uniform(0.5, 1.0) * self.backoff * 2 ** (attempt - 1)
+            if attempt < self.retry.attempts:
+                delay = self.retry.delay(attempt)
                 logger.warning("webhook: POST to %s failed (%s); retrying in %.1f s", self.url, problem, delay)
                 await asyncio.sleep(delay)
             else:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import secrets
 import time
 import uuid
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -58,21 +59,19 @@ def maintenance_time(moment: datetime) -> str:
     return moment.astimezone(UTC).strftime("%d %b %Y %H:%M:%S GMT")
 
 
+@dataclass(eq=False)
 class AwsEmulator(Emulator):
     provider = "aws"
+    default_action = "terminate"
 
-    def __init__(
-        self,
-        notice_after: float | None = None,
-        action: str | None = None,
-        imds_v1: bool = False,
-        in_asg: bool = True,
-    ) -> None:
-        super().__init__(notice_after, action or "terminate")
-        self.imds_v1 = imds_v1
-        self.in_asg = in_asg
-        self.tokens: dict[str, float] = {}  # token -> monotonic expiry
-        self.lifecycle_actions: list[dict[str, str]] = []  # CompleteLifecycleAction calls, as received
+    imds_v1: bool = False
+    in_asg: bool = True
+    tokens: dict[str, float] = field(default_factory=dict, init=False, repr=False)  # token -> monotonic expiry
+    # CompleteLifecycleAction calls, as received
+    lifecycle_actions: list[dict[str, str]] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         self.clear()
 
     def clear(self) -> None:

@@ -18,6 +18,7 @@ Control API extras: ``POST /_emulator/notice`` ``{"type": "Preempt", "in": 30, "
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 from typing import Any
@@ -37,22 +38,16 @@ def not_before(moment: datetime) -> str:
     return format_datetime(moment.astimezone(UTC), usegmt=True)
 
 
+@dataclass(eq=False)
 class AzureEmulator(Emulator):
     provider = "azure"
+    default_action = "Preempt"
 
-    def __init__(
-        self,
-        notice_after: float | None = None,
-        action: str | None = None,
-        vm_name: str = "spotguard-vm",
-        remove_started_after: float | None = None,
-    ) -> None:
-        super().__init__(notice_after, action or "Preempt")
-        self.vm_name = vm_name
-        self.remove_started_after = remove_started_after
-        self.incarnation = 1
-        self.events: list[dict[str, Any]] = []
-        self.acks: list[dict[str, Any]] = []
+    vm_name: str = "spotguard-vm"
+    remove_started_after: float | None = None
+    incarnation: int = field(default=1, init=False)
+    events: list[dict[str, Any]] = field(default_factory=list, init=False, repr=False)
+    acks: list[dict[str, Any]] = field(default_factory=list, init=False, repr=False)
 
     def clear(self) -> None:
         if self.events:

@@ -30,8 +30,8 @@ import logging
 import threading
 import urllib.request
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from aiohttp import web
 
@@ -76,19 +76,27 @@ class Fault:
             self.count -= 1
 
 
+@dataclass(eq=False)
 class Emulator:
-    """Base class: one metadata service, its faults and its control API."""
+    """Base class: one metadata service, its faults and its control API.
 
-    provider = "none"
+    A provider's emulator is a dataclass subclass too: its options are its fields (after ``notice_after``
+    and ``action``), its state fields with ``init=False``. ``action`` left out is ``default_action``.
+    """
 
-    def __init__(self, notice_after: float | None = None, action: str | None = None) -> None:
-        self.notice_after = notice_after
-        self.action = action
-        self.faults: list[Fault] = []
-        self.requests: list[dict[str, Any]] = []
+    provider: ClassVar[str] = "none"
+    default_action: ClassVar[str | None] = None
+
+    notice_after: float | None = None
+    action: str | None = None
+    faults: list[Fault] = field(default_factory=list, init=False, repr=False)
+    requests: list[dict[str, Any]] = field(default_factory=list, init=False, repr=False)
+    closing: bool = field(default=False, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.action = self.action or self.default_action
         self._changed = asyncio.Condition()
         self._timers: list[asyncio.TimerHandle] = []
-        self.closing = False
 
     # --- to be extended by providers --------------------------------------------------------
 

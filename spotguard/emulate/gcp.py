@@ -22,6 +22,7 @@ import asyncio
 import hashlib
 import json
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -38,20 +39,17 @@ def etag_of(body: str) -> str:
     return hashlib.sha256(body.encode()).hexdigest()[:16]
 
 
+@dataclass(eq=False)
 class GcpEmulator(Emulator):
     provider = "gcp"
+    default_action = "preempted"
 
-    def __init__(
-        self,
-        notice_after: float | None = None,
-        action: str | None = None,
-        instance_id: str = "4520031799277581759",
-        instance_name: str = "spotguard-vm",
-    ) -> None:
-        super().__init__(notice_after, action or "preempted")
-        self.instance_id = instance_id
-        self.instance_name = instance_name
-        self.waiting = 0
+    instance_id: str = "4520031799277581759"
+    instance_name: str = "spotguard-vm"
+    waiting: int = field(default=0, init=False)  # long-polls in flight
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         self.clear()
 
     def clear(self) -> None:

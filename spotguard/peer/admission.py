@@ -25,6 +25,7 @@ import logging
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from spotguard.manifest import load_manifest_or_none, load_part, parse_step_dir
@@ -37,29 +38,29 @@ MAX_FILE_BYTES = 1 << 40  # bytes in one file of a replica
 _OWN_SIZE_TTL = 5.0  # seconds the newest local checkpoint's size, read from disk, is taken as known
 
 
+@dataclass(frozen=True)
+class ReplicaLimits:
+    """What a receiver takes: at most ``max_replicas`` replicas at once, each of at most ``max_replica_bytes``
+    bytes in at most ``max_files`` files of at most ``max_file_bytes`` bytes."""
+
+    max_replicas: int = 2
+    max_replica_bytes: int = 1 << 40
+    max_files: int = MAX_FILES
+    max_file_bytes: int = MAX_FILE_BYTES
+
+
 class Admission:
     """Slots and bytes reserved for the replicas of one receiver's ``area`` (under the checkpoint root).
 
-    >>> admission = Admission(root / "peer-replicas", max_replicas=2)
+    >>> admission = Admission(root / "peer-replicas", ReplicaLimits(max_replicas=2))
     >>> admission.reserve(replica_id, announced=10 << 30)  # raises PeerError "full" / "no-space"
     >>> admission.grow(replica_id, total=…, files=…)        # on each new file a data frame declares
     >>> admission.release(replica_id)                       # the replica is gone
     """
 
-    def __init__(
-        self,
-        area: Path,
-        *,
-        max_replicas: int,
-        max_replica_bytes: int = 1 << 40,
-        max_files: int = MAX_FILES,
-        max_file_bytes: int = MAX_FILE_BYTES,
-    ) -> None:
+    def __init__(self, area: Path, limits: ReplicaLimits = ReplicaLimits()) -> None:
         self.area = area
-        self.max_replicas = max_replicas
-        self.max_replica_bytes = max_replica_bytes
-        self.max_files = max_files
-        self.max_file_bytes = max_file_bytes
+        self.limits = limits
         # This node's own state size, when the daemon knows it (a trainer announced it); else the
         # newest local checkpoint's size is taken.
         self.own_bytes: Callable[[], int | None] = lambda: None
@@ -71,23 +72,24 @@ class Admission:
     def reserve(self, key: str, announced: int | None) -> None:
         """Take a slot and ``announced`` bytes for the replica ``key``, or raise
         :class:`~spotguard.peer.wire.PeerError` (``full``, ``too-large``, ``no-space``). Never awaits."""
-        if len(self.held) >= self.max_replicas:
+        if len(self.held) >= self.limits.max_replicas:
             raise wire.PeerError("full", f"already holding {len(self.held)} replica(s)")
         want = announced or 0
-        if want > self.max_replica_bytes:
-            raise wire.PeerError("too-large", f"a replica may hold at most {self.max_replica_bytes} bytes")
+        if want > self.limits.max_replica_bytes:
+            raise wire.PeerError("too-large", f"a replica may hold at most {self.limits.max_replica_bytes} bytes")
         self._check_room(want, key)
         self.held[key] = want
 
     def grow(self, key: str, total: int, files: int, size: int) -> None:
         """A data frame of the replica ``key`` declares a file of ``size`` bytes, making ``files`` files
         of ``total`` bytes in all: what goes beyond the reservation is reserved now, or refused."""
-        if files > self.max_files:
-            raise wire.PeerError("too-many-files", f"a replica may hold at most {self.max_files} files")
-        if size > self.max_file_bytes:
-            raise wire.PeerError("too-large", f"a file of a replica may hold at most {self.max_file_bytes} bytes")
-        if total > self.max_replica_bytes:
-            raise wire.PeerError("too-large", f"a replica may hold at most {self.max_replica_bytes} bytes")
+        limits = self.limits
+        if files > limits.max_files:
+            raise wire.PeerError("too-many-files", f"a replica may hold at most {limits.max_files} files")
+        if size > limits.max_file_bytes:
+            raise wire.PeerError("too-large", f"a file of a replica may hold at most {limits.max_file_bytes} bytes")
+        if total > limits.max_replica_bytes:
+            raise wire.PeerError("too-large", f"a replica may hold at most {limits.max_replica_bytes} bytes")
         reserved = self.held.get(key, 0)
         if total > reserved:
             self._check_room(total - reserved, key)

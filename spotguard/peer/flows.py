@@ -99,7 +99,6 @@ class Flows:
         connect: Callable[[], Awaitable[PeerClient]],
         *,
         max_flows: int = MAX_FLOWS,
-        piece: int = PIECE,
     ) -> None:
         if max_flows < 1:
             raise ValueError("max_flows must be at least 1")
@@ -109,7 +108,6 @@ class Flows:
         self.bytes_sent = 0
         self.opened = 1  # flows opened in all (the opener included), for status and tests
         self._connect = connect
-        self._piece = piece
         self._queue: deque[Piece] = deque()
         self._queued_bytes = 0
         self._in_flight = 0
@@ -136,10 +134,10 @@ class Flows:
 
     def send(self, source: Source, offset: int, length: int, sent: Callable[[Piece], None] | None = None) -> None:
         """Queue ``[offset, offset + length)`` of ``source`` (an empty range too: an empty file is
-        sent as one), in pieces of at most ``piece`` bytes."""
+        sent as one), in pieces of at most :data:`PIECE` bytes."""
         end = offset + length
         while True:
-            take = min(self._piece, end - offset)
+            take = min(PIECE, end - offset)
             source.hold()
             self._queue.append(Piece(source, offset, take, sent))
             self._queued_bytes += take

@@ -27,13 +27,13 @@ import contextlib
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from spotguard.manifest import parse_step_dir
 from spotguard.peer import noise, wire
-from spotguard.peer.admission import Admission
+from spotguard.peer.admission import Admission, ReplicaLimits
 from spotguard.peer.channel import HANDSHAKE_TIMEOUT, IO_TIMEOUT, Channel, accept, refusal, tune_socket
 from spotguard.peer.files import Extents, check_range, data_header, make_parent, make_room, write_range
 from spotguard.peer.replicas import Replica, ReplicaState, ReplicaStore
@@ -60,6 +60,19 @@ class _Session:
     opened: bool = False
 
 
+@dataclass(frozen=True)
+class ReceiverLimits:
+    """A receiver's bounds: the replicas it takes (``replicas``), the authenticated connections it serves
+    at once (``max_connections``), the uploads of committed replicas it runs at once (``concurrency``), the
+    seconds a peer may stay silent mid-record (``io_timeout``) and a handshake may take (``handshake_timeout``)."""
+
+    replicas: ReplicaLimits = field(default_factory=ReplicaLimits)
+    max_connections: int = 16  # two senders of 8 flows each
+    concurrency: int = 8
+    io_timeout: float = IO_TIMEOUT
+    handshake_timeout: float = HANDSHAKE_TIMEOUT
+
+
 class PeerReceiver:
     """Takes replicas from authenticated peers and commits them in ``storage``.
 
@@ -77,12 +90,7 @@ class PeerReceiver:
         host: str,
         port: int,
         busy: Callable[[], bool] = lambda: False,
-        max_replica_bytes: int = 1 << 40,
-        max_replicas: int = 2,
-        max_connections: int = 16,
-        concurrency: int = 8,
-        io_timeout: float = IO_TIMEOUT,
-        handshake_timeout: float = HANDSHAKE_TIMEOUT,
+        limits: ReceiverLimits = ReceiverLimits(),
     ) -> None:
         self.area = area
         self.storage = storage
@@ -90,14 +98,9 @@ class PeerReceiver:
         self.host = host
         self.port = port
         self.busy = busy
-        self.max_replica_bytes = max_replica_bytes
-        self.max_replicas = max_replicas
-        self.max_connections = max_connections
-        self.concurrency = concurrency
-        self.io_timeout = io_timeout
-        self.handshake_timeout = handshake_timeout
-        admission = Admission(area, max_replicas=max_replicas, max_replica_bytes=max_replica_bytes)
-        self.store = ReplicaStore(area, storage, concurrency=concurrency, admission=admission)
+        self.limits = limits
+        admission = Admission(area, limits.replicas)
+        self.store = ReplicaStore(area, storage, concurrency=limits.concurrency, admission=admission)
         self.refused = 0  # connections that failed to authenticate or broke the protocol
         self.address: str | None = None
         self._server: asyncio.Server | None = None
@@ -136,15 +139,15 @@ class PeerReceiver:
     async def _serve(self, stream: wire.FrameStream, writer: asyncio.StreamWriter) -> None:
         peername = writer.get_extra_info("peername")
         who = f"{peername[0]}:{peername[1]}" if isinstance(peername, tuple) else "?"
-        tune_socket(writer.get_extra_info("socket"), self.io_timeout)
+        tune_socket(writer.get_extra_info("socket"), self.limits.io_timeout)
         channel: Channel | None = None
         session = _Session()
         self._writers.add(writer)
         try:
             channel = await self._handshake(stream, writer, who)
             self._connections += 1
-            if self._connections > self.max_connections:
-                raise wire.PeerError("busy", f"at most {self.max_connections} peer connections")
+            if self._connections > self.limits.max_connections:
+                raise wire.PeerError("busy", f"at most {self.limits.max_connections} peer connections")
             while True:
                 # Between requests a sender may wait for its trainer (it pings): the idle limit applies.
                 header = await asyncio.wait_for(channel.read_frame(timeout=IDLE_TIMEOUT), IDLE_TIMEOUT)
@@ -170,7 +173,7 @@ class PeerReceiver:
                 await asyncio.to_thread(self.store.move, replica, ReplicaState.DELETED, why)
             writer.close()
             with contextlib.suppress(Exception):
-                async with asyncio.timeout(self.io_timeout):
+                async with asyncio.timeout(self.limits.io_timeout):
                     await writer.wait_closed()
 
     async def _handshake(self, stream: wire.FrameStream, writer: asyncio.StreamWriter, who: str) -> Channel:
@@ -179,8 +182,8 @@ class PeerReceiver:
         self._make_room(source)
         self._pending[writer] = source
         try:
-            async with asyncio.timeout(self.handshake_timeout):
-                return await accept(stream, writer, self._psk, io_timeout=self.io_timeout)
+            async with asyncio.timeout(self.limits.handshake_timeout):
+                return await accept(stream, writer, self._psk, io_timeout=self.limits.io_timeout)
         finally:
             self._pending.pop(writer, None)
 
@@ -296,8 +299,6 @@ class PeerReceiver:
         if sizes.get(rel, size) != size:
             raise wire.PeerError("bad-field", f"{rel}: size {size}, announced before as {sizes[rel]}")
         total = replica.bytes - sizes.get(rel, 0) + size
-        if total > self.max_replica_bytes:
-            raise wire.PeerError("too-large", f"a replica may hold at most {self.max_replica_bytes} bytes")
         self.store.admission.grow(replica.id, total, len(sizes) + (rel not in sizes), size)  # before any await
         if rel not in sizes:  # its directory, once per file (only this daemon writes in its area)
             await asyncio.to_thread(make_parent, replica.step_dir, rel)
@@ -309,8 +310,7 @@ class PeerReceiver:
             # again, a piece sent again after a flow failed): that one lands first. (The overlap then
             # makes the commit read the file back.) Ranges of other flows that only adjoin need not wait.
             await replica.settle()
-        writes = replica.writes
-        await make_room(writes)
+        await make_room(replica.writes)
         free = replica.buffers
         buffer = free.pop() if free else bytearray(wire.SEND_CHUNK)
         if len(buffer) < length:  # a bigger frame (at most MAX_DATA): the smaller buffer goes
@@ -323,7 +323,7 @@ class PeerReceiver:
         ranges = replica.ranges.setdefault(rel, [])
         write = asyncio.ensure_future(asyncio.to_thread(write_range, replica.step_dir, rel, offset, data, ranges))
         write.add_done_callback(lambda _: free.append(buffer))
-        writes.add(write)
+        replica.writes.add(write)  # the set as it is now: another flow's settle may have run meanwhile
 
     def status(self) -> dict[str, Any]:
         return {

@@ -97,8 +97,9 @@ class Replica:
 
     async def settle(self) -> None:
         """Wait for every disk write in flight; raise the first that failed."""
-        pending, self.writes = self.writes, set()
+        pending = set(self.writes)  # writes another flow adds meanwhile stay in self.writes
         results = await asyncio.gather(*pending, return_exceptions=True)
+        self.writes -= pending
         for result in results:
             if isinstance(result, BaseException):
                 raise result
@@ -132,7 +133,7 @@ class ReplicaStore:
         self.area = area
         self.storage = storage
         self.concurrency = concurrency
-        self.admission = admission if admission is not None else Admission(area, max_replicas=2)
+        self.admission = admission if admission is not None else Admission(area)
         self.replicas: dict[str, Replica] = {}
         self._uploads: set[asyncio.Task[None]] = set()
         self._upload_slots = asyncio.Semaphore(1)  # one replica at a time: each is parallel inside

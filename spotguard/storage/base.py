@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Protocol, TypeVar, runtime_checkable
+from urllib.parse import urlsplit
 
 from spotguard.crc32c import crc32c_of_bytes
 from spotguard.storage.errors import (  # re-exported: the contract's errors
@@ -220,6 +221,15 @@ class StoreDefaults:
 
     def probe_checksum(self, key: str, *, adopt: bool = False) -> ChecksumProbe | None:
         return None
+
+
+def split_bucket_url(url: str, scheme: str) -> tuple[str, str]:
+    """``<scheme>://bucket/some/prefix`` → ``("bucket", "some/prefix/")``; the prefix is "" or ends in "/"."""
+    parts = urlsplit(url)
+    if parts.scheme != scheme or not parts.netloc:
+        raise ValueError(f"not a URL of the form {scheme}://bucket/prefix: {url!r}")
+    prefix = parts.path.strip("/")
+    return parts.netloc, f"{prefix}/" if prefix else ""
 
 
 def put_bytes(storage: Storage, key: str, data: bytes) -> None:

@@ -45,7 +45,6 @@ import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
-from urllib.parse import urlsplit
 
 import google.api_core.exceptions as gexc
 import google.auth.exceptions
@@ -60,7 +59,7 @@ from spotguard.crc32c import base64_to_hex
 from spotguard.crc32c import crc32c_hex_to_int as _hex_to_int
 from spotguard.crc32c import crc32c_int_to_base64 as _int_to_b64
 from spotguard.safefile import open_nofollow
-from spotguard.storage.base import Capability, ObjectInfo, Progress, Sink, StoreDefaults, read_exactly
+from spotguard.storage.base import Capability, ObjectInfo, Progress, Sink, StoreDefaults, read_exactly, split_bucket_url
 from spotguard.storage.errors import ChecksumMismatch, ObjectExists, ObjectNotFound, StorageError, TransientStorageError
 from spotguard.storage.stream import PartStream, StreamPool, send_file
 from spotguard.storage.transfer import fetch_object
@@ -91,11 +90,7 @@ def gcs_crc_to_hex(value: str | None) -> str | None:
 
 def parse_gs_url(url: str) -> tuple[str, str]:
     """``gs://bucket/some/prefix`` → ``("bucket", "some/prefix/")``; the prefix is "" or ends in "/"."""
-    parts = urlsplit(url)
-    if parts.scheme != "gs" or not parts.netloc:
-        raise ValueError(f"not a gs:// URL with a bucket: {url!r}")
-    prefix = parts.path.strip("/")
-    return parts.netloc, f"{prefix}/" if prefix else ""
+    return split_bucket_url(url, "gs")
 
 
 def _round_up(n: int, quantum: int) -> int:

@@ -53,12 +53,19 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
-from urllib.parse import urlsplit
 
 from spotguard.crc32c import base64_to_hex
 from spotguard.crc32c import crc32c_hex_to_int as _hex_to_int
 from spotguard.safefile import read_nofollow
-from spotguard.storage.base import CHECKSUM_MODES, Capability, ObjectInfo, Progress, Sink, StoreDefaults
+from spotguard.storage.base import (
+    CHECKSUM_MODES,
+    Capability,
+    ObjectInfo,
+    Progress,
+    Sink,
+    StoreDefaults,
+    split_bucket_url,
+)
 from spotguard.storage.errors import ChecksumMismatch, ObjectNotFound, StorageError, TransientStorageError
 from spotguard.storage.journal import UploadJournal
 from spotguard.storage.s3_api import TRANSIENT_CODES, S3Api, client_config
@@ -99,11 +106,7 @@ class ChecksumProbe:
 
 def parse_s3_url(url: str) -> tuple[str, str]:
     """``s3://bucket/some/prefix`` → ``("bucket", "some/prefix/")``; the prefix is "" or ends in "/"."""
-    parts = urlsplit(url)
-    if parts.scheme != "s3" or not parts.netloc:
-        raise ValueError(f"not an s3:// URL with a bucket: {url!r}")
-    prefix = parts.path.strip("/")
-    return parts.netloc, f"{prefix}/" if prefix else ""
+    return split_bucket_url(url, "s3")
 
 
 def _check_options(

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,21 +24,9 @@ from spotguard.storage.checkpoints import list_remote
 from spotguard.storage.s3 import S3Storage
 from tests.checkpoints import write_checkpoint
 from tests.pacedrelay import PacedRelay
+from tests.peers import TOKEN, address
 
-TOKEN = "a-shared-secret-of-the-job-0123456789"
 MiB = 1 << 20
-
-
-@pytest.fixture
-def receiver_vm(tmp_path: Path, url: str) -> Iterator[Vm]:
-    vm = Vm(tmp_path, "vm-b", url, extra_args=["--provider", "none", "--peer-listen", "127.0.0.1:0"])
-    vm.start_daemon(env={"SPOTGUARD_PEER_TOKEN": TOKEN})
-    yield vm
-    vm.kill_daemon()
-
-
-def address(vm: Vm) -> tuple[str, int]:
-    return wire.parse_address(vm.status()["peers"]["listen"])
 
 
 def committed_steps(url: str) -> list[int]:

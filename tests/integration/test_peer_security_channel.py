@@ -23,22 +23,18 @@ from spotguard.peer.receiver import HANDSHAKE_POOL, HANDSHAKES_PER_SOURCE
 from spotguard.peer.replicas import AREA
 from spotguard.storage.s3 import S3Storage
 from tests.checkpoints import write_checkpoint
+from tests.peers import TOKEN as PEER_TOKEN
+from tests.peers import address, receiving_daemon
 
-TOKEN = b"a-shared-secret-of-the-job-0123456789"
+TOKEN = PEER_TOKEN.encode()
 IO_TIMEOUT = 2.0  # the receiver's deadline on a record (SPOTGUARD_PEER_IO_TIMEOUT)
 KiB = 1 << 10
 
 
 @pytest.fixture
 def receiver_vm(tmp_path: Path, url: str) -> Iterator[Vm]:
-    vm = Vm(tmp_path, "vm-b", url, extra_args=["--provider", "none", "--peer-listen", "127.0.0.1:0"])
-    vm.start_daemon(env={"SPOTGUARD_PEER_TOKEN": TOKEN.decode(), "SPOTGUARD_PEER_IO_TIMEOUT": str(IO_TIMEOUT)})
-    yield vm
-    vm.kill_daemon()
-
-
-def address(vm: Vm) -> tuple[str, int]:
-    return wire.parse_address(vm.status()["peers"]["listen"])
+    with receiving_daemon(tmp_path, url, {"SPOTGUARD_PEER_IO_TIMEOUT": str(IO_TIMEOUT)}) as vm:
+        yield vm
 
 
 def bucket_keys(url: str) -> list[str]:

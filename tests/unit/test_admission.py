@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from spotguard.peer import wire
-from spotguard.peer.admission import Admission, newest_local_bytes
+from spotguard.peer.admission import Admission, ReplicaLimits, newest_local_bytes
 from tests.checkpoints import write_checkpoint
 
 
@@ -19,7 +19,7 @@ def code_of(call: object) -> str:
 
 
 def test_slots_are_taken_and_given_back(tmp_path: Path) -> None:
-    admission = Admission(tmp_path / "peer-replicas", max_replicas=2)
+    admission = Admission(tmp_path / "peer-replicas", ReplicaLimits(max_replicas=2))
     admission.reserve("a", None)
     admission.reserve("b", 10)
     assert code_of(lambda: admission.reserve("c", None)) == "full"
@@ -32,7 +32,7 @@ def test_slots_are_taken_and_given_back(tmp_path: Path) -> None:
 
 def test_bytes_are_weighed_against_the_free_space_and_the_node_s_own_checkpoint(tmp_path: Path) -> None:
     free = shutil.disk_usage(tmp_path).free
-    admission = Admission(tmp_path / "peer-replicas", max_replicas=4, max_replica_bytes=1 << 62)
+    admission = Admission(tmp_path / "peer-replicas", ReplicaLimits(max_replicas=4, max_replica_bytes=1 << 62))
     assert code_of(lambda: admission.reserve("big", free + (1 << 30))) == "no-space"
     admission.own_bytes = lambda: free  # the daemon knows the state fills the disk
     assert code_of(lambda: admission.reserve("small", 1 << 30)) == "no-space"
@@ -44,7 +44,9 @@ def test_bytes_are_weighed_against_the_free_space_and_the_node_s_own_checkpoint(
 
 
 def test_files_and_their_sizes_count_against_the_reservation(tmp_path: Path) -> None:
-    admission = Admission(tmp_path, max_replicas=1, max_files=3, max_file_bytes=1000, max_replica_bytes=1 << 62)
+    admission = Admission(
+        tmp_path, ReplicaLimits(max_replicas=1, max_files=3, max_file_bytes=1000, max_replica_bytes=1 << 62)
+    )
     admission.reserve("r", None)
     admission.grow("r", total=500, files=1, size=500)
     assert admission.held["r"] == 500
@@ -61,4 +63,4 @@ def test_the_room_kept_is_the_newest_local_checkpoint_s_size(tmp_path: Path) -> 
     write_checkpoint(tmp_path, 7, {"w.bin": b"x" * 700})
     (tmp_path / "step-0000000009").mkdir()  # not a checkpoint name: never looked at
     assert newest_local_bytes(tmp_path) == 700
-    assert Admission(tmp_path / "peer-replicas", max_replicas=1).own_next_bytes() == 700
+    assert Admission(tmp_path / "peer-replicas", ReplicaLimits(max_replicas=1)).own_next_bytes() == 700

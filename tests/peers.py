@@ -1,0 +1,29 @@
+"""A real daemon listening on the peer port, for the peer tier's tests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from spotguard.harness import Vm
+from spotguard.peer import wire
+
+TOKEN = "a-shared-secret-of-the-job-0123456789"
+
+
+@contextmanager
+def receiving_daemon(tmp_path: Path, url: str, env: dict[str, str] | None = None) -> Iterator[Vm]:
+    """Daemon "vm-b" committing to ``url``, its peer receiver on 127.0.0.1 (a free port), the job's
+    token :data:`TOKEN`; ``env`` adds settings."""
+    vm = Vm(tmp_path, "vm-b", url, extra_args=["--provider", "none", "--peer-listen", "127.0.0.1:0"])
+    vm.start_daemon(env={"SPOTGUARD_PEER_TOKEN": TOKEN, **(env or {})})
+    try:
+        yield vm
+    finally:
+        vm.kill_daemon()
+
+
+def address(vm: Vm) -> tuple[str, int]:
+    """Where ``vm``'s peer receiver listens."""
+    return wire.parse_address(vm.status()["peers"]["listen"])
