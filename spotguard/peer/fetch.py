@@ -37,7 +37,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,9 +57,10 @@ from spotguard.peer.files import (
     parse_manifest,
     write_range,
 )
+from spotguard.peer.flows import MAX_FLOWS, PIECE
 from spotguard.peer.receiver import PeerReceiver
 from spotguard.peer.replicas import Replica, ReplicaState
-from spotguard.safefile import atomic_file, fsync_dir
+from spotguard.safefile import atomic_file, fsync_dir, open_nofollow
 from spotguard.space import free_bytes
 
 logger = logging.getLogger("spotguard.peers")
@@ -69,6 +70,8 @@ _FETCHABLE = frozenset({ReplicaState.VERIFIED, ReplicaState.UPLOADED})
 PROBE_TIMEOUT = 5.0  # seconds one peer has to connect, authenticate and list what it holds
 PROBE_DEADLINE = 20.0  # seconds asking every candidate takes at most, all of them together
 MAX_PROBES = 16  # connections asking peers at once
+MAX_FETCH_FLOWS = 16  # connections one fetch may use (the receiver serves at most 16 at once)
+FETCH_BYTES_PER_FLOW = 256 << 20  # a fetch uses one more connection per this many bytes, up to peer_max_flows
 
 
 # --- the holding side (a receiver's connection) ---------------------------------------------------
@@ -101,20 +104,45 @@ async def serve(
     except (OSError, ManifestError) as exc:
         channel.write(wire.error_frame("gone", f"{replica.name}: {exc}"))
         return
-    logger.info("replica %s (%s): %s fetches it", replica.id, replica.name, who)
+    part, parts = _slice(header)
+    logger.info("replica %s (%s): %s fetches it (slice %d of %d)", replica.id, replica.name, who, part + 1, parts)
     channel.write(wire.encode({"t": "checkpoint", "id": replica.id, "name": replica.name, "manifest": text}))
-    channel.transport.set_write_buffer_limits(high=2 * wire.MAX_DATA)  # as the handoff's sender does
+    channel.transport.set_write_buffer_limits(high=wire.SEND_CHUNK)  # as the handoff's sender does
     sender = PeerClient(channel, who)  # its data frames are the handoff's
     try:
-        for rel in sorted(manifest.files):
+        for rel, offset, length in _pieces(manifest, part, parts):
             if replica.state is ReplicaState.DELETED:  # committed in the bucket meanwhile, or dropped
                 raise FileNotFoundError(f"{replica.name} was deleted")
-            await sender.send_file(replica.step_dir / rel, rel)
+            fd = await asyncio.to_thread(open_nofollow, replica.step_dir / rel)
+            with open(fd, "rb", buffering=0) as file:
+                await sender.send_part(file, rel, manifest.files[rel].size, offset, length)
     except OSError as exc:
         logger.warning("replica %s: its fetch by %s ended early: %s", replica.id, who, exc)
         channel.write(wire.error_frame("gone", f"{replica.name}: {exc}"))
         return
     channel.write(wire.encode({"t": "end"}))
+
+
+def _slice(header: dict[str, Any]) -> tuple[int, int]:
+    """A fetch's ``slice`` ``[k, n]``: the k-th of n connections fetching one replica (none: all of it)."""
+    value = header.get("slice", [0, 1])
+    valid = isinstance(value, list) and len(value) == 2 and all(type(v) is int for v in value)
+    if not valid or not 0 <= value[0] < value[1] <= MAX_FETCH_FLOWS:
+        raise wire.PeerError("bad-field", f"fetch: slice must be [k, n] with 0 <= k < n <= {MAX_FETCH_FLOWS}")
+    return value[0], value[1]
+
+
+def _pieces(manifest: Manifest, part: int, parts: int) -> Iterator[tuple[str, int, int]]:
+    """The (file, offset, length) pieces of slice ``part`` of ``parts``: every file cut in pieces of
+    :data:`~spotguard.peer.flows.PIECE` bytes (an empty file: one empty piece), numbered in order
+    of the sorted names, dealt round-robin."""
+    index = 0
+    for rel in sorted(manifest.files):
+        size = manifest.files[rel].size
+        for offset in range(0, max(size, 1), PIECE):
+            if index % parts == part:
+                yield rel, offset, min(PIECE, size - offset)
+            index += 1
 
 
 def attach(receiver: PeerReceiver) -> None:
@@ -176,16 +204,45 @@ async def list_replicas(client: PeerClient) -> list[dict[str, Any]]:
     return [item for item in items if isinstance(item, dict)]
 
 
-async def fetch_replica(client: PeerClient, replica_id: str, root: Path) -> Path:
-    """Fetch a verified replica into ``root`` as a committed step directory; returns it. Raises
-    :class:`~spotguard.wire.PeerError` (``mismatch`` for a file that fails its CRC32C) or
-    ``OSError``; nothing of a failed fetch is left behind."""
-    client.channel.write(wire.encode({"t": "fetch", "id": replica_id}))
+async def fetch_replica(
+    client: PeerClient,
+    replica_id: str,
+    root: Path,
+    *,
+    connect: Callable[[], Awaitable[PeerClient]] | None = None,
+    flows: int = 1,
+) -> Path:
+    """Fetch a verified replica into ``root`` as a committed step directory; returns it. With
+    ``flows`` > 1, ``connect`` opens that many more connections less one to the same peer, and each
+    fetches its slice of the replica's pieces. Raises :class:`~spotguard.wire.PeerError`
+    (``mismatch`` for a file that fails its CRC32C) or ``OSError``; nothing of a failed fetch is
+    left behind."""
+    clients = [client]
+    try:
+        if connect is not None:
+            clients += [await connect() for _ in range(flows - 1)]
+        heads = [await _ask_fetch(each, replica_id, k, len(clients)) for k, each in enumerate(clients)]
+        if len({(head["name"], head["manifest"]) for head in heads}) != 1:
+            raise wire.PeerError("mismatch", f"replica {replica_id}: its connections sent different manifests")
+        return await _receive(clients, heads[0]["name"], heads[0]["manifest"], root)
+    finally:
+        for other in clients[1:]:
+            await other.close()
+
+
+async def _ask_fetch(client: PeerClient, replica_id: str, part: int, parts: int) -> dict[str, Any]:
+    request: dict[str, Any] = {"t": "fetch", "id": replica_id}
+    if parts > 1:
+        request["slice"] = [part, parts]
+    client.channel.write(wire.encode(request))
     await client.channel.drain()
     head = await wire.read_frame(client.channel)
     wire.expect(head, "checkpoint")
-    text = wire.field(head, "manifest", str)
-    name = wire.field(head, "name", str)
+    return {"name": wire.field(head, "name", str), "manifest": wire.field(head, "manifest", str)}
+
+
+async def _receive(clients: list[PeerClient], name: str, text: str, root: Path) -> Path:
+    """Every client's data frames into a fresh staging directory, checked, then committed in ``root``."""
     manifest = parse_manifest(text, name)
     await asyncio.to_thread(remove_stale_staging, root)
     if (free := await asyncio.to_thread(free_bytes, root)) < manifest.total_bytes:
@@ -194,9 +251,19 @@ async def fetch_replica(client: PeerClient, replica_id: str, root: Path) -> Path
     step_dir = staging / name
     try:
         await asyncio.to_thread(step_dir.mkdir)
-        incoming = _Incoming(client, manifest, step_dir)
-        await incoming.receive()
-        problems = await asyncio.to_thread(check_files, step_dir, manifest.files, incoming.sizes, incoming.ranges)
+        files = _Staged(manifest, step_dir)
+        receiving = [asyncio.ensure_future(files.receive(each)) for each in clients]
+        try:
+            await asyncio.gather(*receiving)
+        finally:
+            for task in receiving:
+                task.cancel("another connection of the fetch failed")
+            # Every write has landed (or failed) before the files are checked or removed.
+            results = await asyncio.gather(*receiving, *files.writes, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
+                raise result
+        problems = await asyncio.to_thread(check_files, step_dir, manifest.files, files.sizes, files.ranges)
         if problems:
             raise wire.PeerError("mismatch", problems[0])
         return await asyncio.to_thread(_commit, step_dir, text, root / name)
@@ -205,30 +272,24 @@ async def fetch_replica(client: PeerClient, replica_id: str, root: Path) -> Path
 
 
 @dataclass
-class _Incoming:
-    """The files of one fetch as they arrive: what was received, and the disk writes in flight."""
+class _Staged:
+    """The files of one fetch as they arrive, on one connection or several: what was received, and
+    the disk writes in flight."""
 
-    client: PeerClient
     manifest: Manifest
     step_dir: Path
     sizes: dict[str, int] = field(default_factory=dict)
     ranges: Ranges = field(default_factory=dict)  # as the receiver keeps them
     writes: set[asyncio.Future[None]] = field(default_factory=set)  # going on while the next frame is read
+    created: dict[str, asyncio.Future[None]] = field(default_factory=dict)  # each file, made once
 
-    async def receive(self) -> None:
+    async def receive(self, client: PeerClient) -> None:
         """Data frames until ``end``, each checked against the manifest before a byte of it is written."""
-        try:
-            while await self._one_frame():
-                pass
-        finally:
-            # Every write has landed (or failed) before the caller checks the files or removes them.
-            results = await asyncio.gather(*self.writes, return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
+        while await self._one_frame(client):
+            pass
 
-    async def _one_frame(self) -> bool:
-        frame = await wire.read_frame(self.client.channel)
+    async def _one_frame(self, client: PeerClient) -> bool:
+        frame = await wire.read_frame(client.channel)
         if frame["t"] == "end":
             return False
         wire.expect(frame, "data")
@@ -238,16 +299,20 @@ class _Incoming:
             raise wire.PeerError("bad-field", f"{rel}: {size} bytes, not a file of the manifest")
         check_range(rel, size, offset, length)
         data = memoryview(bytearray(length))
-        await self.client.channel.readinto(data)  # decrypted straight into it, each record in time
-        if rel not in self.sizes:
-            await asyncio.to_thread(make_parent, self.step_dir, rel)
-            # Created here, never found: readable by the trainer, as a checkpoint it wrote itself.
-            await asyncio.to_thread(create_exclusive, self.step_dir, rel, 0o644)
+        await client.channel.readinto(data)  # decrypted straight into it, each record in time
+        if rel not in self.created:  # the first range of it on any connection makes it
+            self.created[rel] = asyncio.ensure_future(asyncio.to_thread(self._create, rel))
+        await self.created[rel]
         self.sizes[rel] = size
         await make_room(self.writes)
         write = asyncio.to_thread(write_range, self.step_dir, rel, offset, data, self.ranges.setdefault(rel, []))
         self.writes.add(asyncio.ensure_future(write))
         return True
+
+    def _create(self, rel: str) -> None:
+        make_parent(self.step_dir, rel)
+        # Created here, never found: readable by the trainer, as a checkpoint it wrote itself.
+        create_exclusive(self.step_dir, rel, 0o644)
 
 
 def remove_stale_staging(root: Path) -> None:
@@ -295,11 +360,13 @@ async def resume_from_peers(
     deadline: float = PROBE_DEADLINE,
     limit: int = MAX_PROBES,
     io_timeout: float = IO_TIMEOUT,
+    max_flows: int = MAX_FLOWS,
 ) -> PeerResume:
     """Fetch the newest whole verified replica of ``bucket`` newer than step ``after`` that a peer holds
     (an older one, if the newest fails its checks); shares newer than everything are named. The peers
     are asked what they hold all at once (``limit`` connections at most in flight), within one
-    ``deadline`` for them all: a dead or silent candidate costs its slot, never the others' time."""
+    ``deadline`` for them all: a dead or silent candidate costs its slot, never the others' time. A
+    replica is fetched on one connection per :data:`FETCH_BYTES_PER_FLOW` bytes, ``max_flows`` at most."""
     ask = functools.partial(_ask_one, token=token, bucket=bucket, after=after, io_timeout=io_timeout)
     offers = await _ask_all(addresses, ask, deadline=deadline, limit=limit)
     found = PeerResume(after=after)
@@ -311,8 +378,10 @@ async def resume_from_peers(
         except (OSError, TimeoutError, wire.PeerError) as exc:
             logger.warning("%s: not fetched: %s", offer.where, exc)
             continue
+        flows = max(1, min(max_flows, MAX_FETCH_FLOWS, -(-offer.bytes // FETCH_BYTES_PER_FLOW)))
+        connect = functools.partial(PeerClient.connect, *offer.peer, token, io_timeout=io_timeout)
         try:
-            found.path = await fetch_replica(client, offer.id, root)
+            found.path = await fetch_replica(client, offer.id, root, connect=connect, flows=flows)
             found.offer = offer
             logger.warning("%s: fetched and verified (%d bytes): newer than the bucket's", offer.where, offer.bytes)
             break

@@ -8,6 +8,7 @@ resumes: the window in which only a peer holds the newest checkpoint.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import shutil
@@ -234,6 +235,18 @@ def test_list_and_fetch_frames(tmp_path: Path, url: str, relay: PacedRelay) -> N
                 assert fetched == tmp_path / "fresh" / "step-000000031"
                 assert load_manifest(fetched).files == load_manifest(whole).files
                 assert same_files(whole, fetched) == [] and not (tmp_path / "fresh" / STAGING).exists()
+
+                # On three connections, each its slice of the pieces: the same files, bit for bit.
+                (tmp_path / "three").mkdir()
+                connect = functools.partial(PeerClient.connect, *listen(vm_b), TOKEN.encode())
+                fetched = await fetch_replica(client, items[2]["id"], tmp_path / "three", connect=connect, flows=3)
+                assert same_files(big, fetched) == []
+                other = await connect()
+                other.writer.write(wire.encode({"t": "fetch", "id": items[2]["id"], "slice": [3, 3]}))
+                with pytest.raises(wire.PeerError) as caught:
+                    await wire.read_frame(other.reader)
+                assert caught.value.code == "bad-field"
+                await other.close()
 
                 client.writer.write(wire.encode({"t": "fetch", "id": items[2]["id"]}))
                 assert (await wire.read_frame(client.reader))["name"] == "step-000000033"
