@@ -110,7 +110,7 @@ async def serve(
     channel.transport.set_write_buffer_limits(high=wire.SEND_CHUNK)  # as the handoff's sender does
     sender = PeerClient(channel, who)  # its data frames are the handoff's
     try:
-        for rel, offset, length in _pieces(manifest, part, parts):
+        for rel, offset, length in slice_pieces(manifest, part, parts):
             if replica.state is ReplicaState.DELETED:  # committed in the bucket meanwhile, or dropped
                 raise FileNotFoundError(f"{replica.name} was deleted")
             fd = await asyncio.to_thread(open_nofollow, replica.step_dir / rel)
@@ -132,7 +132,7 @@ def _slice(header: dict[str, Any]) -> tuple[int, int]:
     return value[0], value[1]
 
 
-def _pieces(manifest: Manifest, part: int, parts: int) -> Iterator[tuple[str, int, int]]:
+def slice_pieces(manifest: Manifest, part: int, parts: int) -> Iterator[tuple[str, int, int]]:
     """The (file, offset, length) pieces of slice ``part`` of ``parts``: every file cut in pieces of
     :data:`~spotguard.peer.flows.PIECE` bytes (an empty file: one empty piece), numbered in order
     of the sorted names, dealt round-robin."""
@@ -444,4 +444,14 @@ def _offers(peer: tuple[str, int], items: list[dict[str, Any]], bucket: str, aft
     return offers
 
 
-__all__ = ["STAGING", "Offer", "attach", "PeerResume", "fetch_replica", "list_replicas", "resume_from_peers", "serve"]
+__all__ = [
+    "STAGING",
+    "Offer",
+    "PeerResume",
+    "attach",
+    "fetch_replica",
+    "list_replicas",
+    "resume_from_peers",
+    "serve",
+    "slice_pieces",
+]
