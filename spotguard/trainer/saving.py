@@ -25,8 +25,8 @@ from spotguard.trainer.notices import Message
 from spotguard.trainer.state import Payloads, Stager, estimate_bytes, is_tensor, write_payloads
 from spotguard.trainer.writer import ParallelWriter
 
-# Saves at a notice, racing its deadline: no housekeeping before they return (pruning, removing a
-# killed writer's leftovers) unless they need the room.
+# Saves at a notice, racing its deadline: they prune no older checkpoint before they return (the
+# next save does; one that is short of room makes its own).
 HURRIED = frozenset({"urgent", "soft"})
 
 logger = logging.getLogger("spotguard.trainer")
@@ -168,12 +168,12 @@ class Saver:
             raise no_room or SpotguardDiskFull(self.checkpoint_dir, needed, free, "no room on rank 0's disk")
 
     def _prepare(self, writer: CheckpointWriter, needed: int) -> None:
-        # Leftovers of a writer killed mid-save; the daemon never loads or uploads them. A save racing
-        # a deadline leaves them to the next save unless it needs their room.
-        if writer.reason not in HURRIED or free_bytes(self.checkpoint_dir) < needed:
-            removed = remove_incomplete(self.checkpoint_dir, except_names=frozenset({writer.dir.name}))
-            if removed:
-                logger.info("spotguard: removed incomplete checkpoints %s", ", ".join(removed))
+        # Leftovers of a writer killed mid-save; the daemon never loads or uploads them. Every save
+        # removes them, an urgent one too: they exist only after a crash (otherwise this is one look
+        # at the directory), and they hold room the save may need.
+        removed = remove_incomplete(self.checkpoint_dir, except_names=frozenset({writer.dir.name}))
+        if removed:
+            logger.info("spotguard: removed incomplete checkpoints %s", ", ".join(removed))
         writer.prepare()
         make_room(self.checkpoint_dir, needed, safe=self.safe_in_bucket, exclude={writer.dir.name})
 

@@ -26,10 +26,7 @@ from spotguard.storage.checkpoints import list_remote, restore
 from spotguard.storage.file import FileStorage
 from spotguard.storage.s3 import S3Storage
 from tests.checkpoints import write_checkpoint
-from tests.integration import test_peer_receiver as receiving
 from tests.integration.test_peer_receiver import TOKEN, address, bucket_keys, replica_area
-
-receiver_vm = receiving.receiver_vm  # the fixture: a real receiver daemon on 127.0.0.1
 
 MiB = 1 << 20
 
