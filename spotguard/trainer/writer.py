@@ -387,20 +387,6 @@ class StagingBuffers:
 # --- writing --------------------------------------------------------------------------------
 
 
-SUM_BLOCK = 1 << 20  # bytes written, then summed while still in the CPU's cache
-
-
-def _write_summed(fd: int, data: Any, offset: int, crc: int) -> int:
-    """Write ``data`` (a uint8 buffer) at ``offset`` and extend ``crc`` with it, a block at a time:
-    each block is summed right after its write copied it, while it is still in cache, instead of in
-    a second pass over the whole part from memory."""
-    for start in range(0, len(data), SUM_BLOCK):
-        block = data[start : start + SUM_BLOCK]
-        _pwrite_all(fd, block, offset + start)
-        crc = google_crc32c.extend(crc, block)
-    return crc
-
-
 def _pwrite_all(fd: int, data: Any, offset: int) -> None:
     """Write all of ``data`` (any contiguous buffer) at ``offset``; a short write is continued."""
     view = memoryview(data).cast("B")
@@ -567,10 +553,12 @@ class _Run:
             storage = part.storage.storage
             if self.owner.staging.wants(storage):
                 with self.owner.staging.staged(storage, part.start, part.length, self.cancel) as data:
-                    crc = _write_summed(piece.file.fd, data, part.offset, crc)
+                    _pwrite_all(piece.file.fd, data, part.offset)
+                    crc = google_crc32c.extend(crc, data)
             else:
                 data = _host_bytes(storage)[part.start : part.start + part.length]
-                crc = _write_summed(piece.file.fd, data, part.offset, crc)
+                _pwrite_all(piece.file.fd, data, part.offset)
+                crc = google_crc32c.extend(crc, data)
         piece.crc = crc
         file = piece.file
         if self.on_range:
