@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from spotguard.control import request
 from spotguard.harness import Vm, wait_for
 from spotguard.manifest import load_manifest
 from spotguard.peer import wire
@@ -24,7 +25,9 @@ from spotguard.storage.checkpoints import list_remote
 from spotguard.storage.s3 import S3Storage
 from tests.checkpoints import write_checkpoint
 from tests.pacedrelay import PacedRelay
-from tests.peers import TOKEN, address
+from tests.peers import TOKEN, address, receiving_daemon
+from tests.servers import moto_s3, point_at
+from tests.streaming import ProgressiveWriter
 
 MiB = 1 << 20
 
@@ -154,3 +157,43 @@ def test_a_replica_whose_opener_goes_away_is_dropped_whatever_its_joined_flows_s
     asyncio.run(scenario())
     assert 14 not in committed_steps(url)
     assert not any(r["name"] == step_dir.name for r in receiver_vm.status()["peers"]["replicas"])
+
+
+def test_a_daemon_routed_to_its_peer_opens_the_flows_its_deadline_needs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole path: A's plan routes its urgent checkpoint to B (the bucket is far too slow), and
+    A's link to B caps each connection: one flow would take 11 s, the drill gives 8."""
+    size = 32 * MiB
+    with moto_s3() as server, PacedRelay(server.endpoint_url, 1_000_000) as bucket_link:
+        url = point_at(server, monkeypatch)
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", bucket_link.url)
+        monkeypatch.setenv("SPOTGUARD_PEER_TOKEN", TOKEN)
+        with (
+            receiving_daemon(tmp_path, url) as vm_b,
+            PacedRelay(vm_b.status()["peers"]["listen"], 3_000_000, buffer_bytes=64 * 1024) as peer_link,
+        ):
+            peers = ["--peers", peer_link.url.removeprefix("http://")]
+            vm_a = Vm(tmp_path, "vm-a", url, extra_args=["--provider", "none", *peers])
+            write_checkpoint(vm_a.root, 1, {"state.bin": bytes(size)})  # the plan's size
+            vm_a.start_daemon()
+            writer = ProgressiveWriter(vm_a.root, 5, vm_a.socket, size=size, chunk=4 * MiB)
+            try:
+                wait_for(lambda: vm_a.status()["upload_rate_bytes_s"], 30, "A's upload-rate probe")
+                request(vm_a.socket, "drill", deadline_s=8.0)
+                wait_for(lambda: vm_a.status()["plan"]["route"] == "peer", 10, "A's plan to route to the peer")
+                writer.begin()
+                writer.write_until(size)
+                writer.finish_file()
+                writer.commit()
+                handed = wait_for(
+                    lambda: (h := vm_a.status()["peers"]["handoff"])["state"] in ("handed", "failed") and h,
+                    60,
+                    "A to hand its checkpoint to B",
+                )
+            finally:
+                writer.close()
+                vm_a.kill_daemon()
+    assert handed["state"] == "handed", handed
+    assert handed["flows"] >= 2, handed
+    assert handed["bytes_sent"] == size
