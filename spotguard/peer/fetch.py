@@ -57,7 +57,7 @@ from spotguard.peer.files import (
     parse_manifest,
     write_range,
 )
-from spotguard.peer.flows import MAX_FLOWS, PIECE
+from spotguard.peer.flows import MAX_FLOWS, cut
 from spotguard.peer.receiver import PeerReceiver
 from spotguard.peer.replicas import Replica, ReplicaState
 from spotguard.safefile import atomic_file, fsync_dir, open_nofollow
@@ -133,15 +133,14 @@ def _slice(header: dict[str, Any]) -> tuple[int, int]:
 
 
 def slice_pieces(manifest: Manifest, part: int, parts: int) -> Iterator[tuple[str, int, int]]:
-    """The (file, offset, length) pieces of slice ``part`` of ``parts``: every file cut in pieces of
-    :data:`~spotguard.peer.flows.PIECE` bytes (an empty file: one empty piece), numbered in order
-    of the sorted names, dealt round-robin."""
+    """The (file, offset, length) pieces of slice ``part`` of ``parts``: every file cut in pieces as
+    a handoff cuts them (:func:`~spotguard.peer.flows.cut`), numbered in order of the sorted names,
+    dealt round-robin."""
     index = 0
     for rel in sorted(manifest.files):
-        size = manifest.files[rel].size
-        for offset in range(0, max(size, 1), PIECE):
+        for offset, length in cut(0, manifest.files[rel].size):
             if index % parts == part:
-                yield rel, offset, min(PIECE, size - offset)
+                yield rel, offset, length
             index += 1
 
 

@@ -21,7 +21,7 @@ import math
 import os
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -71,6 +71,18 @@ class Source:
             self.dropped = True
             if self.holds == 0:
                 self.file.close()
+
+
+def cut(offset: int, length: int) -> Iterator[tuple[int, int]]:
+    """``[offset, offset + length)`` as (offset, length) pieces of at most :data:`PIECE` bytes; an
+    empty range is one empty piece (an empty file is sent too)."""
+    end = offset + length
+    while True:
+        take = min(PIECE, end - offset)
+        yield offset, take
+        offset += take
+        if offset >= end:
+            return
 
 
 @dataclass
@@ -133,18 +145,20 @@ class Flows:
         return self._queued_bytes
 
     def send(self, source: Source, offset: int, length: int, sent: Callable[[Piece], None] | None = None) -> None:
-        """Queue ``[offset, offset + length)`` of ``source`` (an empty range too: an empty file is
-        sent as one), in pieces of at most :data:`PIECE` bytes."""
-        end = offset + length
-        while True:
-            take = min(PIECE, end - offset)
+        """Queue ``[offset, offset + length)`` of ``source`` in pieces (:func:`cut`)."""
+        for start, take in cut(offset, length):
             source.hold()
-            self._queue.append(Piece(source, offset, take, sent))
+            self._queue.append(Piece(source, start, take, sent))
             self._queued_bytes += take
-            offset += take
-            if offset >= end:
-                break
         self._more.set()
+
+    async def send_file(self, path: Path, rel: str, sent: Callable[[Piece], None] | None = None) -> None:
+        """Queue all of the finished file ``path`` as ``rel`` (opened without following a link; closed
+        once its pieces went out)."""
+        fd = await asyncio.to_thread(open_nofollow, path)
+        source = Source(open(fd, "rb", buffering=0), rel, os.fstat(fd).st_size)  # noqa: SIM115  # closed by drop()
+        self.send(source, 0, source.size, sent)
+        source.drop()
 
     async def sent(self) -> None:
         """The last call before the commit: wait until every queued piece went out, stop the flows,
@@ -311,10 +325,7 @@ async def send_committed(
         while replica.count < flows and await replica.grow():
             pass
         for rel in sorted(files):
-            fd = await asyncio.to_thread(open_nofollow, step_dir / rel)
-            source = Source(open(fd, "rb", buffering=0), rel, os.fstat(fd).st_size)  # noqa: SIM115  # closed once sent
-            replica.send(source, 0, source.size)
-            source.drop()
+            await replica.send_file(step_dir / rel, rel)
         await replica.sent()
         return await client.commit(step_dir)
     finally:
@@ -329,6 +340,7 @@ __all__ = [
     "FlowsFailed",
     "Piece",
     "Source",
+    "cut",
     "open_flows",
     "send_committed",
 ]

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -81,7 +80,6 @@ class Handoff:
         self.bucket = bucket
         self._io_timeout = io_timeout  # the channel's record deadline (spotguard/peer/channel.py)
         self.max_flows = max_flows  # connections one replica may use (spotguard/peer/flows.py)
-        self.flows = 0  # connections the last handoff used
         self._expected = 0  # bytes the plan expects the checkpoint to hold
         self._deadline: float | None = None  # monotonic; None: no deadline known (one flow)
         self.state = HandoffState.IDLE
@@ -94,7 +92,7 @@ class Handoff:
         self._saved: set[str] = set()
         self._streams: dict[tuple[str, str], _Streamed] = {}  # (step name, file) -> its ranges
         self._queued_files: set[str] = set()  # files of the replica wholly handed to its flows
-        self._flows: Flows | None = None
+        self._flows: Flows | None = None  # the current (or last) handoff's
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -156,7 +154,6 @@ class Handoff:
             self._announced.clear()
             self._saved.clear()
             self._queued_files.clear()
-            self._flows = None
             self.state = HandoffState.IDLE
 
     async def close(self) -> None:
@@ -219,7 +216,6 @@ class Handoff:
                 pacer.cancel("handoff over")
                 await asyncio.gather(pacer, return_exceptions=True)
             if flows is not None:
-                self.flows = flows.opened
                 await flows.close()
 
     async def _open(self, client: PeerClient) -> Flows:
@@ -256,11 +252,7 @@ class Handoff:
 
     async def _queue_file(self, flows: Flows, step_dir: Path, rel: str) -> None:
         """All of ``rel`` (finished: no ranges were announced, or they do not fit it)."""
-        fd = await asyncio.to_thread(open_nofollow, step_dir / rel)
-        file = open(fd, "rb", buffering=0)  # noqa: SIM115  # closed by its Source once its pieces are sent
-        source = Source(file, rel, os.fstat(fd).st_size)
-        flows.send(source, 0, source.size, self._count)
-        source.drop()
+        await flows.send_file(step_dir / rel, rel, self._count)
         self._queued_files.add(rel)
 
     async def _finish_file(self, flows: Flows, step_dir: Path, rel: str) -> None:
@@ -276,6 +268,11 @@ class Handoff:
         self._queue_ranges(flows, stream)
         self._drop((self.name, rel))
         self._queued_files.add(rel)
+
+    @property
+    def flows(self) -> int:
+        """Connections the current (or last) handoff opened; 0 before the first."""
+        return self._flows.opened if self._flows is not None else 0
 
     def _count(self, piece: Piece) -> None:
         self.bytes_sent += piece.length
@@ -293,7 +290,7 @@ class Handoff:
             "bytes_sent": self.bytes_sent,
             "seconds": None if self.seconds is None else round(self.seconds, 3),
             "error": self.error,
-            "flows": self._flows.opened if self._flows is not None else self.flows,  # connections opened
+            "flows": self.flows,
         }
 
 
