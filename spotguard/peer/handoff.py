@@ -143,6 +143,10 @@ class Handoff:
         plan's size) and ``deadline`` (monotonic) decide how many flows the handoff needs."""
         self._expected, self._deadline = expected_bytes, deadline
         if self._task is None:
+            # A new handoff: what the status says of the last one (and the pacer's count of bytes
+            # sent, which it takes from the plan's size) starts again.
+            self.peer = self.name = self.error = None
+            self.bytes_sent, self.seconds = 0, None
             self._task = asyncio.create_task(self._run(), name="peer-handoff")
 
     def reset(self) -> None:

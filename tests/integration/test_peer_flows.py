@@ -40,14 +40,17 @@ def committed_steps(url: str) -> list[int]:
         storage.close()
 
 
-async def hand_over(step_dir: Path, url: str, where: tuple[str, int], seconds_left: float | None) -> Handoff:
+async def hand_over(
+    step_dir: Path, url: str, where: tuple[str, int], seconds_left: float | None, handoff: Handoff | None = None
+) -> Handoff:
     """Hand the committed checkpoint ``step_dir`` to the peer at ``where``, as the daemon would on a
-    notice routed to the peer with ``seconds_left`` to its deadline (None: no deadline known)."""
+    notice routed to the peer with ``seconds_left`` to its deadline (None: no deadline known); with
+    ``handoff``, as that one's next handoff (the daemon keeps one for its lifetime)."""
 
     async def candidates() -> list[tuple[str, int]]:
         return [where]
 
-    handoff = Handoff(candidates, TOKEN.encode(), url, max_flows=6)
+    handoff = handoff or Handoff(candidates, TOKEN.encode(), url, max_flows=6)
     manifest = load_manifest(step_dir)
     for rel, entry in manifest.files.items():
         handoff.file_ready(step_dir, rel, entry)
@@ -84,6 +87,24 @@ def test_a_fast_link_keeps_one_flow(receiver_vm: Vm, url: str, tmp_path: Path) -
     assert handoff.state is HandoffState.HANDED, handoff.error
     assert handoff.flows == 1
     wait_for(lambda: 12 in committed_steps(url), 30, "B's commit in the bucket")
+
+
+def test_a_daemon_s_next_handoff_counts_its_own_bytes(receiver_vm: Vm, url: str, tmp_path: Path) -> None:
+    first = write_checkpoint(tmp_path / "vm-a", 15, {"weights.bin": os.urandom(3 * MiB)})
+    second = write_checkpoint(tmp_path / "vm-a", 16, {"weights.bin": os.urandom(2 * MiB)})
+
+    async def two_notices() -> tuple[dict[str, object], dict[str, object]]:
+        handoff = await hand_over(first, url, address(receiver_vm), seconds_left=60.0)
+        before = handoff.status()
+        handoff.reset()  # the notice is over
+        await hand_over(second, url, address(receiver_vm), seconds_left=60.0, handoff=handoff)
+        return before, handoff.status()
+
+    before, after = asyncio.run(two_notices())
+    assert (before["name"], before["bytes_sent"], before["state"]) == (first.name, 3 * MiB, "handed")
+    # What the pacer takes from the plan's size, and what the status says: this handoff's alone.
+    assert (after["name"], after["bytes_sent"], after["state"]) == (second.name, 2 * MiB, "handed")
+    wait_for(lambda: {15, 16} <= set(committed_steps(url)), 30, "B's commits in the bucket")
 
 
 def test_only_authenticated_connections_of_the_same_sender_join_a_replica(
