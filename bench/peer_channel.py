@@ -21,85 +21,20 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from common import capped_link, machine, median, write_results
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
-from peer_rescue import TOKEN, make_checkpoint, peer_copy
+from peer_rescue import TOKEN, make_checkpoint, peer_copy, plain_copy
 
 from spotguard.harness import Vm, wait_for
 from spotguard.manifest import load_manifest
 from spotguard.peer.channel import MAX_PLAINTEXT
 from spotguard.peer.wire import parse_address
-
-MiB = 1 << 20
-
-
-def sink_main(out_dir: str, connections: int) -> None:
-    """The plain copy's receiver: ``connections`` connections, each a stream of (name length, name,
-    size, bytes) written to disk; a byte back once a connection's stream ends."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    print(listener.getsockname()[1], flush=True)
-
-    def serve(conn: socket.socket) -> None:
-        with conn, conn.makefile("rb") as stream:
-            while header := stream.read(4):
-                name = stream.read(int.from_bytes(header, "big")).decode()
-                left = int.from_bytes(stream.read(8), "big")
-                with open(Path(out_dir) / name, "wb") as out:
-                    while left:
-                        chunk = stream.read(min(left, 8 * MiB))
-                        out.write(chunk)
-                        left -= len(chunk)
-            conn.sendall(b"k")
-
-    threads = []
-    for _ in range(connections):
-        conn, _ = listener.accept()
-        threads.append(threading.Thread(target=serve, args=(conn,)))
-        threads[-1].start()
-    for thread in threads:
-        thread.join()
-
-
-def plain_copy(step_dir: Path, scratch: Path, connections: int) -> float:
-    out = scratch / "plain"
-    out.mkdir()
-    command = [sys.executable, __file__, "sink", str(out), str(connections)]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None
-        port = int(proc.stdout.readline())
-        files = sorted(load_manifest(step_dir).files)
-        shares = [files[i::connections] for i in range(connections)]
-
-        def send(share: list[str]) -> None:
-            with socket.create_connection(("127.0.0.1", port)) as sock:
-                for rel in share:
-                    path = step_dir / rel
-                    sock.sendall(len(rel).to_bytes(4, "big") + rel.encode() + path.stat().st_size.to_bytes(8, "big"))
-                    with path.open("rb") as handle:
-                        sock.sendfile(handle)
-                sock.shutdown(socket.SHUT_WR)
-                assert sock.recv(1) == b"k"
-
-        started = time.perf_counter()
-        threads = [threading.Thread(target=send, args=(share,)) for share in shares]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        return time.perf_counter() - started
-    finally:
-        proc.wait(timeout=60)
-        shutil.rmtree(out, ignore_errors=True)
 
 
 def capped_flows(step_dir: Path, receiver: Vm, bucket: str, cap_mb_s: float, flows: int, runs: int) -> list[float]:
@@ -196,7 +131,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 3 and sys.argv[1] == "sink":
-        sink_main(sys.argv[2], int(sys.argv[3]))
-        sys.exit(0)
     sys.exit(main())

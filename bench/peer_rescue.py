@@ -34,6 +34,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -68,46 +69,71 @@ def make_checkpoint(root: Path, gib: float, files: int) -> Path:
     return writer.dir
 
 
-def sink_main(out_dir: str) -> None:
-    """The floor's receiver: one connection, a stream of (name length, name, size, bytes), to disk."""
+def sink_main(out_dir: str, connections: int) -> None:
+    """The plain copy's receiver: ``connections`` connections, each a stream of (name length, name,
+    size, bytes) written to disk; a byte back once a connection's stream ends."""
     listener = socket.create_server(("127.0.0.1", 0))
     print(listener.getsockname()[1], flush=True)
-    conn, _ = listener.accept()
-    with conn, conn.makefile("rb") as stream:
-        while header := stream.read(4):
-            name = stream.read(int.from_bytes(header, "big")).decode()
-            size = int.from_bytes(stream.read(8), "big")
-            with open(Path(out_dir) / name, "wb") as out:
-                left = size
-                while left:
-                    chunk = stream.read(min(left, 8 * MiB))
-                    out.write(chunk)
-                    left -= len(chunk)
-                out.flush()
-        conn.sendall(b"k")
+
+    def serve(conn: socket.socket) -> None:
+        with conn, conn.makefile("rb") as stream:
+            while header := stream.read(4):
+                name = stream.read(int.from_bytes(header, "big")).decode()
+                left = int.from_bytes(stream.read(8), "big")
+                with open(Path(out_dir) / name, "wb") as out:
+                    while left:
+                        chunk = stream.read(min(left, 8 * MiB))
+                        out.write(chunk)
+                        left -= len(chunk)
+            conn.sendall(b"k")
+
+    threads = []
+    for _ in range(connections):
+        conn, _ = listener.accept()
+        threads.append(threading.Thread(target=serve, args=(conn,)))
+        threads[-1].start()
+    for thread in threads:
+        thread.join()
 
 
-def floor_copy(step_dir: Path, scratch: Path) -> float:
-    out = scratch / "floor"
+def plain_copy(step_dir: Path, scratch: Path, connections: int) -> float:
+    """Seconds to copy the checkpoint's files over ``connections`` loopback TCP connections at once
+    (files dealt out to them, ``socket.sendfile``) to a receiver process writing them to disk."""
+    out = scratch / "plain"
     out.mkdir()
-    proc = subprocess.Popen([sys.executable, __file__, "sink", str(out)], stdout=subprocess.PIPE, text=True)
+    command = [sys.executable, __file__, "sink", str(out), str(connections)]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
         port = int(proc.stdout.readline())
         files = sorted(load_manifest(step_dir).files)
+        shares = [files[i::connections] for i in range(connections)]
+
+        def send(share: list[str]) -> None:
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                for rel in share:
+                    path = step_dir / rel
+                    sock.sendall(len(rel).to_bytes(4, "big") + rel.encode() + path.stat().st_size.to_bytes(8, "big"))
+                    with path.open("rb") as handle:
+                        sock.sendfile(handle)
+                sock.shutdown(socket.SHUT_WR)
+                assert sock.recv(1) == b"k"
+
         started = time.perf_counter()
-        with socket.create_connection(("127.0.0.1", port)) as sock:
-            for rel in files:
-                path = step_dir / rel
-                sock.sendall(len(rel).to_bytes(4, "big") + rel.encode() + path.stat().st_size.to_bytes(8, "big"))
-                with path.open("rb") as handle:
-                    sock.sendfile(handle)
-            sock.shutdown(socket.SHUT_WR)
-            assert sock.recv(1) == b"k"
+        threads = [threading.Thread(target=send, args=(share,)) for share in shares]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
         return time.perf_counter() - started
     finally:
         proc.wait(timeout=60)
         shutil.rmtree(out, ignore_errors=True)
+
+
+def floor_copy(step_dir: Path, scratch: Path) -> float:
+    """The floor: the plain copy on one connection."""
+    return plain_copy(step_dir, scratch, 1)
 
 
 def peer_copy(step_dir: Path, where: tuple[str, int], bucket: str, flows: int = 1) -> float:
@@ -287,7 +313,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[1] == "sink":
-        sink_main(sys.argv[2])
+    if len(sys.argv) > 3 and sys.argv[1] == "sink":
+        sink_main(sys.argv[2], int(sys.argv[3]))
         sys.exit(0)
     sys.exit(main())

@@ -6,8 +6,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from spotguard.daemon.plan import PROBE_PREFIX
 from spotguard.harness import Vm
 from spotguard.peer import wire
+from spotguard.peer.replicas import AREA
+from spotguard.storage.s3 import S3Storage
 
 TOKEN = "a-shared-secret-of-the-job-0123456789"
 
@@ -27,3 +30,18 @@ def receiving_daemon(tmp_path: Path, url: str, env: dict[str, str] | None = None
 def address(vm: Vm) -> tuple[str, int]:
     """Where ``vm``'s peer receiver listens."""
     return wire.parse_address(vm.status()["peers"]["listen"])
+
+
+def bucket_keys(url: str) -> list[str]:
+    """Every key under the S3 ``url`` but the daemons' rate probes."""
+    storage = S3Storage(url)
+    try:
+        return sorted(o.key for o in storage.list() if not o.key.startswith(PROBE_PREFIX))
+    finally:
+        storage.close()
+
+
+def replica_area(vm: Vm) -> list[str]:
+    """What ``vm``'s peer receiver holds on disk."""
+    area = vm.root / AREA
+    return sorted(p.name for p in area.iterdir()) if area.exists() else []

@@ -9,10 +9,9 @@ sends the notice's acknowledgement only once the checkpoint is committed in the 
 
 from __future__ import annotations
 
-import asyncio
 import io
-import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -44,11 +43,11 @@ from spotguard.providers.base import (
 )
 from spotguard.storage.checkpoints import list_remote
 from spotguard.storage.file import FileStorage
+from tests.daemonthread import DaemonThread
 
 WAIT = 15.0
 NOTICE_PATH = "/fake-metadata/v1/interruption"
 ACK_PATH = "/fake-metadata/v1/interruption/ack"
-
 
 # --- the fake cloud: everything a provider module holds ----------------------------------------------
 
@@ -175,32 +174,19 @@ def fake_cloud(tmp_path: Path) -> Iterator[tuple[Path, RunningEmulator]]:
         registry.unregister("fake")
 
 
-class DaemonThread:
-    """The daemon, with monitors built by the registry from ``provider = auto``, on a loop of its own."""
+class FakeCloudDaemon(DaemonThread):
+    """The daemon, with monitors built by the registry from ``provider = auto``."""
 
     def __init__(self, config: DaemonConfig, dmi: Path, storage: FileStorage) -> None:
-        self.config, self.dmi, self.storage = config, dmi, storage
-        self.daemon: Daemon | None = None
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(self._main(),))
+        super().__init__(config, wait=WAIT)
+        self.dmi, self.storage = dmi, storage
 
-    async def _main(self) -> None:
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[Daemon]:
         async with aiohttp.ClientSession() as session:
             provider = registry.resolve(self.config.provider, self.dmi)
             built = registry.build_monitors(provider, self.config.monitor_settings(), session)
-            self.daemon = Daemon(self.config, provider=provider, monitors=built, storage=self.storage)
-            await self.daemon.serve_until_stopped()
-
-    def __enter__(self) -> DaemonThread:
-        self.thread.start()
-        wait_for(self.config.socket.exists, WAIT, "the daemon to listen")
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        if self.daemon is not None:
-            self.loop.call_soon_threadsafe(self.daemon.request_stop)
-        self.thread.join(60)
-        self.loop.close()
+            yield Daemon(self.config, provider=provider, monitors=built, storage=self.storage)
 
 
 def test_a_provider_registered_from_one_module_is_detected_watched_and_acknowledged_after_the_commit(
@@ -222,7 +208,7 @@ def test_a_provider_registered_from_one_module_is_detected_watched_and_acknowled
         bucket=bucket,
     )
     guard = None
-    with DaemonThread(config, dmi, FileStorage(bucket)):
+    with FakeCloudDaemon(config, dmi, FileStorage(bucket)):
         status = request(config.socket, "status")
         assert status["provider"] == "fake" and status["monitors"] == ["fake"]
         guard = Guard(checkpoint_dir=config.checkpoint_dir, socket=config.socket, handle_sigterm=False)

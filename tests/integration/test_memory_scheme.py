@@ -10,9 +10,9 @@ bit for bit.
 
 from __future__ import annotations
 
-import asyncio
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -45,10 +45,10 @@ from spotguard.storage import (
 )
 from spotguard.storage.base import Progress, Sink, read_exactly
 from spotguard.storage.stream import PartStream, StreamPool, send_file
+from tests.daemonthread import DaemonThread
 
 WAIT = 30.0
 PART = 1 << 20  # small parts, so a checkpoint of a few MiB goes in several
-
 
 # --- the store: everything a backend module holds --------------------------------------------------
 
@@ -186,31 +186,17 @@ def mem_scheme() -> Iterator[None]:
         MemoryStorage.buckets.clear()
 
 
-class DaemonThread:
-    """The daemon on a loop of its own, its store opened from the config's URL by the registry."""
+class MemoryDaemon(DaemonThread):
+    """The daemon, its store opened from the config's URL by the registry."""
 
     def __init__(self, config: DaemonConfig) -> None:
+        super().__init__(config, wait=WAIT)
         assert config.bucket is not None
-        self.config = config
         self.storage: Storage = open_storage(config.bucket, **config.storage_options())
-        self.daemon: Daemon | None = None
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(self._main(),))
 
-    async def _main(self) -> None:
-        self.daemon = Daemon(self.config, provider="none", storage=self.storage)
-        await self.daemon.serve_until_stopped()
-
-    def __enter__(self) -> DaemonThread:
-        self.thread.start()
-        wait_for(self.config.socket.exists, WAIT, "the daemon to listen")
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        if self.daemon is not None:
-            self.loop.call_soon_threadsafe(self.daemon.request_stop)
-        self.thread.join(60)
-        self.loop.close()
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[Daemon]:
+        yield Daemon(self.config, provider="none", storage=self.storage)
 
 
 def _state(seed: int) -> dict[str, Any]:
@@ -236,7 +222,7 @@ def test_a_store_registered_from_one_module_saves_uploads_verifies_and_restores(
     bucket = MemoryStorage.buckets.setdefault("checkpoints", Bucket({}, threading.Lock()))
     state = _state(7)
 
-    with DaemonThread(config) as running:
+    with MemoryDaemon(config) as running:
         assert isinstance(running.storage, MemoryStorage)
         guard = Guard(checkpoint_dir=config.checkpoint_dir, socket=config.socket, handle_sigterm=False)
         try:

@@ -26,7 +26,7 @@ from spotguard.storage.checkpoints import list_remote, restore
 from spotguard.storage.file import FileStorage
 from spotguard.storage.s3 import S3Storage
 from tests.checkpoints import write_checkpoint
-from tests.integration.test_peer_receiver import TOKEN, address, bucket_keys, replica_area
+from tests.peers import TOKEN, address, bucket_keys, replica_area
 
 MiB = 1 << 20
 

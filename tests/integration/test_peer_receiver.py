@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from spotguard.control import request
-from spotguard.daemon.plan import PROBE_PREFIX
 from spotguard.harness import Vm, wait_for
 from spotguard.manifest import load_manifest
 from spotguard.peer import noise, wire
@@ -21,22 +20,9 @@ from spotguard.peer.replicas import AREA
 from spotguard.storage.checkpoints import list_remote
 from spotguard.storage.s3 import S3Storage
 from tests.checkpoints import write_checkpoint
-from tests.peers import TOKEN, address
+from tests.peers import TOKEN, address, bucket_keys, replica_area
 
 MiB = 1 << 20
-
-
-def bucket_keys(url: str) -> list[str]:
-    storage = S3Storage(url)
-    try:
-        return sorted(o.key for o in storage.list() if not o.key.startswith(PROBE_PREFIX))
-    finally:
-        storage.close()
-
-
-def replica_area(vm: Vm) -> list[str]:
-    area = vm.root / AREA
-    return sorted(p.name for p in area.iterdir()) if area.exists() else []
 
 
 def raw_exchange(where: tuple[str, int], data: bytes) -> bytes:

@@ -14,17 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from spotguard.daemon.plan import PROBE_PREFIX
 from spotguard.harness import Vm, wait_for
 from spotguard.peer import wire
 from spotguard.peer.channel import PROTOCOL
 from spotguard.peer.client import PeerClient, send_checkpoint
 from spotguard.peer.receiver import HANDSHAKE_POOL, HANDSHAKES_PER_SOURCE
-from spotguard.peer.replicas import AREA
-from spotguard.storage.s3 import S3Storage
 from tests.checkpoints import write_checkpoint
 from tests.peers import TOKEN as PEER_TOKEN
-from tests.peers import address, receiving_daemon
+from tests.peers import address, bucket_keys, receiving_daemon, replica_area
 
 TOKEN = PEER_TOKEN.encode()
 IO_TIMEOUT = 2.0  # the receiver's deadline on a record (SPOTGUARD_PEER_IO_TIMEOUT)
@@ -35,19 +32,6 @@ KiB = 1 << 10
 def receiver_vm(tmp_path: Path, url: str) -> Iterator[Vm]:
     with receiving_daemon(tmp_path, url, {"SPOTGUARD_PEER_IO_TIMEOUT": str(IO_TIMEOUT)}) as vm:
         yield vm
-
-
-def bucket_keys(url: str) -> list[str]:
-    storage = S3Storage(url)
-    try:
-        return sorted(o.key for o in storage.list() if not o.key.startswith(PROBE_PREFIX))
-    finally:
-        storage.close()
-
-
-def replica_area(vm: Vm) -> list[str]:
-    area = vm.root / AREA
-    return sorted(p.name for p in area.iterdir()) if area.exists() else []
 
 
 def assert_nothing_kept(vm: Vm, url: str) -> None:
