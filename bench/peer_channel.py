@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -29,9 +28,9 @@ from typing import Any
 
 from common import capped_link, machine, median, write_results
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
-from peer_rescue import TOKEN, make_checkpoint, peer_copy, plain_copy
+from peer_rescue import make_checkpoint, peer_receiver, plain_copy, timed_handoff
 
-from spotguard.harness import Vm, wait_for
+from spotguard.harness import Vm
 from spotguard.manifest import load_manifest
 from spotguard.peer.channel import MAX_PLAINTEXT
 from spotguard.peer.wire import parse_address
@@ -40,15 +39,10 @@ from spotguard.peer.wire import parse_address
 def capped_flows(step_dir: Path, receiver: Vm, bucket: str, cap_mb_s: float, flows: int, runs: int) -> list[float]:
     """Seconds of each handoff over ``flows`` connections, each capped to ``cap_mb_s`` by a relay
     (a small receive buffer each, so that it paces from the first bytes, as a link does)."""
-    seconds = []
     address = receiver.status()["peers"]["listen"]
     with capped_link(address, cap_mb_s * 1e6, buffer_bytes=256 * 1024) as relay:
         where = parse_address(relay.removeprefix("http://"))
-        for _ in range(runs):
-            seconds.append(round(peer_copy(step_dir, where, bucket, flows), 3))
-            wait_for(lambda: receiver.status()["peers"]["replicas"] == [], 120, "the replica's commit")
-            shutil.rmtree(Path(bucket.removeprefix("file://")) / step_dir.name, ignore_errors=True)
-    return seconds
+        return [round(timed_handoff(step_dir, receiver, where, bucket, flows), 3) for _ in range(runs)]
 
 
 def cipher_rates(runs: int) -> dict[str, float]:
@@ -91,24 +85,15 @@ def main() -> int:
         scratch = Path(tmp)
         step_dir = make_checkpoint(scratch / "sender", args.gib, args.files)
         nbytes = load_manifest(step_dir).total_bytes
-        bucket = (scratch / "bucket").as_uri()
-        (scratch / "bucket").mkdir()
-        receiver = Vm(scratch, "peer", bucket, extra_args=["--provider", "none", "--peer-listen", "127.0.0.1:0"])
-        receiver.start_daemon(env={"SPOTGUARD_PEER_TOKEN": TOKEN})
         times: dict[str, list[float]] = {"plain": [], "protected": [], "protected-1-flow": []}
-        try:
+        with peer_receiver(scratch) as (receiver, bucket):
             where = parse_address(receiver.status()["peers"]["listen"])
             if args.flow_cap_mb_s:
                 capped = capped_flows(step_dir, receiver, bucket, args.flow_cap_mb_s, args.connections, args.runs)
             for _ in range(args.runs):
                 times["plain"].append(plain_copy(step_dir, scratch, args.connections))
                 for name, flows in (("protected", args.connections), ("protected-1-flow", 1)):
-                    times[name].append(peer_copy(step_dir, where, bucket, flows))
-                    # The replica goes on to the (file://) bucket: let it finish before the next run.
-                    wait_for(lambda: receiver.status()["peers"]["replicas"] == [], 120, "the replica's commit")
-                    shutil.rmtree(scratch / "bucket" / step_dir.name, ignore_errors=True)
-        finally:
-            receiver.kill_daemon()
+                    times[name].append(timed_handoff(step_dir, receiver, where, bucket, flows))
     rates = {name: nbytes / median(samples) / 1e6 for name, samples in times.items() if samples}
     ratio = rates["protected"] / rates["plain"]
     for name, samples in times.items():

@@ -36,6 +36,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +149,29 @@ def peer_copy(step_dir: Path, where: tuple[str, int], bucket: str, flows: int = 
         return time.perf_counter() - started
 
     return asyncio.run(hand_over())
+
+
+@contextlib.contextmanager
+def peer_receiver(scratch: Path) -> Iterator[tuple[Vm, str]]:
+    """A real daemon taking replicas on 127.0.0.1 (``spotguard run --peer-listen``, its own process),
+    committing them to a ``file://`` bucket under ``scratch``; yields it and the bucket's URL."""
+    (scratch / "bucket").mkdir()
+    bucket = (scratch / "bucket").as_uri()
+    receiver = Vm(scratch, "peer", bucket, extra_args=["--provider", "none", "--peer-listen", "127.0.0.1:0"])
+    receiver.start_daemon(env={"SPOTGUARD_PEER_TOKEN": TOKEN})
+    try:
+        yield receiver, bucket
+    finally:
+        receiver.kill_daemon()
+
+
+def timed_handoff(step_dir: Path, receiver: Vm, where: tuple[str, int], bucket: str, flows: int = 1) -> float:
+    """:func:`peer_copy` to ``where`` (``receiver``, or a relay to it); then, off the clock, the
+    replica goes on to the bucket and is removed there, so that the next run starts alike."""
+    seconds = peer_copy(step_dir, where, bucket, flows)
+    wait_for(lambda: receiver.status()["peers"]["replicas"] == [], 120, "the replica to be committed")
+    shutil.rmtree(Path(bucket.removeprefix("file://")) / step_dir.name, ignore_errors=True)
+    return seconds
 
 
 def notice_to_safe(
@@ -284,21 +308,12 @@ def main() -> int:
         scratch = Path(tmp)
         step_dir = make_checkpoint(scratch / "sender", args.gib, args.files)
         nbytes = load_manifest(step_dir).total_bytes
-        bucket = (scratch / "bucket").as_uri()
-        (scratch / "bucket").mkdir()
-        receiver = Vm(scratch, "peer", bucket, extra_args=["--provider", "none", "--peer-listen", "127.0.0.1:0"])
-        receiver.start_daemon(env={"SPOTGUARD_PEER_TOKEN": TOKEN})
         times: dict[str, list[float]] = {"floor": [], "peer": []}
-        try:
+        with peer_receiver(scratch) as (receiver, bucket):
             where = parse_address(receiver.status()["peers"]["listen"])
             for _ in range(args.runs):
                 times["floor"].append(floor_copy(step_dir, scratch))
-                times["peer"].append(peer_copy(step_dir, where, bucket))
-                # The replica goes on to the (file://) bucket: let it finish before the next run.
-                wait_for(lambda: receiver.status()["peers"]["replicas"] == [], 120, "the replica to be committed")
-                shutil.rmtree(scratch / "bucket" / step_dir.name, ignore_errors=True)
-        finally:
-            receiver.kill_daemon()
+                times["peer"].append(timed_handoff(step_dir, receiver, where, bucket))
     rates = {name: nbytes / median(samples) / 1e6 for name, samples in times.items()}
     ratio = rates["peer"] / rates["floor"]
     for name, samples in times.items():
