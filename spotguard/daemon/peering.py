@@ -120,11 +120,16 @@ class Peering:
             newest = max(after, await asyncio.to_thread(self._newest_complete))
             fetch = message.get("fetch") is not False  # false: a multi-node job, only told what is newer
             peers = await self.candidates()  # the listed ones, or those found in the bucket
-            config = self.config
             return await resume_from_peers(
-                peers, token, storage.url, self.root, newest, fetch=fetch, io_timeout=config.peer_io_timeout,
-                max_flows=config.peer_max_flows,
-            )  # fmt: skip
+                peers,
+                token,
+                storage.url,
+                self.root,
+                newest,
+                fetch=fetch,
+                io_timeout=self.config.peer_io_timeout,
+                max_flows=self.config.peer_max_flows,
+            )
 
         async with self._resume_lock:  # two ranks' hooks asking at once fetch once
             try:
