@@ -198,10 +198,10 @@ class Flows:
         self._start(client)
         return True
 
-    async def pace(self, remaining: Callable[[], int], deadline: float) -> None:
+    async def pace(self, remaining: Callable[[], int], deadline: Callable[[], float]) -> None:
         """Until cancelled: add a flow whenever ``remaining()`` bytes would not cross on the flows
-        open, at the rate each carried in the last interval, before ``deadline`` (monotonic; less a
-        share kept for the commit)."""
+        open, at the rate each carried in the last interval, before ``deadline()`` (monotonic; less a
+        share kept for the commit). Both are asked at each look: a revised plan may change them."""
         last, last_time = self._delivered(), time.monotonic()
         while True:
             await asyncio.sleep(PACE_INTERVAL)
@@ -216,12 +216,13 @@ class Flows:
             if self.count >= self.max_flows:
                 continue
             per_flow = carried / elapsed / flows
-            seconds = max((deadline - now) * (1 - COMMIT_RESERVE), PACE_INTERVAL)
+            left = deadline() - now
+            seconds = max(left * (1 - COMMIT_RESERVE), PACE_INTERVAL)
             needed = math.ceil((remaining() + buffered) / seconds / per_flow)
             if needed > self.count and await self.grow():
                 logger.info(
                     "peer handoff: %d flows to %s (%.1f MB/s each, %d MiB left, %.1f s to the deadline)",
-                    self.count, self.opener.address, per_flow / 1e6, remaining() >> 20, deadline - now,
+                    self.count, self.opener.address, per_flow / 1e6, remaining() >> 20, left,
                 )  # fmt: skip
 
     def _delivered(self) -> dict[object, int]:

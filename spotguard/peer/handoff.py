@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -204,7 +205,7 @@ class Handoff:
                 if flows is None and self._announced:
                     flows = self._flows = await self._open(client)
                     if self._deadline is not None and self.max_flows > 1:
-                        pacer = asyncio.create_task(flows.pace(self._remaining, self._deadline), name="peer-flows")
+                        pacer = asyncio.create_task(flows.pace(self._remaining, self._deadline_at), name="peer-flows")
                 if flows is not None and await self._queue_announced(flows):
                     assert self.name is not None
                     await flows.sent()
@@ -280,6 +281,10 @@ class Handoff:
 
     def _count(self, piece: Piece) -> None:
         self.bytes_sent += piece.length
+
+    def _deadline_at(self) -> float:
+        """The current plan's deadline (monotonic): a plan revised while the handoff runs moves it."""
+        return self._deadline if self._deadline is not None else math.inf
 
     def _remaining(self) -> int:
         """Bytes still to cross: the plan's size less what went, at least what is queued."""
