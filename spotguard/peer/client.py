@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from spotguard.manifest import MANIFEST, PART_PREFIX, ManifestError, load_manifest, node_holdings
+from spotguard.manifest import MANIFEST, PART_PREFIX, ManifestError, node_holdings
 from spotguard.peer import wire
 from spotguard.peer.channel import HANDSHAKE_TIMEOUT, IO_TIMEOUT, Channel, open_channel
 
@@ -140,15 +140,6 @@ class PeerClient:
         await self.channel.wait_closed()
 
 
-async def send_checkpoint(client: PeerClient, step_dir: Path, bucket: str) -> dict[str, Any]:
-    """A whole locally committed checkpoint to ``client``'s peer (for tests and resends)."""
-    manifest = await asyncio.to_thread(load_manifest, step_dir)
-    await client.open_replica(step_dir.name, bucket)
-    for rel in sorted(manifest.files):
-        await client.send_file(step_dir / rel, rel)
-    return await client.commit(step_dir)
-
-
 async def choose_peer(
     addresses: list[tuple[str, int]],
     token: bytes,
@@ -231,4 +222,4 @@ async def _first_in_order(tasks: list[asyncio.Task[PeerClient | None]]) -> PeerC
         await asyncio.wait([t for t in possible if not t.done()], timeout=wait, return_when=asyncio.FIRST_COMPLETED)
 
 
-__all__ = ["COMMIT_TIMEOUT", "PeerClient", "choose_peer", "send_checkpoint"]
+__all__ = ["COMMIT_TIMEOUT", "PeerClient", "choose_peer"]

@@ -15,7 +15,8 @@ from spotguard.harness import Vm, wait_for
 from spotguard.manifest import load_manifest
 from spotguard.peer import noise, wire
 from spotguard.peer.channel import PROLOGUE
-from spotguard.peer.client import PeerClient, choose_peer, send_checkpoint
+from spotguard.peer.client import PeerClient, choose_peer
+from spotguard.peer.flows import send_committed
 from spotguard.peer.replicas import AREA
 from spotguard.storage.checkpoints import list_remote
 from spotguard.storage.s3 import S3Storage
@@ -65,7 +66,7 @@ def test_wrong_tokens_and_garbage_are_refused_and_change_nothing(receiver_vm: Vm
     async def hand_over() -> dict[str, object]:
         client = await PeerClient.connect(*where, TOKEN.encode())
         try:
-            return await send_checkpoint(client, step_dir, url)
+            return await send_committed(client, step_dir, url, TOKEN.encode(), flows=1)
         finally:
             await client.close()
 

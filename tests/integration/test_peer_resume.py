@@ -22,8 +22,9 @@ from spotguard.crc32c import crc32c_of_bytes
 from spotguard.harness import Vm, wait_for
 from spotguard.manifest import FileEntry, load_manifest, write_part
 from spotguard.peer import wire
-from spotguard.peer.client import PeerClient, send_checkpoint
+from spotguard.peer.client import PeerClient
 from spotguard.peer.fetch import STAGING, fetch_replica, list_replicas
+from spotguard.peer.flows import send_committed
 from spotguard.peer.replicas import AREA
 from spotguard.storage.checkpoints import commit_remote, upload_checkpoint
 from spotguard.storage.s3 import S3Storage
@@ -79,7 +80,7 @@ def hand(vm: Vm, step_dir: Path, url: str, token: str = TOKEN) -> None:
     async def go() -> dict[str, object]:
         client = await PeerClient.connect(*listen(vm), token.encode())
         try:
-            return await send_checkpoint(client, step_dir, url)
+            return await send_committed(client, step_dir, url, token.encode(), flows=1)
         finally:
             await client.close()
 

@@ -17,7 +17,8 @@ import pytest
 from spotguard.harness import Vm, wait_for
 from spotguard.peer import wire
 from spotguard.peer.channel import PROTOCOL
-from spotguard.peer.client import PeerClient, send_checkpoint
+from spotguard.peer.client import PeerClient
+from spotguard.peer.flows import send_committed
 from spotguard.peer.receiver import HANDSHAKE_POOL, HANDSHAKES_PER_SOURCE
 from tests.checkpoints import write_checkpoint
 from tests.peers import TOKEN as PEER_TOKEN
@@ -180,7 +181,7 @@ def test_a_record_changed_on_the_path_ends_the_connection_and_its_replica(
         try:
             client = await PeerClient.connect("127.0.0.1", server.sockets[0].getsockname()[1], TOKEN)
             try:
-                await asyncio.wait_for(send_checkpoint(client, step_dir, url), 15)
+                await asyncio.wait_for(send_committed(client, step_dir, url, TOKEN, flows=1), 15)
             except (wire.PeerError, OSError) as exc:
                 return exc
             finally:
@@ -216,7 +217,7 @@ def test_idle_strangers_never_keep_a_jobs_peer_out(receiver_vm: Vm, url: str, tm
     async def hand_over() -> dict[str, object]:
         client = await PeerClient.connect(*where, TOKEN)
         try:
-            return await send_checkpoint(client, step_dir, url)
+            return await send_committed(client, step_dir, url, TOKEN, flows=1)
         finally:
             await client.close()
 
