@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import logging
 import os
 import shutil
@@ -110,12 +111,13 @@ async def serve(
     channel.transport.set_write_buffer_limits(high=wire.SEND_CHUNK)  # as the handoff's sender does
     sender = PeerClient(channel, who)  # its data frames are the handoff's
     try:
-        for rel, offset, length in slice_pieces(manifest, part, parts):
+        for rel, pieces in itertools.groupby(slice_pieces(manifest, part, parts), key=lambda piece: piece[0]):
             if replica.state is ReplicaState.DELETED:  # committed in the bucket meanwhile, or dropped
                 raise FileNotFoundError(f"{replica.name} was deleted")
             fd = await asyncio.to_thread(open_nofollow, replica.step_dir / rel)
-            with open(fd, "rb", buffering=0) as file:
-                await sender.send_part(file, rel, manifest.files[rel].size, offset, length)
+            with open(fd, "rb", buffering=0) as file:  # once per file: its pieces in this slice follow each other
+                for _, offset, length in pieces:
+                    await sender.send_part(file, rel, manifest.files[rel].size, offset, length)
     except OSError as exc:
         logger.warning("replica %s: its fetch by %s ended early: %s", replica.id, who, exc)
         channel.write(wire.error_frame("gone", f"{replica.name}: {exc}"))
