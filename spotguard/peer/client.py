@@ -13,7 +13,7 @@ from typing import Any, BinaryIO
 
 from spotguard.manifest import MANIFEST, PART_PREFIX, ManifestError, node_holdings
 from spotguard.peer import wire
-from spotguard.peer.channel import HANDSHAKE_TIMEOUT, IO_TIMEOUT, Channel, open_channel
+from spotguard.peer.channel import HANDSHAKE_TIMEOUT, IO_TIMEOUT, Channel, open_channel, sealed_size
 
 logger = logging.getLogger("spotguard.peers")
 
@@ -39,6 +39,8 @@ class PeerClient:
     def __init__(self, channel: Channel, address: str) -> None:
         self.channel = channel
         self.address = address
+        self._frames = [bytearray(), bytearray()]  # data frames are sealed in place, in these by turns
+        self._turn = 0
 
     @property
     def reader(self) -> Channel:
@@ -90,28 +92,30 @@ class PeerClient:
         self, file: BinaryIO, rel: str, size: int, offset: int, length: int, *, chunk: int = wire.SEND_CHUNK
     ) -> None:
         """Bytes ``[offset, offset+length)`` of the open ``file`` (``rel``, ``size`` bytes in all) in data
-        frames of at most ``chunk`` bytes. Each frame is read and sealed in a thread while the previous
-        one goes out (frames are sealed in order: each takes the channel's next nonces)."""
+        frames of at most ``chunk`` bytes. Each frame is read and sealed in a thread, in place in one of
+        this connection's two frame buffers, while the previous one goes out; a buffer is sealed into
+        again only once the transport has handed all of it to the kernel."""
         end = offset + length
         while True:  # at least once: an empty file is sent as one empty range
             want = min(chunk, end - offset)
             header = wire.encode({"t": "data", "name": rel, "size": size, "offset": offset, "len": want})
-            records = await asyncio.to_thread(self._seal_frame, file, header, offset, want, rel)
+            buffer = self._frame_buffer(sealed_size(len(header), want))
+            try:
+                records = await asyncio.to_thread(self.channel.seal_read, header, file.fileno(), offset, want, buffer)
+            except EOFError:  # the frame's header promises more: the connection cannot go on
+                raise OSError(f"{rel} ended before byte {offset + want} while it was sent") from None
             self.channel.write_sealed(records)
-            await self.channel.drain()
+            await self.channel.flush_to(len(records))  # the other buffer's frame is out: it may be reused
             offset += want
             if offset >= end:
                 return
 
-    def _seal_frame(self, file: BinaryIO, header: bytes, offset: int, length: int, rel: str) -> bytearray:
-        data = bytearray(length)
-        view, got = memoryview(data), 0
-        while got < length:
-            n = os.preadv(file.fileno(), [view[got:]], offset + got)
-            if n == 0:  # the frame's header promises more: the connection cannot go on
-                raise OSError(f"{rel} ended at {offset + got} bytes while it was sent")
-            got += n
-        return self.channel.seal(header, data)
+    def _frame_buffer(self, need: int) -> bytearray:
+        """The frame buffer not holding the frame written last (the two take turns)."""
+        self._turn ^= 1
+        if len(self._frames[self._turn]) < need:
+            self._frames[self._turn] = bytearray(need)  # a new one: the old may still be viewed
+        return self._frames[self._turn]
 
     async def send_file(self, path: Path, rel: str, *, chunk: int = wire.SEND_CHUNK) -> int:
         """All of ``path`` as ``rel``; returns its size."""
