@@ -130,6 +130,13 @@ def state_bytes(state: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
+def process_cpu(pid: int | None = None) -> float:
+    """CPU seconds (user + system) used so far by the process ``pid`` (this one by default); a child
+    that has exited but was not yet waited for still answers."""
+    fields = Path(f"/proc/{pid or os.getpid()}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def median(samples: list[float]) -> float:
     return float(statistics.median(samples))
 

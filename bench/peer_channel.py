@@ -11,6 +11,9 @@ the same bytes, and the cipher's single-core rate.
   time runs to the receiver's ``verified`` answer;
 - cipher: one core sealing (and opening) 64 KiB records, AES-GCM and ChaCha20-Poly1305.
 
+Beside each time, the CPU seconds per GiB each side spent (this process sending; the sink or the
+daemon receiving, until its ``verified``): where both sides share a few cores, their sum sets the pace.
+
 Runs are interleaved (plain, protected, plain, ...); medians. Target: protected >= 0.8 of plain.
 
     python bench/peer_channel.py --gib 1 --files 8 --runs 5 [--connections 4]
@@ -86,23 +89,36 @@ def main() -> int:
         step_dir = make_checkpoint(scratch / "sender", args.gib, args.files)
         nbytes = load_manifest(step_dir).total_bytes
         times: dict[str, list[float]] = {"plain": [], "protected": [], "protected-1-flow": []}
+        cpu: dict[str, list[dict[str, float]]] = {name: [] for name in times}
         with peer_receiver(scratch) as (receiver, bucket):
             where = parse_address(receiver.status()["peers"]["listen"])
             if args.flow_cap_mb_s:
                 capped = capped_flows(step_dir, receiver, bucket, args.flow_cap_mb_s, args.connections, args.runs)
             for _ in range(args.runs):
-                times["plain"].append(plain_copy(step_dir, scratch, args.connections))
+                cpu["plain"].append({})
+                times["plain"].append(plain_copy(step_dir, scratch, args.connections, cpu["plain"][-1]))
                 for name, flows in (("protected", args.connections), ("protected-1-flow", 1)):
-                    times[name].append(timed_handoff(step_dir, receiver, where, bucket, flows))
+                    cpu[name].append({})
+                    times[name].append(timed_handoff(step_dir, receiver, where, bucket, flows, cpu[name][-1]))
     rates = {name: nbytes / median(samples) / 1e6 for name, samples in times.items() if samples}
     ratio = rates["protected"] / rates["plain"]
+    gib = nbytes / 2**30
+    cpu_per_gib = {
+        name: {side: median([run[side] for run in runs]) / gib for side in ("sender", "receiver")}
+        for name, runs in cpu.items()
+    }
     for name, samples in times.items():
         runs = [round(s, 2) for s in samples]
-        print(f"{name:16s} median {median(samples):6.2f} s  {rates[name]:7.0f} MB/s  runs {runs}")
+        per_gib = cpu_per_gib[name]
+        print(
+            f"{name:16s} median {median(samples):6.2f} s  {rates[name]:7.0f} MB/s  "
+            f"CPU-s/GiB sender {per_gib['sender']:.2f} receiver {per_gib['receiver']:.2f}  runs {runs}"
+        )
     print(f"protected ({args.connections} flows) / plain throughput: {ratio:.2f} (target >= 0.80)")
     print(f"protected (1 flow) / plain throughput: {rates['protected-1-flow'] / rates['plain']:.2f}")
     report: dict[str, Any] = {"machine": machine(), "bytes": nbytes, "files": args.files, "seconds": times}
     report.update(connections=args.connections, rates_mb_s=rates, ratio=ratio, cipher_mb_s=ciphers)
+    report.update(cpu_s_per_gib=cpu_per_gib)
     if args.flow_cap_mb_s:
         link = args.connections * args.flow_cap_mb_s
         capped_rate = nbytes / median(capped) / 1e6

@@ -40,7 +40,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from common import Moto, capped_link, machine, median, moto_process, write_results
+from common import Moto, capped_link, machine, median, moto_process, process_cpu, write_results
 from upload_deadline import TRAINER
 
 from spotguard.control import request
@@ -97,9 +97,10 @@ def sink_main(out_dir: str, connections: int) -> None:
         thread.join()
 
 
-def plain_copy(step_dir: Path, scratch: Path, connections: int) -> float:
+def plain_copy(step_dir: Path, scratch: Path, connections: int, cpu: dict[str, float] | None = None) -> float:
     """Seconds to copy the checkpoint's files over ``connections`` loopback TCP connections at once
-    (files dealt out to them, ``socket.sendfile``) to a receiver process writing them to disk."""
+    (files dealt out to them, ``socket.sendfile``) to a receiver process writing them to disk. With
+    ``cpu``: the CPU seconds each side spent on it go there (``sender``, ``receiver``)."""
     out = scratch / "plain"
     out.mkdir()
     command = [sys.executable, __file__, "sink", str(out), str(connections)]
@@ -120,13 +121,17 @@ def plain_copy(step_dir: Path, scratch: Path, connections: int) -> float:
                 sock.shutdown(socket.SHUT_WR)
                 assert sock.recv(1) == b"k"
 
+        sender, receiver = process_cpu(), process_cpu(proc.pid)
         started = time.perf_counter()
         threads = [threading.Thread(target=send, args=(share,)) for share in shares]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
-        return time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        if cpu is not None:
+            cpu.update(sender=process_cpu() - sender, receiver=process_cpu(proc.pid) - receiver)
+        return seconds
     finally:
         proc.wait(timeout=60)
         shutil.rmtree(out, ignore_errors=True)
@@ -165,10 +170,22 @@ def peer_receiver(scratch: Path) -> Iterator[tuple[Vm, str]]:
         receiver.kill_daemon()
 
 
-def timed_handoff(step_dir: Path, receiver: Vm, where: tuple[str, int], bucket: str, flows: int = 1) -> float:
+def timed_handoff(
+    step_dir: Path,
+    receiver: Vm,
+    where: tuple[str, int],
+    bucket: str,
+    flows: int = 1,
+    cpu: dict[str, float] | None = None,
+) -> float:
     """:func:`peer_copy` to ``where`` (``receiver``, or a relay to it); then, off the clock, the
-    replica goes on to the bucket and is removed there, so that the next run starts alike."""
+    replica goes on to the bucket and is removed there, so that the next run starts alike. With
+    ``cpu``: the CPU seconds each side spent until the receiver's ``verified`` go there."""
+    assert receiver.process is not None
+    sender, receiving = process_cpu(), process_cpu(receiver.process.pid)
     seconds = peer_copy(step_dir, where, bucket, flows)
+    if cpu is not None:
+        cpu.update(sender=process_cpu() - sender, receiver=process_cpu(receiver.process.pid) - receiving)
     wait_for(lambda: receiver.status()["peers"]["replicas"] == [], 120, "the replica to be committed")
     shutil.rmtree(Path(bucket.removeprefix("file://")) / step_dir.name, ignore_errors=True)
     return seconds
