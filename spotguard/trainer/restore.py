@@ -47,17 +47,17 @@ class Resumer:
     def choose(self, state: Mapping[str, Any], *, strict: bool) -> ResumeReport | None:
         """The checkpoint to load, whole on this disk, with what of ``state`` it leaves out; None if
         there is none. Raises :class:`SpotguardMismatch` (every rank alike) on a mismatch when ``strict``."""
-        candidates: list[tuple[str, Manifest]] = []
+        candidates: list[tuple[str, Manifest, bool]] = []
         one_disk = self._one_disk()
         with dist.settled("choosing a checkpoint to resume"):  # e.g. a newer format: every rank raises it
             if dist.rank() == 0:
                 self._ask_peers(fetch=one_disk)
                 candidates = self._candidates()
-        for name, manifest in dist.broadcast_object(candidates):
+        for name, manifest, verified in dist.broadcast_object(candidates):
             report = self._check(name, manifest, state)
             if report.differences and strict:
                 raise SpotguardMismatch(name, report.differences)
-            if self._fetch(name, manifest):
+            if self._fetch(name, manifest, verified=verified):
                 return report
         return None
 
@@ -144,16 +144,17 @@ class Resumer:
             )
         return make_report(name, manifest, differences, live)
 
-    def _candidates(self) -> list[tuple[str, Manifest]]:
+    def _candidates(self) -> list[tuple[str, Manifest, bool]]:
         """Checkpoints to resume from, best first: the newest verified local one, else the bucket's
-        complete ones (their manifests only: nothing else is fetched before the check)."""
+        complete ones (their manifests only: nothing else is fetched before the check); each with
+        whether its local copy was verified here."""
         for info in reversed(scan_local(self.checkpoint_dir)):
             if info.status != "complete":
                 refuse_newer_format(load_manifest, self.checkpoint_dir / info.name)
                 continue
             problems = verify_dir(self.checkpoint_dir / info.name, threads=self.io_threads)
             if not problems and info.manifest is not None:
-                return [(info.name, info.manifest)]
+                return [(info.name, info.manifest, True)]
             logger.warning("spotguard: skipping %s: %s", info.name, "; ".join(problems))
         if self.bucket is None:
             return []
@@ -165,20 +166,22 @@ class Resumer:
             found = []
             for info in reversed(list_remote(storage)):
                 if info.status == "complete" and info.manifest is not None:
-                    found.append((info.name, info.manifest))
+                    found.append((info.name, info.manifest, False))
                 elif not found:  # newer than every complete one: a format this reader cannot read?
                     refuse_newer_format(read_remote_manifest, storage, info.name)
             return found
         finally:
             storage.close()
 
-    def _fetch(self, name: str, manifest: Manifest) -> bool:
+    def _fetch(self, name: str, manifest: Manifest, *, verified: bool) -> bool:
         """Make ``name`` whole on this disk (the node's leader downloads it); False on every rank if
-        it failed verification (the caller tries the previous one). Collective."""
+        it failed verification (the caller tries the previous one). Collective. A bucket's checkpoint
+        whose local copy looks whole is checked byte for byte first (``verified``: it was, here):
+        that copy may be the very one found corrupt, and the bucket's is then fetched again."""
         failed = False
         leader = dist.is_node_leader(self.checkpoint_dir)
         with dist.settled(f"fetching {name}"):  # anything but a failed verification reaches every rank
-            if leader and verify_dir(self.checkpoint_dir / name, checksums=False):
+            if leader and verify_dir(self.checkpoint_dir / name, checksums=not verified, threads=self.io_threads):
                 # Not whole on this disk (only in the bucket, another node's, or only this node's share).
                 from spotguard.storage.base import StorageError  # stdlib only
 

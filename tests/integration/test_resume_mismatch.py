@@ -288,3 +288,31 @@ def test_integration_resume_path_checks_the_model_before_fetching(
     assert not (tmp_path / "new-vm").exists() or not list((tmp_path / "new-vm").glob("step-*"))
     found = find_resumable(tmp_path / "new-vm", url, "lightning", live={"model": model})
     assert found == tmp_path / "new-vm" / step_dir.name / "lightning.ckpt"
+
+
+def test_a_corrupt_local_copy_is_fetched_again_from_the_bucket_not_loaded(
+    tmp_path: Path, proxy: FaultProxy, server: S3Server
+) -> None:
+    """The node's only local checkpoint has a flipped byte; the bucket holds the same step intact. The
+    resume loads the bucket's bytes (the local copy is replaced), never the corrupt ones."""
+    root = tmp_path / "ckpt"
+    state = make_state()
+    train_step(state)
+    with Guard(checkpoint_dir=root, socket=tmp_path / "none.sock", handle_sigterm=False) as guard:
+        step_dir = guard.save(state, STEP, reason="urgent")
+    url = f"s3://{server.bucket}/run-{uuid.uuid4().hex[:8]}"
+    storage = open_storage(url)
+    try:
+        upload_checkpoint(storage, step_dir)
+    finally:
+        storage.close()
+    model_file = next(p for p in step_dir.iterdir() if p.name.startswith("model"))
+    data = bytearray(model_file.read_bytes())
+    data[-200] ^= 0xFF  # inside the last tensor's bytes: the sizes still match
+    model_file.write_bytes(data)
+    resumed = make_state()
+    with Guard(checkpoint_dir=root, bucket=url, socket=tmp_path / "none.sock", handle_sigterm=False) as guard:
+        assert guard.resume(resumed) == STEP
+    for key, value in state["model"].state_dict().items():
+        assert torch.equal(resumed["model"].state_dict()[key], value), key
+    assert spotguard_cli("verify", str(root)).returncode == 0  # the local copy was replaced
