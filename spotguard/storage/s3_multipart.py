@@ -22,13 +22,14 @@ from spotguard.crc32c import crc32c_int_to_base64 as _int_to_b64
 from spotguard.storage.base import ChecksumMismatch, ObjectNotFound, StorageError, read_exactly
 from spotguard.storage.journal import UploadJournal
 from spotguard.storage.s3_api import S3Api
-from spotguard.storage.stream import Plan
+from spotguard.storage.stream import Plan, streamed_plan
 
 log = logging.getLogger(__name__)
 # ListMultipartUploads gives Initiated to the second: an upload begun in this client's first second
 # may be listed as older than the client, and is not ours to abort.
 _INITIATED_PRECISION = dt.timedelta(seconds=1)
 _MAX_PARTS = 10_000
+MIN_PART = 5 * 1024 * 1024  # S3's floor for every part but the last
 
 Part = tuple[int, str, int, int]  # (number, ETag, CRC32C, length)
 
@@ -131,6 +132,14 @@ class S3Multipart:
         while -(-size // part) > _MAX_PARTS:
             part *= 2
         return [(i + 1, off, min(part, size - off)) for i, off in enumerate(range(0, size, part))]
+
+    def stream_plan(self, size: int, streams: int) -> Plan:
+        """The parts of a file sent while it is written: :func:`streamed_plan`'s taper toward the end,
+        the part size doubled as :meth:`plan` does while the file would need more than 10,000."""
+        part = self.part_size
+        while len(plan := streamed_plan(size, part, min_part=MIN_PART, streams=streams)) > _MAX_PARTS:
+            part *= 2
+        return plan
 
     def create(self, full: str, *, md5: bool) -> str:
         self._abort_leftovers(full)
