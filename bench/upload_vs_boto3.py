@@ -1,0 +1,141 @@
+"""The daemon's upload of a checkpoint already committed on disk against boto3's transfer manager.
+
+The same bytes, the same part size and the same number of threads, interleaved, several runs:
+
+- spotguard: ``upload_checkpoint`` (what the daemon runs for a committed checkpoint: every file's
+  parts in one budget of ``--streams`` requests, each part with its CRC32C, the parts' CRC32Cs
+  checked against the manifest before completing, the object's CRC32C checked after, the manifest
+  last), reading the files from disk (the page cache: they were just written);
+- boto3: one ``TransferManager`` (what ``upload_fileobj`` runs) with ``multipart_chunksize`` =
+  ``multipart_threshold`` = the part size and ``max_concurrency`` = ``--streams``, every file
+  submitted at once from memory (``BytesIO`` of the same bytes), the client's pool sized to the
+  threads; boto3's own default checksums (CRC32) and, as on HTTPS, no SHA-256 of the payloads.
+
+``--pin-server``: moto alone on one CPU, this process (and the relay) on the others, as a remote
+store does not share the client's CPUs. ``--per-connection-mb-s``: every connection through a relay
+capped at that rate (a real link to S3).
+
+    python bench/upload_vs_boto3.py --gib 0.5 --tensors 8 --runs 5 --pin-server
+    python bench/upload_vs_boto3.py --gib 0.5 --tensors 8 --runs 3 --pin-server --per-connection-mb-s 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from boto3.s3.transfer import TransferConfig
+from common import MiB, Moto, capped_link, machine, make_state, median, moto_process, write_results
+from s3transfer.manager import TransferManager
+
+from spotguard import Guard
+from spotguard.manifest import load_manifest
+from spotguard.storage.checkpoints import upload_checkpoint
+from spotguard.storage.s3 import S3Storage
+
+SPOTGUARD = "spotguard upload_checkpoint (from disk)"
+BOTO3 = "boto3 TransferManager / upload_fileobj (from memory)"
+
+
+def committed_checkpoint(args: argparse.Namespace, work: Path) -> Path:
+    """A checkpoint committed on local disk by the real ``Guard.save`` (no daemon)."""
+    torch.set_num_threads(1)
+    state = make_state(args.gib, args.tensors)
+    guard = Guard(checkpoint_dir=work / "ckpt", socket=work / "no-daemon.sock", handle_sigterm=False)
+    try:
+        return Path(guard.save(state, 1))
+    finally:
+        guard.close()
+
+
+def spotguard_upload(moto: Moto, step_dir: Path, prefix: str, args: argparse.Namespace) -> float:
+    storage = S3Storage(moto.url(prefix), max_concurrency=args.streams, part_size=args.part_mib * MiB)
+    try:
+        storage.warm()
+        started = time.perf_counter()
+        upload_checkpoint(storage, step_dir, concurrency=args.streams)
+        return time.perf_counter() - started
+    finally:
+        storage.close()
+
+
+def boto3_upload(moto: Moto, files: dict[str, bytes], prefix: str, args: argparse.Namespace) -> float:
+    part = args.part_mib * MiB
+    # As boto3 runs against S3 on HTTPS, where a part with a checksum header is not SHA-256-signed
+    # (on plain HTTP botocore would sign every payload: a slower floor than a real one).
+    client = moto.client(max_pool_connections=args.streams, s3={"payload_signing_enabled": False})
+    config = TransferConfig(multipart_threshold=part, multipart_chunksize=part, max_concurrency=args.streams)
+    try:
+        client.head_bucket(Bucket=moto.bucket)  # the connection and the credentials, as warm() does
+        with TransferManager(client, config) as manager:
+            started = time.perf_counter()
+            futures = [manager.upload(io.BytesIO(data), moto.bucket, f"{prefix}/{rel}") for rel, data in files.items()]
+            for future in futures:
+                future.result()
+            return time.perf_counter() - started
+    finally:
+        client.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--gib", type=float, default=0.5)
+    parser.add_argument("--tensors", type=int, default=8)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--streams", type=int, default=16, help="threads / requests in flight, both sides")
+    parser.add_argument("--part-mib", type=int, default=16)
+    parser.add_argument("--pin-server", action="store_true", help="moto alone on one CPU, the clients on the others")
+    parser.add_argument("--per-connection-mb-s", type=float, default=None)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="upload-vs-boto3-"))
+    times: dict[str, list[float]] = {SPOTGUARD: [], BOTO3: []}
+    try:
+        step_dir = committed_checkpoint(args, work)
+        files = {rel: (step_dir / rel).read_bytes() for rel in load_manifest(step_dir).files}
+        nbytes = sum(len(data) for data in files.values())
+        with moto_process(pin=args.pin_server) as direct, contextlib.ExitStack() as stack:
+            moto = direct
+            if args.per_connection_mb_s:
+                relay = stack.enter_context(capped_link(direct.endpoint_url, args.per_connection_mb_s * 1e6))
+                moto = Moto(relay, direct.bucket)
+                os.environ["AWS_ENDPOINT_URL_S3"] = relay
+            for run in range(args.runs):
+                order = [SPOTGUARD, BOTO3] if run % 2 == 0 else [BOTO3, SPOTGUARD]
+                for name in order:
+                    prefix = f"r{run}-{'sg' if name == SPOTGUARD else 'boto3'}"
+                    if name == SPOTGUARD:
+                        seconds = spotguard_upload(moto, step_dir, prefix, args)
+                    else:
+                        seconds = boto3_upload(moto, files, prefix, args)
+                    direct.empty(prefix)
+                    times[name].append(seconds)
+                    print(f"  run {run}: {name}: {seconds:.2f} s ({nbytes / seconds / 1e6:.0f} MB/s)", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        os.environ.pop("AWS_ENDPOINT_URL_S3", None)
+    ratios = [b / s for s, b in zip(times[SPOTGUARD], times[BOTO3], strict=True)]  # per run: speed ratio
+    summary = {
+        "spotguard_s": median(times[SPOTGUARD]),
+        "boto3_s": median(times[BOTO3]),
+        "spotguard_mb_s": nbytes / median(times[SPOTGUARD]) / 1e6,
+        "boto3_mb_s": nbytes / median(times[BOTO3]) / 1e6,
+        "speed_ratio_of_medians": median(times[BOTO3]) / median(times[SPOTGUARD]),
+        "speed_ratio_median_per_run": median(ratios),
+    }
+    print(f"\n{nbytes / 1e9:.2f} GB in {len(files)} files, {args.runs} runs; cap {args.per_connection_mb_s} MB/s/conn")
+    for key, value in summary.items():
+        print(f"  {key}: {value:.3f}")
+    print("  per-run speed ratios (spotguard / boto3): " + ", ".join(f"{r:.3f}" for r in ratios))
+    report = {"machine": machine(), "args": vars(args), "samples_s": times, "ratios": ratios, "summary": summary}
+    print(f"results: {write_results('upload_vs_boto3', report)}")
+
+
+if __name__ == "__main__":
+    main()
