@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import io
 import os
+import resource
 import shutil
 import tempfile
 import time
@@ -84,6 +85,30 @@ def boto3_upload(moto: Moto, files: dict[str, bytes], prefix: str, args: argpars
         client.close()
 
 
+def moto_pid() -> int | None:
+    """The moto server this process started (a child running ``moto.server``)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            stat = (entry / "stat").read_text()
+            if (
+                int(stat.rpartition(")")[2].split()[1]) == os.getpid()
+                and b"moto.server" in (entry / "cmdline").read_bytes()
+            ):
+                return int(entry.name)
+    return None
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """CPU seconds (user + system) used so far by ``pid`` (None: this process, all its threads)."""
+    if pid is None:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--gib", type=float, default=0.5)
@@ -93,9 +118,11 @@ def main() -> None:
     parser.add_argument("--part-mib", type=int, default=16)
     parser.add_argument("--pin-server", action="store_true", help="moto alone on one CPU, the clients on the others")
     parser.add_argument("--per-connection-mb-s", type=float, default=None)
+    parser.add_argument("--only", choices=["spotguard", "boto3"], default=None, help="one side alone (to profile it)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="upload-vs-boto3-"))
     times: dict[str, list[float]] = {SPOTGUARD: [], BOTO3: []}
+    cpu: dict[str, list[tuple[float, float]]] = {SPOTGUARD: [], BOTO3: []}  # (client, server) CPU seconds
     try:
         step_dir = committed_checkpoint(args, work)
         files = {rel: (step_dir / rel).read_bytes() for rel in load_manifest(step_dir).files}
@@ -106,22 +133,39 @@ def main() -> None:
                 relay = stack.enter_context(capped_link(direct.endpoint_url, args.per_connection_mb_s * 1e6))
                 moto = Moto(relay, direct.bucket)
                 os.environ["AWS_ENDPOINT_URL_S3"] = relay
+            server = moto_pid()
             for run in range(args.runs):
                 order = [SPOTGUARD, BOTO3] if run % 2 == 0 else [BOTO3, SPOTGUARD]
                 for name in order:
-                    prefix = f"r{run}-{'sg' if name == SPOTGUARD else 'boto3'}"
+                    side = "spotguard" if name == SPOTGUARD else "boto3"
+                    if args.only not in (None, side):
+                        continue
+                    prefix = f"r{run}-{side}"
+                    before = cpu_seconds(None), cpu_seconds(server)
                     if name == SPOTGUARD:
                         seconds = spotguard_upload(moto, step_dir, prefix, args)
                     else:
                         seconds = boto3_upload(moto, files, prefix, args)
+                    used = cpu_seconds(None) - before[0], cpu_seconds(server) - before[1]
                     direct.empty(prefix)
                     times[name].append(seconds)
-                    print(f"  run {run}: {name}: {seconds:.2f} s ({nbytes / seconds / 1e6:.0f} MB/s)", flush=True)
+                    cpu[name].append(used)
+                    print(
+                        f"  run {run}: {name}: {seconds:.2f} s ({nbytes / seconds / 1e6:.0f} MB/s), "
+                        f"CPU s client {used[0]:.2f}, server {used[1]:.2f}",
+                        flush=True,
+                    )
     finally:
         shutil.rmtree(work, ignore_errors=True)
         os.environ.pop("AWS_ENDPOINT_URL_S3", None)
+    if args.only:
+        return
     ratios = [b / s for s, b in zip(times[SPOTGUARD], times[BOTO3], strict=True)]  # per run: speed ratio
     summary = {
+        "spotguard_client_cpu_s": median([c for c, _ in cpu[SPOTGUARD]]),
+        "spotguard_server_cpu_s": median([s for _, s in cpu[SPOTGUARD]]),
+        "boto3_client_cpu_s": median([c for c, _ in cpu[BOTO3]]),
+        "boto3_server_cpu_s": median([s for _, s in cpu[BOTO3]]),
         "spotguard_s": median(times[SPOTGUARD]),
         "boto3_s": median(times[BOTO3]),
         "spotguard_mb_s": nbytes / median(times[SPOTGUARD]) / 1e6,
@@ -133,7 +177,8 @@ def main() -> None:
     for key, value in summary.items():
         print(f"  {key}: {value:.3f}")
     print("  per-run speed ratios (spotguard / boto3): " + ", ".join(f"{r:.3f}" for r in ratios))
-    report = {"machine": machine(), "args": vars(args), "samples_s": times, "ratios": ratios, "summary": summary}
+    report = {"machine": machine(), "args": vars(args), "samples_s": times, "cpu_s": cpu, "ratios": ratios}
+    report["summary"] = summary
     print(f"results: {write_results('upload_vs_boto3', report)}")
 
 
