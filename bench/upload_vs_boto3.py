@@ -22,6 +22,7 @@ capped at that rate (a real link to S3).
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import io
 import os
@@ -29,6 +30,7 @@ import resource
 import shutil
 import tempfile
 import time
+import zlib
 from pathlib import Path
 
 import torch
@@ -43,6 +45,8 @@ from spotguard.storage.s3 import S3Storage
 
 SPOTGUARD = "spotguard upload_checkpoint (from disk)"
 BOTO3 = "boto3 TransferManager / upload_fileobj (from memory)"
+BOTO3_FULL = "  same, with the object's full-object CRC32 (ExtraArgs ChecksumCRC32)"
+SIDES = {SPOTGUARD: "spotguard", BOTO3: "boto3", BOTO3_FULL: "boto3-full"}
 
 
 def committed_checkpoint(args: argparse.Namespace, work: Path) -> Path:
@@ -67,7 +71,11 @@ def spotguard_upload(moto: Moto, step_dir: Path, prefix: str, args: argparse.Nam
         storage.close()
 
 
-def boto3_upload(moto: Moto, files: dict[str, bytes], prefix: str, args: argparse.Namespace) -> float:
+def boto3_upload(
+    moto: Moto, files: dict[str, bytes], prefix: str, args: argparse.Namespace, *, full_object: bool = False
+) -> float:
+    """``full_object``: each object's CRC32 given (``ChecksumCRC32``, a FULL_OBJECT checksum the store
+    checks the assembled object against), the integrity spotguard's full-object CRC32C gives."""
     part = args.part_mib * MiB
     # As boto3 runs against S3 on HTTPS, where a part with a checksum header is not SHA-256-signed
     # (on plain HTTP botocore would sign every payload: a slower floor than a real one).
@@ -76,13 +84,24 @@ def boto3_upload(moto: Moto, files: dict[str, bytes], prefix: str, args: argpars
     try:
         client.head_bucket(Bucket=moto.bucket)  # the connection and the credentials, as warm() does
         with TransferManager(client, config) as manager:
+            # Known before the upload, as the manifest's CRC32Cs are for spotguard: not timed.
+            extra = {rel: full_crc32(data, full_object) for rel, data in files.items()}
             started = time.perf_counter()
-            futures = [manager.upload(io.BytesIO(data), moto.bucket, f"{prefix}/{rel}") for rel, data in files.items()]
+            futures = [
+                manager.upload(io.BytesIO(data), moto.bucket, f"{prefix}/{rel}", extra[rel])
+                for rel, data in files.items()
+            ]
             for future in futures:
                 future.result()
             return time.perf_counter() - started
     finally:
         client.close()
+
+
+def full_crc32(data: bytes, full_object: bool) -> dict[str, str] | None:
+    if not full_object:
+        return None
+    return {"ChecksumCRC32": base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()}
 
 
 def moto_pid() -> int | None:
@@ -118,11 +137,11 @@ def main() -> None:
     parser.add_argument("--part-mib", type=int, default=16)
     parser.add_argument("--pin-server", action="store_true", help="moto alone on one CPU, the clients on the others")
     parser.add_argument("--per-connection-mb-s", type=float, default=None)
-    parser.add_argument("--only", choices=["spotguard", "boto3"], default=None, help="one side alone (to profile it)")
+    parser.add_argument("--only", choices=sorted(SIDES.values()), default=None, help="one side alone (to profile it)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="upload-vs-boto3-"))
-    times: dict[str, list[float]] = {SPOTGUARD: [], BOTO3: []}
-    cpu: dict[str, list[tuple[float, float]]] = {SPOTGUARD: [], BOTO3: []}  # (client, server) CPU seconds
+    times: dict[str, list[float]] = {name: [] for name in SIDES}
+    cpu: dict[str, list[tuple[float, float]]] = {name: [] for name in SIDES}  # (client, server) CPU seconds
     try:
         step_dir = committed_checkpoint(args, work)
         files = {rel: (step_dir / rel).read_bytes() for rel in load_manifest(step_dir).files}
@@ -135,9 +154,9 @@ def main() -> None:
                 os.environ["AWS_ENDPOINT_URL_S3"] = relay
             server = moto_pid()
             for run in range(args.runs):
-                order = [SPOTGUARD, BOTO3] if run % 2 == 0 else [BOTO3, SPOTGUARD]
-                for name in order:
-                    side = "spotguard" if name == SPOTGUARD else "boto3"
+                names = list(SIDES)
+                for name in names[run % 3 :] + names[: run % 3]:
+                    side = SIDES[name]
                     if args.only not in (None, side):
                         continue
                     prefix = f"r{run}-{side}"
@@ -145,7 +164,7 @@ def main() -> None:
                     if name == SPOTGUARD:
                         seconds = spotguard_upload(moto, step_dir, prefix, args)
                     else:
-                        seconds = boto3_upload(moto, files, prefix, args)
+                        seconds = boto3_upload(moto, files, prefix, args, full_object=name == BOTO3_FULL)
                     used = cpu_seconds(None) - before[0], cpu_seconds(server) - before[1]
                     direct.empty(prefix)
                     times[name].append(seconds)
@@ -160,23 +179,22 @@ def main() -> None:
         os.environ.pop("AWS_ENDPOINT_URL_S3", None)
     if args.only:
         return
-    ratios = [b / s for s, b in zip(times[SPOTGUARD], times[BOTO3], strict=True)]  # per run: speed ratio
-    summary = {
-        "spotguard_client_cpu_s": median([c for c, _ in cpu[SPOTGUARD]]),
-        "spotguard_server_cpu_s": median([s for _, s in cpu[SPOTGUARD]]),
-        "boto3_client_cpu_s": median([c for c, _ in cpu[BOTO3]]),
-        "boto3_server_cpu_s": median([s for _, s in cpu[BOTO3]]),
-        "spotguard_s": median(times[SPOTGUARD]),
-        "boto3_s": median(times[BOTO3]),
-        "spotguard_mb_s": nbytes / median(times[SPOTGUARD]) / 1e6,
-        "boto3_mb_s": nbytes / median(times[BOTO3]) / 1e6,
-        "speed_ratio_of_medians": median(times[BOTO3]) / median(times[SPOTGUARD]),
-        "speed_ratio_median_per_run": median(ratios),
-    }
+    summary: dict[str, float] = {}
+    ratios: dict[str, list[float]] = {}
+    for name, side in SIDES.items():
+        summary[f"{side}_s"] = median(times[name])
+        summary[f"{side}_mb_s"] = nbytes / median(times[name]) / 1e6
+        summary[f"{side}_client_cpu_s"] = median([c for c, _ in cpu[name]])
+        summary[f"{side}_server_cpu_s"] = median([s for _, s in cpu[name]])
+        if name != SPOTGUARD:  # spotguard's speed over this one's, per run and of the medians
+            ratios[side] = [b / s for s, b in zip(times[SPOTGUARD], times[name], strict=True)]
+            summary[f"speed_vs_{side}_of_medians"] = median(times[name]) / median(times[SPOTGUARD])
+            summary[f"speed_vs_{side}_median_per_run"] = median(ratios[side])
     print(f"\n{nbytes / 1e9:.2f} GB in {len(files)} files, {args.runs} runs; cap {args.per_connection_mb_s} MB/s/conn")
     for key, value in summary.items():
         print(f"  {key}: {value:.3f}")
-    print("  per-run speed ratios (spotguard / boto3): " + ", ".join(f"{r:.3f}" for r in ratios))
+    for side, values in ratios.items():
+        print(f"  per-run speed ratios (spotguard / {side}): " + ", ".join(f"{r:.3f}" for r in values))
     report = {"machine": machine(), "args": vars(args), "samples_s": times, "cpu_s": cpu, "ratios": ratios}
     report["summary"] = summary
     print(f"results: {write_results('upload_vs_boto3', report)}")
