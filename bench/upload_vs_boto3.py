@@ -7,7 +7,8 @@ The same bytes, the same part size and the same number of threads, interleaved, 
   checked against the manifest before completing, the object's CRC32C checked after, the manifest
   last), reading the files from disk (the page cache: they were just written);
 - boto3: one ``TransferManager`` (what ``upload_fileobj`` runs) with ``multipart_chunksize`` =
-  ``multipart_threshold`` = the part size and ``max_concurrency`` = ``--streams``, every file
+  ``multipart_threshold`` = the part size and ``max_concurrency`` = ``--streams`` (and as many parts
+  held in memory, so that boto3's default of 10 does not cap the parts in flight), every file
   submitted at once from memory (``BytesIO`` of the same bytes), the client's pool sized to the
   threads; boto3's own default checksums (CRC32) and, as on HTTPS, no SHA-256 of the payloads.
 
@@ -80,7 +81,9 @@ def boto3_upload(
     # As boto3 runs against S3 on HTTPS, where a part with a checksum header is not SHA-256-signed
     # (on plain HTTP botocore would sign every payload: a slower floor than a real one).
     client = moto.client(max_pool_connections=args.streams, s3={"payload_signing_enabled": False})
+    # max_in_memory_upload_chunks (10 by default) would cap parts in flight from memory below the threads.
     config = TransferConfig(multipart_threshold=part, multipart_chunksize=part, max_concurrency=args.streams)
+    config.max_in_memory_upload_chunks = max(10, args.streams)  # s3transfer's knob, not in boto3's __init__
     try:
         client.head_bucket(Bucket=moto.bucket)  # the connection and the credentials, as warm() does
         with TransferManager(client, config) as manager:
