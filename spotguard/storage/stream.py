@@ -57,10 +57,11 @@ def streamed_plan(size: int, part: int, *, min_part: int, streams: int, first: i
     together), the part ending ``d`` bytes before the end takes at most ``min_part / rate + d /
     (streams * rate)`` seconds on its connection, which is at most ``min_part`` / one connection's rate
     more than the writer takes to write the ``d`` bytes after it: every part is sent at most about one
-    smallest part's transfer (plus the rounding to whole MiB) after the file's last byte is written. The taper covers about ``streams *
-    (part - min_part)`` bytes at the file's end, ``streams * ln(part / min_part)`` parts; the rest of
-    the file keeps the big parts (few requests). Every part but the last is at least ``min_part``
-    (S3's minimum); numbers start at ``first``, consecutive, in offset order."""
+    smallest part's transfer (plus the rounding to whole MiB) after the file's last byte is written.
+    The taper covers about ``streams * (part - min_part)`` bytes at the file's end, in about
+    ``streams * ln(part / min_part)`` parts; the rest of the file keeps the big parts (few requests).
+    Every part but the last is at least ``min_part`` (S3's minimum); numbers start at ``first``,
+    consecutive, in offset order."""
     tail: list[int] = []  # lengths, from the file's end backwards
     end = size
     while end > 0:
