@@ -116,6 +116,20 @@ class S3Look:
             count += len(resp.get("Parts", []))
         return count
 
+    def part_sizes(self, prefix: str) -> list[int]:
+        """The sizes of the parts uploaded so far to the one open multipart upload under ``prefix``,
+        in part-number order (numbers checked to run 1, 2, ... with no gap); none before it opens."""
+        uploads = self.open_uploads(prefix)
+        if not uploads:
+            return []
+        (upload,) = uploads
+        pages = self.client.get_paginator("list_parts").paginate(
+            Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+        )
+        parts = sorted((part["PartNumber"], part["Size"]) for page in pages for part in page.get("Parts", []))
+        assert [number for number, _ in parts] == list(range(1, len(parts) + 1))
+        return [size for _, size in parts]
+
     def objects(self, prefix: str) -> dict[str, Any]:
         pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
         return {obj["Key"]: obj for page in pages for obj in page.get("Contents", [])}

@@ -14,8 +14,9 @@ uploaded as up to 32 parts in parallel, each a temporary object under
 one ``compose`` call (which GCS and the emulator both implement; GCS computes
 the composite's CRC32C, so it is still checked against the manifest), and the
 parts deleted. Parts are at most ``max_part_size``; a file that needs more than
-32 is composed in rounds. A part is streamed from the file once a stream of the
-budget is free (its CRC32C in one pass, the upload in a second), so memory
+32 is composed in rounds (as is a file streamed while it is written, whose parts
+shrink toward its end: ``spotguard.storage.stream.streamed_plan``). A part is
+streamed from the file once a stream of the budget is free (its CRC32C in one pass, the upload in a second), so memory
 stays at a few chunks per stream whatever the file's size. Parts left by a killed process are removed by
 ``abort_stale_multipart_uploads()`` and are never listed by ``list()``.
 Smaller files go up in one resumable (or, up to 8 MiB, multipart) upload;
@@ -61,7 +62,7 @@ from spotguard.crc32c import crc32c_int_to_base64 as _int_to_b64
 from spotguard.safefile import open_nofollow
 from spotguard.storage.base import Capability, ObjectInfo, Progress, Sink, StoreDefaults, read_exactly, split_bucket_url
 from spotguard.storage.errors import ChecksumMismatch, ObjectExists, ObjectNotFound, StorageError, TransientStorageError
-from spotguard.storage.stream import PartStream, StreamPool, send_file
+from spotguard.storage.stream import PartStream, StreamPool, send_file, streamed_plan
 from spotguard.storage.transfer import fetch_object
 
 try:  # the class moved between google-cloud-storage 2.x (resumable_media) and 3.x
@@ -74,6 +75,7 @@ log = logging.getLogger(__name__)
 MiB = 1024 * 1024
 _CHUNK_QUANTUM = 256 * 1024  # resumable chunk sizes must be multiples of 256 KiB
 _MAX_COMPOSE = 32  # sources per compose call
+_MIN_STREAMED_PART = 5 * MiB  # the last part of a streamed file (``streamed_plan``)
 PARTS_DIR = ".spotguard-parts"
 _TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
@@ -396,9 +398,12 @@ class GcsStorage(StoreDefaults):
         self._verify(blob, full, len(data), expected)
 
     def _part_plan(self, size: int) -> list[tuple[int, int, int]]:
-        part = max(self.part_size, _round_up(-(-size // _MAX_COMPOSE), _CHUNK_QUANTUM))
-        part = min(part, max(self.part_size, self.max_part_size))
+        part = self._part_length(size)
         return [(i, off, min(part, size - off)) for i, off in enumerate(range(0, size, part))]
+
+    def _part_length(self, size: int) -> int:
+        part = max(self.part_size, _round_up(-(-size // _MAX_COMPOSE), _CHUNK_QUANTUM))
+        return min(part, max(self.part_size, self.max_part_size))
 
     def _put_part(self, fd: int, name: str, offset: int, length: int) -> Any:
         """One part, streamed from the file: its CRC32C is computed in a first pass and declared, so GCS
@@ -463,7 +468,10 @@ class GcsStorage(StoreDefaults):
         if size < self.parallel_threshold or self.max_concurrency == 1 or size <= self.part_size:
             return None
         full = self._key(key)
-        plan = self._part_plan(size)
+        # Smaller parts toward the end (more than 32 are composed in rounds): little is left to send
+        # once the last byte is written.
+        part = self._part_length(size)
+        plan = streamed_plan(size, part, min_part=min(_MIN_STREAMED_PART, part), streams=self.max_concurrency, first=0)
         initiate = lambda: _GcsUpload(self, full, size, fd)  # noqa: E731
         return PartStream(f"gcs: {full}", size, plan, self._stream_pool.get(), initiate, progress=progress)
 

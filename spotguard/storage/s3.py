@@ -69,14 +69,13 @@ from spotguard.storage.base import (
 from spotguard.storage.errors import ChecksumMismatch, ObjectNotFound, StorageError, TransientStorageError
 from spotguard.storage.journal import UploadJournal
 from spotguard.storage.s3_api import TRANSIENT_CODES, S3Api, client_config
-from spotguard.storage.s3_multipart import ChecksumVerdict, Part, S3Multipart, crc_of, integrity_args
+from spotguard.storage.s3_multipart import MIN_PART, ChecksumVerdict, Part, S3Multipart, crc_of, integrity_args
 from spotguard.storage.stream import PartStream, StreamPool, send_file
 from spotguard.storage.transfer import fetch_object
 
 log = logging.getLogger(__name__)
 
 MiB = 1024 * 1024
-_MIN_PART = 5 * MiB  # S3's floor for every part but the last
 _DELETE_BATCH = 1000  # DeleteObjects' limit
 _READ_CHUNK = 1 * MiB  # what a download stream holds in memory at once
 
@@ -116,8 +115,8 @@ def _check_options(
         raise ValueError(f"checksum must be one of {', '.join(CHECKSUM_MODES)}, not {checksum!r}")
     if checksum_attempts < 1:
         raise ValueError("checksum_attempts must be at least 1")
-    if part_size < _MIN_PART:
-        raise ValueError(f"part_size must be at least {_MIN_PART} bytes (S3's minimum)")
+    if part_size < MIN_PART:
+        raise ValueError(f"part_size must be at least {MIN_PART} bytes (S3's minimum)")
     if max_concurrency < 1:
         raise ValueError("max_concurrency must be at least 1")
     if retry_mode not in ("standard", "adaptive", "legacy"):
@@ -301,8 +300,9 @@ class S3Storage(StoreDefaults):
         )
 
     def begin_stream(self, key: str, size: int, fd: int, *, progress: Progress | None = None) -> PartStream | None:
-        """Multipart parts sent as the file is written (``spotguard.storage.stream``); None for a
-        file below ``multipart_threshold`` (one PUT once it is finished)."""
+        """Multipart parts sent as the file is written (``spotguard.storage.stream``), smaller toward
+        the file's end (``streamed_plan``); None for a file below ``multipart_threshold`` (one PUT
+        once it is finished)."""
         if size < self.multipart_threshold or size == 0:
             return None
         full = self._api.key(key)
@@ -311,9 +311,8 @@ class S3Storage(StoreDefaults):
             # The checksum mode is fixed when the upload opens.
             return _S3Upload(self, full, fd, md5=self._verdict.use_md5(), size=size, verify=self.verify_after_upload)
 
-        return PartStream(
-            f"s3: {full}", size, self._multipart.plan(size), self._part_pool.get(), initiate, progress=progress
-        )
+        plan = self._multipart.stream_plan(size, self.max_concurrency)
+        return PartStream(f"s3: {full}", size, plan, self._part_pool.get(), initiate, progress=progress)
 
     def keep_journal(self, journal: UploadJournal) -> int:
         return self._multipart.keep_journal(journal)

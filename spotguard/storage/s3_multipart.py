@@ -22,13 +22,14 @@ from spotguard.crc32c import crc32c_int_to_base64 as _int_to_b64
 from spotguard.storage.base import ChecksumMismatch, ObjectNotFound, StorageError, read_exactly
 from spotguard.storage.journal import UploadJournal
 from spotguard.storage.s3_api import S3Api
-from spotguard.storage.stream import Plan
+from spotguard.storage.stream import Plan, streamed_plan
 
 log = logging.getLogger(__name__)
 # ListMultipartUploads gives Initiated to the second: an upload begun in this client's first second
 # may be listed as older than the client, and is not ours to abort.
 _INITIATED_PRECISION = dt.timedelta(seconds=1)
 _MAX_PARTS = 10_000
+MIN_PART = 5 * 1024 * 1024  # S3's floor for every part but the last
 
 Part = tuple[int, str, int, int]  # (number, ETag, CRC32C, length)
 
@@ -125,12 +126,23 @@ class S3Multipart:
         self._created = dt.datetime.now(dt.UTC)
         self._leftovers_lock = threading.Lock()
         self._leftovers_checked: set[str] = set()  # keys whose leftover multipart uploads are aborted
+        self._listing_lock = threading.Lock()
+        self._folders_listed: set[str] = set()  # folders whose open uploads were listed
+        self._leftovers: dict[str, builtins.list[str]] = {}  # by key: upload ids listed, opened before us
 
     def plan(self, size: int) -> Plan:
         part = self.part_size
         while -(-size // part) > _MAX_PARTS:
             part *= 2
         return [(i + 1, off, min(part, size - off)) for i, off in enumerate(range(0, size, part))]
+
+    def stream_plan(self, size: int, streams: int) -> Plan:
+        """The parts of a file sent while it is written: :func:`streamed_plan`'s taper toward the end,
+        the part size doubled as :meth:`plan` does while the file would need more than 10,000."""
+        part = self.part_size
+        while len(plan := streamed_plan(size, part, min_part=MIN_PART, streams=streams)) > _MAX_PARTS:
+            part *= 2
+        return plan
 
     def create(self, full: str, *, md5: bool) -> str:
         self._abort_leftovers(full)
@@ -228,22 +240,35 @@ class S3Multipart:
     def _abort_leftovers(self, full: str) -> None:
         """Abort the multipart uploads of exactly ``full`` opened before this instance was made: an
         earlier daemon's, killed mid-upload (at start only those older than ``stale_upload_age`` go,
-        since other nodes share the prefix; this key is ours to write now). Once per key."""
+        since other nodes share the prefix; this key is ours to write now). Once per key.
+
+        One listing per folder, not per key: the first key of a folder (a checkpoint's files) lists
+        the folder's open uploads and keeps those opened before this instance (a leftover is older
+        than the listing, so it is in it) for the folder's other keys to abort when they open; a
+        checkpoint of many files costs one request, not one per file."""
         with self._leftovers_lock:
             if full in self._leftovers_checked:
                 return
             self._leftovers_checked.add(full)
-        try:
-            uploads = self.open_uploads(full)
-        except StorageError as exc:
-            # Not worth failing the upload for: abort_stale() gets them later.
-            log.warning("s3: cannot list the open multipart uploads of %s: %s", full, exc)
-            return
-        for upload in uploads:
-            initiated = upload.get("Initiated")
-            if upload["Key"] == full and (initiated is None or initiated < self._created - _INITIATED_PRECISION):
-                log.info("s3: aborting multipart upload %s of %s left by an earlier run", upload["UploadId"], full)
-                self.abort(full, upload["UploadId"])
+        folder = full.rpartition("/")[0] + "/" if "/" in full else full
+        with self._listing_lock:  # the folder's other keys wait for its one listing
+            if folder not in self._folders_listed:
+                try:
+                    uploads = self.open_uploads(folder)
+                except StorageError as exc:
+                    # Not worth failing the upload for: abort_stale() gets them later.
+                    log.warning("s3: cannot list the open multipart uploads of %s: %s", full, exc)
+                    return
+                self._folders_listed.add(folder)
+                for upload in uploads:
+                    initiated = upload.get("Initiated")
+                    if initiated is None or initiated < self._created - _INITIATED_PRECISION:
+                        self._leftovers.setdefault(upload["Key"], []).append(upload["UploadId"])
+            with self._leftovers_lock:
+                leftovers = self._leftovers.pop(full, [])
+        for upload_id in leftovers:
+            log.info("s3: aborting multipart upload %s of %s left by an earlier run", upload_id, full)
+            self.abort(full, upload_id)
 
     def open_uploads(self, prefix: str) -> builtins.list[dict[str, Any]]:
         """The unfinished multipart uploads of every key starting with ``prefix``."""

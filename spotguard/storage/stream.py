@@ -17,6 +17,10 @@ Two ways in, one engine:
   :attr:`~spotguard.storage.base.Capability.STREAMING` and returns a :class:`PartStream` from
   ``begin_stream``.
 
+A streamed file's parts come from :func:`streamed_plan`: big parts for most of the file, smaller ones
+toward its end (down to the store's minimum for the last one), so that what is left to send once the
+writer has written the file's last byte is one small part rather than one big one.
+
 The call sequence is the one of fsspec's buffered files and of torch DCP's storage writers:
 initiate, parts (in parallel, any order), complete or abort, exactly once.
 """
@@ -36,9 +40,51 @@ from spotguard.crc32c import crc32c_hex_to_int as _hex_to_int
 from spotguard.safefile import open_nofollow
 from spotguard.storage.base import Progress, StorageError, UploadStream
 
-__all__ = ["PartStream", "PartUpload", "Plan", "StreamPool", "UploadStream", "send_file"]
+__all__ = ["PartStream", "PartUpload", "Plan", "StreamPool", "UploadStream", "send_file", "streamed_plan"]
 
 Plan = list[tuple[int, int, int]]  # (part number, offset, length), in offset order
+
+_TAPER_QUANTUM = 1 << 20  # tapered part lengths are whole MiB
+
+
+def streamed_plan(size: int, part: int, *, min_part: int, streams: int, first: int = 1) -> Plan:
+    """The parts of a file sent while it is written: parts of ``part`` bytes, except toward the end,
+    where a part that ends ``d`` bytes before the file's end is ``min_part + d / streams`` bytes
+    (whole MiB, at most ``part``): the last part is ``min_part``, and the ones before it grow.
+
+    Why that length: a part can go only once its last byte is written, then crosses one connection.
+    While the upload keeps up with the writer (the writer at most as fast as ``streams`` connections
+    together), the part ending ``d`` bytes before the end takes at most ``min_part / rate + d /
+    (streams * rate)`` seconds on its connection, which is at most ``min_part`` / one connection's rate
+    more than the writer takes to write the ``d`` bytes after it: every part is sent at most about one
+    smallest part's transfer (plus the rounding to whole MiB) after the file's last byte is written.
+    The taper covers about ``streams * (part - min_part)`` bytes at the file's end, in about
+    ``streams * ln(part / min_part)`` parts; the rest of the file keeps the big parts (few requests).
+    Every part but the last is at least ``min_part`` (S3's minimum); numbers start at ``first``,
+    consecutive, in offset order."""
+    tail: list[int] = []  # lengths, from the file's end backwards
+    end = size
+    while end > 0:
+        length = min(part, -(-(min_part + (size - end) // max(streams, 1)) // _TAPER_QUANTUM) * _TAPER_QUANTUM)
+        if length >= part:
+            break
+        if end - length < min_part:
+            length = end  # what would be left before it is too small to be a part of its own
+        tail.append(length)
+        end -= length
+    lengths = [part] * (end // part)
+    rest = end - len(lengths) * part
+    if rest and (rest >= min_part or not tail):
+        lengths.append(rest)
+    elif rest:
+        tail[-1] += rest  # too small to stand before a tapered part: the nearest one takes it
+    lengths.extend(reversed(tail))
+    plan: Plan = []
+    offset = 0
+    for number, length in enumerate(lengths, first):
+        plan.append((number, offset, length))
+        offset += length
+    return plan
 
 
 class PartUpload(Protocol):

@@ -437,6 +437,39 @@ def test_gcs_stream_composes_the_parts_announced_while_writing(url: str, tmp_pat
     assert storage.read_bytes("step-1/f") == data
 
 
+def test_gcs_streamed_parts_shrink_toward_the_end_and_compose_to_the_same_bytes(url: str, tmp_path: Path) -> None:
+    """A streamed file's last part is 5 MiB and the ones before it grow back to the part size (little
+    left to send once the last byte is written); the composed object is the file, byte for byte."""
+    storage = GcsStorage(url, parallel_threshold=8 * MiB, part_size=16 * MiB, max_concurrency=4)
+    data, crc = write(tmp_path / "f", 75 * MiB + 7, seed=14)
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        stream = storage.begin_stream("step-1/f", len(data), fd)
+        assert stream is not None
+        stream.add(0, len(data))  # every part whole: all go before the finish
+        deadline = time.monotonic() + 60
+
+        def parts() -> list[tuple[str, int]]:
+            return sorted(
+                (b.name, b.size)
+                for b in storage.client.list_blobs(storage.bucket_name, prefix=storage.prefix)
+                if PARTS_DIR in b.name
+            )
+
+        while sum(size for _, size in parts()) < len(data):
+            assert time.monotonic() < deadline, "the parts did not all go up before the finish"
+            time.sleep(0.05)
+        sizes = [size for _, size in parts()]  # names sort in part order
+        stream.finish(crc)
+    finally:
+        os.close(fd)
+    assert sum(sizes) == len(data)  # every byte in exactly one part
+    assert sizes[0] == 16 * MiB and sizes[-1] == 5 * MiB
+    assert sizes[-3:] == sorted(sizes[-3:], reverse=True) and sizes[-3] < 16 * MiB
+    assert all_names(storage) == ["step-1/f"]  # parts deleted
+    assert storage.read_bytes("step-1/f") == data
+
+
 def test_gcs_stream_abort_and_a_wrong_crc32c_leave_nothing(url: str, tmp_path: Path) -> None:
     storage = _streaming(url)
     data, _ = write(tmp_path / "f", 12 * MiB, seed=12)

@@ -457,3 +457,31 @@ def test_racing_a_deadline_the_sdk_gets_a_short_budget_and_retries_stop_at_the_d
             assert storage.client.meta.config.retries["total_max_attempts"] == 5
         finally:
             storage.close()
+
+
+def test_leftover_uploads_of_a_checkpoints_keys_are_found_with_one_listing_per_folder(
+    url: str, env: S3Server, raw: object, tmp_path: Path
+) -> None:
+    """Multipart uploads a killed run left open on keys of a checkpoint are aborted when this instance
+    uploads those keys, another writer's upload of a key it does not write is left alone, and the
+    whole folder costs one ListMultipartUploads, not one per file."""
+    prefix = url.removeprefix(f"s3://{env.bucket}/")
+    keys = {name: f"{prefix}/step-1/{name}" for name in ("a", "b", "theirs")}
+    left = {name: raw.create_multipart_upload(Bucket=env.bucket, Key=key)["UploadId"] for name, key in keys.items()}  # type: ignore[attr-defined]
+    # Leftovers are uploads opened before the instance, on S3's one-second clock: let it tick past.
+    started = time.time()
+    while time.time() < started + 2.1:
+        time.sleep(0.05)
+    storage = S3Storage(url, part_size=5 * MiB)
+    listings: list[object] = []
+    storage.client.meta.events.register("before-call.s3.ListMultipartUploads", lambda **kw: listings.append(kw))
+    try:
+        for name, seed in (("a", 21), ("b", 22)):
+            data, crc = write(tmp_path / name, 6 * MiB + seed, seed=seed)
+            storage.put_file(tmp_path / name, f"step-1/{name}", crc32c=crc)
+            assert storage.read_bytes(f"step-1/{name}") == data
+    finally:
+        storage.close()
+    assert len(listings) == 1
+    still_open = {(u["Key"], u["UploadId"]) for u in uploads_under(raw, env.bucket, f"{prefix}/step-1/")}
+    assert still_open == {(keys["theirs"], left["theirs"])}

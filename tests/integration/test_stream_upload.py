@@ -87,6 +87,39 @@ def test_parts_go_up_while_the_file_is_still_being_written(
     assert status["name"] == name and status["bytes"] == writer.size
 
 
+def test_a_streamed_files_parts_shrink_toward_its_end_and_the_object_is_bit_identical(
+    vm_factory: Callable[..., Vm], s3_bucket: str, look: S3Look
+) -> None:
+    """The tail of a streamed upload: the last part is S3's 5 MiB minimum and the ones before it grow
+    back to the 16 MiB part size, so that little is left to send once the last byte is written."""
+    vm = s3_vm(vm_factory, s3_bucket)
+    prefix = s3_bucket.partition(f"{look.bucket}/")[2] + "/"
+    writer = ProgressiveWriter(vm.root, 8, vm.socket, size=12 * PART + 3 * MiB + 5)
+    try:
+        writer.begin()
+        writer.write_until(writer.size)
+        # Every byte is announced: every part goes before the file is finished; list them then.
+        wait_for(lambda: sum(look.part_sizes(prefix)) == writer.size, 60, "every part of the file in the bucket")
+        sizes = look.part_sizes(prefix)
+        writer.finish_file()
+        writer.commit()
+        name = writer.step_dir.name
+        wait_for(lambda: complete_in(s3_bucket, name), 60, "the checkpoint to be complete in the bucket")
+    finally:
+        writer.close()
+    assert sum(sizes) == writer.size  # every byte in exactly one part
+    assert sizes[0] == PART  # big parts away from the end: few requests
+    assert sizes[-1] == 5 * MiB  # the tail: one part of S3's minimum
+    assert all(size >= 5 * MiB for size in sizes)  # S3's floor for every part but the last
+    assert sizes[-3:] == sorted(sizes[-3:], reverse=True) and sizes[-3] < PART  # tapering, not one cut
+    assert len(sizes) > -(-writer.size // PART)
+    key = f"{prefix}{name}/{writer.rel}"
+    head = look.client.head_object(Bucket=look.bucket, Key=key)
+    assert head["ETag"].strip('"').endswith(f"-{len(sizes)}")  # the object is made of exactly those parts
+    body = look.client.get_object(Bucket=look.bucket, Key=key)["Body"].read()
+    assert body == (writer.step_dir / writer.rel).read_bytes()
+
+
 @pytest.mark.parametrize("how", ["disconnect", "save-failed"])
 def test_a_writer_that_gives_up_mid_file_leaves_nothing_in_the_bucket(
     vm_factory: Callable[..., Vm], s3_bucket: str, look: S3Look, how: str

@@ -14,6 +14,7 @@ import pytest
 from spotguard.crc32c import crc32c_of_bytes
 from spotguard.storage.base import StorageError
 from spotguard.storage.file import _COPY_CHUNK, FileStorage
+from spotguard.storage.s3_multipart import MIN_PART, S3Multipart
 
 SIZE = 3 * _COPY_CHUNK + 12345
 
@@ -84,3 +85,23 @@ def test_overlapping_or_outside_ranges_are_refused(store: FileStorage, source: t
             stream.add(offset, length)
     stream.add(150, 10)  # adjacent is fine
     stream.abort()
+
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("size", [0, 3 * MiB, 5 * MiB, 11 * MiB, 64 * MiB + 7, 200 * MiB, 10 << 30, 5 << 40])
+def test_a_streamed_plan_covers_every_byte_once_and_shrinks_toward_the_end(size: int) -> None:
+    plan = S3Multipart(None, 16 * MiB, None).stream_plan(size, streams=16)  # type: ignore[arg-type]
+    assert [number for number, _, _ in plan] == list(range(1, len(plan) + 1))
+    assert [offset for _, offset, _ in plan] == [sum(length for _, _, length in plan[:i]) for i in range(len(plan))]
+    assert sum(length for _, _, length in plan) == size
+    assert all(length >= MIN_PART for _, _, length in plan[:-1])  # S3's floor but for the last
+    assert len(plan) <= 10_000  # S3's limit, also for a 5 TiB file
+    if size > 16 * MiB:
+        assert plan[-1][2] == MIN_PART  # the tail is one small part
+        # Each part that ends d bytes before the end is at most the minimum + d / streams (rounded up
+        # to a MiB; the first tapered part may take what is left over before it).
+        for _, offset, length in plan[-8:-1]:
+            after = size - offset - length
+            assert length <= MIN_PART + after // 16 + MiB
