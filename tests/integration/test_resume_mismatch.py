@@ -55,20 +55,25 @@ def train_step(state: dict[str, Any]) -> None:
     state["optimizer"].step()
 
 
-@pytest.fixture
-def saved(tmp_path: Path, proxy: FaultProxy, server: S3Server) -> str:
-    """A checkpoint of an 8-16-4 MLP with AdamW, only in the bucket; returns the bucket URL."""
+def uploaded(server: S3Server, step_dir: Path) -> str:
+    """``step_dir`` uploaded (committed) under a new prefix of the test bucket; that prefix's URL."""
     url = f"s3://{server.bucket}/run-{uuid.uuid4().hex[:8]}"
-    state = make_state()
-    train_step(state)
-    with Guard(checkpoint_dir=tmp_path / "first-vm", socket=tmp_path / "none.sock", handle_sigterm=False) as guard:
-        step_dir = guard.save(state, STEP, reason="urgent")
     storage = open_storage(url)
     try:
         upload_checkpoint(storage, step_dir)
     finally:
         storage.close()
     return url
+
+
+@pytest.fixture
+def saved(tmp_path: Path, proxy: FaultProxy, server: S3Server) -> str:
+    """A checkpoint of an 8-16-4 MLP with AdamW, only in the bucket; returns the bucket URL."""
+    state = make_state()
+    train_step(state)
+    with Guard(checkpoint_dir=tmp_path / "first-vm", socket=tmp_path / "none.sock", handle_sigterm=False) as guard:
+        step_dir = guard.save(state, STEP, reason="urgent")
+    return uploaded(server, step_dir)
 
 
 def data_reads(proxy: FaultProxy) -> list[str]:
@@ -274,12 +279,7 @@ def test_integration_resume_path_checks_the_model_before_fetching(
         with guard.external_save(3, meta, {"model": model}) as step_dir:
             torch.save(model.state_dict(), step_dir / "lightning.ckpt")
     assert find_resumable(root, None, "lightning", live={"model": model}) == step_dir / "lightning.ckpt"
-    url = f"s3://{server.bucket}/run-{uuid.uuid4().hex[:8]}"
-    storage = open_storage(url)
-    try:
-        upload_checkpoint(storage, step_dir)
-    finally:
-        storage.close()
+    url = uploaded(server, step_dir)
     wider = make_state(width=32)["model"]
     proxy.seen.clear()
     with pytest.raises(SpotguardMismatch, match=r"model: 0\.weight: saved float32\[16,8\], live float32\[32,8\]"):
@@ -300,12 +300,7 @@ def test_a_corrupt_local_copy_is_fetched_again_from_the_bucket_not_loaded(
     train_step(state)
     with Guard(checkpoint_dir=root, socket=tmp_path / "none.sock", handle_sigterm=False) as guard:
         step_dir = guard.save(state, STEP, reason="urgent")
-    url = f"s3://{server.bucket}/run-{uuid.uuid4().hex[:8]}"
-    storage = open_storage(url)
-    try:
-        upload_checkpoint(storage, step_dir)
-    finally:
-        storage.close()
+    url = uploaded(server, step_dir)
     model_file = next(p for p in step_dir.iterdir() if p.name.startswith("model"))
     data = bytearray(model_file.read_bytes())
     data[-200] ^= 0xFF  # inside the last tensor's bytes: the sizes still match

@@ -54,6 +54,15 @@ def s3_vm(vm_factory: Callable[..., Vm], bucket: str) -> Vm:
     return vm
 
 
+def finish_and_commit(writer: ProgressiveWriter, bucket: str) -> str:
+    """The writer's file finished and its checkpoint committed; its name, once complete in ``bucket``."""
+    writer.finish_file()
+    writer.commit()
+    name = writer.step_dir.name
+    wait_for(lambda: complete_in(bucket, name), 60, "the checkpoint to be complete in the bucket")
+    return name
+
+
 def test_parts_go_up_while_the_file_is_still_being_written(
     vm_factory: Callable[..., Vm], s3_bucket: str, look: S3Look
 ) -> None:
@@ -68,10 +77,7 @@ def test_parts_go_up_while_the_file_is_still_being_written(
         assert writer.written < writer.size
         assert look.objects(prefix) == {}  # nothing completed before the file is finished
         writer.write_until(writer.size)
-        writer.finish_file()
-        writer.commit()
-        name = writer.step_dir.name
-        wait_for(lambda: complete_in(s3_bucket, name), 60, "the checkpoint to be complete in the bucket")
+        name = finish_and_commit(writer, s3_bucket)
     finally:
         writer.close()
     objects = look.objects(prefix)
@@ -101,10 +107,7 @@ def test_a_streamed_files_parts_shrink_toward_its_end_and_the_object_is_bit_iden
         # Every byte is announced: every part goes before the file is finished; list them then.
         wait_for(lambda: sum(look.part_sizes(prefix)) == writer.size, 60, "every part of the file in the bucket")
         sizes = look.part_sizes(prefix)
-        writer.finish_file()
-        writer.commit()
-        name = writer.step_dir.name
-        wait_for(lambda: complete_in(s3_bucket, name), 60, "the checkpoint to be complete in the bucket")
+        name = finish_and_commit(writer, s3_bucket)
     finally:
         writer.close()
     assert sum(sizes) == writer.size  # every byte in exactly one part
@@ -148,10 +151,7 @@ def test_streaming_to_a_directory_bucket(vm: Vm, bucket: str) -> None:
     try:
         writer.begin()
         writer.write_until(writer.size)
-        writer.finish_file()
-        writer.commit()
-        name = writer.step_dir.name
-        wait_for(lambda: complete_in(bucket, name), 30, "the checkpoint in the directory bucket")
+        name = finish_and_commit(writer, bucket)
     finally:
         writer.close()
     storage = open_storage(bucket)
