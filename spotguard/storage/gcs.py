@@ -99,6 +99,19 @@ def _round_up(n: int, quantum: int) -> int:
     return -(-n // quantum) * quantum
 
 
+def _part_length(size: int, part_size: int, max_part_size: int) -> int:
+    """The parts' length for a file of ``size`` bytes: ``part_size``, more when the file would need more
+    than one compose call's sources, at most ``max_part_size``."""
+    part = max(part_size, _round_up(-(-size // _MAX_COMPOSE), _CHUNK_QUANTUM))
+    return min(part, max(part_size, max_part_size))
+
+
+def part_plan(size: int, part_size: int, max_part_size: int) -> list[tuple[int, int, int]]:
+    """The parts of a finished file of ``size`` bytes: (number from 0, offset, length), equal but the last."""
+    part = _part_length(size, part_size, max_part_size)
+    return [(i, off, min(part, size - off)) for i, off in enumerate(range(0, size, part))]
+
+
 class _FileRange(io.RawIOBase):
     """Bytes ``[offset, offset + length)`` of an open file as a seekable stream of their own, for an
     SDK that reads an upload body in chunks (and rewinds it to resend one): ``pread``, so parts
@@ -397,14 +410,6 @@ class GcsStorage(StoreDefaults):
             raise self._wrap(f"upload {full} (if absent)", exc) from exc
         self._verify(blob, full, len(data), expected)
 
-    def _part_plan(self, size: int) -> list[tuple[int, int, int]]:
-        part = self._part_length(size)
-        return [(i, off, min(part, size - off)) for i, off in enumerate(range(0, size, part))]
-
-    def _part_length(self, size: int) -> int:
-        part = max(self.part_size, _round_up(-(-size // _MAX_COMPOSE), _CHUNK_QUANTUM))
-        return min(part, max(self.part_size, self.max_part_size))
-
     def _put_part(self, fd: int, name: str, offset: int, length: int) -> Any:
         """One part, streamed from the file: its CRC32C is computed in a first pass and declared, so GCS
         refuses the part if the bytes sent in the second differ; neither pass holds more than a chunk."""
@@ -430,7 +435,7 @@ class GcsStorage(StoreDefaults):
             size,
             f"{expected:08x}",
             what=f"gcs: {full}",
-            plan=self._part_plan(size),
+            plan=part_plan(size, self.part_size, self.max_part_size),
             pool=self._stream_pool.get(),
             initiate=lambda fd: _GcsUpload(self, full, size, fd),
             progress=progress,
@@ -470,7 +475,7 @@ class GcsStorage(StoreDefaults):
         full = self._key(key)
         # Smaller parts toward the end (more than 32 are composed in rounds): little is left to send
         # once the last byte is written.
-        part = self._part_length(size)
+        part = _part_length(size, self.part_size, self.max_part_size)
         plan = streamed_plan(size, part, min_part=min(_MIN_STREAMED_PART, part), streams=self.max_concurrency, first=0)
         initiate = lambda: _GcsUpload(self, full, size, fd)  # noqa: E731
         return PartStream(f"gcs: {full}", size, plan, self._stream_pool.get(), initiate, progress=progress)

@@ -19,7 +19,7 @@ import requests
 
 from spotguard.safefile import SymlinkRefused
 from spotguard.storage.base import ChecksumMismatch, ObjectNotFound, Storage, StorageError, TransientStorageError
-from spotguard.storage.gcs import PARTS_DIR, GcsStorage, gcs_crc_to_hex
+from spotguard.storage.gcs import PARTS_DIR, GcsStorage, gcs_crc_to_hex, part_plan
 from tests.faultproxy import FaultProxy
 from tests.servers import GcsServer, gcs_emulator
 
@@ -316,7 +316,7 @@ def test_gcs_parts_over_the_cap_are_composed_in_rounds_of_32(url: str, tmp_path:
     storage = GcsStorage(
         url, parallel_threshold=1 * MiB, part_size=256 * 1024, max_part_size=256 * 1024, max_concurrency=4
     )
-    assert len(storage._part_plan(len(data))) == 40
+    assert len(part_plan(len(data), storage.part_size, storage.max_part_size)) == 40
     storage.put_file(tmp_path / "big", "step-1/big", crc32c=crc)
     info = storage.stat("step-1/big")
     assert info is not None and (info.size, info.crc32c) == (len(data), crc)
@@ -387,10 +387,11 @@ def test_gcs_put_file_refuses_a_symlink_and_uploads_nothing(url: str, tmp_path: 
 def test_gcs_part_plan_caps_parts_of_a_very_large_file() -> None:
     storage = GcsStorage("gs://b/p")
     size = 100 * 1024 * MiB + 3
-    plan = storage._part_plan(size)
+    plan = part_plan(size, storage.part_size, storage.max_part_size)
     assert max(length for _, _, length in plan) == 1024 * MiB  # not size/32 = 3.2 GiB
     assert sum(length for _, _, length in plan) == size and len(plan) == 101
-    assert storage._part_plan(2 * 1024 * MiB)[0][2] == 64 * MiB  # under the cap: still 32 parts
+    under_the_cap = part_plan(2 * 1024 * MiB, storage.part_size, storage.max_part_size)
+    assert under_the_cap[0][2] == 64 * MiB  # still 32 parts
 
 
 def test_racing_a_deadline_the_librarys_retries_stop_at_it(
