@@ -176,13 +176,13 @@ class Resumer:
     def _fetch(self, name: str, manifest: Manifest, *, verified: bool) -> bool:
         """Make ``name`` whole on this disk (the node's leader downloads it); False on every rank if
         it failed verification (the caller tries the previous one). Collective. A bucket's checkpoint
-        whose local copy looks whole is checked byte for byte first (``verified``: it was, here):
-        that copy may be the very one found corrupt, and the bucket's is then fetched again."""
+        (not ``verified`` here) always goes through the restore, which keeps a local copy only once
+        every byte of it matched: that copy may be the very one found corrupt."""
         failed = False
         leader = dist.is_node_leader(self.checkpoint_dir)
         with dist.settled(f"fetching {name}"):  # anything but a failed verification reaches every rank
-            if leader and verify_dir(self.checkpoint_dir / name, checksums=not verified, threads=self.io_threads):
-                # Not whole on this disk (only in the bucket, another node's, or only this node's share).
+            if leader and (not verified or verify_dir(self.checkpoint_dir / name, checksums=False)):
+                # From the bucket, or not whole on this disk (another node's, or only this node's share).
                 from spotguard.storage.base import StorageError  # stdlib only
 
                 try:
