@@ -255,9 +255,7 @@ class Channel:
         out = bytearray(_records_end(records))
         target = memoryview(out)
         for at, index, piece in records:
-            _LENGTH.pack_into(out, at, len(piece) + noise.TAGLEN)
-            body = target[at + _LENGTH.size : at + _LENGTH.size + len(piece) + noise.TAGLEN]
-            self._send.encrypt_into(views[index][piece.start : piece.stop], body)
+            self._seal_record(target, at, views[index][piece.start : piece.stop])
         return out
 
     def seal_read(self, header: bytes, fd: int, offset: int, length: int, out: bytearray) -> memoryview:
@@ -279,10 +277,15 @@ class Channel:
                 body(at, len(piece))[:] = header[piece.start : piece.stop]
         _preadv_full(fd, [body(at, len(piece)) for at, index, piece in records if index == 1], offset)
         for at, _, piece in records:
-            _LENGTH.pack_into(out, at, len(piece) + noise.TAGLEN)
-            sealed = body(at, len(piece) + noise.TAGLEN)
-            self._send.encrypt_into(sealed[: len(piece)], sealed)  # AES-GCM in place: input and output coincide
+            self._seal_record(view, at, body(at, len(piece)))  # in place: AES-GCM's input and output coincide
         return view[:end]
+
+    def _seal_record(self, out: memoryview, at: int, plaintext: memoryview) -> None:
+        """One record at ``at`` of ``out``: its length, then ``plaintext`` sealed after it (``plaintext``
+        may be that very place: sealed in place). Takes the next nonce."""
+        size = len(plaintext) + noise.TAGLEN
+        _LENGTH.pack_into(out, at, size)
+        self._send.encrypt_into(plaintext, out[at + _LENGTH.size : at + _LENGTH.size + size])
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         if data:

@@ -114,7 +114,7 @@ class PeerClient:
         """The frame buffer not holding the frame written last (the two take turns)."""
         self._turn ^= 1
         if len(self._frames[self._turn]) < need:
-            self._frames[self._turn] = bytearray(need)  # a new one: the old may still be viewed
+            self._frames[self._turn] = bytearray(need)  # a new one: a bytearray with views out cannot grow
         return self._frames[self._turn]
 
     async def send_file(self, path: Path, rel: str, *, chunk: int = wire.SEND_CHUNK) -> int:
