@@ -126,7 +126,6 @@ class S3Multipart:
         self._created = dt.datetime.now(dt.UTC)
         self._leftovers_lock = threading.Lock()
         self._leftovers_checked: set[str] = set()  # keys whose leftover multipart uploads are aborted
-        self._listing_lock = threading.Lock()
         self._folders_listed: set[str] = set()  # folders whose open uploads were listed
         self._leftovers: dict[str, builtins.list[str]] = {}  # by key: upload ids listed, opened before us
 
@@ -246,12 +245,11 @@ class S3Multipart:
         the folder's open uploads and keeps those opened before this instance (a leftover is older
         than the listing, so it is in it) for the folder's other keys to abort when they open; a
         checkpoint of many files costs one request, not one per file."""
-        with self._leftovers_lock:
+        folder = full.rpartition("/")[0] + "/" if "/" in full else full
+        with self._leftovers_lock:  # also while a folder is listed: its other keys wait for that one listing
             if full in self._leftovers_checked:
                 return
             self._leftovers_checked.add(full)
-        folder = full.rpartition("/")[0] + "/" if "/" in full else full
-        with self._listing_lock:  # the folder's other keys wait for its one listing
             if folder not in self._folders_listed:
                 try:
                     uploads = self.open_uploads(folder)
@@ -264,8 +262,7 @@ class S3Multipart:
                     initiated = upload.get("Initiated")
                     if initiated is None or initiated < self._created - _INITIATED_PRECISION:
                         self._leftovers.setdefault(upload["Key"], []).append(upload["UploadId"])
-            with self._leftovers_lock:
-                leftovers = self._leftovers.pop(full, [])
+            leftovers = self._leftovers.pop(full, [])
         for upload_id in leftovers:
             log.info("s3: aborting multipart upload %s of %s left by an earlier run", upload_id, full)
             self.abort(full, upload_id)
