@@ -6,7 +6,9 @@ Needs a CUDA device; without one it says so and exits 0. In one run, on the GPU 
   synchronize); a pageable ``.cpu()`` beside it;
 - the staging pipeline alone: the state copied piece by piece through the writer's reused pinned
   buffers by its threads (no disk), as a fraction of the limit;
-- an urgent ``Guard.save`` of the CUDA state against the same save of a CPU copy (the disk's share);
+- an urgent ``Guard.save`` of the CUDA state against the same save of a CPU copy (the disk's share),
+  and against min(D2H limit, disk floor): the floor is the best of 1/4/8 raw writers + fsync of the
+  same bytes to the same directory (``urgent_save.py``'s);
 - the periodic stall: how long ``Guard.save`` blocks training (the copy to reused host buffers) against
   one pinned D2H copy of the same bytes.
 
@@ -26,6 +28,7 @@ from typing import Any
 
 import torch
 from common import machine, median, write_results
+from urgent_save import raw_parallel
 
 from spotguard import Guard
 from spotguard.trainer.threads import default_threads
@@ -85,6 +88,15 @@ def main() -> None:
         results["staging pipeline (no disk)"] = timed(lambda: staged_copy(state, staging, threads), args.runs)
 
         cpu_state = {key: tensor.cpu() for key, tensor in state.items()}
+        for writers in (1, 4, 8):
+            samples = []
+            for run in range(args.runs):
+                target = work / f"raw-{writers}-{run}"
+                started = time.perf_counter()
+                raw_parallel(writers)({"model": cpu_state}, target)
+                samples.append(time.perf_counter() - started)
+                shutil.rmtree(target)
+            results[f"disk: raw x{writers} + fsync"] = samples
         for name, source in (("urgent Guard.save, CUDA state", state), ("urgent Guard.save, CPU state", cpu_state)):
             samples = []
             for run in range(args.runs):
@@ -112,12 +124,20 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
     limit = median(results["pinned copy_ (the limit)"])
+    disk = min(median(samples) for name, samples in results.items() if name.startswith("disk:"))
     print(f"GPU: {gpu}; {nbytes / (1 << 30):.2f} GiB in {len(state)} tensors; {args.runs} runs; {threads} threads")
-    print(f"| {'method':<34} | median s |   GB/s | limit / this |")
+    print(f"| {'method':<34} | median s |   GB/s | of the D2H limit |")
     print(f"|{'-' * 36}|---:|---:|---:|")
     for name, samples in results.items():
         med = median(samples)
-        print(f"| {name:<34} | {med:8.3f} | {nbytes / med / 1e9:6.2f} | {limit / med:12.2f} |")
+        print(f"| {name:<34} | {med:8.3f} | {nbytes / med / 1e9:6.2f} | {limit / med:16.2f} |")
+    staged = median(results["staging pipeline (no disk)"])
+    urgent = median(results["urgent Guard.save, CUDA state"])
+    print(f"D2H through the staging pipeline: {limit / staged:.2f} of the pinned limit (target >= 0.8)")
+    print(
+        f"urgent save of the CUDA state: {max(limit, disk) / urgent:.2f} of min(D2H, disk) "
+        f"(D2H {nbytes / limit / 1e9:.1f} GB/s, disk floor {nbytes / disk / 1e9:.2f} GB/s)"
+    )
     report = {"gpu": gpu, "machine": machine(), "bytes": nbytes, "threads": threads, "results": results}
     print(f"results: {write_results('gpu_staging', report)}")
 
