@@ -165,6 +165,8 @@ class FaultProxy:
         self._server: socketserver.ThreadingTCPServer | None = None
         self._thread: threading.Thread | None = None
         self._hold: Callable[[str, str], bool] | None = None
+        self._lose: Callable[[str, str], bool] | None = None
+        self.answers_lost = 0
         self._released = threading.Event()
         self.held = threading.Event()  # set once a request is being held
 
@@ -231,6 +233,12 @@ class FaultProxy:
         self._hold = None
         self._released.set()
 
+    def lose_answer(self, when: Callable[[str, str], bool]) -> None:
+        """The next request that ``when(method, target)`` picks is forwarded, and the server's answer is
+        replaced by a reset: the server did the work, the client never hears of it (an answer lost on
+        the way). Once; then the hook is gone."""
+        self._lose = when
+
     # -- per connection ------------------------------------------------------------
 
     def _decide(self, req: _Request) -> str | None:
@@ -256,7 +264,14 @@ class FaultProxy:
                     self.held.set()
                     while not (self._released.wait(0.1) or self._closing.is_set()):
                         pass
-                fault = self._decide(req)
+                lose = self._lose
+                if lose is not None and lose(req.method, req.target):
+                    self._lose = None
+                    self._forward(handler, req, answer=False)
+                    self.answers_lost += 1
+                    fault = "reset"
+                else:
+                    fault = self._decide(req)
                 if fault == "reset":
                     # SO_LINGER 0 makes close() send RST: the client sees "connection reset by peer".
                     conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -286,7 +301,7 @@ class FaultProxy:
         handler.wfile.write(head.encode("latin-1") + (b"" if req.method == "HEAD" else body))
         handler.wfile.flush()
 
-    def _forward(self, handler: socketserver.StreamRequestHandler, req: _Request) -> None:
+    def _forward(self, handler: socketserver.StreamRequestHandler, req: _Request, *, answer: bool = True) -> None:
         upstream = http.client.HTTPConnection(self.upstream_host, self.upstream_port, timeout=120)
         try:
             upstream.putrequest(req.method, req.target, skip_host=True, skip_accept_encoding=True)
@@ -297,6 +312,8 @@ class FaultProxy:
             upstream.endheaders(req.body if req.body else None)
             resp = upstream.getresponse()
             body = resp.read()
+            if not answer:
+                return
             out = [f"HTTP/1.1 {resp.status} {resp.reason}\r\n"]
             for name, value in resp.getheaders():
                 lname = name.lower()

@@ -71,6 +71,9 @@ except ImportError:  # pragma: no cover - depends on the installed version
     from google.resumable_media import DataCorruption, InvalidResponse  # type: ignore[no-redef,unused-ignore]
 
 log = logging.getLogger(__name__)
+# New sessions for one object after its session refused a chunk (see GcsStorage._upload); an object
+# exists only once a session completes, so an abandoned one leaves nothing behind.
+_SESSION_RESTARTS = 2
 
 MiB = 1024 * 1024
 _CHUNK_QUANTUM = 256 * 1024  # resumable chunk sizes must be multiples of 256 KiB
@@ -147,6 +150,12 @@ class _FileRange(io.RawIOBase):
             raise StorageError(f"gcs: the file shrank while uploading (at {self._offset + self._pos})")
         self._pos += got
         return got
+
+
+def _refused_by_session(exc: BaseException) -> bool:
+    """A 400 answered to a chunk of a resumable upload session (its URL names the session)."""
+    request = getattr(getattr(exc, "response", None), "request", None)
+    return "upload_id=" in str(getattr(request, "url", ""))
 
 
 def is_transient_error(exc: BaseException) -> bool:
@@ -373,20 +382,36 @@ class GcsStorage(StoreDefaults):
         return blob
 
     def _put_one(self, local: Path, full: str, expected: int) -> Any:
-        blob = self._new_blob(full, expected)
-        with open(open_nofollow(local), "rb") as handle:
+        fd = open_nofollow(local)
+        try:
+            return self._upload(full, expected, fd, 0, os.fstat(fd).st_size)
+        except Exception as exc:
+            raise self._wrap(f"upload {full}", exc) from exc
+        finally:
+            os.close(fd)
+
+    def _upload(self, name: str, crc: int, fd: int, offset: int, length: int) -> Any:
+        """Bytes ``[offset, offset + length)`` of ``fd`` as the object ``name``, its CRC32C declared. A
+        chunk whose answer was lost is sent again at the offset the library knows, which a session that
+        took it refuses (400): the object starts again in a new session (:data:`_SESSION_RESTARTS`)."""
+        for restart in range(_SESSION_RESTARTS + 1):
+            blob = self._new_blob(name, crc)
             try:
                 blob.upload_from_file(
-                    handle,
-                    size=os.fstat(handle.fileno()).st_size,
+                    _FileRange(fd, offset, length),
+                    size=length,
                     content_type="application/octet-stream",
                     checksum="crc32c",
                     retry=self._retry_now(),
                     timeout=self.timeout,
                 )
-            except Exception as exc:
-                raise self._wrap(f"upload {full}", exc) from exc
-        return blob
+            except gexc.BadRequest as exc:
+                if restart == _SESSION_RESTARTS or not _refused_by_session(exc):
+                    raise
+                log.warning("gcs: upload of %s: its resumable session refused a chunk (%s); starting again", name, exc)
+                continue
+            return blob
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def put_bytes_if_absent(self, key: str, data: bytes, *, crc32c: str) -> None:
         """One upload with ``ifGenerationMatch=0``: GCS writes it only if no live object has the name.
@@ -417,16 +442,7 @@ class GcsStorage(StoreDefaults):
         for done in range(0, length, self.chunk_size):
             chunk = read_exactly(fd, offset + done, min(self.chunk_size, length - done), f"gcs: {name}")
             crc = int(google_crc32c.extend(crc, chunk))
-        blob = self._new_blob(name, crc)
-        blob.upload_from_file(
-            _FileRange(fd, offset, length),
-            size=length,
-            content_type="application/octet-stream",
-            checksum="crc32c",
-            retry=self._retry_now(),
-            timeout=self.timeout,
-        )
-        return blob
+        return self._upload(name, crc, fd, offset, length)
 
     def _put_composed(self, local: Path, full: str, size: int, expected: int, progress: Progress | None) -> None:
         """Through the part engine: parts as temporary objects, composed and verified at the end."""

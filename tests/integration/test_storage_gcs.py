@@ -278,6 +278,23 @@ def test_gcs_put_file_survives_10pct_503_500_reset_stall(
             assert (tmp_path / "back" / key).read_bytes() == data
 
 
+def test_gcs_a_chunk_whose_answer_is_lost_starts_the_object_again_in_a_new_session(
+    env: GcsServer, url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The session takes a chunk and its answer is lost: the library sends the chunk again at the
+    offset it knows, which the session refuses (400). The object starts again in a new session and
+    arrives whole."""
+    with FaultProxy(env.endpoint_url, fault_rate=0.0, flavor="gcs") as proxy:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+        storage = GcsStorage(url, timeout=5, chunk_size=1 * MiB, parallel_threshold=64 * MiB, max_concurrency=1)
+        data, crc = write(tmp_path / "f", 10 * MiB, seed=3)  # over 8 MiB: a resumable session
+        proxy.lose_answer(lambda method, target: method == "PUT" and "upload_id=" in target)
+        storage.put_file(tmp_path / "f", "step-1/f", crc32c=crc)
+        assert proxy.answers_lost == 1
+        assert storage.read_bytes("step-1/f") == data
+    assert "refused a chunk" in caplog.text
+
+
 @pytest.mark.slow
 def test_gcs_256mib_upload_downloads_identical_bytes(url: str, tmp_path: Path) -> None:
     storage = GcsStorage(url)
