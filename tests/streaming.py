@@ -116,9 +116,10 @@ class S3Look:
             count += len(resp.get("Parts", []))
         return count
 
-    def part_sizes(self, prefix: str) -> list[int]:
-        """The sizes of the parts uploaded so far to the one open multipart upload under ``prefix``,
-        in part-number order (numbers checked to run 1, 2, ... with no gap); none before it opens."""
+    def parts(self, prefix: str) -> list[tuple[int, int]]:
+        """(number, size) of the parts uploaded so far to the one open multipart upload under
+        ``prefix``, in number order; none before it opens. Parts go up concurrently: while the upload
+        runs, a later part may be there before an earlier one."""
         uploads = self.open_uploads(prefix)
         if not uploads:
             return []
@@ -126,9 +127,7 @@ class S3Look:
         pages = self.client.get_paginator("list_parts").paginate(
             Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
         )
-        parts = sorted((part["PartNumber"], part["Size"]) for page in pages for part in page.get("Parts", []))
-        assert [number for number, _ in parts] == list(range(1, len(parts) + 1))
-        return [size for _, size in parts]
+        return sorted((part["PartNumber"], part["Size"]) for page in pages for part in page.get("Parts", []))
 
     def objects(self, prefix: str) -> dict[str, Any]:
         pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)

@@ -105,11 +105,13 @@ def test_a_streamed_files_parts_shrink_toward_its_end_and_the_object_is_bit_iden
         writer.begin()
         writer.write_until(writer.size)
         # Every byte is announced: every part goes before the file is finished; list them then.
-        wait_for(lambda: sum(look.part_sizes(prefix)) == writer.size, 60, "every part of the file in the bucket")
-        sizes = look.part_sizes(prefix)
+        wait_for(lambda: sum(size for _, size in look.parts(prefix)) == writer.size, 60, "every part in the bucket")
+        parts = look.parts(prefix)
         name = finish_and_commit(writer, s3_bucket)
     finally:
         writer.close()
+    assert [number for number, _ in parts] == list(range(1, len(parts) + 1))  # numbered with no gap
+    sizes = [size for _, size in parts]
     assert sum(sizes) == writer.size  # every byte in exactly one part
     assert sizes[0] == PART  # big parts away from the end: few requests
     assert sizes[-1] == 5 * MiB  # the tail: one part of S3's minimum
