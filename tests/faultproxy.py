@@ -245,6 +245,11 @@ class FaultProxy:
         with self._lock:
             self.requests += 1
             self.seen.append((req.method, req.target))
+            lose = self._lose
+            if lose is not None and lose(req.method, req.target):
+                self._lose = None  # once, even with requests on several connections at a time
+                self.answers_lost += 1
+                return "lost"
             if self._rng.random() >= self.fault_rate:
                 return None
             # Kinds in turn, not at random: a short test then sees every kind it asked for.
@@ -264,14 +269,10 @@ class FaultProxy:
                     self.held.set()
                     while not (self._released.wait(0.1) or self._closing.is_set()):
                         pass
-                lose = self._lose
-                if lose is not None and lose(req.method, req.target):
-                    self._lose = None
+                fault = self._decide(req)
+                if fault == "lost":  # the server does the work; its answer never comes back
                     self._forward(handler, req, answer=False)
-                    self.answers_lost += 1
                     fault = "reset"
-                else:
-                    fault = self._decide(req)
                 if fault == "reset":
                     # SO_LINGER 0 makes close() send RST: the client sees "connection reset by peer".
                     conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
