@@ -131,10 +131,27 @@ def state_bytes(state: dict[str, torch.Tensor]) -> int:
 
 
 def process_cpu(pid: int | None = None) -> float:
-    """CPU seconds (user + system) used so far by the process ``pid`` (this one by default); a child
-    that has exited but was not yet waited for still answers."""
-    fields = Path(f"/proc/{pid or os.getpid()}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds (user + system) used so far by the process ``pid`` (this one by default) and the
+    peer tier's worker processes it runs now (spotguard/peer/workers.py); a child that has exited but
+    was not yet waited for still answers."""
+    pid = pid or os.getpid()
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    seconds = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    for child in _children(pid):
+        with contextlib.suppress(OSError):
+            seconds += process_cpu(child)
+    return seconds
+
+
+def _children(pid: int) -> list[int]:
+    """The peer worker processes among ``pid``'s children (not a daemon or a sink it started)."""
+    children: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            for child in (task / "children").read_text().split():
+                if b"spotguard.peer.workers" in Path(f"/proc/{child}/cmdline").read_bytes():
+                    children.append(int(child))
+    return children
 
 
 def median(samples: list[float]) -> float:

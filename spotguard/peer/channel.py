@@ -22,10 +22,20 @@ import os
 import socket
 import struct
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 from spotguard.peer import noise, wire
+from spotguard.peer.sockio import HandedSocket, run_handed
+
+
+class Worker(Protocol):
+    """What carries a frame's bytes in another process (spotguard/peer/workers.py)."""
+
+    def call(self, job: dict[str, Any], fds: list[int], *, more: bool = False) -> Any: ...
+
+    def release(self) -> None: ...
+
 
 PROTOCOL = "spotguard-peer/2"
 PROLOGUE = PROTOCOL.encode()  # bound into the handshake: another version's handshake cannot succeed
@@ -52,7 +62,7 @@ MAX_PLAINTEXT = noise.MAX_MESSAGE - noise.TAGLEN  # one record's bytes
 # A payload's full records are read this many at once (a reused buffer of ~1 MiB per connection).
 BATCH_RECORDS = 16
 _LENGTH = struct.Struct(">H")
-_FULL_RECORD = _LENGTH.size + noise.MAX_MESSAGE
+FULL_RECORD = _LENGTH.size + noise.MAX_MESSAGE  # a record of a payload's but the last
 _REFUSAL = _LENGTH.pack(0)  # a handshake "message" of length 0: a clear-text error frame follows
 _IOV_MAX = 1024  # buffers one preadv takes (POSIX's minimum for IOV_MAX is 16; Linux has 1024)
 _KEEPALIVE = {"TCP_KEEPIDLE": 10, "TCP_KEEPINTVL": 5, "TCP_KEEPCNT": 3}
@@ -212,16 +222,82 @@ class Channel:
         number of bytes filled. A record of another length there breaks the protocol's layout."""
         count = min(len(view) // MAX_PLAINTEXT, BATCH_RECORDS)
         if self._batch is None:
-            self._batch = bytearray(BATCH_RECORDS * _FULL_RECORD)
-        batch = memoryview(self._batch)[: count * _FULL_RECORD]
+            self._batch = bytearray(BATCH_RECORDS * FULL_RECORD)
+        batch = memoryview(self._batch)[: count * FULL_RECORD]
         with self._record_deadline():
             await self.stream.readinto(batch)
         for index in range(count):
-            record = batch[index * _FULL_RECORD : (index + 1) * _FULL_RECORD]
+            record = batch[index * FULL_RECORD : (index + 1) * FULL_RECORD]
             if _LENGTH.unpack_from(record)[0] != noise.MAX_MESSAGE:
                 raise wire.PeerError("bad-record", "a payload's record that is not full before its last")
             self._open(record[_LENGTH.size :], view[index * MAX_PLAINTEXT : (index + 1) * MAX_PLAINTEXT])
         return count * MAX_PLAINTEXT
+
+    # --- a worker process's frames (spotguard/peer/workers.py) ------------------------------
+
+    def can_hand_over(self) -> bool:
+        """Whether the next payload may be received by a worker process: the connection is a socket
+        read through a :class:`~spotguard.peer.wire.FrameStream`, open, with no record half read."""
+        return self._start == self._end and self._socket_open()
+
+    def _socket_open(self) -> bool:
+        sock = self.writer.get_extra_info("socket")
+        return (
+            isinstance(self.stream, wire.FrameStream)
+            and sock is not None
+            and sock.fileno() >= 0
+            and not self.transport.is_closing()
+        )
+
+    async def receive_payload_by(self, worker: Worker, length: int) -> None:
+        """A data frame's payload of ``length`` bytes, received and opened by ``worker``
+        (:meth:`can_hand_over` first), which keeps it for a ``write`` or a ``drop``."""
+        handed = self._handed(worker)
+        assert isinstance(self.stream, wire.FrameStream)
+        job = {
+            "t": "receive",
+            **self._job_cipher(self._recv, records_of(length)),
+            "ahead": self.stream.hand_over(sealed_size(length)),
+            "length": length,
+        }
+        await run_handed(self.stream, handed, lambda: worker.call(job, [handed.sock.fileno()], more=True))
+
+    async def send_frame_by(self, worker: Worker, header: bytes, fd: int, offset: int, length: int) -> None:
+        """A data frame, ``header`` and ``length`` bytes of the file ``fd`` from ``offset``, read, sealed
+        and sent by ``worker``, once what was written before has gone out."""
+        try:
+            await self.flush_to(0)
+        except BaseException:
+            worker.release()
+            raise
+        handed = self._handed(worker)
+        assert isinstance(self.stream, wire.FrameStream)
+        records = records_of(len(header)) + records_of(length)
+        job = {
+            "t": "send",
+            **self._job_cipher(self._send, records),
+            "header": header,
+            "offset": offset,
+            "length": length,
+        }
+        await run_handed(self.stream, handed, lambda: worker.call(job, [handed.sock.fileno(), fd]))
+
+    def _handed(self, worker: Worker) -> HandedSocket:
+        """A duplicate of the connection's socket for ``worker``'s job (given back if there is none)."""
+        try:
+            if not self._socket_open():
+                raise wire.PeerError("closed", "the connection closed")
+            return HandedSocket(self.writer.get_extra_info("socket").fileno())
+        except BaseException:
+            worker.release()
+            raise
+
+    def _job_cipher(self, cipher: noise.CipherState, records: int) -> dict[str, Any]:
+        """A job's key and first nonce; the next ``records`` nonces are the job's (a job that fails
+        ends the connection: no nonce is ever used twice)."""
+        first = cipher.n
+        cipher.n += records
+        return {"key": cipher.key, "n": first, "timeout": self.io_timeout}
 
     async def readexactly(self, n: int, /) -> bytes:
         if self._end - self._start >= n:
@@ -260,32 +336,11 @@ class Channel:
 
     def seal_read(self, header: bytes, fd: int, offset: int, length: int, out: bytearray) -> memoryview:
         """A data frame: ``header`` and ``length`` bytes of the file ``fd`` from ``offset``, as records
-        laid out in ``out`` (at least :func:`sealed_size` bytes). The file's bytes are read straight into their
-        records' places and sealed there, in place: a frame costs one read, no copy and no allocation.
-        Takes the next nonces, as :meth:`seal` does. Raises :class:`EOFError` if the file ends first."""
-        records = list(_layout([len(header), length]))
-        end = _records_end(records)
-        if len(out) < end:
-            raise ValueError(f"a frame of {end} bytes in a buffer of {len(out)}: see sealed_size()")
-        view = memoryview(out)
-
-        def body(at: int, size: int) -> memoryview:
-            return view[at + _LENGTH.size : at + _LENGTH.size + size]
-
-        for at, index, piece in records:
-            if index == 0:
-                body(at, len(piece))[:] = header[piece.start : piece.stop]
-        _preadv_full(fd, [body(at, len(piece)) for at, index, piece in records if index == 1], offset)
-        for at, _, piece in records:
-            self._seal_record(view, at, body(at, len(piece)))  # in place: AES-GCM's input and output coincide
-        return view[:end]
+        laid out in ``out`` (:func:`seal_frame`). Takes the next nonces, as :meth:`seal` does."""
+        return seal_frame(self._send, header, fd, offset, length, out=out)
 
     def _seal_record(self, out: memoryview, at: int, plaintext: memoryview) -> None:
-        """One record at ``at`` of ``out``: its length, then ``plaintext`` sealed after it (``plaintext``
-        may be that very place: sealed in place). Takes the next nonce."""
-        size = len(plaintext) + noise.TAGLEN
-        _LENGTH.pack_into(out, at, size)
-        self._send.encrypt_into(plaintext, out[at + _LENGTH.size : at + _LENGTH.size + size])
+        _seal_record(self._send, out, at, plaintext)
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         if data:
@@ -322,6 +377,77 @@ class Channel:
         with contextlib.suppress(Exception):
             async with asyncio.timeout(self.io_timeout):
                 await self.writer.wait_closed()
+
+
+def _seal_record(cipher: noise.CipherState, out: memoryview, at: int, plaintext: memoryview) -> None:
+    """One record at ``at`` of ``out``: its length, then ``plaintext`` sealed after it (``plaintext``
+    may be that very place: sealed in place). Takes the next nonce."""
+    size = len(plaintext) + noise.TAGLEN
+    _LENGTH.pack_into(out, at, size)
+    cipher.encrypt_into(plaintext, out[at + _LENGTH.size : at + _LENGTH.size + size])
+
+
+def seal_frame(
+    cipher: noise.CipherState, header: bytes, fd: int, offset: int, length: int, *, out: bytearray
+) -> memoryview:
+    """A data frame: ``header`` and ``length`` bytes of the file ``fd`` from ``offset``, as records
+    laid out in ``out`` (at least :func:`sealed_size` bytes). The file's bytes are read straight into
+    their records' places and sealed there, in place: a frame costs one read, no copy and no
+    allocation. Raises :class:`EOFError` if the file ends first."""
+    records = list(_layout([len(header), length]))
+    end = _records_end(records)
+    if len(out) < end:
+        raise ValueError(f"a frame of {end} bytes in a buffer of {len(out)}: see sealed_size()")
+    view = memoryview(out)
+
+    def body(at: int, size: int) -> memoryview:
+        return view[at + _LENGTH.size : at + _LENGTH.size + size]
+
+    for at, index, piece in records:
+        if index == 0:
+            body(at, len(piece))[:] = header[piece.start : piece.stop]
+    _preadv_full(fd, [body(at, len(piece)) for at, index, piece in records if index == 1], offset)
+    for at, _, piece in records:
+        _seal_record(cipher, view, at, body(at, len(piece)))  # in place: AES-GCM's input and output coincide
+    return view[:end]
+
+
+def open_payload(
+    cipher: noise.CipherState,
+    batch: bytearray,
+    receive: Callable[[memoryview], None],
+    read_ahead: bytes,
+    view: memoryview,
+) -> None:
+    """A payload of ``len(view)`` bytes, laid out as the protocol says (full records, the last one
+    shorter): ``read_ahead`` the first of its bytes, the rest filled by ``receive``,
+    :data:`BATCH_RECORDS` records at a time into ``batch``, each record opened into its place in
+    ``view``. Raises :class:`~spotguard.peer.wire.PeerError` (``bad-record``)."""
+    records = list(_layout([len(view)]))
+    ahead = memoryview(read_ahead)
+    for first in range(0, len(records), BATCH_RECORDS):
+        group = records[first : first + BATCH_RECORDS]
+        base = group[0][0]
+        chunk = memoryview(batch)[: _records_end(group) - base]
+        taken = min(len(ahead), len(chunk))
+        chunk[:taken] = ahead[:taken]
+        ahead = ahead[taken:]
+        receive(chunk[taken:])
+        for at, _, piece in group:
+            record = chunk[at - base :]
+            if _LENGTH.unpack_from(record)[0] != len(piece) + noise.TAGLEN:
+                raise wire.PeerError("bad-record", "a payload's records not laid out as the protocol says")
+            try:
+                cipher.decrypt_into(
+                    record[_LENGTH.size : _LENGTH.size + len(piece) + noise.TAGLEN], view[piece.start : piece.stop]
+                )
+            except noise.NoiseError as exc:
+                raise wire.PeerError("bad-record", str(exc)) from None
+
+
+def records_of(length: int) -> int:
+    """How many records a payload of ``length`` bytes takes (the nonces it uses)."""
+    return -(-length // MAX_PLAINTEXT)
 
 
 def _layout(sizes: list[int]) -> Iterator[tuple[int, int, range]]:
@@ -470,6 +596,10 @@ async def open_channel(
 
 
 __all__ = [
+    "BATCH_RECORDS",
+    "open_payload",
+    "records_of",
+    "seal_frame",
     "sealed_size",
     "GREETING",
     "HANDSHAKE_TIMEOUT",

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from spotguard.manifest import MANIFEST, PART_PREFIX, ManifestError, node_holdings
-from spotguard.peer import wire
+from spotguard.peer import wire, workers
 from spotguard.peer.channel import HANDSHAKE_TIMEOUT, IO_TIMEOUT, Channel, open_channel, sealed_size
 
 logger = logging.getLogger("spotguard.peers")
@@ -99,6 +99,16 @@ class PeerClient:
         while True:  # at least once: an empty file is sent as one empty range
             want = min(chunk, end - offset)
             header = wire.encode({"t": "data", "name": rel, "size": size, "offset": offset, "len": want})
+            worker = workers.pool().take() if want >= workers.WORKER_PAYLOAD else None
+            if worker is not None:
+                try:
+                    await self.channel.send_frame_by(worker, header, file.fileno(), offset, want)
+                except EOFError:
+                    raise OSError(f"{rel} ended before byte {offset + want} while it was sent") from None
+                offset += want
+                if offset >= end:
+                    return
+                continue
             buffer = self._frame_buffer(sealed_size(len(header), want))
             try:
                 records = await asyncio.to_thread(self.channel.seal_read, header, file.fileno(), offset, want, buffer)

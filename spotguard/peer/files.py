@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import ctypes
+import fcntl
 import os
 from pathlib import Path
 from typing import Any
@@ -72,22 +73,31 @@ def create_exclusive(step_dir: Path, rel: str, mode: int) -> None:
         os.close(fd)
 
 
-def write_range(
-    step_dir: Path, rel: str, offset: int, data: bytes | memoryview, ranges: list[tuple[int, int, int]]
-) -> None:
-    """pwrite one range (in a thread) and note its CRC32C in ``ranges`` (a list append is atomic)."""
-    fd = os.open(step_dir / rel, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+def write_at(path: Path | str, offset: int, data: bytes | memoryview) -> int:
+    """pwrite ``data`` at ``offset`` of ``path`` (created if need be, never through a link); its
+    CRC32C. Writes to one file take turns (``flock``): writers of one file contend for its inode's lock
+    in the kernel, which spins while the holder runs; measured, 8 threads writing one file spent twice
+    the CPU of the same writes taken in turns, in the same time. Other files still write in parallel."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
         os.pwrite(fd, data, offset)
     finally:
-        os.close(fd)
+        os.close(fd)  # and the lock with it
     # google-crc32c takes no bytearray nor memoryview (only buffers that need no release); a ctypes
     # array over the same memory is one, without a copy.
     if isinstance(data, memoryview):  # a receiver's reused buffer (writable)
         crc = crc32c_of_bytes((ctypes.c_char * len(data)).from_buffer(data))  # type: ignore[arg-type]
     else:
         crc = crc32c_of_bytes(data)
-    ranges.append((offset, len(data), crc32c_hex_to_int(crc)))
+    return crc32c_hex_to_int(crc)
+
+
+def write_range(
+    step_dir: Path, rel: str, offset: int, data: bytes | memoryview, ranges: list[tuple[int, int, int]]
+) -> None:
+    """:func:`write_at` one range (in a thread) and note its CRC32C in ``ranges`` (a list append is atomic)."""
+    ranges.append((offset, len(data), write_at(step_dir / rel, offset, data)))
 
 
 async def make_room(writes: set[asyncio.Future[None]]) -> None:
@@ -157,6 +167,7 @@ __all__ = [
     "data_header",
     "make_parent",
     "make_room",
+    "write_at",
     "parse_manifest",
     "write_range",
 ]

@@ -63,9 +63,10 @@ def _hkdf(chaining_key: bytes, material: bytes, outputs: int) -> list[bytes]:
 class CipherState:
     """A key and its counter: every message takes the next nonce."""
 
-    def __init__(self, key: bytes | None = None) -> None:
+    def __init__(self, key: bytes | None = None, n: int = 0) -> None:
+        self.key = key  # a connection's bulk bytes may be sealed in a worker process: it gets key and n
         self._aead = AESGCM(key) if key is not None else None
-        self.n = 0
+        self.n = n
 
     @property
     def has_key(self) -> bool:

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from spotguard.manifest import parse_step_dir
-from spotguard.peer import noise, wire
+from spotguard.peer import noise, wire, workers
 from spotguard.peer.admission import Admission, ReplicaLimits
 from spotguard.peer.channel import HANDSHAKE_TIMEOUT, IO_TIMEOUT, Channel, accept, refusal, tune_socket
 from spotguard.peer.files import Extents, check_range, data_header, make_parent, make_room, write_range
@@ -311,6 +311,10 @@ class PeerReceiver:
             # makes the commit read the file back.) Ranges of other flows that only adjoin need not wait.
             await replica.settle()
         await make_room(replica.writes)
+        worker = workers.pool().take() if length >= workers.WORKER_PAYLOAD and channel.can_hand_over() else None
+        if worker is not None:
+            await self._data_by(worker, replica, channel, (rel, offset, length))
+            return
         free = replica.buffers
         buffer = free.pop() if free else bytearray(wire.SEND_CHUNK)
         if len(buffer) < length:  # a bigger frame (at most MAX_DATA): the smaller buffer goes
@@ -325,11 +329,28 @@ class PeerReceiver:
         write.add_done_callback(lambda _: free.append(buffer))
         replica.writes.add(write)  # the set as it is now: another flow's settle may have run meanwhile
 
+    @staticmethod
+    async def _data_by(
+        worker: workers.Worker, replica: Replica, channel: Channel, header: tuple[str, int, int]
+    ) -> None:
+        """A data frame's payload received by a worker process (spotguard/peer/workers.py), then written
+        by it while the connection's next frame is read (counted among the replica's writes)."""
+        rel, offset, length = header
+        await channel.receive_payload_by(worker, length)
+        if not replica.receiving:  # committed (or dropped) while this frame came in on a joined flow
+            await worker.drop()
+            raise wire.PeerError("gone", f"{replica.id} is no longer being received")
+        write = asyncio.ensure_future(
+            worker.write(replica.step_dir / rel, offset, length, replica.ranges.setdefault(rel, []))
+        )
+        replica.writes.add(write)
+
     def status(self) -> dict[str, Any]:
         return {
             "listen": self.address,
             "replicas": [replica.to_json() for replica in self.replicas.values()],
             "refused": self.refused,
+            "workers": workers.pool().status(),
         }
 
 

@@ -137,6 +137,9 @@ class FrameStream(asyncio.streams.FlowControlMixin, asyncio.BufferedProtocol):
         self._transport: asyncio.Transport | None = None
         self._closed: asyncio.Future[None] = self._event_loop.create_future()
         self._task: asyncio.Task[None] | None = None
+        # Called when the connection is lost while another process reads or writes its socket
+        # (spotguard/peer/workers.py): it shuts the socket, so that the other's wait ends at once.
+        self.on_lost: Callable[[], None] | None = None
 
     # -- the transport's side
 
@@ -190,6 +193,8 @@ class FrameStream(asyncio.streams.FlowControlMixin, asyncio.BufferedProtocol):
         self._eof = True
         self._error = exc
         self._wake()
+        if self.on_lost is not None:
+            self.on_lost()
         if not self._closed.done():
             self._closed.set_result(None)
         super().connection_lost(exc)
@@ -238,6 +243,18 @@ class FrameStream(asyncio.streams.FlowControlMixin, asyncio.BufferedProtocol):
         out = bytearray(n)
         await self.readinto(memoryview(out))
         return bytes(out)
+
+    def hand_over(self, limit: int) -> bytes:
+        """Stop reading the socket, and give up to ``limit`` of the bytes read ahead: another process
+        goes on reading the socket (spotguard/peer/workers.py). The next :meth:`readinto` takes it back."""
+        assert self._target is None, "a read is going on"
+        if not self._reading_paused and self._transport is not None:
+            self._transport.pause_reading()
+            self._reading_paused = True  # readinto resumes it
+        take = min(limit, self._end - self._start)
+        data = bytes(self._view[self._start : self._start + take])
+        self._start += take
+        return data
 
 
 async def start_server(

@@ -1,0 +1,121 @@
+"""A connection's socket, read or written by a thread of its own while the event loop leaves it alone.
+
+One event loop carries every peer connection of a daemon; through it, a handoff's bytes all queue
+for one core (the socket copies, the per-record work), however many flows carry them. A data frame's
+payload is the bulk of a connection's bytes and needs nothing from the loop while it crosses, so
+:class:`~spotguard.peer.channel.Channel` hands it to an I/O thread: the thread receives and opens
+the payload's records (or reads, seals and sends a sender's frames) on a duplicate of the socket,
+and the loop takes the socket back afterwards. Each flow then has a core of its own: the syscalls,
+AES-GCM and the disk writes all run without the GIL.
+
+The thread owns its duplicate until it returns. :meth:`HandedSocket.shut` (the connection lost, the
+handler cancelled) shuts the socket down, which ends the thread's wait at once; every wait also has
+a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import os
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from spotguard.peer import wire
+
+T = TypeVar("T")
+
+# Threads for I/O that may wait on a peer. Apart from asyncio's default executor (sized for short
+# tasks), so that connections waiting on each other in one process (a sender and a receiver in
+# tests, a fetch and a handoff) never starve it nor each other: a receiver holds at most
+# max_connections of them, a sender one per flow.
+_IO_THREADS = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="spotguard-peer-io")
+
+
+class HandedSocket:
+    """A duplicate of a connection's socket, for one I/O thread."""
+
+    def __init__(self, fd: int) -> None:
+        self.sock = socket.socket(fileno=os.dup(fd))  # keeps the fd's O_NONBLOCK: waits go through poll()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def shut(self) -> None:
+        """End the thread's I/O now (from any thread): its wait returns, its next call fails."""
+        with self._lock, contextlib.suppress(OSError):
+            if not self._closed:
+                self.sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self.sock.close()
+
+    def recv_exactly(self, view: memoryview, timeout: float) -> None:
+        """Fill ``view`` from the socket within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while view:
+            try:
+                got = self.sock.recv_into(view)
+            except BlockingIOError:
+                self._wait(select.POLLIN, deadline, timeout)
+                continue
+            if got == 0:
+                raise wire.PeerError("closed", "the connection closed mid-record")
+            view = view[got:]
+
+    def send_all(self, view: memoryview, timeout: float) -> None:
+        """Hand all of ``view`` to the kernel within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while view:
+            try:
+                sent = self.sock.send(view)
+            except BlockingIOError:
+                self._wait(select.POLLOUT, deadline, timeout)
+                continue
+            view = view[sent:]
+
+    def _wait(self, events: int, deadline: float, timeout: float) -> None:
+        poller = select.poll()
+        poller.register(self.sock, events)
+        left = deadline - time.monotonic()
+        if left <= 0 or not poller.poll(left * 1000):
+            what = "no whole record" if events == select.POLLIN else "the peer read nothing"
+            raise TimeoutError(f"{what} for {timeout:g} s")
+
+
+async def in_io_thread(work: Callable[[], T]) -> T:
+    """``work()`` in an I/O thread (one that may wait on a peer or a worker process)."""
+    return await asyncio.get_running_loop().run_in_executor(_IO_THREADS, work)
+
+
+async def run_handed(stream: wire.FrameStream, handed: HandedSocket, work: Callable[[], T]) -> T:
+    """``work()`` in an I/O thread that uses ``handed`` (closed once it returns). If the connection is
+    lost or this task is cancelled meanwhile, the socket is shut and the thread ends at once."""
+
+    def run() -> T:
+        try:
+            return work()
+        finally:
+            handed.close()
+
+    stream.on_lost = handed.shut
+    future = asyncio.get_running_loop().run_in_executor(_IO_THREADS, run)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        handed.shut()
+        await asyncio.wait([future])  # at once: the thread's socket is shut; its buffers are ours again
+        if not future.cancelled():
+            future.exception()  # retrieved: the cancellation is what this task reports
+        raise
+    finally:
+        stream.on_lost = None
+
+
+__all__ = ["HandedSocket", "in_io_thread", "run_handed"]

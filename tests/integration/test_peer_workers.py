@@ -1,0 +1,187 @@
+"""Data frames carried by worker processes (spotguard/peer/workers.py), against a real daemon: the
+bytes arrive whole and checked, and a changed record, a silent sender or a worker killed mid-frame
+ends that connection only, keeps nothing, and leaves the daemon serving."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from spotguard.harness import Vm, wait_for
+from spotguard.peer import wire, workers
+from spotguard.peer.client import PeerClient
+from spotguard.peer.flows import send_committed
+from tests.checkpoints import write_checkpoint
+from tests.peers import TOKEN as PEER_TOKEN
+from tests.peers import address, bucket_keys, receiving_daemon, replica_area
+
+TOKEN = PEER_TOKEN.encode()
+IO_TIMEOUT = 2.0  # the receiver's deadline on a record (SPOTGUARD_PEER_IO_TIMEOUT)
+MiB = 1 << 20
+
+
+@pytest.fixture
+def receiver_vm(tmp_path: Path, url: str) -> Iterator[Vm]:
+    with receiving_daemon(tmp_path, url, {"SPOTGUARD_PEER_IO_TIMEOUT": str(IO_TIMEOUT)}) as vm:
+        yield vm
+
+
+def frames(vm: Vm) -> int:
+    return int(vm.status()["peers"]["workers"]["frames"])
+
+
+def worker_pids(vm: Vm) -> list[int]:
+    """The daemon's worker processes."""
+    assert vm.process is not None
+    found = []
+    for task in Path(f"/proc/{vm.process.pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            if b"spotguard.peer.workers" in Path(f"/proc/{child}/cmdline").read_bytes():
+                found.append(int(child))
+    return found
+
+
+def hand_over(vm: Vm, step_dir: Path, url: str, flows: int = 1) -> dict[str, object]:
+    async def go() -> dict[str, object]:
+        client = await PeerClient.connect(*address(vm), TOKEN)
+        try:
+            return await send_committed(client, step_dir, url, TOKEN, flows=flows)
+        finally:
+            await client.close()
+
+    return asyncio.run(go())
+
+
+def warm_up(vm: Vm, url: str, tmp_path: Path) -> None:
+    """Workers start on the first big frames (those go the in-process way meanwhile): hand over
+    until frames crossed in workers on both sides, each replica committed and gone from the bucket."""
+    step_dir = write_checkpoint(tmp_path / "warm", 1, {"w.bin": os.urandom(8 * MiB)})
+    deadline = time.monotonic() + 60
+    while not (frames(vm) and workers.pool().frames):
+        assert time.monotonic() < deadline, "no worker process carried a frame"
+        assert hand_over(vm, step_dir, url)["state"] == "verified"
+        wait_for(lambda: vm.status()["peers"]["replicas"] == [], 30, "the warm-up replica committed")
+    wait_for(lambda: bucket_keys(url) != [], 30, "the warm-up checkpoint in the bucket")
+
+
+def assert_nothing_kept(vm: Vm) -> None:
+    wait_for(lambda: replica_area(vm) == [] and vm.status()["peers"]["replicas"] == [], 10, "no replica left")
+
+
+def test_big_frames_cross_in_worker_processes_on_both_sides_and_arrive_whole(
+    receiver_vm: Vm, url: str, tmp_path: Path
+) -> None:
+    warm_up(receiver_vm, url, tmp_path)
+    files = {"a.bin": os.urandom(9 * MiB + 5), "b/c.bin": os.urandom(5 * MiB), "small.bin": os.urandom(1000)}
+    step_dir = write_checkpoint(tmp_path / "sender", 200, files)
+    theirs, ours = frames(receiver_vm), workers.pool().frames
+
+    # Four flows at once: every file's CRC32C is checked by the receiver before it answers verified.
+    assert hand_over(receiver_vm, step_dir, url, flows=4)["state"] == "verified"
+    big_frames = 3 + 2  # a.bin and b/c.bin in 4 MiB frames; the small file goes in-process
+    assert frames(receiver_vm) - theirs + (workers.pool().frames - ours) >= big_frames
+    assert frames(receiver_vm) > theirs and workers.pool().frames > ours
+    assert worker_pids(receiver_vm)
+    wait_for(lambda: any("step-000000200" in key for key in bucket_keys(url)), 30, "the replica committed")
+
+
+def test_a_changed_record_in_a_workers_payload_ends_the_connection_and_keeps_nothing(
+    receiver_vm: Vm, url: str, tmp_path: Path
+) -> None:
+    warm_up(receiver_vm, url, tmp_path)
+    before = bucket_keys(url)
+
+    async def go() -> wire.PeerError:
+        client = await PeerClient.connect(*address(receiver_vm), TOKEN)
+        try:
+            await client.open_replica("step-000000012", url)
+            header = {"t": "data", "name": "weights.bin", "size": MiB, "offset": 0, "len": MiB}
+            sealed = client.channel.seal(wire.encode(header), os.urandom(MiB))
+            sealed[len(sealed) // 2] ^= 0x01  # a record of the payload, changed on the path
+            client.channel.write_sealed(sealed)
+            await client.channel.drain()
+            with pytest.raises(wire.PeerError) as caught:
+                await wire.read_frame(client.channel)  # the receiver's error, sealed
+            return caught.value
+        finally:
+            await client.close()
+
+    assert asyncio.run(go()).code == "bad-record"
+    assert_nothing_kept(receiver_vm)
+    assert bucket_keys(url) == before
+    # Still serving, workers and all.
+    step_dir = write_checkpoint(tmp_path / "sender", 13, {"weights.bin": os.urandom(6 * MiB)})
+    assert hand_over(receiver_vm, step_dir, url)["state"] == "verified"
+
+
+def test_a_sender_silent_mid_payload_in_a_worker_is_dropped_within_the_deadline(
+    receiver_vm: Vm, url: str, tmp_path: Path
+) -> None:
+    warm_up(receiver_vm, url, tmp_path)
+    before = bucket_keys(url)
+
+    async def go() -> float:
+        client = await PeerClient.connect(*address(receiver_vm), TOKEN)
+        try:
+            await client.open_replica("step-000000014", url)
+            header = {"t": "data", "name": "weights.bin", "size": MiB, "offset": 0, "len": MiB}
+            sealed = client.channel.seal(wire.encode(header), os.urandom(MiB))
+            client.channel.write_sealed(sealed[: len(sealed) // 2])  # and then nothing: no more bytes, no FIN
+            await client.channel.drain()
+            started = time.monotonic()
+            async with asyncio.timeout(IO_TIMEOUT + 10):
+                with pytest.raises(wire.PeerError):
+                    await wire.read_frame(client.channel)
+            return time.monotonic() - started
+        finally:
+            await client.close()
+
+    assert asyncio.run(go()) < IO_TIMEOUT + 3
+    assert_nothing_kept(receiver_vm)
+    assert bucket_keys(url) == before
+    assert "too slow" in receiver_vm.log.read_text()
+
+
+def test_a_worker_killed_mid_frame_ends_that_connection_only_and_is_replaced(
+    receiver_vm: Vm, url: str, tmp_path: Path
+) -> None:
+    warm_up(receiver_vm, url, tmp_path)
+    before = bucket_keys(url)
+
+    async def go() -> float:
+        client = await PeerClient.connect(*address(receiver_vm), TOKEN)
+        try:
+            await client.open_replica("step-000000015", url)
+            header = {"t": "data", "name": "weights.bin", "size": MiB, "offset": 0, "len": MiB}
+            sealed = client.channel.seal(wire.encode(header), os.urandom(MiB))
+            client.channel.write_sealed(sealed[: len(sealed) // 2])  # a worker waits for the rest
+            await client.channel.drain()
+            await asyncio.sleep(0.3)  # not a synchronisation: the kill below lands mid-frame or before it
+            for pid in worker_pids(receiver_vm):
+                os.kill(pid, signal.SIGKILL)
+            killed = time.monotonic()
+            async with asyncio.timeout(IO_TIMEOUT):
+                with pytest.raises((wire.PeerError, OSError, asyncio.IncompleteReadError)):
+                    await wire.read_frame(client.channel)
+            return time.monotonic() - killed
+        finally:
+            await client.close()
+
+    assert asyncio.run(go()) < 1.0  # at once, not at the record deadline
+    assert "a peer worker process ended during a frame" in receiver_vm.log.read_text()
+    assert_nothing_kept(receiver_vm)
+    assert bucket_keys(url) == before
+    # The daemon is still serving, and its new workers carry frames again.
+    step_dir = write_checkpoint(tmp_path / "sender", 16, {"weights.bin": os.urandom(8 * MiB)})
+    carried = frames(receiver_vm)
+    deadline = time.monotonic() + 60
+    while frames(receiver_vm) == carried:
+        assert time.monotonic() < deadline, "no worker carried a frame after the kill"
+        assert hand_over(receiver_vm, step_dir, url)["state"] == "verified"
+        wait_for(lambda: receiver_vm.status()["peers"]["replicas"] == [], 30, "the replica committed")
