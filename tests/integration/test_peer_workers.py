@@ -84,8 +84,8 @@ def test_big_frames_cross_in_worker_processes_on_both_sides_and_arrive_whole(
 
     # Four flows at once: every file's CRC32C is checked by the receiver before it answers verified.
     assert hand_over(receiver_vm, step_dir, url, flows=4)["state"] == "verified"
-    big_frames = 3 + 2  # a.bin and b/c.bin in 4 MiB frames; the small file goes in-process
-    assert frames(receiver_vm) - theirs + (workers.pool().frames - ours) >= big_frames
+    # Some of the 4 MiB frames crossed in workers on each side (a frame that finds every worker busy
+    # goes in-process; the small file always does).
     assert frames(receiver_vm) > theirs and workers.pool().frames > ours
     assert worker_pids(receiver_vm)
     wait_for(lambda: any("step-000000200" in key for key in bucket_keys(url)), 30, "the replica committed")
