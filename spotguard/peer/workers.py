@@ -26,6 +26,7 @@ import errno
 import logging
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -205,17 +206,18 @@ def _spawn(owner: WorkerPool) -> Worker:
     return Worker(process, ours, owner)
 
 
-_POOL: WorkerPool | None = None
+_POOL: tuple[int, WorkerPool] | None = None  # (the process it belongs to, the pool)
 _POOL_LOCK = threading.Lock()
 
 
 def pool() -> WorkerPool:
-    """The process's pool (one per process: workers outlive event loops)."""
+    """The process's pool (one per process: workers outlive event loops; a forked child makes its
+    own, never using its parent's workers)."""
     global _POOL  # one per process, made on first use
     with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = WorkerPool(min(MAX_WORKERS, os.cpu_count() or 1))
-        return _POOL
+        if _POOL is None or _POOL[0] != os.getpid():
+            _POOL = (os.getpid(), WorkerPool(min(MAX_WORKERS, os.cpu_count() or 1)))
+        return _POOL[1]
 
 
 # --- the worker's side ------------------------------------------------------------------------
@@ -301,6 +303,10 @@ def _serve(control: socket.socket) -> None:
 
 
 if __name__ == "__main__":
+    # A notice's SIGTERM (or a terminal's SIGINT to the process group) is the daemon's to handle: its
+    # handoff still needs the workers. They end when the daemon's end of the pair closes.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _serve(socket.socket(fileno=int(sys.argv[1])))
 
 

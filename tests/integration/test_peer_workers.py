@@ -91,6 +91,32 @@ def test_big_frames_cross_in_worker_processes_on_both_sides_and_arrive_whole(
     wait_for(lambda: any("step-000000200" in key for key in bucket_keys(url)), 30, "the replica committed")
 
 
+def test_workers_outlive_the_signals_that_are_the_daemons_notices(receiver_vm: Vm, url: str, tmp_path: Path) -> None:
+    """SIGTERM (a notice) and SIGINT (a terminal's, to the process group) are the daemon's to handle:
+    its handoff still needs its workers, which end only with it."""
+    warm_up(receiver_vm, url, tmp_path)
+    pids = worker_pids(receiver_vm)
+    assert pids
+    for pid in pids:
+        os.kill(pid, signal.SIGTERM)
+        os.kill(pid, signal.SIGINT)
+    step_dir = write_checkpoint(tmp_path / "sender", 17, {"weights.bin": os.urandom(8 * MiB)})
+    carried = frames(receiver_vm)
+    assert hand_over(receiver_vm, step_dir, url)["state"] == "verified"
+    assert frames(receiver_vm) > carried  # by the same workers: none was started again
+    assert set(worker_pids(receiver_vm)) >= set(pids)
+    receiver_vm.kill_daemon()
+    for pid in pids:  # the daemon's end of each pair closed: each worker ends
+        wait_for(lambda pid=pid: not Path(f"/proc/{pid}").exists() or _state(pid) == "Z", 10, "the worker to end")
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
 def test_a_changed_record_in_a_workers_payload_ends_the_connection_and_keeps_nothing(
     receiver_vm: Vm, url: str, tmp_path: Path
 ) -> None:
