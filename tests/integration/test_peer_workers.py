@@ -5,6 +5,7 @@ ends that connection only, keeps nothing, and leaves the daemon serving."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 import time
@@ -16,6 +17,7 @@ import pytest
 from spotguard.harness import Vm, wait_for
 from spotguard.peer import wire, workers
 from spotguard.peer.client import PeerClient
+from spotguard.peer.fetch import fetch_replica, list_replicas
 from spotguard.peer.flows import send_committed
 from tests.checkpoints import write_checkpoint
 from tests.peers import TOKEN as PEER_TOKEN
@@ -89,6 +91,32 @@ def test_big_frames_cross_in_worker_processes_on_both_sides_and_arrive_whole(
     assert frames(receiver_vm) > theirs and workers.pool().frames > ours
     assert worker_pids(receiver_vm)
     wait_for(lambda: any("step-000000200" in key for key in bucket_keys(url)), 30, "the replica committed")
+
+
+def test_a_replica_fetched_back_crosses_in_workers_bit_for_bit(receiver_vm: Vm, url: str, tmp_path: Path) -> None:
+    """A fresh VM fetching a replica (two connections, each its slice) receives and writes its big
+    frames in this process's workers: the files are the sender's, byte for byte."""
+    warm_up(receiver_vm, url, tmp_path)
+    files = {"a.bin": os.urandom(10 * MiB + 3), "b.bin": os.urandom(6 * MiB)}
+    step_dir = write_checkpoint(tmp_path / "sender", 18, files)
+
+    async def hand_and_fetch() -> tuple[Path, int]:
+        client = await PeerClient.connect(*address(receiver_vm), TOKEN)
+        try:
+            assert (await send_committed(client, step_dir, url, TOKEN, flows=1))["state"] == "verified"
+            held = [item for item in await list_replicas(client) if item["name"] == step_dir.name]
+            connect = functools.partial(PeerClient.connect, *address(receiver_vm), TOKEN)
+            (tmp_path / "fresh").mkdir()
+            ours = workers.pool().frames  # from here on, this process only receives
+            fetched = await fetch_replica(client, held[0]["id"], tmp_path / "fresh", connect=connect, flows=2)
+            return fetched, workers.pool().frames - ours
+        finally:
+            await client.close()
+
+    fetched, received_in_workers = asyncio.run(hand_and_fetch())
+    assert received_in_workers > 0
+    for rel, data in files.items():
+        assert (fetched / rel).read_bytes() == data, rel
 
 
 def test_workers_outlive_the_signals_that_are_the_daemons_notices(receiver_vm: Vm, url: str, tmp_path: Path) -> None:
