@@ -1,16 +1,12 @@
-"""A connection's socket, read or written by a thread of its own while the event loop leaves it alone.
+"""A connection's socket handed to a worker process for a data frame (spotguard/peer/workers.py),
+while the event loop leaves it alone.
 
-One event loop carries every peer connection of a daemon; through it, a handoff's bytes all queue
-for one core (the socket copies, the per-record work), however many flows carry them. A data frame's
-payload is the bulk of a connection's bytes and needs nothing from the loop while it crosses, so
-:class:`~spotguard.peer.channel.Channel` hands it to an I/O thread: the thread receives and opens
-the payload's records (or reads, seals and sends a sender's frames) on a duplicate of the socket,
-and the loop takes the socket back afterwards. Each flow then has a core of its own: the syscalls,
-AES-GCM and the disk writes all run without the GIL.
-
-The thread owns its duplicate until it returns. :meth:`HandedSocket.shut` (the connection lost, the
-handler cancelled) shuts the socket down, which ends the thread's wait at once; every wait also has
-a deadline.
+:class:`HandedSocket` is a duplicate of the socket: the daemon passes it to the worker (which gets
+its own duplicate, and reads or writes it with a deadline on every wait), and keeps it to shut the
+socket down if the connection is lost or its handler cancelled meanwhile, which ends the worker's
+wait at once. :func:`run_handed` waits for the worker's answer in an I/O thread: threads apart from
+asyncio's default executor, so that frames waiting on each other in one process (a sender and a
+receiver in tests, a fetch and a handoff) never starve it nor each other.
 """
 
 from __future__ import annotations
@@ -38,7 +34,7 @@ _IO_THREADS = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_
 
 
 class HandedSocket:
-    """A duplicate of a connection's socket, for one I/O thread."""
+    """A duplicate of a connection's socket, for one worker's job."""
 
     def __init__(self, fd: int) -> None:
         self.sock = socket.socket(fileno=os.dup(fd))  # keeps the fd's O_NONBLOCK: waits go through poll()
@@ -46,7 +42,7 @@ class HandedSocket:
         self._closed = False
 
     def shut(self) -> None:
-        """End the thread's I/O now (from any thread): its wait returns, its next call fails."""
+        """End the job's I/O now (from any thread): the worker's wait returns, its next call fails."""
         with self._lock, contextlib.suppress(OSError):
             if not self._closed:
                 self.sock.shutdown(socket.SHUT_RDWR)
