@@ -130,6 +130,7 @@ class WorkerPool:
         self.size = size
         self._idle: list[Worker] = []
         self._count = 0  # started or starting
+        self._busy = 0  # taken for a job
         self._broken = False  # a worker could not start: the in-process way from then on
         self.frames = 0  # data frames the workers carried
         self._lock = threading.Lock()
@@ -141,6 +142,7 @@ class WorkerPool:
             while self._idle:
                 worker = self._idle.pop()
                 if worker.process.poll() is None:
+                    self._busy += 1
                     return worker
                 self._count -= 1  # it died idle (killed, out of memory): another takes its place
                 worker.control.close()
@@ -151,7 +153,9 @@ class WorkerPool:
         return None
 
     def give_back(self, worker: Worker) -> None:
+        """A worker taken for a job is idle again."""
         with self._lock:
+            self._busy -= 1
             self._idle.append(worker)
 
     def carried(self) -> None:
@@ -159,12 +163,16 @@ class WorkerPool:
             self.frames += 1
 
     def status(self) -> dict[str, int]:
-        """Workers running (or starting) and the data frames they carried, for the daemon's status."""
-        return {"workers": self._count, "frames": self.frames}
+        """Workers running (or starting), those busy with a frame, and the data frames they carried,
+        for the daemon's status."""
+        with self._lock:
+            return {"workers": self._count, "busy": self._busy, "frames": self.frames}
 
     def lost(self, worker: Worker) -> None:
+        """A worker taken for a job died."""
         with self._lock:
             self._count -= 1
+            self._busy -= 1
         worker.close()
 
     def close(self) -> None:
@@ -183,7 +191,8 @@ class WorkerPool:
                 self._count -= 1
                 self._broken = True
             return
-        self.give_back(worker)
+        with self._lock:
+            self._idle.append(worker)
 
 
 def _spawn(owner: WorkerPool) -> Worker:

@@ -9,7 +9,7 @@ import functools
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -70,6 +70,20 @@ def warm_up(vm: Vm, url: str, tmp_path: Path) -> None:
         assert hand_over(vm, step_dir, url)["state"] == "verified"
         wait_for(lambda: vm.status()["peers"]["replicas"] == [], 30, "the warm-up replica committed")
     wait_for(lambda: bucket_keys(url) != [], 30, "the warm-up checkpoint in the bucket")
+
+
+async def send_frame(client: PeerClient, url: str, name: str, edit: Callable[[bytearray], bytearray]) -> None:
+    """Open a replica ``name`` and send one 1 MiB data frame of it, sealed, as ``edit`` leaves it."""
+    await client.open_replica(name, url)
+    header = {"t": "data", "name": "weights.bin", "size": MiB, "offset": 0, "len": MiB}
+    sealed = client.channel.seal(wire.encode(header), os.urandom(MiB))
+    client.channel.write_sealed(edit(sealed))
+    await client.channel.drain()
+
+
+def half(sealed: bytearray) -> bytearray:
+    """The frame's first half, and then nothing: no more bytes, no FIN."""
+    return sealed[: len(sealed) // 2]
 
 
 def assert_nothing_kept(vm: Vm) -> None:
@@ -154,12 +168,12 @@ def test_a_changed_record_in_a_workers_payload_ends_the_connection_and_keeps_not
     async def go() -> wire.PeerError:
         client = await PeerClient.connect(*address(receiver_vm), TOKEN)
         try:
-            await client.open_replica("step-000000012", url)
-            header = {"t": "data", "name": "weights.bin", "size": MiB, "offset": 0, "len": MiB}
-            sealed = client.channel.seal(wire.encode(header), os.urandom(MiB))
-            sealed[len(sealed) // 2] ^= 0x01  # a record of the payload, changed on the path
-            client.channel.write_sealed(sealed)
-            await client.channel.drain()
+
+            def change(sealed: bytearray) -> bytearray:
+                sealed[len(sealed) // 2] ^= 0x01  # a record of the payload, changed on the path
+                return sealed
+
+            await send_frame(client, url, "step-000000012", change)
             with pytest.raises(wire.PeerError) as caught:
                 await wire.read_frame(client.channel)  # the receiver's error, sealed
             return caught.value
@@ -183,11 +197,7 @@ def test_a_sender_silent_mid_payload_in_a_worker_is_dropped_within_the_deadline(
     async def go() -> float:
         client = await PeerClient.connect(*address(receiver_vm), TOKEN)
         try:
-            await client.open_replica("step-000000014", url)
-            header = {"t": "data", "name": "weights.bin", "size": MiB, "offset": 0, "len": MiB}
-            sealed = client.channel.seal(wire.encode(header), os.urandom(MiB))
-            client.channel.write_sealed(sealed[: len(sealed) // 2])  # and then nothing: no more bytes, no FIN
-            await client.channel.drain()
+            await send_frame(client, url, "step-000000014", half)
             started = time.monotonic()
             async with asyncio.timeout(IO_TIMEOUT + 10):
                 with pytest.raises(wire.PeerError):
@@ -211,12 +221,9 @@ def test_a_worker_killed_mid_frame_ends_that_connection_only_and_is_replaced(
     async def go() -> float:
         client = await PeerClient.connect(*address(receiver_vm), TOKEN)
         try:
-            await client.open_replica("step-000000015", url)
-            header = {"t": "data", "name": "weights.bin", "size": MiB, "offset": 0, "len": MiB}
-            sealed = client.channel.seal(wire.encode(header), os.urandom(MiB))
-            client.channel.write_sealed(sealed[: len(sealed) // 2])  # a worker waits for the rest
-            await client.channel.drain()
-            await asyncio.sleep(0.3)  # not a synchronisation: the kill below lands mid-frame or before it
+            await send_frame(client, url, "step-000000015", half)
+            # A worker has the frame and waits for the rest of it.
+            wait_for(lambda: receiver_vm.status()["peers"]["workers"]["busy"] >= 1, 10, "a worker busy")
             for pid in worker_pids(receiver_vm):
                 os.kill(pid, signal.SIGKILL)
             killed = time.monotonic()
