@@ -199,6 +199,7 @@ def test_a_sender_silent_mid_payload_in_a_worker_is_dropped_within_the_deadline(
         try:
             await send_frame(client, url, "step-000000014", half)
             started = time.monotonic()
+            wait_for(lambda: receiver_vm.status()["peers"]["workers"]["busy"] >= 1, 1, "a worker holding the frame")
             async with asyncio.timeout(IO_TIMEOUT + 10):
                 with pytest.raises(wire.PeerError):
                     await wire.read_frame(client.channel)
