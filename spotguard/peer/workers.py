@@ -34,6 +34,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from spotguard.errors import SpotguardError
 from spotguard.peer import noise, wire
 from spotguard.peer.channel import BATCH_RECORDS, FULL_RECORD, open_payload, seal_frame, sealed_size
 from spotguard.peer.files import write_at
@@ -50,7 +51,7 @@ _START_TIMEOUT = 30.0
 _FRAME_JOBS = ("send", "receive")
 
 
-class WorkerLost(OSError):
+class WorkerLost(SpotguardError, OSError):
     """The worker process died during a job."""
 
 
