@@ -222,6 +222,7 @@ async def fetch_replica(
     try:
         if connect is not None:
             clients += [await connect() for _ in range(flows - 1)]
+        workers.pool().warm(2 * len(clients))  # a worker to receive each connection's frames, one to write
         heads = [await _ask_fetch(each, replica_id, k, len(clients)) for k, each in enumerate(clients)]
         if len({(head["name"], head["manifest"]) for head in heads}) != 1:
             raise wire.PeerError("mismatch", f"replica {replica_id}: its connections sent different manifests")

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from spotguard.manifest import load_manifest
-from spotguard.peer import wire
+from spotguard.peer import wire, workers
 from spotguard.peer.channel import IO_TIMEOUT
 from spotguard.peer.client import PeerClient
 from spotguard.safefile import open_nofollow
@@ -196,6 +196,7 @@ class Flows:
             return False
         self.opened += 1
         self._start(client)
+        workers.pool().warm(self.count)  # a worker per sending flow
         return True
 
     async def pace(self, remaining: Callable[[], int], deadline: Callable[[], float]) -> None:

@@ -32,13 +32,17 @@ from pathlib import Path
 from typing import Any
 
 from spotguard.manifest import FileEntry, ManifestError, node_holdings, parse_step_dir
-from spotguard.peer import wire
+from spotguard.peer import wire, workers
 from spotguard.peer.channel import IO_TIMEOUT
 from spotguard.peer.client import PeerClient, choose_peer
 from spotguard.peer.flows import KEEPALIVE, MAX_FLOWS, Flows, Piece, Source, open_flows
 from spotguard.safefile import is_unlinked, open_nofollow
 
 logger = logging.getLogger("spotguard.handoff")
+
+# Worker processes started at a notice whose route is a peer (spotguard/peer/workers.py): the first
+# flow's, and one for a second flow; the pool grows on from there as frames need.
+_WARM_WORKERS = 2
 
 
 class HandoffState(StrEnum):
@@ -143,6 +147,7 @@ class Handoff:
         """The route is ``peer``: start handing over (once per notice). ``expected_bytes`` (the
         plan's size) and ``deadline`` (monotonic) decide how many flows the handoff needs."""
         self._expected, self._deadline = expected_bytes, deadline
+        workers.pool().warm(_WARM_WORKERS)  # ready by the time the trainer's first bytes are
         if self._task is None:
             # A new handoff: what the status says of the last one (and the pacer's count of bytes
             # sent, which it takes from the plan's size) starts again.

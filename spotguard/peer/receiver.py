@@ -231,6 +231,8 @@ class PeerReceiver:
                 raise wire.PeerError("bad-frame", "one replica per connection")
             session.opened = kind == "replica"
             session.replica = await self._open(header, who) if session.opened else self._join(header, who)
+            # Data frames follow: a worker to receive each flow's, another to write the last one.
+            workers.pool().warm(2 * self._connections)
             channel.write(wire.encode({"t": "ok", "id": session.replica.id}))
             return
         if kind in self.handlers:  # e.g. list and fetch: spotguard/peer/fetch.py

@@ -153,6 +153,15 @@ class WorkerPool:
         self._starter.submit(self._start)
         return None
 
+    def warm(self, count: int) -> None:
+        """Have ``count`` workers (at most the pool's size) running or starting, so that the frames of a
+        handoff about to begin find them ready: a notice's first frames follow within seconds."""
+        with self._lock:
+            more = 0 if self._broken else min(count, self.size) - self._count
+            self._count += max(more, 0)
+        for _ in range(more):
+            self._starter.submit(self._start)
+
     def give_back(self, worker: Worker) -> None:
         """A worker taken for a job is idle again."""
         with self._lock:
@@ -164,10 +173,10 @@ class WorkerPool:
             self.frames += 1
 
     def status(self) -> dict[str, int]:
-        """Workers running (or starting), those busy with a frame, and the data frames they carried,
-        for the daemon's status."""
+        """Workers running (or starting), those idle and those busy with a frame, and the data frames
+        they carried, for the daemon's status."""
         with self._lock:
-            return {"workers": self._count, "busy": self._busy, "frames": self.frames}
+            return {"workers": self._count, "idle": len(self._idle), "busy": self._busy, "frames": self.frames}
 
     def lost(self, worker: Worker) -> None:
         """A worker taken for a job died."""

@@ -90,6 +90,39 @@ def assert_nothing_kept(vm: Vm) -> None:
     wait_for(lambda: replica_area(vm) == [] and vm.status()["peers"]["replicas"] == [], 10, "no replica left")
 
 
+def test_a_warmed_pool_has_its_workers_ready_before_a_frame_and_they_end_with_it() -> None:
+    pool = workers.WorkerPool(2)
+    try:
+        pool.warm(5)  # at most the pool's size
+        assert pool.status()["workers"] == 2
+        wait_for(lambda: pool.status()["idle"] == 2, 30, "two workers ready")
+        taken = [pool.take(), pool.take()]
+        assert all(worker is not None for worker in taken)
+        assert pool.take() is None and pool.status() == {"workers": 2, "idle": 0, "busy": 2, "frames": 0}
+        for worker in taken:
+            assert worker is not None
+            worker.release()
+        processes = [worker.process for worker in taken if worker is not None]
+    finally:
+        pool.close()
+    assert [process.poll() is not None for process in processes] == [True, True]
+
+
+def test_a_replica_opened_on_a_fresh_daemon_warms_its_workers_before_any_frame(receiver_vm: Vm, url: str) -> None:
+    async def go() -> None:
+        client = await PeerClient.connect(*address(receiver_vm), TOKEN)
+        try:
+            await client.open_replica("step-000000019", url)
+            ready = min(2, os.cpu_count() or 1)
+            wait_for(lambda: receiver_vm.status()["peers"]["workers"]["idle"] >= ready, 30, "workers ready")
+        finally:
+            await client.close()
+
+    assert receiver_vm.status()["peers"]["workers"]["workers"] == 0  # none before: an idle daemon keeps none
+    asyncio.run(go())
+    assert frames(receiver_vm) == 0 and len(worker_pids(receiver_vm)) >= 1
+
+
 def test_big_frames_cross_in_worker_processes_on_both_sides_and_arrive_whole(
     receiver_vm: Vm, url: str, tmp_path: Path
 ) -> None:
