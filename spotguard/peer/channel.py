@@ -331,16 +331,13 @@ class Channel:
         out = bytearray(_records_end(records))
         target = memoryview(out)
         for at, index, piece in records:
-            self._seal_record(target, at, views[index][piece.start : piece.stop])
+            _seal_record(self._send, target, at, views[index][piece.start : piece.stop])
         return out
 
     def seal_read(self, header: bytes, fd: int, offset: int, length: int, out: bytearray) -> memoryview:
         """A data frame: ``header`` and ``length`` bytes of the file ``fd`` from ``offset``, as records
         laid out in ``out`` (:func:`seal_frame`). Takes the next nonces, as :meth:`seal` does."""
         return seal_frame(self._send, header, fd, offset, length, out=out)
-
-    def _seal_record(self, out: memoryview, at: int, plaintext: memoryview) -> None:
-        _seal_record(self._send, out, at, plaintext)
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         if data:

@@ -92,33 +92,31 @@ class PeerClient:
         self, file: BinaryIO, rel: str, size: int, offset: int, length: int, *, chunk: int = wire.SEND_CHUNK
     ) -> None:
         """Bytes ``[offset, offset+length)`` of the open ``file`` (``rel``, ``size`` bytes in all) in data
-        frames of at most ``chunk`` bytes. Each frame is read and sealed in a thread, in place in one of
-        this connection's two frame buffers, while the previous one goes out; a buffer is sealed into
-        again only once the transport has handed all of it to the kernel."""
+        frames of at most ``chunk`` bytes. A big frame goes to a worker process (spotguard/peer/workers.py)
+        that reads, seals and sends it; otherwise it is read and sealed in a thread, in place in one of
+        this connection's two frame buffers, while the previous one goes out (a buffer is sealed into
+        again only once the transport has handed all of it to the kernel)."""
         end = offset + length
         while True:  # at least once: an empty file is sent as one empty range
             want = min(chunk, end - offset)
             header = wire.encode({"t": "data", "name": rel, "size": size, "offset": offset, "len": want})
             worker = workers.pool().take() if want >= workers.WORKER_PAYLOAD else None
-            if worker is not None:
-                try:
-                    await self.channel.send_frame_by(worker, header, file.fileno(), offset, want)
-                except EOFError:
-                    raise OSError(f"{rel} ended before byte {offset + want} while it was sent") from None
-                offset += want
-                if offset >= end:
-                    return
-                continue
-            buffer = self._frame_buffer(sealed_size(len(header), want))
             try:
-                records = await asyncio.to_thread(self.channel.seal_read, header, file.fileno(), offset, want, buffer)
+                if worker is not None:
+                    await self.channel.send_frame_by(worker, header, file.fileno(), offset, want)
+                else:
+                    await self._send_in_process(header, file.fileno(), offset, want)
             except EOFError:  # the frame's header promises more: the connection cannot go on
                 raise OSError(f"{rel} ended before byte {offset + want} while it was sent") from None
-            self.channel.write_sealed(records)
-            await self.channel.flush_to(len(records))  # the other buffer's frame is out: it may be reused
             offset += want
             if offset >= end:
                 return
+
+    async def _send_in_process(self, header: bytes, fd: int, offset: int, length: int) -> None:
+        buffer = self._frame_buffer(sealed_size(len(header), length))
+        records = await asyncio.to_thread(self.channel.seal_read, header, fd, offset, length, buffer)
+        self.channel.write_sealed(records)
+        await self.channel.flush_to(len(records))  # the other buffer's frame is out: it may be reused
 
     def _frame_buffer(self, need: int) -> bytearray:
         """The frame buffer not holding the frame written last (the two take turns)."""

@@ -26,10 +26,10 @@ from spotguard.peer import wire
 
 T = TypeVar("T")
 
-# Threads for I/O that may wait on a peer. Apart from asyncio's default executor (sized for short
-# tasks), so that connections waiting on each other in one process (a sender and a receiver in
-# tests, a fetch and a handoff) never starve it nor each other: a receiver holds at most
-# max_connections of them, a sender one per flow.
+# Threads that wait for a worker's answer (and so, through it, on a peer). Apart from asyncio's
+# default executor (sized for short tasks), so that connections waiting on each other in one process
+# (a sender and a receiver in tests, a fetch and a handoff) never starve it nor each other: one per
+# job, and the workers are at most MAX_WORKERS.
 _IO_THREADS = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="spotguard-peer-io")
 
 

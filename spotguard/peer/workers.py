@@ -5,18 +5,20 @@ four-flow handoff to 1.5 GB/s against 6-7 GB/s for a plain copy over four connec
 is received (or read), sealed or opened and written under one interpreter, a record at a time,
 and threads do not help (the records' Python steps serialize on the GIL). A data frame's payload
 is the bulk of a connection's bytes and needs nothing from the loop while it crosses, so it is
-handed to a worker process: the loop sends the worker the socket (``SCM_RIGHTS``), the
-direction's key and nonce counter and the frame's place in its file; the worker seals and sends
-(or receives, opens, writes and CRC32Cs) the frame and answers; the loop advances its counter by the
-records the frame took and carries on with the connection. Nothing else crosses: the worker's
-answer is a CRC32C or an error.
+handed to a worker process: the loop advances its own nonce counter past the records the frame
+takes, then sends the worker the socket (``SCM_RIGHTS``), the direction's key and the frame's first
+nonce and the frame's place in its file; the worker seals and sends (or receives and opens, then
+writes on the loop's word) the frame and answers, while the loop carries on with the connection.
+Nothing else crosses: the worker's answer is a CRC32C or an error.
 
-Workers start on the first big frame (a Python process each, ~0.1 s; that frame and the ones
-while it starts go the in-process way), up to one per core and :data:`MAX_WORKERS`, and stay for the
-life of the process; one that dies is replaced. A worker reads jobs only from its own socket pair
-with the daemon, inherits nothing else, and ends when the daemon's end closes. The socket a job
-carries is shut down by the loop if the connection is lost or its handler cancelled, which ends the
-worker's wait at once; every wait in the worker also has the connection's deadline.
+An idle daemon keeps no workers. They start (a Python process each, ~0.1 s) when they will be
+needed: at a notice routed to a peer, when a replica opens or a fetch connects, and on a big frame
+that finds none free (it goes the in-process way meanwhile); up to one per core and
+:data:`MAX_WORKERS`, kept for the life of the process; one that dies is replaced. A worker reads
+jobs only from its own socket pair with the daemon, inherits nothing else, and ends when the
+daemon's end closes. The socket a job carries is shut down by the loop if the connection is lost or
+its handler cancelled, which ends the worker's wait at once; every wait in the worker also has the
+connection's deadline.
 """
 
 from __future__ import annotations
