@@ -154,6 +154,9 @@ class PeerReceiver:
                 await self._request(header, channel, who, session)
                 await channel.drain()
         except wire.PeerError as exc:
+            # The replica goes before the answer does: a sender told "no" may open its next one at
+            # once, and must find this one's slot and bytes free again.
+            await self._drop_unfinished(session)
             self._refuse(writer, channel, who, exc)
         except TimeoutError:
             self.refused += 1
@@ -164,17 +167,22 @@ class PeerReceiver:
             if channel is not None:
                 self._connections -= 1
             self._writers.discard(writer)
-            replica = session.replica if session.opened else None
-            if replica is not None and replica.state is ReplicaState.RECEIVING:
-                # A sender that died mid-stream leaves nothing that could count as complete.
-                with contextlib.suppress(Exception):
-                    await replica.settle()  # no write may land after the removal
-                why = "the sender went away unfinished"
-                await asyncio.to_thread(self.store.move, replica, ReplicaState.DELETED, why)
+            await self._drop_unfinished(session)
             writer.close()
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(self.limits.io_timeout):
                     await writer.wait_closed()
+
+    async def _drop_unfinished(self, session: _Session) -> None:
+        """The replica this connection opened and did not finish is deleted, its slot released: a sender
+        that died or was refused mid-stream leaves nothing that could count as complete."""
+        replica = session.replica if session.opened else None
+        if replica is None or replica.state is not ReplicaState.RECEIVING:
+            return
+        session.replica = None
+        with contextlib.suppress(Exception):
+            await replica.settle()  # no write may land after the removal
+        await asyncio.to_thread(self.store.move, replica, ReplicaState.DELETED, "the sender went away unfinished")
 
     async def _handshake(self, stream: wire.FrameStream, writer: asyncio.StreamWriter, who: str) -> Channel:
         """The connection's handshake, in the bounded pool of unauthenticated connections."""
