@@ -107,18 +107,29 @@ def main() -> int:
         name: {side: median([run[side] for run in runs]) / gib for side in ("sender", "receiver")}
         for name, runs in cpu.items()
     }
+    by_workers = {
+        name: {side: median([run[side] for run in runs]) for side in ("sent_by_workers", "received_by_workers")}
+        for name, runs in cpu.items()
+        if name != "plain"
+    }
     for name, samples in times.items():
         runs = [round(s, 2) for s in samples]
         per_gib = cpu_per_gib[name]
+        shares = by_workers.get(name)
+        carried = (
+            f"  frames by workers: sent {shares['sent_by_workers']:.0%} received {shares['received_by_workers']:.0%}"
+            if shares
+            else ""
+        )
         print(
             f"{name:16s} median {median(samples):6.2f} s  {rates[name]:7.0f} MB/s  "
-            f"CPU-s/GiB sender {per_gib['sender']:.2f} receiver {per_gib['receiver']:.2f}  runs {runs}"
+            f"CPU-s/GiB sender {per_gib['sender']:.2f} receiver {per_gib['receiver']:.2f}  runs {runs}{carried}"
         )
     print(f"protected ({args.connections} flows) / plain throughput: {ratio:.2f} (target >= 0.80)")
     print(f"protected (1 flow) / plain throughput: {rates['protected-1-flow'] / rates['plain']:.2f}")
     report: dict[str, Any] = {"machine": machine(), "bytes": nbytes, "files": args.files, "seconds": times}
     report.update(connections=args.connections, rates_mb_s=rates, ratio=ratio, cipher_mb_s=ciphers)
-    report.update(cpu_s_per_gib=cpu_per_gib)
+    report.update(cpu_s_per_gib=cpu_per_gib, frames_by_workers=by_workers)
     if args.flow_cap_mb_s:
         link = args.connections * args.flow_cap_mb_s
         capped_rate = nbytes / median(capped) / 1e6

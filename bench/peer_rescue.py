@@ -47,9 +47,10 @@ from spotguard.control import request
 from spotguard.harness import Vm, wait_for
 from spotguard.localstore import CheckpointWriter
 from spotguard.manifest import load_manifest
+from spotguard.peer import workers
 from spotguard.peer.client import PeerClient
 from spotguard.peer.flows import send_committed
-from spotguard.peer.wire import parse_address
+from spotguard.peer.wire import SEND_CHUNK, parse_address
 
 MiB = 1 << 20
 TOKEN = "bench-peer-token-0123456789abcdef"
@@ -170,6 +171,17 @@ def peer_receiver(scratch: Path) -> Iterator[tuple[Vm, str]]:
         receiver.kill_daemon()
 
 
+def worker_frames(step_dir: Path) -> int:
+    """The data frames of a handoff of ``step_dir`` big enough to go to a worker process (files
+    are sent in frames of at most SEND_CHUNK bytes)."""
+    frames = 0
+    for path in step_dir.rglob("*"):
+        size = path.stat().st_size if path.is_file() else 0
+        whole, rest = divmod(size, SEND_CHUNK)
+        frames += whole + (rest >= workers.WORKER_PAYLOAD)
+    return frames
+
+
 def timed_handoff(
     step_dir: Path,
     receiver: Vm,
@@ -183,9 +195,17 @@ def timed_handoff(
     ``cpu``: the CPU seconds each side spent until the receiver's ``verified`` go there."""
     assert receiver.process is not None
     sender, receiving = process_cpu(), process_cpu(receiver.process.pid)
+    sent_by, received_by = workers.pool().frames, receiver.status()["peers"]["workers"]["frames"]
     seconds = peer_copy(step_dir, where, bucket, flows)
     if cpu is not None:
         cpu.update(sender=process_cpu() - sender, receiver=process_cpu(receiver.process.pid) - receiving)
+        # The share of the big data frames worker processes carried (the rest went the in-process
+        # way: no worker was free), on each side.
+        frames = worker_frames(step_dir)
+        cpu.update(
+            sent_by_workers=(workers.pool().frames - sent_by) / frames,
+            received_by_workers=(receiver.status()["peers"]["workers"]["frames"] - received_by) / frames,
+        )
     wait_for(lambda: receiver.status()["peers"]["replicas"] == [], 120, "the replica to be committed")
     shutil.rmtree(Path(bucket.removeprefix("file://")) / step_dir.name, ignore_errors=True)
     return seconds
