@@ -4,8 +4,9 @@ Clouds cap a single TCP flow far below the NIC (AWS: 5 Gbit/s between VMs outsid
 placement group), so a large share cannot cross in a 30 s notice on one connection however fast
 the link is. :class:`Flows` sends a replica's pieces over the connection that opened it and over
 connections joined to it (``{"t":"join","id":...}``, each with a handshake of its own: the receiver
-authenticates every connection and checks every range as on the first). Pieces are dealt to
-whichever flow is free; a joined flow that fails hands its piece back to the others, while the
+authenticates every connection and checks every range as on the first). A free flow takes the
+next piece of a file no other flow is sending (:class:`PieceQueue`), so that the receiver writes
+several files at once; a joined flow that fails hands its piece back to the others, while the
 opener's failure ends the handoff (the receiver drops a replica whose opener goes away).
 
 How many flows: one to begin with. :meth:`Flows.pace` measures what each flow carries and adds one
@@ -20,7 +21,7 @@ import logging
 import math
 import os
 import time
-from collections import deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,6 +94,59 @@ class Piece:
     sent: Callable[[Piece], None] | None = None  # called once it went out
 
 
+class PieceQueue:
+    """Pieces waiting for a flow: a file's in the order they came, files in the order their first
+    waiting piece came. A flow takes the next piece of the first file no other flow is sending,
+    where there is one (else of the first file): the receiver's writes to one file
+    take turns (the kernel's lock on the file), so flows on different files write in parallel there,
+    as a plain copy dealing whole files to its connections does."""
+
+    def __init__(self) -> None:
+        self._files: OrderedDict[int, deque[Piece]] = OrderedDict()  # by id() of the piece's Source
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def push(self, piece: Piece) -> None:
+        self._files.setdefault(id(piece.source), deque()).append(piece)
+        self._count += 1
+
+    def push_front(self, piece: Piece) -> None:
+        """A piece a failed flow gave back: the next to go."""
+        key = id(piece.source)
+        self._files.setdefault(key, deque()).appendleft(piece)
+        self._files.move_to_end(key, last=False)
+        self._count += 1
+
+    def take(self, sending: Counter[int]) -> Piece:
+        """The oldest piece of the first file not in ``sending`` (ids of the files flows are sending
+        now), else the oldest piece. Looks at no more than ``len(sending) + 1`` files: one of those
+        is free when flows send that many. Raises :class:`IndexError` when empty."""
+        if not self._count:
+            raise IndexError("no piece queued")
+        chosen = next(iter(self._files))
+        for seen, key in enumerate(self._files):
+            if key not in sending:
+                chosen = key
+                break
+            if seen >= len(sending):
+                break
+        pieces = self._files[chosen]
+        piece = pieces.popleft()
+        if not pieces:
+            del self._files[chosen]
+        self._count -= 1
+        return piece
+
+    def drain(self) -> Iterator[Piece]:
+        """Every piece left, taken out."""
+        while self._files:
+            _, pieces = self._files.popitem(last=False)
+            self._count -= len(pieces)
+            yield from pieces
+
+
 class Flows:
     """The flows of one replica: ``opener`` carries the replica; ``connect`` opens another
     authenticated connection to the same peer, which joins ``replica_id``.
@@ -120,7 +174,8 @@ class Flows:
         self.bytes_sent = 0
         self.opened = 1  # flows opened in all (the opener included), for status and tests
         self._connect = connect
-        self._queue: deque[Piece] = deque()
+        self._queue = PieceQueue()
+        self._sending: Counter[int] = Counter()  # id() of each Source flows are sending now: how many
         self._queued_bytes = 0
         self._in_flight = 0
         self._more = asyncio.Event()  # a piece was queued
@@ -148,7 +203,7 @@ class Flows:
         """Queue ``[offset, offset + length)`` of ``source`` in pieces (:func:`cut`)."""
         for start, take in cut(offset, length):
             source.hold()
-            self._queue.append(Piece(source, start, take, sent))
+            self._queue.push(Piece(source, start, take, sent))
             self._queued_bytes += take
         self._more.set()
 
@@ -243,9 +298,9 @@ class Flows:
         for client in workers.values():
             if client is not self.opener:
                 await client.close()
-        while self._queue:
-            self._queued_bytes -= self._queue[0].length
-            self._queue.popleft().source.release()
+        for piece in self._queue.drain():
+            self._queued_bytes -= piece.length
+            piece.source.release()
 
     # --- one flow ------------------------------------------------------------------------
 
@@ -263,17 +318,21 @@ class Flows:
                 except TimeoutError:
                     await client.ping()  # the trainer is slow to write: the peer drops idle connections
                 continue
-            piece = self._queue.popleft()
+            piece = self._queue.take(self._sending)
             source = piece.source
             if not source.stale:
                 self._in_flight += 1
+                self._sending[id(source)] += 1
                 try:
                     await client.send_part(source.file, source.rel, source.size, piece.offset, piece.length)
                 except BaseException:
-                    self._queue.appendleft(piece)  # another flow sends it (or close() releases it)
+                    self._queue.push_front(piece)  # another flow sends it (or close() releases it)
                     raise
                 finally:
                     self._in_flight -= 1
+                    self._sending[id(source)] -= 1
+                    if not self._sending[id(source)]:
+                        del self._sending[id(source)]
                 self.bytes_sent += piece.length
                 if piece.sent is not None:
                     piece.sent(piece)
@@ -341,6 +400,7 @@ __all__ = [
     "Flows",
     "FlowsFailed",
     "Piece",
+    "PieceQueue",
     "Source",
     "cut",
     "open_flows",

@@ -1,6 +1,10 @@
-"""Properties of what several flows rely on: the receiver's overlap test, and the fetch's slices."""
+"""Properties of what several flows rely on: the receiver's overlap test, the fetch's slices, and the
+sender's queue of pieces."""
 
 from __future__ import annotations
+
+import io
+from collections import Counter
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -8,7 +12,7 @@ from hypothesis import strategies as st
 from spotguard.manifest import FileEntry, Manifest
 from spotguard.peer.fetch import slice_pieces
 from spotguard.peer.files import Extents
-from spotguard.peer.flows import PIECE
+from spotguard.peer.flows import PIECE, Piece, PieceQueue, Source
 
 ranges = st.lists(st.tuples(st.integers(0, 200), st.integers(1, 50)), max_size=30)
 
@@ -42,3 +46,43 @@ def test_the_slices_of_a_fetch_cover_every_byte_once(sizes: list[int], parts: in
             assert offset == end
             end += length
         assert end == entry.size
+
+
+@given(
+    st.lists(st.integers(0, 4), min_size=1, max_size=40),  # the file of each piece queued, in order
+    st.lists(st.sets(st.integers(0, 4), max_size=4), max_size=40),  # files being sent at each take
+)
+def test_a_flow_takes_the_next_piece_of_a_file_no_other_flow_is_sending(
+    files_of_pieces: list[int], sending_at: list[set[int]]
+) -> None:
+    sources = [Source(io.BytesIO(), f"f{i}.bin", 0) for i in range(5)]
+    queue = PieceQueue()
+    waiting: dict[int, list[Piece]] = {}  # file -> its pieces left, files in the order they came
+    for offset, index in enumerate(files_of_pieces):
+        piece = Piece(sources[index], offset, 1)
+        queue.push(piece)
+        waiting.setdefault(index, []).append(piece)
+    for busy in sending_at[: len(files_of_pieces)]:
+        piece = queue.take(Counter(id(sources[index]) for index in busy))
+        free = [index for index in waiting if index not in busy]
+        index = free[0] if free else next(iter(waiting))  # the first free file, else the first file
+        assert piece is waiting[index].pop(0)  # and its oldest piece
+        if not waiting[index]:
+            del waiting[index]
+    assert len(queue) == sum(map(len, waiting.values()))
+    assert list(queue.drain()) == [piece for pieces in waiting.values() for piece in pieces]
+    assert len(queue) == 0
+
+
+def test_a_piece_given_back_goes_first() -> None:
+    one, two = Source(io.BytesIO(), "a.bin", 0), Source(io.BytesIO(), "b.bin", 0)
+    queue = PieceQueue()
+    for offset in range(3):
+        queue.push(Piece(one, offset, 1))
+    queue.push(Piece(two, 0, 1))
+    first = queue.take(Counter())
+    queue.push_front(Piece(two, 9, 1))  # a failed flow's piece
+    assert (first.source, first.offset) == (one, 0)
+    again = queue.take(Counter())
+    assert (again.source, again.offset) == (two, 9)
+    assert [(p.source.rel, p.offset) for p in queue.drain()] == [("b.bin", 0), ("a.bin", 1), ("a.bin", 2)]
