@@ -80,6 +80,9 @@ class Worker:
             self._owner.lost(self)
             if isinstance(exc, WorkerLost):
                 raise
+            if exc.errno in (errno.ECONNRESET, errno.EPIPE):
+                # Its end closed with our job unread (ECONNRESET) or before we sent it (EPIPE): it died.
+                raise WorkerLost("a peer worker process ended during a frame") from exc
             raise WorkerLost(f"a peer worker process failed: {exc}") from exc
         result = pickle.loads(answer)  # our own worker, over a socket pair only we hold
         if "error" not in result and job["t"] in _FRAME_JOBS:

@@ -5,9 +5,14 @@ ends that connection only, keeps nothing, and leaves the daemon serving."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import fcntl
 import functools
 import os
 import signal
+import socket
+import struct
+import termios
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -106,6 +111,35 @@ def test_a_warmed_pool_has_its_workers_ready_before_a_frame_and_they_end_with_it
     finally:
         pool.close()
     assert [process.poll() is not None for process in processes] == [True, True]
+
+
+def queued_unread(control: socket.socket) -> int:
+    """Bytes sent on ``control`` that its other end has not read yet (``SIOCOUTQ``)."""
+    return struct.unpack("i", fcntl.ioctl(control, termios.TIOCOUTQ, b"\0" * 4))[0]
+
+
+def test_a_worker_that_died_before_or_while_it_had_a_job_is_reported_as_ended() -> None:
+    pool = workers.WorkerPool(2)
+    try:
+        pool.warm(2)
+        wait_for(lambda: pool.status()["idle"] == 2, 30, "two workers ready")
+        dead, stopped = pool.take(), pool.take()
+        assert dead is not None and stopped is not None
+        dead.process.kill()  # before its job is sent
+        dead.process.wait()
+        with pytest.raises(workers.WorkerLost, match="ended during a frame"):
+            dead.call({"t": "drop"}, [])
+        stopped.process.send_signal(signal.SIGSTOP)  # its job waits unread, then it dies
+        with concurrent.futures.ThreadPoolExecutor(1) as executor:
+            call = executor.submit(stopped.call, {"t": "drop"}, [])
+            wait_for(lambda: queued_unread(stopped.control) > 0, 10, "the job queued to the stopped worker")
+            stopped.process.kill()
+            with pytest.raises(workers.WorkerLost, match="ended during a frame"):
+                call.result(timeout=10)
+        stopped.process.wait()
+        assert pool.status() == {"workers": 0, "idle": 0, "busy": 0, "frames": 0}  # both counted as lost
+    finally:
+        pool.close()
 
 
 def test_a_replica_opened_on_a_fresh_daemon_warms_its_workers_before_any_frame(receiver_vm: Vm, url: str) -> None:
