@@ -113,6 +113,11 @@ def test_a_warmed_pool_has_its_workers_ready_before_a_frame_and_they_end_with_it
     assert [process.poll() is not None for process in processes] == [True, True]
 
 
+def process_state(pid: int) -> str:
+    """The state letter of ``/proc/PID/stat`` (``T``: stopped)."""
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+
+
 def queued_unread(control: socket.socket) -> int:
     """Bytes sent on ``control`` that its other end has not read yet (``SIOCOUTQ``)."""
     return struct.unpack("i", fcntl.ioctl(control, termios.TIOCOUTQ, b"\0" * 4))[0]
@@ -130,10 +135,13 @@ def test_a_worker_that_died_before_or_while_it_had_a_job_is_reported_as_ended() 
         with pytest.raises(workers.WorkerLost, match="ended during a frame"):
             dead.call({"t": "drop"}, [])
         stopped.process.send_signal(signal.SIGSTOP)  # its job waits unread, then it dies
+        wait_for(lambda: process_state(stopped.process.pid) == "T", 10, "the worker stopped")
         with concurrent.futures.ThreadPoolExecutor(1) as executor:
-            call = executor.submit(stopped.call, {"t": "drop"}, [])
-            wait_for(lambda: queued_unread(stopped.control) > 0, 10, "the job queued to the stopped worker")
-            stopped.process.kill()
+            try:
+                call = executor.submit(stopped.call, {"t": "drop"}, [])
+                wait_for(lambda: queued_unread(stopped.control) > 0, 10, "the job queued to the stopped worker")
+            finally:
+                stopped.process.kill()  # the call's wait ends with it, whatever happened above
             with pytest.raises(workers.WorkerLost, match="ended during a frame"):
                 call.result(timeout=10)
         stopped.process.wait()
