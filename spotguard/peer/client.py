@@ -100,7 +100,7 @@ class PeerClient:
         while True:  # at least once: an empty file is sent as one empty range
             want = min(chunk, end - offset)
             header = wire.encode({"t": "data", "name": rel, "size": size, "offset": offset, "len": want})
-            worker = workers.pool().take() if want >= workers.WORKER_PAYLOAD else None
+            worker = workers.take_for(want)
             try:
                 if worker is not None:
                     await self.channel.send_frame_by(worker, header, file.fileno(), offset, want)

@@ -300,29 +300,22 @@ class _Staged:
         if entry is None or size != entry.size:
             raise wire.PeerError("bad-field", f"{rel}: {size} bytes, not a file of the manifest")
         check_range(rel, size, offset, length)
-        if length >= workers.WORKER_PAYLOAD and client.channel.can_hand_over():
-            await self._create_once(rel)  # the worker writes into it
-            await make_room(self.writes)
-            worker = workers.pool().take()
-            if worker is not None:
-                await client.channel.receive_payload_by(worker, length)
-                self.sizes[rel] = size
-                write = worker.write(self.step_dir / rel, offset, length, self.ranges.setdefault(rel, []))
-                self.writes.add(asyncio.ensure_future(write))
-                return True
-        data = memoryview(bytearray(length))
-        await client.channel.readinto(data)  # decrypted straight into it, each record in time
-        await self._create_once(rel)
-        self.sizes[rel] = size
-        await make_room(self.writes)
-        write = asyncio.to_thread(write_range, self.step_dir, rel, offset, data, self.ranges.setdefault(rel, []))
-        self.writes.add(asyncio.ensure_future(write))
-        return True
-
-    async def _create_once(self, rel: str) -> None:
         if rel not in self.created:  # the first range of it on any connection makes it
             self.created[rel] = asyncio.ensure_future(asyncio.to_thread(self._create, rel))
         await self.created[rel]
+        await make_room(self.writes)
+        ranges = self.ranges.setdefault(rel, [])
+        worker = workers.take_for(length) if client.channel.can_hand_over() else None
+        if worker is not None:  # it receives the payload, then writes it while the next frame is read
+            await client.channel.receive_payload_by(worker, length)
+            write = worker.write(self.step_dir / rel, offset, length, ranges)
+        else:
+            data = memoryview(bytearray(length))
+            await client.channel.readinto(data)  # decrypted straight into it, each record in time
+            write = asyncio.to_thread(write_range, self.step_dir, rel, offset, data, ranges)
+        self.sizes[rel] = size
+        self.writes.add(asyncio.ensure_future(write))
+        return True
 
     def _create(self, rel: str) -> None:
         make_parent(self.step_dir, rel)

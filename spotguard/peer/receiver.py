@@ -321,7 +321,7 @@ class PeerReceiver:
             # makes the commit read the file back.) Ranges of other flows that only adjoin need not wait.
             await replica.settle()
         await make_room(replica.writes)
-        worker = workers.pool().take() if length >= workers.WORKER_PAYLOAD and channel.can_hand_over() else None
+        worker = workers.take_for(length) if channel.can_hand_over() else None
         if worker is not None:
             await self._data_by(worker, replica, channel, (rel, offset, length))
             return

@@ -244,6 +244,12 @@ def pool() -> WorkerPool:
         return _POOL[1]
 
 
+def take_for(length: int) -> Worker | None:
+    """An idle worker of the process's pool for a data frame's payload of ``length`` bytes; None for a
+    small payload (not worth the round trip) or when none is free: the frame goes the in-process way."""
+    return pool().take() if length >= WORKER_PAYLOAD else None
+
+
 # --- the worker's side ------------------------------------------------------------------------
 
 
@@ -334,4 +340,4 @@ if __name__ == "__main__":
     _serve(socket.socket(fileno=int(sys.argv[1])))
 
 
-__all__ = ["MAX_WORKERS", "WORKER_PAYLOAD", "Worker", "WorkerLost", "WorkerPool", "pool"]
+__all__ = ["MAX_WORKERS", "WORKER_PAYLOAD", "Worker", "WorkerLost", "WorkerPool", "pool", "take_for"]
