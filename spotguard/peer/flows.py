@@ -102,28 +102,28 @@ class PieceQueue:
     as a plain copy dealing whole files to its connections does."""
 
     def __init__(self) -> None:
-        self._files: OrderedDict[int, deque[Piece]] = OrderedDict()  # by id() of the piece's Source
-        self._count = 0
+        self._files: OrderedDict[int, deque[Piece]] = OrderedDict()  # by id() of the piece's Source; none empty
+
+    def __bool__(self) -> bool:
+        return bool(self._files)
 
     def __len__(self) -> int:
-        return self._count
+        return sum(map(len, self._files.values()))
 
     def push(self, piece: Piece) -> None:
         self._files.setdefault(id(piece.source), deque()).append(piece)
-        self._count += 1
 
     def push_front(self, piece: Piece) -> None:
         """A piece a failed flow gave back: the next to go."""
         key = id(piece.source)
         self._files.setdefault(key, deque()).appendleft(piece)
         self._files.move_to_end(key, last=False)
-        self._count += 1
 
     def take(self, sending: Counter[int]) -> Piece:
         """The oldest piece of the first file not in ``sending`` (ids of the files flows are sending
         now), else the oldest piece. Looks at no more than ``len(sending) + 1`` files: one of those
         is free when flows send that many. Raises :class:`IndexError` when empty."""
-        if not self._count:
+        if not self._files:
             raise IndexError("no piece queued")
         chosen = next(iter(self._files))
         for seen, key in enumerate(self._files):
@@ -136,14 +136,12 @@ class PieceQueue:
         piece = pieces.popleft()
         if not pieces:
             del self._files[chosen]
-        self._count -= 1
         return piece
 
     def drain(self) -> Iterator[Piece]:
         """Every piece left, taken out."""
         while self._files:
             _, pieces = self._files.popitem(last=False)
-            self._count -= len(pieces)
             yield from pieces
 
 
@@ -177,7 +175,6 @@ class Flows:
         self._queue = PieceQueue()
         self._sending: Counter[int] = Counter()  # id() of each Source flows are sending now: how many
         self._queued_bytes = 0
-        self._in_flight = 0
         self._more = asyncio.Event()  # a piece was queued
         self._progress = asyncio.Event()  # a piece went out, or a flow failed
         self._error: BaseException | None = None
@@ -220,7 +217,7 @@ class Flows:
         and wait until the peer has read each joined flow's frames (it answers a ``done`` once the
         frames before it are in). Raises :class:`FlowsFailed` (or the error that ended the opener)
         if the flows could not carry them."""
-        while self._queue or self._in_flight:
+        while self._queue or self._sending:
             self._raise_if_failed()
             self._progress.clear()
             await self._progress.wait()
@@ -267,7 +264,7 @@ class Flows:
             flows = self.count if self in delivered else len(measured)
             elapsed, last, last_time = now - last_time, delivered, now
             buffered = self.buffered
-            if not (self._queue or self._in_flight or buffered) or carried <= 0 or not flows:
+            if not (self._queue or self._sending or buffered) or carried <= 0 or not flows:
                 continue  # nothing waiting to go (the trainer is the limit), or nothing measured yet
             if self.count >= self.max_flows:
                 continue
@@ -321,7 +318,6 @@ class Flows:
             piece = self._queue.take(self._sending)
             source = piece.source
             if not source.stale:
-                self._in_flight += 1
                 self._sending[id(source)] += 1
                 try:
                     await client.send_part(source.file, source.rel, source.size, piece.offset, piece.length)
@@ -329,7 +325,6 @@ class Flows:
                     self._queue.push_front(piece)  # another flow sends it (or close() releases it)
                     raise
                 finally:
-                    self._in_flight -= 1
                     self._sending[id(source)] -= 1
                     if not self._sending[id(source)]:
                         del self._sending[id(source)]
