@@ -28,6 +28,8 @@ import boto3
 import torch
 from botocore.config import Config
 
+from spotguard.harness import worker_pids
+
 RESULTS = Path(__file__).parent / "results"
 MiB = 1 << 20
 FAKE_AWS_ENV = {
@@ -137,21 +139,10 @@ def process_cpu(pid: int | None = None) -> float:
     pid = pid or os.getpid()
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     seconds = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    for child in _children(pid):
+    for child in worker_pids(pid):
         with contextlib.suppress(OSError):
             seconds += process_cpu(child)
     return seconds
-
-
-def _children(pid: int) -> list[int]:
-    """The peer worker processes among ``pid``'s children (not a daemon or a sink it started)."""
-    children: list[int] = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(OSError):
-            for child in (task / "children").read_text().split():
-                if b"spotguard.peer.workers" in Path(f"/proc/{child}/cmdline").read_bytes():
-                    children.append(int(child))
-    return children
 
 
 def median(samples: list[float]) -> float:

@@ -6,6 +6,7 @@ example trainer as a subprocess, waiting on conditions, comparing final states.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -76,6 +77,18 @@ class Vm:
         code = self.process.wait(timeout=60)
         self.process = None
         return code
+
+
+def worker_pids(pid: int) -> list[int]:
+    """The peer tier's worker processes (spotguard/peer/workers.py) among the children of ``pid``; one
+    that ends while it is looked at is left out."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            for child in (task / "children").read_text().split():
+                if b"spotguard.peer.workers" in Path(f"/proc/{child}/cmdline").read_bytes():
+                    found.append(int(child))
+    return found
 
 
 def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from spotguard.harness import Vm, wait_for
+from spotguard.harness import Vm, wait_for, worker_pids
 from spotguard.peer import wire, workers
 from spotguard.peer.client import PeerClient
 from spotguard.peer.fetch import fetch_replica, list_replicas
@@ -39,19 +39,13 @@ def receiver_vm(tmp_path: Path, url: str) -> Iterator[Vm]:
         yield vm
 
 
+def vm_pid(vm: Vm) -> int:
+    assert vm.process is not None
+    return vm.process.pid
+
+
 def frames(vm: Vm) -> int:
     return int(vm.status()["peers"]["workers"]["frames"])
-
-
-def worker_pids(vm: Vm) -> list[int]:
-    """The daemon's worker processes."""
-    assert vm.process is not None
-    found = []
-    for task in Path(f"/proc/{vm.process.pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            if b"spotguard.peer.workers" in Path(f"/proc/{child}/cmdline").read_bytes():
-                found.append(int(child))
-    return found
 
 
 def hand_over(vm: Vm, step_dir: Path, url: str, flows: int = 1) -> dict[str, object]:
@@ -162,7 +156,7 @@ def test_a_replica_opened_on_a_fresh_daemon_warms_its_workers_before_any_frame(r
 
     assert receiver_vm.status()["peers"]["workers"]["workers"] == 0  # none before: an idle daemon keeps none
     asyncio.run(go())
-    assert frames(receiver_vm) == 0 and len(worker_pids(receiver_vm)) >= 1
+    assert frames(receiver_vm) == 0 and len(worker_pids(vm_pid(receiver_vm))) >= 1
 
 
 def test_big_frames_cross_in_worker_processes_on_both_sides_and_arrive_whole(
@@ -178,7 +172,7 @@ def test_big_frames_cross_in_worker_processes_on_both_sides_and_arrive_whole(
     # Some of the 4 MiB frames crossed in workers on each side (a frame that finds every worker busy
     # goes in-process; the small file always does).
     assert frames(receiver_vm) > theirs and workers.pool().frames > ours
-    assert worker_pids(receiver_vm)
+    assert worker_pids(vm_pid(receiver_vm))
     wait_for(lambda: any("step-000000200" in key for key in bucket_keys(url)), 30, "the replica committed")
 
 
@@ -212,7 +206,7 @@ def test_workers_outlive_the_signals_that_are_the_daemons_notices(receiver_vm: V
     """SIGTERM (a notice) and SIGINT (a terminal's, to the process group) are the daemon's to handle:
     its handoff still needs its workers, which end only with it."""
     warm_up(receiver_vm, url, tmp_path)
-    pids = worker_pids(receiver_vm)
+    pids = worker_pids(vm_pid(receiver_vm))
     assert pids
     for pid in pids:
         os.kill(pid, signal.SIGTERM)
@@ -221,7 +215,7 @@ def test_workers_outlive_the_signals_that_are_the_daemons_notices(receiver_vm: V
     carried = frames(receiver_vm)
     assert hand_over(receiver_vm, step_dir, url)["state"] == "verified"
     assert frames(receiver_vm) > carried  # by the same workers: none was started again
-    assert set(worker_pids(receiver_vm)) >= set(pids)
+    assert set(worker_pids(vm_pid(receiver_vm))) >= set(pids)
     receiver_vm.kill_daemon()
     for pid in pids:  # the daemon's end of each pair closed: each worker ends
         wait_for(lambda pid=pid: not Path(f"/proc/{pid}").exists() or _state(pid) == "Z", 10, "the worker to end")
@@ -300,7 +294,7 @@ def test_a_worker_killed_mid_frame_ends_that_connection_only_and_is_replaced(
             await send_frame(client, url, "step-000000015", half)
             # A worker has the frame and waits for the rest of it.
             wait_for(lambda: receiver_vm.status()["peers"]["workers"]["busy"] >= 1, 10, "a worker busy")
-            for pid in worker_pids(receiver_vm):
+            for pid in worker_pids(vm_pid(receiver_vm)):
                 os.kill(pid, signal.SIGKILL)
             killed = time.monotonic()
             async with asyncio.timeout(IO_TIMEOUT):
