@@ -51,6 +51,9 @@ _READY = b"ready"
 _MAX_MESSAGE = 64 * 1024  # a job (a frame's header, up to 4 KiB read ahead) or an answer
 _START_TIMEOUT = 30.0
 _FRAME_JOBS = ("send", "receive")
+# A notice's signal is the daemon's to handle, and its handoff still needs the workers: they ignore
+# these from their first instruction on, and end when the daemon's end of their socket pair closes.
+_NOTICE_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
 
 class WorkerLost(SpotguardError, OSError):
@@ -214,7 +217,14 @@ def _spawn(owner: WorkerPool) -> Worker:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         command = [sys.executable, "-m", "spotguard.peer.workers", str(theirs.fileno())]
-        process = subprocess.Popen(command, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+        # The worker starts with the notices' signals blocked (a thread's mask is inherited through
+        # fork and exec), so that one sent to it while the interpreter starts (a notice's SIGTERM to
+        # the whole unit, a terminal's SIGINT to the group) waits until it ignores them, and is lost.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, _NOTICE_SIGNALS)
+        try:
+            process = subprocess.Popen(command, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     finally:
         theirs.close()
     ours.settimeout(_START_TIMEOUT)
@@ -333,10 +343,9 @@ def _serve(control: socket.socket) -> None:
 
 
 if __name__ == "__main__":
-    # A notice's SIGTERM (or a terminal's SIGINT to the process group) is the daemon's to handle: its
-    # handoff still needs the workers. They end when the daemon's end of the pair closes.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for number in _NOTICE_SIGNALS:
+        signal.signal(number, signal.SIG_IGN)  # one pending since the start (blocked) is dropped here
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _NOTICE_SIGNALS)
     _serve(socket.socket(fileno=int(sys.argv[1])))
 
 

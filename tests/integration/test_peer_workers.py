@@ -221,6 +221,26 @@ def test_workers_outlive_the_signals_that_are_the_daemons_notices(receiver_vm: V
         wait_for(lambda pid=pid: not Path(f"/proc/{pid}").exists() or _state(pid) == "Z", 10, "the worker to end")
 
 
+def test_a_worker_signalled_while_it_starts_still_starts_and_serves() -> None:
+    """A notice's SIGTERM and a terminal's SIGINT may come while a worker's interpreter starts (workers
+    start at a notice): it must not die of them, nor leave the pool without workers."""
+    before = set(worker_pids(os.getpid()))
+    pool = workers.WorkerPool(1)
+    try:
+        pool.warm(1)
+        (pid,) = wait_for(lambda: set(worker_pids(os.getpid())) - before, 10, "the worker process")
+        os.kill(pid, signal.SIGTERM)
+        os.kill(pid, signal.SIGINT)
+        signalled_while_starting = pool.status()["idle"] == 0
+        wait_for(lambda: pool.status()["idle"] == 1, 30, "the worker ready")
+        worker = pool.take()
+        assert worker is not None and worker.process.pid == pid and worker.process.poll() is None
+        assert worker.call({"t": "drop"}, []) is None  # it serves jobs
+        assert signalled_while_starting  # the signals did come before it was ready
+    finally:
+        pool.close()
+
+
 def _state(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
