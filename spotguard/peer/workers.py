@@ -14,7 +14,10 @@ Nothing else crosses: the worker's answer is a CRC32C or an error.
 An idle daemon keeps no workers. They start (a Python process each, ~0.1 s) when they will be
 needed: at a notice routed to a peer, when a replica opens or a fetch connects, and on a big frame
 that finds none free (it goes the in-process way meanwhile); up to one per core and
-:data:`MAX_WORKERS`, kept for the life of the process; one that dies is replaced. A worker reads
+:data:`MAX_WORKERS`, kept for the life of the process; one that dies is replaced. One that cannot
+start (a fork refused under memory pressure, a full process table) sends frames the in-process way
+for :data:`RETRY_START_AFTER` seconds, then the pool tries again: a daemon runs for months, and a
+failure at one notice must not cost every later handoff its workers. A worker reads
 jobs only from its own socket pair with the daemon, inherits nothing else, and ends when the
 daemon's end closes. The socket a job carries is shut down by the loop if the connection is lost or
 its handler cancelled, which ends the worker's wait at once; every wait in the worker also has the
@@ -33,6 +36,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +54,9 @@ WORKER_PAYLOAD = 256 * 1024
 _READY = b"ready"
 _MAX_MESSAGE = 64 * 1024  # a job (a frame's header, up to 4 KiB read ahead) or an answer
 _START_TIMEOUT = 30.0
+# After a worker could not start, the in-process way for this long before the pool tries again: a
+# few tries within an AWS notice's two minutes, and no retry storm while the node is out of memory.
+RETRY_START_AFTER = 30.0
 _FRAME_JOBS = ("send", "receive")
 # A notice's signal is the daemon's to handle, and its handoff still needs the workers: they ignore
 # these from their first instruction on, and end when the daemon's end of their socket pair closes.
@@ -140,7 +147,8 @@ class WorkerPool:
         self._idle: list[Worker] = []
         self._count = 0  # started or starting
         self._busy = 0  # taken for a job
-        self._broken = False  # a worker could not start: the in-process way from then on
+        self._no_start_until = 0.0  # monotonic: a worker could not start, none is tried before then
+        self._failing = False  # the last start failed (its warning logged once, until one starts again)
         self.frames = 0  # data frames the workers carried
         self._lock = threading.Lock()
         self._starter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="spotguard-peer-workers")
@@ -155,17 +163,20 @@ class WorkerPool:
                     return worker
                 self._count -= 1  # it died idle (killed, out of memory): another takes its place
                 worker.control.close()
-            if self._broken or self._count >= self.size:
+            if self._count >= self.size or not self._may_start():
                 return None
             self._count += 1
         self._starter.submit(self._start)
         return None
 
+    def _may_start(self) -> bool:
+        return time.monotonic() >= self._no_start_until
+
     def warm(self, count: int) -> None:
         """Have ``count`` workers (at most the pool's size) running or starting, so that the frames of a
         handoff about to begin find them ready: a notice's first frames follow within seconds."""
         with self._lock:
-            more = 0 if self._broken else min(count, self.size) - self._count
+            more = min(count, self.size) - self._count if self._may_start() else 0
             self._count += max(more, 0)
         for _ in range(more):
             self._starter.submit(self._start)
@@ -204,13 +215,23 @@ class WorkerPool:
         try:
             worker = _spawn(self)
         except (OSError, ValueError) as exc:
-            logger.warning("peer worker processes unavailable (%s): frames are carried in-process", exc)
             with self._lock:
                 self._count -= 1
-                self._broken = True
+                self._no_start_until = time.monotonic() + RETRY_START_AFTER
+                first, self._failing = not self._failing, True
+            if first:  # once per outage, not at every retry
+                logger.warning(
+                    "a peer worker process could not start (%s): frames are carried in-process, and the"
+                    " start is tried again every %.0f s",
+                    exc,
+                    RETRY_START_AFTER,
+                )
             return
         with self._lock:
             self._idle.append(worker)
+            recovered, self._failing = self._failing, False
+        if recovered:
+            logger.info("peer worker processes start again")
 
 
 def _spawn(owner: WorkerPool) -> Worker:
@@ -250,7 +271,7 @@ def pool() -> WorkerPool:
     global _POOL  # one per process, made on first use
     with _POOL_LOCK:
         if _POOL is None or _POOL[0] != os.getpid():
-            _POOL = (os.getpid(), WorkerPool(min(MAX_WORKERS, os.cpu_count() or 1)))
+            _POOL = (os.getpid(), WorkerPool(min(MAX_WORKERS, len(os.sched_getaffinity(0)))))
         return _POOL[1]
 
 
@@ -349,4 +370,13 @@ if __name__ == "__main__":
     _serve(socket.socket(fileno=int(sys.argv[1])))
 
 
-__all__ = ["MAX_WORKERS", "WORKER_PAYLOAD", "Worker", "WorkerLost", "WorkerPool", "pool", "take_for"]
+__all__ = [
+    "MAX_WORKERS",
+    "RETRY_START_AFTER",
+    "WORKER_PAYLOAD",
+    "Worker",
+    "WorkerLost",
+    "WorkerPool",
+    "pool",
+    "take_for",
+]

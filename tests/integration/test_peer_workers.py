@@ -8,10 +8,12 @@ import asyncio
 import concurrent.futures
 import fcntl
 import functools
+import logging
 import os
 import signal
 import socket
 import struct
+import sys
 import termios
 import time
 from collections.abc import Callable, Iterator
@@ -108,8 +110,11 @@ def test_a_warmed_pool_has_its_workers_ready_before_a_frame_and_they_end_with_it
 
 
 def process_state(pid: int) -> str:
-    """The state letter of ``/proc/PID/stat`` (``T``: stopped)."""
-    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    """The state letter of ``/proc/PID/stat`` (``T``: stopped, ``Z``: ended), or ``gone``."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return "gone"
 
 
 def queued_unread(control: socket.socket) -> int:
@@ -218,7 +223,7 @@ def test_workers_outlive_the_signals_that_are_the_daemons_notices(receiver_vm: V
     assert set(worker_pids(vm_pid(receiver_vm))) >= set(pids)
     receiver_vm.kill_daemon()
     for pid in pids:  # the daemon's end of each pair closed: each worker ends
-        wait_for(lambda pid=pid: not Path(f"/proc/{pid}").exists() or _state(pid) == "Z", 10, "the worker to end")
+        wait_for(lambda pid=pid: process_state(pid) in ("gone", "Z"), 10, "the worker to end")
 
 
 def test_a_worker_signalled_while_it_starts_still_starts_and_serves() -> None:
@@ -241,11 +246,56 @@ def test_a_worker_signalled_while_it_starts_still_starts_and_serves() -> None:
         pool.close()
 
 
-def _state(pid: int) -> str:
+def test_a_worker_that_cannot_start_leaves_frames_in_process_for_a_while_then_one_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A start that fails (a fork refused under memory pressure) must not cost the daemon its workers
+    for the months it runs: none is tried again within the retry interval, then one is; the failure
+    is logged once however many retries fail, and the recovery once."""
+    retry_after = 3.0
+    monkeypatch.setattr(workers, "RETRY_START_AFTER", retry_after)
+    caplog.set_level(logging.INFO, "spotguard.peers")
+    tries = tmp_path / "tries"
+    failing = tmp_path / "python-that-fails"
+    failing.write_text(f"#!/bin/sh\necho try >> {tries}\nexit 1\n")  # ends before it says ready
+    failing.chmod(0o755)
+    real_python = sys.executable
+    monkeypatch.setattr(sys, "executable", str(failing))
+
+    def starts_tried() -> int:
+        return len(tries.read_text().splitlines()) if tries.exists() else 0
+
+    def warnings() -> list[str]:
+        return [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+
+    pool = workers.WorkerPool(1)
+
+    def idle_when_warmed() -> int:
+        pool.warm(1)  # a notice routed to a peer, a replica opened: the pool is asked for workers
+        return pool.status()["idle"]
+
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "gone"
+        pool.warm(1)
+        wait_for(lambda: warnings() and pool.status()["workers"] == 0, 30, "the failed start")
+        failed_at = time.monotonic()
+        assert pool.take() is None and pool.status()["workers"] == 0  # no new try within the interval
+        assert time.monotonic() - failed_at < retry_after  # (the check above ran inside it)
+        assert starts_tried() == 1
+        wait_for(lambda: idle_when_warmed() == 0 and starts_tried() == 2, 30, "a second try after the interval")
+        wait_for(lambda: pool.status()["workers"] == 0, 30, "the second try failed")
+        assert time.monotonic() - failed_at >= retry_after
+        assert len(warnings()) == 1 and "tried again every 3 s" in warnings()[0]
+
+        monkeypatch.setattr(sys, "executable", real_python)  # the node has room again
+        wait_for(lambda: idle_when_warmed() == 1, 30, "a worker started again")
+        worker = pool.take()
+        assert worker is not None and worker.call({"t": "drop"}, []) is None  # it serves jobs
+        assert starts_tried() == 2 and len(warnings()) == 1
+        assert [r.getMessage() for r in caplog.records if r.levelno == logging.INFO] == [
+            "peer worker processes start again"
+        ]
+    finally:
+        pool.close()
 
 
 def test_a_changed_record_in_a_workers_payload_ends_the_connection_and_keeps_nothing(
