@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import logging
-import random
 import time
+from collections.abc import Iterable
 from typing import Any
 
+from spotguard.backoff import backoff_delay
 from spotguard.daemon.events import EventBus, UploadFailed
 from spotguard.notice import utcnow
 from spotguard.storage.base import ChecksumMismatch
@@ -40,17 +41,26 @@ class UploadFailures:
         """
         if racing:
             return self.retry_after
-        failed = self.in_a_row.get(name, 1)
-        delay = min(self.retry_max, self.retry_after * 2 ** (failed - 1))
-        return random.uniform(delay / 2, delay)
+        return backoff_delay(self.in_a_row.get(name, 1), self.retry_after, self.retry_max)
 
     def streak(self) -> int:
         """The most failures in a row of any checkpoint still to upload (0: none is failing)."""
         return max(self.in_a_row.values(), default=0)
 
     def succeeded(self, name: str) -> None:
+        self.forget(name)
+
+    def forget(self, name: str) -> None:
+        """``name`` is not to be retried: committed, its directory gone, its save failed, or the store
+        refuses it. Its backoff and streak go with it; a backoff left behind would keep the uploader's
+        wait at zero (a spin), and a streak would keep the failing-streak alert up for the daemon's life."""
         self.not_before.pop(name, None)
         self.in_a_row.pop(name, None)
+
+    def next_retry(self, names: Iterable[str]) -> float | None:
+        """The soonest time (monotonic) any of ``names`` may be tried again after a failure; None if none
+        of them is waiting out a backoff."""
+        return min((self.not_before[name] for name in names if name in self.not_before), default=None)
 
     def record(self, name: str, exc: BaseException, *, racing: bool, bucket: str) -> bool:
         """Count, log and announce a failed upload of ``name``; True if it is to be retried (not
@@ -78,6 +88,7 @@ class UploadFailures:
         del self.recent[:-20]
         self.bus.emit(UploadFailed(name, exc))
         if refused:
+            self.forget(name)  # never retried: what it failed with stays in ``refused`` and ``recent``
             return False
         self.not_before[name] = time.monotonic() + delay
         return True

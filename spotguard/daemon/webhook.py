@@ -41,7 +41,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import re
 import string
 from collections.abc import Callable
@@ -49,6 +48,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from spotguard.backoff import backoff_delay
 from spotguard.config import WEBHOOK_FIELDS
 from spotguard.daemon.events import (
     CheckpointSaved,
@@ -101,7 +101,7 @@ class RetryPolicy:
 
     def delay(self, attempt: int) -> float:
         """Seconds to wait after the failed POST number ``attempt`` (from 1)."""
-        return random.uniform(0.5, 1.0) * self.backoff * 2 ** (attempt - 1)
+        return backoff_delay(attempt, self.backoff)
 
 
 @dataclass

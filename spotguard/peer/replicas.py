@@ -31,6 +31,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from spotguard.backoff import backoff_delay
 from spotguard.crc32c import crc32c_hex_to_int
 from spotguard.manifest import (
     MANIFEST,
@@ -62,7 +63,10 @@ logger = logging.getLogger("spotguard.peers")
 
 AREA = "peer-replicas"
 _META = "replica.json"
-_UPLOAD_RETRY = 5.0  # seconds between attempts to commit a verified replica
+# A verified replica's commit in the bucket is retried until it holds: 5 s after the first failure,
+# doubled per failure up to 5 min (a bucket down for hours is asked a dozen times an hour, not 720).
+_UPLOAD_RETRY = 5.0
+_UPLOAD_RETRY_MAX = 300.0
 # How long a replica of node 0's share waits for the other nodes' files before it gives up (as node 0 would).
 OTHER_NODES_WAIT = 600.0
 
@@ -281,6 +285,7 @@ class ReplicaStore:
     async def _upload(self, replica: Replica) -> None:
         assert self.storage is not None
         storage = self.storage
+        failures = 0
         while True:
             try:
                 async with self._upload_slots:
@@ -297,10 +302,21 @@ class ReplicaStore:
                 # Its share is in the bucket; without the other nodes' the checkpoint cannot complete.
                 await asyncio.to_thread(self.move, replica, ReplicaState.DELETED, f"given up: {exc}")
                 return
-            except (StorageError, OSError, ManifestError) as exc:
+            except ManifestError as exc:
                 replica.error = str(exc)
-                logger.error("replica %s: committing %s failed: %s; retrying", replica.id, replica.name, exc)
-                await asyncio.sleep(_UPLOAD_RETRY)
+                # Its files on this disk are not what was verified any more (removed, changed): no
+                # retry can commit them, and the slot and bytes it holds are wanted.
+                await asyncio.to_thread(self.move, replica, ReplicaState.DELETED, f"given up: {exc}")
+                return
+            except (StorageError, OSError) as exc:
+                replica.error = str(exc)
+                failures += 1
+                wait = backoff_delay(failures, _UPLOAD_RETRY, _UPLOAD_RETRY_MAX)
+                logger.error(
+                    "replica %s: committing %s failed (%d in a row): %s; retrying in %.0f s",
+                    replica.id, replica.name, failures, exc, wait,
+                )  # fmt: skip
+                await asyncio.sleep(wait)
         await asyncio.to_thread(self.move, replica, ReplicaState.UPLOADED, f"committed in {storage.url}")
         await asyncio.to_thread(self.move, replica, ReplicaState.DELETED, "safe in the bucket")
 
