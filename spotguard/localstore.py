@@ -180,9 +180,10 @@ def remove_incomplete(root: Path, *, except_names: frozenset[str] = frozenset())
 
 
 def prune_local(root: Path, keep: int, *, protected: frozenset[str] = frozenset()) -> list[str]:
-    """Keep the newest ``keep`` complete checkpoints (and every name in ``protected``); delete older
-    complete ones. Incomplete directories are left alone: a writer may be filling one."""
-    complete = [info for info in scan_local(root) if info.status == "complete" or info.node_files is not None]
+    """Keep the newest ``keep`` complete checkpoints (or committed shares: :attr:`CheckpointInfo.held`)
+    and every name in ``protected``; delete older ones. Incomplete directories are left alone: a
+    writer may be filling one."""
+    complete = [info for info in scan_local(root) if info.held]
     doomed = [info.name for info in complete[:-keep] if info.name not in protected] if keep > 0 else []
     for name in doomed:
         shutil.rmtree(root / name, ignore_errors=True)

@@ -322,6 +322,13 @@ class CheckpointInfo:
     node_files: Mapping[str, FileEntry] | None = field(default=None, compare=False, repr=False)  # a node commit
     foreign_format: str | None = field(default=None, compare=False, repr=False)  # a newer spotguard's manifest
 
+    @property
+    def held(self) -> bool:
+        """Committed on this disk: a complete checkpoint, or (a multi-node job's node other than 0) this
+        node's committed share. Local retention and the room kept for the next save count both: a
+        node holding only shares would otherwise keep every one it ever wrote."""
+        return self.status == "complete" or self.node_files is not None
+
     def to_json(self) -> dict[str, Any]:
         return {
             "name": self.name,

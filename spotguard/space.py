@@ -69,7 +69,7 @@ def make_room(
     if free >= needed:
         return []
     safe_names = safe()
-    complete = [info for info in scan_local(root) if info.status == "complete" and info.name not in exclude]
+    complete = [info for info in scan_local(root) if info.held and info.name not in exclude]
     if safe_names is None:
         candidates = complete[:-1]  # never the newest: nothing says it is anywhere else
         why = "no daemon says what is safe in the bucket; the newest local checkpoint is kept"
@@ -105,7 +105,7 @@ def keep_room_for_one(root: Path, *, protected: Collection[str] = ()) -> list[st
     Older complete checkpoints go first, uploaded or not (a newer one supersedes them); never the
     newest, nor ``protected`` ones (an upload in flight). Returns the names dropped.
     """
-    complete = [info for info in scan_local(root) if info.status == "complete"]
+    complete = [info for info in scan_local(root) if info.held]
     if len(complete) < 2:
         return []
     newest = complete[-1]

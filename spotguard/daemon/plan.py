@@ -126,7 +126,7 @@ class Planner:
         (blocking): a complete checkpoint's bytes, or in a multi-node job this node's share's."""
         if self.state_bytes is not None:
             return
-        committed = [info for info in scan_local(root) if info.status == "complete" or info.node_files is not None]
+        committed = [info for info in scan_local(root) if info.held]
         if committed and self.state_bytes is None:
             newest = committed[-1]
             share = newest.node_files if newest.status != "complete" else None

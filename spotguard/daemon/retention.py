@@ -24,22 +24,26 @@ async def apply_retention(
     grace: timedelta,
     in_flight: frozenset[str],
     settled: Callable[[], set[str]],
+    bucket: bool = True,
 ) -> None:
-    """Keep the newest ``keep_remote`` checkpoints in the bucket (never one ``in_flight``) and the
-    newest ``keep_local`` under ``root``, never deleting a complete one not in ``settled()`` (asked
-    once the bucket is pruned: committed there, or another writer's there)."""
-    try:
-        removed = await asyncio.to_thread(prune_remote, storage, keep_remote, protected=in_flight, grace=grace)
-        if removed:
-            logger.info("bucket retention removed %s", ", ".join(removed))
-    except (StorageError, OSError) as exc:
-        logger.warning("bucket retention failed: %s", exc)
+    """Keep the newest ``keep_remote`` checkpoints in the bucket (never one ``in_flight``; not done
+    unless ``bucket``: a multi-node job's node other than 0 leaves the bucket to node 0, which
+    commits) and the newest ``keep_local`` under ``root``, never deleting a checkpoint or share held
+    here and not in ``settled()`` (asked once the bucket is pruned: committed there, this node's
+    share sent there, or another writer's there)."""
+    if bucket:
+        try:
+            removed = await asyncio.to_thread(prune_remote, storage, keep_remote, protected=in_flight, grace=grace)
+            if removed:
+                logger.info("bucket retention removed %s", ", ".join(removed))
+        except (StorageError, OSError) as exc:
+            logger.warning("bucket retention failed: %s", exc)
     # Locally, never delete what is not yet safe in the bucket.
     safe = settled()
 
     def prune() -> None:
         local = scan_local(root)
-        not_uploaded = frozenset(info.name for info in local if info.status == "complete" and info.name not in safe)
+        not_uploaded = frozenset(info.name for info in local if info.held and info.name not in safe)
         prune_local(root, keep_local, protected=not_uploaded)
 
     await asyncio.to_thread(prune)

@@ -196,6 +196,7 @@ class Uploader:
         checkpoint of that name is not ours to touch). Returns the keys removed."""
         self._queued.pop(name, None)
         self._urgent.discard(name)
+        self._failures.forget(name)
         return await self._ahead.discard(name, why, lambda checkpoint: checkpoint in self.committed)
 
     async def _in_upload_thread(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
@@ -228,7 +229,7 @@ class Uploader:
         }
         self.committed = set(remote)
         for name in self.committed & set(self._failed_in_a_row):  # committed by another writer meanwhile
-            del self._failed_in_a_row[name]
+            self._failures.forget(name)
         for info in await asyncio.to_thread(scan_local, self.root):
             theirs = remote[info.name].manifest if info.name in remote else None
             if info.manifest is not None and theirs is not None and info.name not in self.conflicts:
@@ -236,9 +237,7 @@ class Uploader:
                 if difference is not None:
                     self._conflict(info.name, f"{storage.url} holds another writer's checkpoint there ({difference})")
             uploading = self._current is not None and self._current.name == info.name
-            committed_here = info.status == "complete" or (
-                info.node_files is not None and info.name not in self.shares_uploaded
-            )
+            committed_here = info.held and info.name not in self.shares_uploaded
             settled = self.committed | self.conflicts | set(self._queued)
             if committed_here and info.name not in settled and not uploading:
                 self.submit(self.root / info.name, urgent=False)
@@ -258,9 +257,8 @@ class Uploader:
                 if job is None:
                     if not self._queued:
                         self._idle.set()
-                    timeout = max(0.0, next_scan - time.monotonic())
-                    if self._failures.not_before:
-                        timeout = min(timeout, max(0.0, min(self._failures.not_before.values()) - time.monotonic()))
+                    retry = self._failures.next_retry(self._queued)
+                    timeout = max(0.0, min(next_scan, retry if retry is not None else next_scan) - time.monotonic())
                     self._wake.clear()
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._wake.wait(), timeout)
@@ -301,6 +299,7 @@ class Uploader:
             await asyncio.gather(*early, return_exceptions=True)
         if manifest is None and share is None:
             logger.warning("not uploading %s: neither a complete checkpoint nor a node's committed share", job.name)
+            self._failures.forget(job.name)  # removed meanwhile (local retention, a disk-full save): not retried
             return
         files = share if share is not None else manifest.files if manifest is not None else {}
         total = sum(entry.size for entry in files.values())
@@ -318,9 +317,11 @@ class Uploader:
         except SymlinkRefused as exc:
             # Retrying cannot help, and the checkpoint is not what its manifest claims.
             logger.error("not uploading %s: %s", job.name, exc)
+            self._failures.forget(job.name)
             return
         except CommitLost as exc:
             self._conflict(job.name, str(exc))
+            self._failures.forget(job.name)
             self._progress.pop(job.name, None)
             self._urgent.discard(job.name)
             return
@@ -334,7 +335,9 @@ class Uploader:
         if manifest is None:
             self._progress.pop(job.name, None)
             self.shares_uploaded.add(job.name)  # node 0's daemon commits once every node's share is there
+            self._failures.succeeded(job.name)
             logger.info("%s: this node's share is in the bucket (%d bytes)", job.name, total)
+            await self._retention(bucket=False)  # node 0 prunes the bucket; this disk is ours to prune
             return
         # From the first byte sent, files sent ahead of the commit included.
         await self._committed(job.name, manifest, current.progress.elapsed())
@@ -395,7 +398,7 @@ class Uploader:
         await self.bus.emit_async(UploadCommitted(name, manifest, elapsed))
         await self._retention()
 
-    async def _retention(self) -> None:
+    async def _retention(self, *, bucket: bool = True) -> None:
         assert self.storage is not None
         await apply_retention(
             self.storage,
@@ -404,7 +407,8 @@ class Uploader:
             keep_local=self.keep_local,
             grace=self.incomplete_grace,
             in_flight=frozenset(self._queued) | ({self._current.name} if self._current else set()),
-            settled=lambda: self.committed | self.conflicts,
+            settled=lambda: self.committed | self.conflicts | self.shares_uploaded,
+            bucket=bucket,
         )
 
     # --- shutdown and status -----------------------------------------------------------

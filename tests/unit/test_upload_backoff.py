@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import threading
 import time
 from datetime import timedelta
@@ -42,7 +43,8 @@ def uploader_for(tmp_path: Path) -> tuple[Uploader, BrokenStorage]:
 
 def test_the_wait_doubles_per_failure_up_to_the_cap_and_urgent_uploads_keep_the_short_one(tmp_path: Path) -> None:
     uploader, _ = uploader_for(tmp_path)
-    for failed, ceiling in [(1, 0.05), (2, 0.1), (3, 0.2), (4, 0.2), (30, 0.2)]:
+    # A bucket down for days: thousands of failures in a row still wait the cap (no float overflow).
+    for failed, ceiling in [(1, 0.05), (2, 0.1), (3, 0.2), (4, 0.2), (30, 0.2), (5000, 0.2)]:
         uploader._failed_in_a_row["step-000000001"] = failed
         waits = [uploader.retry_delay("step-000000001") for _ in range(50)]
         assert all(ceiling / 2 <= w <= ceiling for w in waits), (failed, waits)
@@ -106,3 +108,38 @@ def test_the_failing_streak_is_a_metric(tmp_path: Path) -> None:
     assert registry.get_sample_value("spotguard_upload_failing_streak") == 0
     daemon.uploader._failed_in_a_row.update({"step-000000001": 2, "step-000000002": 6})
     assert registry.get_sample_value("spotguard_upload_failing_streak") == 6
+
+
+def test_a_failing_checkpoint_removed_before_its_retry_is_forgotten_and_the_uploader_idles(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Local retention (or a disk-full save) may delete a checkpoint whose upload is waiting out its
+    backoff: its retry finds nothing to send. Its backoff must go with it (one left behind kept the
+    uploader's wait at zero: a busy loop for the daemon's life) and so must its failing streak (an
+    alert that never ends)."""
+    caplog.set_level(logging.INFO, logger="spotguard.uploader")
+    uploader, _ = uploader_for(tmp_path)
+    step_dir = write_checkpoint(tmp_path / "local", 1, {"w.bin": b"w" * 1024})
+
+    async def scenario() -> tuple[int, float]:
+        task = asyncio.create_task(uploader.run())
+        try:
+            uploader.submit(step_dir, urgent=False)
+            deadline = time.monotonic() + 30
+            while len(uploader.failures) < 2 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            streak = uploader.failing_streak()
+            shutil.rmtree(step_dir)  # the retry that follows finds the directory gone
+            while "neither a complete checkpoint" not in caplog.text and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            cpu_before = time.thread_time()  # the event loop's thread: the uploader's loop runs here
+            await asyncio.sleep(1.0)  # the window the busy loop is measured over, not a synchronisation
+            return streak, time.thread_time() - cpu_before
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    streak, loop_cpu = asyncio.run(scenario())
+    assert streak >= 2 and "neither a complete checkpoint" in caplog.text
+    assert loop_cpu < 0.3, f"the uploader's loop spent {loop_cpu:.2f} s of CPU in 1 s with nothing to do"
+    assert uploader.failing_streak() == 0 and uploader.status()["failing_streak"] == 0
