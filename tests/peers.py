@@ -6,11 +6,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
+
 from spotguard.daemon.plan import PROBE_PREFIX
 from spotguard.harness import Vm
 from spotguard.peer import wire
 from spotguard.peer.replicas import AREA
 from spotguard.storage.s3 import S3Storage
+from tests.pacedrelay import PacedRelay
+from tests.servers import moto_s3, point_at
 
 TOKEN = "a-shared-secret-of-the-job-0123456789"
 
@@ -25,6 +29,23 @@ def receiving_daemon(tmp_path: Path, url: str, env: dict[str, str] | None = None
         yield vm
     finally:
         vm.kill_daemon()
+
+
+@contextmanager
+def peer_behind_a_slow_bucket(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, Vm]]:
+    """Moto behind a relay pacing each connection to 1 MB/s, so that a sender's plan routes a
+    checkpoint of a few MiB to a peer, and daemon "vm-b" receiving on the peer port; yields (the
+    bucket's URL, vm-b). Daemons started meanwhile take the paced endpoint and the token :data:`TOKEN`."""
+    with moto_s3() as server, PacedRelay(server.endpoint_url, 1_000_000) as relay:
+        url = point_at(server, monkeypatch)
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", relay.url)
+        monkeypatch.setenv("SPOTGUARD_PEER_TOKEN", TOKEN)
+        vm_b = Vm(tmp_path, "vm-b", url, extra_args=["--provider", "none", "--peer-listen", "127.0.0.1:0"])
+        vm_b.start_daemon()
+        try:
+            yield url, vm_b
+        finally:
+            vm_b.kill_daemon()
 
 
 def address(vm: Vm) -> tuple[str, int]:

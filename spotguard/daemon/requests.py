@@ -235,23 +235,31 @@ class RequestHandler:
             if (share := await asyncio.to_thread(load_part, resolved)) is None:
                 raise protocol.ProtocolError("not-committed", f"{resolved.name}: {exc}") from None
             logger.info("trainer pid %d committed this node's share of %s", peer.pid, resolved.name)
+            self._handoff_saved(resolved)  # the peer route carries this node's share
             self._record_saved(message.get("event_id"), resolved.name, parse_step_dir(resolved.name) or 0)
             self._observe_saved(share)
-            if self.host.handoff is not None and self.host.pending is not None:
-                self.host.handoff.saved(resolved)  # the peer route carries this node's share
-            if self.host.storage is not None:
-                self.host.uploader.submit(resolved, urgent=urgent)
-            return "ok", {"queued": self.host.storage is not None, "name": resolved.name}
+            return await self._upload_or_prune(resolved, urgent=urgent)
         logger.info(
             "trainer pid %d committed %s (%s, %d bytes)", peer.pid, resolved.name, manifest.reason, manifest.total_bytes
         )
         self.host.bus.emit(CheckpointSaved(resolved.name, manifest))
+        self._handoff_saved(resolved)
         self._record_saved(message.get("event_id"), resolved.name, manifest.step)
         # Node 0 of a multi-node job holds the whole job's manifest but uploads only its share.
         share = await asyncio.to_thread(load_part, resolved) if manifest.meta.get("nodes", 1) > 1 else None
         self._observe_saved(manifest.files if share is None else share)
-        if self.host.pending is not None and self.host.handoff is not None:
+        return await self._upload_or_prune(resolved, urgent=urgent)
+
+    def _handoff_saved(self, resolved: Path) -> None:
+        """Tell the peer route of a save made while a notice is pending, before the save is recorded:
+        that ends a soft notice (its checkpoint is taken), and the handoff must know by then what it
+        still has to send."""
+        if self.host.handoff is not None and self.host.pending is not None:
             self.host.handoff.saved(resolved)
+
+    async def _upload_or_prune(self, resolved: Path, *, urgent: bool) -> Reply:
+        """A checkpoint (or this node's share of one) committed on this disk: queue its upload, or
+        without a bucket keep only the newest ``keep_local``."""
         if self.host.storage is None:
             await asyncio.to_thread(self._prune_without_bucket)
         else:

@@ -100,6 +100,7 @@ class Handoff:
         self._flows: Flows | None = None  # the current (or last) handoff's
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._reset_at_end = False  # the notice ended while the handoff sent its save: forget at its end
 
     # --- what the daemon tells it -------------------------------------------------------
 
@@ -156,15 +157,29 @@ class Handoff:
             self._task = asyncio.create_task(self._run(), name="peer-handoff")
 
     def reset(self) -> None:
-        """The notice is over: forget what it announced (a handoff in flight goes on to its end)."""
-        if self._task is None or self._task.done():
-            self._task = None
-            for key in list(self._streams):
-                self._drop(key)
-            self._announced.clear()
-            self._saved.clear()
-            self._queued_files.clear()
-            self.state = HandoffState.IDLE
+        """The notice is over: forget what it announced. A handoff in flight with a save to send goes
+        on to its end (a soft notice is over as soon as its checkpoint is saved) and forgets then; one
+        with nothing saved is ended now: it would wait for a save that no longer comes, holding a
+        replica slot on its peer, and the next notice would find it still running."""
+        if self._task is not None and not self._task.done():
+            if self._saved:
+                self._reset_at_end = True
+                return
+            why = "the notice ended before a checkpoint was saved for it"
+            self._task.cancel(why)
+            self.error = why
+            self._move(HandoffState.FAILED, why)
+        self._forget()
+
+    def _forget(self) -> None:
+        self._task = None
+        self._reset_at_end = False
+        for key in list(self._streams):
+            self._drop(key)
+        self._announced.clear()
+        self._saved.clear()
+        self._queued_files.clear()
+        self.state = HandoffState.IDLE
 
     async def close(self) -> None:
         if self._task is not None:
@@ -182,6 +197,13 @@ class Handoff:
     # --- the handover -----------------------------------------------------------------------
 
     async def _run(self) -> None:
+        try:
+            await self._hand_over()
+        finally:
+            if self._reset_at_end:
+                self._forget()
+
+    async def _hand_over(self) -> None:
         started = time.monotonic()
         addresses = await self._candidates()
         self._move(HandoffState.CHOOSING, f"asking {len(addresses)} peer(s)")

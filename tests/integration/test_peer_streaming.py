@@ -17,35 +17,25 @@ import pytest
 from spotguard.control import request
 from spotguard.harness import Vm, wait_for
 from tests.checkpoints import write_checkpoint
-from tests.pacedrelay import PacedRelay
-from tests.servers import moto_s3, point_at
+from tests.peers import peer_behind_a_slow_bucket
 from tests.streaming import MiB, ProgressiveWriter
 
-TOKEN = "a-shared-secret-of-the-job-0123456789"
 SIZE = 6 * MiB + 5
 DEADLINE = 8.0
 
 
 @pytest.fixture
 def vms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Vm, Vm]]:
-    with moto_s3() as server, PacedRelay(server.endpoint_url, 1_000_000) as relay:
-        url = point_at(server, monkeypatch)
-        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", relay.url)
-        monkeypatch.setenv("SPOTGUARD_PEER_TOKEN", TOKEN)
-        vm_b = Vm(tmp_path, "vm-b", url, extra_args=["--provider", "none", "--peer-listen", "127.0.0.1:0"])
-        vm_b.start_daemon()
+    with peer_behind_a_slow_bucket(tmp_path, monkeypatch) as (url, vm_b):
+        peers = ["--peers", vm_b.status()["peers"]["listen"]]
+        vm_a = Vm(tmp_path, "vm-a", url, extra_args=["--provider", "none", *peers])
+        # A's last checkpoint says how big the next one is: 16 s at 1 MB/s, more than the deadline.
+        write_checkpoint(vm_a.root, 1, {"state.bin": bytes(16 * MiB)})
+        vm_a.start_daemon()
         try:
-            peers = ["--peers", vm_b.status()["peers"]["listen"]]
-            vm_a = Vm(tmp_path, "vm-a", url, extra_args=["--provider", "none", *peers])
-            # A's last checkpoint says how big the next one is: 16 s at 1 MB/s, more than the deadline.
-            write_checkpoint(vm_a.root, 1, {"state.bin": bytes(16 * MiB)})
-            vm_a.start_daemon()
-            try:
-                yield vm_a, vm_b
-            finally:
-                vm_a.kill_daemon()
+            yield vm_a, vm_b
         finally:
-            vm_b.kill_daemon()
+            vm_a.kill_daemon()
 
 
 @pytest.mark.parametrize("rewritten", [False, True])

@@ -1,0 +1,112 @@
+"""The peer route at a soft notice (an AWS rebalance recommendation, whose action is a checkpoint).
+
+A soft notice is over as soon as a checkpoint is saved for it, while the handoff of that checkpoint
+has only begun. Two real daemons and the AWS metadata emulator; the bucket (moto) behind a relay
+pacing each connection to 1 MB/s, so that A's plan routes to its peer B. The handoff must still be
+told of the save and finish, and the next notice must get a handoff of its own; a handoff whose
+notice ends with nothing saved must end too, not wait for a save that no longer comes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from spotguard.control import request
+from spotguard.emulate.aws import iso_z
+from spotguard.emulate.common import RunningEmulator
+from spotguard.emulate.registry import start_emulator
+from spotguard.harness import Vm, wait_for
+from tests.checkpoints import write_checkpoint
+from tests.peers import bucket_keys, peer_behind_a_slow_bucket
+
+MiB = 1 << 20
+REBALANCE_HORIZON = 120  # seconds from a rebalance recommendation's noticeTime to its deadline
+
+
+@pytest.fixture
+def setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Vm, Vm, RunningEmulator, str]]:
+    emu = start_emulator("aws")
+    try:
+        with peer_behind_a_slow_bucket(tmp_path, monkeypatch) as (url, vm_b):
+            aws = ["--provider", "aws", "--metadata-url", emu.url, "--poll-interval", "0.2"]
+            vm_a = Vm(tmp_path, "vm-a", url, extra_args=[*aws, "--peers", vm_b.status()["peers"]["listen"]])
+            # A's last checkpoint says how big the next one is: 24 s at 1 MB/s, more than a notice's 20 s.
+            write_checkpoint(vm_a.root, 1, {"state.bin": bytes(24 * MiB)})
+            vm_a.start_daemon()
+            try:
+                wait_for(lambda: vm_a.status()["upload_rate_bytes_s"], 30, "A's upload-rate probe")
+                yield vm_a, vm_b, emu, url
+            finally:
+                vm_a.kill_daemon()
+    finally:
+        emu.stop()
+
+
+def rebalance(vm: Vm, emu: RunningEmulator, seconds_left: float) -> str:
+    """A rebalance recommendation whose deadline is ``seconds_left`` away; its event id, once A's plan
+    routes it to the peer."""
+    notice_time = datetime.now(UTC) - timedelta(seconds=REBALANCE_HORIZON - seconds_left)
+    emu.trigger(kind="rebalance", time=iso_z(notice_time))
+    notice = wait_for(
+        lambda: (n := vm.status()["last_notice"]) and n["kind"] == "rebalance" and n["state"] == "pending" and n,
+        10,
+        "A to see the rebalance recommendation",
+    )
+    wait_for(lambda: (vm.status()["plan"] or {}).get("route") == "peer", 10, "A's plan to route to the peer")
+    event_id: str = notice["event_id"]
+    return event_id
+
+
+def save_for(vm: Vm, event_id: str, step: int, size: int = 2 * MiB) -> str:
+    """The trainer's checkpoint for the notice: committed on A's disk, then told (which ends the notice)."""
+    step_dir = write_checkpoint(vm.root, step, {"state.bin": os.urandom(size)})
+    request(vm.socket, "saved", path=str(step_dir), step=step, reason="soft", event_id=event_id)
+    return step_dir.name
+
+
+def test_a_checkpoint_saved_for_a_soft_notice_is_handed_over_and_the_next_notice_gets_its_own_handoff(
+    setup: tuple[Vm, Vm, RunningEmulator, str],
+) -> None:
+    vm_a, vm_b, emu, url = setup
+    # Step 5's size makes the next plan: 12 MiB at 1 MB/s need more than the second notice's 8 s.
+    for step, seconds_left, size in ((5, 20, 12 * MiB), (6, 8, 2 * MiB)):
+        event_id = rebalance(vm_a, emu, seconds_left)
+        name = save_for(vm_a, event_id, step, size)
+        wait_for(lambda: vm_a.status()["last_notice"]["state"] == "over", 10, "the soft notice over once saved")
+        # The handoff goes on after its notice is over, to the peer's verified replica, and B commits it.
+        wait_for(
+            lambda name=name: f"{name}/manifest.json" in bucket_keys(url) and vm_b.status()["peers"]["replicas"] == [],
+            60,
+            f"B to commit {name} in the bucket",
+        )
+        handoff = wait_for(
+            lambda name=name: (h := vm_a.status()["peers"]["handoff"])["name"] == name and h["seconds"] and h,
+            10,
+            f"A's handoff of {name} to finish",
+        )
+        assert handoff["error"] is None and handoff["bytes_sent"] >= size, handoff
+        assert handoff["state"] == "idle"  # forgotten at its end: its notice was over by then
+    log = vm_a.log.read_text()
+    assert log.count("-> handed") == 2, log
+
+
+def test_a_handoff_whose_notice_ends_with_nothing_saved_ends_and_the_next_notice_hands_over(
+    setup: tuple[Vm, Vm, RunningEmulator, str],
+) -> None:
+    vm_a, vm_b, emu, url = setup
+    rebalance(vm_a, emu, seconds_left=3)  # nobody saves for it
+    wait_for(lambda: vm_a.status()["last_notice"]["state"] == "over", 15, "the notice over by its time")
+    handoff = wait_for(lambda: (h := vm_a.status()["peers"]["handoff"])["error"] and h, 10, "A's handoff to end")
+    assert handoff["error"] == "the notice ended before a checkpoint was saved for it"
+    assert handoff["state"] == "idle" and vm_b.status()["peers"]["replicas"] == []
+
+    event_id = rebalance(vm_a, emu, seconds_left=20)
+    name = save_for(vm_a, event_id, 7)
+    wait_for(lambda: f"{name}/manifest.json" in bucket_keys(url), 30, f"B to commit {name} in the bucket")
+    wait_for(lambda: vm_a.status()["peers"]["handoff"]["seconds"], 10, "A's handoff to finish")
+    assert vm_a.status()["peers"]["handoff"]["name"] == name
