@@ -22,7 +22,7 @@ import boto3
 import pytest
 
 from spotguard.harness import wait_for
-from spotguard.storage.journal import UploadJournal
+from spotguard.storage.journal import COMPACT_AT, OpenUpload, UploadJournal
 from spotguard.storage.s3 import S3Storage, parse_s3_url
 from tests.servers import S3Server
 
@@ -128,3 +128,23 @@ def test_a_torn_journal_line_is_ignored(tmp_path: Path) -> None:
     with journal.path.open("ab") as handle:
         handle.write(b'{"open": "upload-3", "ke')  # a kill mid-append
     assert [(u.key, u.upload_id) for u in journal.unfinished()] == [("b/key", "upload-2")]
+
+
+def test_a_journal_of_many_finished_uploads_is_rewritten_with_only_the_open_ones(tmp_path: Path) -> None:
+    """Two lines per uploaded file, for the months a daemon runs: past ``COMPACT_AT`` the journal is
+    rewritten with the uploads still open, which a restart must still find."""
+    journal = UploadJournal(tmp_path / "uploads.jsonl")
+    journal.keep_only([OpenUpload("step-000000001/left.bin", "upload-left")])  # a failed abort at start
+    journal.opened("step-000000002/open.bin", "upload-open")
+    largest = 0
+    for number in range(2000):
+        journal.opened(f"step-{number:09d}/weights.bin", f"upload-{number}")
+        journal.done(f"upload-{number}")
+        largest = max(largest, journal.path.stat().st_size)
+    assert largest < COMPACT_AT + 1024  # without the rewrite: some 300 KB by now
+    assert sorted((u.key, u.upload_id) for u in journal.unfinished()) == [
+        ("step-000000001/left.bin", "upload-left"),
+        ("step-000000002/open.bin", "upload-open"),
+    ]
+    journal.done("upload-open")
+    assert [u.upload_id for u in UploadJournal(journal.path).unfinished()] == ["upload-left"]
