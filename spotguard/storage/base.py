@@ -20,6 +20,7 @@ import os
 import random
 import tempfile
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -50,6 +51,7 @@ __all__ = [
     "ObjectInfo",
     "ObjectNotFound",
     "Progress",
+    "RecentKeys",
     "Sink",
     "Storage",
     "StorageError",
@@ -288,6 +290,29 @@ def retry(
                 raise StorageError(f"{what}: gave up at the deadline after {attempt} attempts: {exc}") from exc
             sleep(delay)
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+class RecentKeys:
+    """The ``size`` keys (or folders) a store noted last: what it checks once per key, such as the
+    leftovers of an earlier run, without keeping every key a daemon wrote in the months it runs (a
+    checkpoint's files a few times an hour). A key that fell out and comes back is checked again:
+    that costs a listing, never a wrong answer (only what predates the store's instance is removed)."""
+
+    def __init__(self, size: int = 4096) -> None:
+        self._size = size
+        self._keys: OrderedDict[str, None] = OrderedDict()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def add(self, key: str) -> None:
+        self._keys[key] = None
+        self._keys.move_to_end(key)
+        if len(self._keys) > self._size:
+            self._keys.popitem(last=False)
 
 
 #: How uploads to s3:// are verified: see README, "Buckets" (``checksum``).

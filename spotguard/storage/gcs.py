@@ -60,7 +60,16 @@ from spotguard.crc32c import base64_to_hex
 from spotguard.crc32c import crc32c_hex_to_int as _hex_to_int
 from spotguard.crc32c import crc32c_int_to_base64 as _int_to_b64
 from spotguard.safefile import open_nofollow
-from spotguard.storage.base import Capability, ObjectInfo, Progress, Sink, StoreDefaults, read_exactly, split_bucket_url
+from spotguard.storage.base import (
+    Capability,
+    ObjectInfo,
+    Progress,
+    RecentKeys,
+    Sink,
+    StoreDefaults,
+    read_exactly,
+    split_bucket_url,
+)
 from spotguard.storage.errors import ChecksumMismatch, ObjectExists, ObjectNotFound, StorageError, TransientStorageError
 from spotguard.storage.stream import PartStream, StreamPool, send_file, streamed_plan
 from spotguard.storage.transfer import fetch_object
@@ -294,7 +303,7 @@ class GcsStorage(StoreDefaults):
         self._deadline: float | None = None
         self._created = dt.datetime.now(dt.UTC)
         self._leftovers_lock = threading.Lock()
-        self._leftovers_checked: set[str] = set()  # keys whose parts left by an earlier run are deleted
+        self._leftovers_checked = RecentKeys()  # keys whose parts left by an earlier run are deleted
         self._stream_pool = StreamPool(max_concurrency, "gcs-stream")
         self.retry = Retry(
             predicate=self.is_transient, initial=0.2, maximum=5.0, multiplier=2.0, timeout=retry_deadline

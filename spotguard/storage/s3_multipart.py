@@ -19,7 +19,7 @@ from typing import Any
 import google_crc32c
 
 from spotguard.crc32c import crc32c_int_to_base64 as _int_to_b64
-from spotguard.storage.base import ChecksumMismatch, ObjectNotFound, StorageError, read_exactly
+from spotguard.storage.base import ChecksumMismatch, ObjectNotFound, RecentKeys, StorageError, read_exactly
 from spotguard.storage.journal import UploadJournal
 from spotguard.storage.s3_api import S3Api
 from spotguard.storage.stream import Plan, streamed_plan
@@ -125,8 +125,8 @@ class S3Multipart:
         self.journal: UploadJournal | None = None  # the daemon's record (None: the CLI's restore)
         self._created = dt.datetime.now(dt.UTC)
         self._leftovers_lock = threading.Lock()
-        self._leftovers_checked: set[str] = set()  # keys whose leftover multipart uploads are aborted
-        self._folders_listed: set[str] = set()  # folders whose open uploads were listed
+        self._leftovers_checked = RecentKeys()  # keys whose leftover multipart uploads are aborted
+        self._folders_listed = RecentKeys()  # folders whose open uploads were listed
         self._leftovers: dict[str, builtins.list[str]] = {}  # by key: upload ids listed, opened before us
 
     def plan(self, size: int) -> Plan:
