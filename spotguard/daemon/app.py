@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import signal
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -49,6 +51,10 @@ from spotguard.version import __version__
 logger = logging.getLogger("spotguard.daemon")
 
 _PLAN_REVISE_INTERVAL = 1.0  # seconds between revisions of the deadline plan while a notice is pending
+# A metadata service that keeps failing (a container's IMDS hop limit, a blocked route) fails every
+# poll for the daemon's life: its error is logged when it first comes or changes, then again this
+# often, not at every poll (86,400 lines a day at the default interval).
+MONITOR_WARN_EVERY = 600.0
 
 
 def _build_uploader(config: DaemonConfig, storage: Storage | None, root: Path, bus: EventBus) -> Uploader:
@@ -133,6 +139,7 @@ class Daemon:
         self.save_failures: list[dict[str, Any]] = []  # the last few, newest last
         self.metrics_url: str | None = None  # set by build_and_run when metrics are served
         self.monitor_errors: dict[str, str] = {}
+        self._monitor_warned: dict[str, float] = {}  # monitor -> when its current error was last logged
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
@@ -301,18 +308,31 @@ class Daemon:
         try:
             notices = await monitor.check_all()
         except MonitorError as exc:
-            self.monitor_errors[monitor.name] = str(exc)
-            self.bus.emit(MonitorFailed(monitor.name, exc))
-            logger.warning("%s", exc)
+            if self._monitor_failed(monitor.name, str(exc), exc):
+                logger.warning("%s", exc)
             return
         except Exception as exc:  # a monitor bug must not stop the others or the daemon
-            self.monitor_errors[monitor.name] = repr(exc)
-            self.bus.emit(MonitorFailed(monitor.name, exc))
-            logger.exception("%s monitor failed", monitor.name)
+            if self._monitor_failed(monitor.name, repr(exc), exc):
+                logger.exception("%s monitor failed", monitor.name)
             return
-        self.monitor_errors.pop(monitor.name, None)
+        if self.monitor_errors.pop(monitor.name, None) is not None:
+            self._monitor_warned.pop(monitor.name, None)
+            logger.info("%s: the metadata service answers again", monitor.name)
         for notice in notices:
             await self.on_notice(notice)
+
+    def _monitor_failed(self, name: str, error: str, exc: Exception) -> bool:
+        """Note a failed check (status, metric); whether to log it: a new or changed error, or the same
+        one last logged :data:`MONITOR_WARN_EVERY` seconds ago."""
+        changed = self.monitor_errors.get(name) != error
+        self.monitor_errors[name] = error
+        self.bus.emit(MonitorFailed(name, exc))
+        now = time.monotonic()
+        if changed or now - self._monitor_warned.get(name, -math.inf) >= MONITOR_WARN_EVERY:
+            self._monitor_warned[name] = now
+            return True
+        logger.debug("%s (still failing)", error)
+        return False
 
     async def _watch(self, monitor: Monitor) -> None:
         while not self._stopping.is_set():

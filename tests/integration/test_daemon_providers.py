@@ -572,3 +572,27 @@ def test_gcp_terminate_on_host_maintenance_is_a_stop(
     notice = assert_alive(vm)["last_notice"]
     assert (notice["kind"], notice["action"]) == ("maintenance", action)
     assert guard.told[0]["stop"] is stops
+
+
+def test_a_metadata_service_failing_at_every_poll_is_logged_once_then_its_recovery(
+    emulators: Callable[..., RunningEmulator], tmp_path: Path, bucket: str
+) -> None:
+    """An unreachable or broken metadata service (a container's IMDS hop limit) fails every poll for
+    the daemon's life: its error is logged once (again only when it changes, or ten minutes on), not
+    at every poll, and its end is logged once."""
+    emu = emulators("aws")
+    emu.inject({"kind": "status", "status": 500})
+    vm = Vm(tmp_path, "vm", bucket, extra_args=daemon_args("aws", emu))
+    vm.start_daemon(env=DAEMON_ENV)
+    try:
+        wait_for(lambda: error_matching(vm, "aws", r"HTTP 500"), WAIT, "the daemon to report the failing service")
+        start = len(emu.requests())  # every path fails, the token's PUT included
+        wait_for(lambda: len(emu.requests()) >= start + 20, WAIT, "20 more failed requests")
+        assert error_matching(vm, "aws", r"HTTP 500")  # still failing, still in the status
+        warned = [line for line in vm.log.read_text().splitlines() if "WARNING" in line and "HTTP 500" in line]
+        assert len(warned) == 1, warned
+        emu.clear_faults()
+        wait_for(lambda: monitor_error(vm, "aws") is None, WAIT, "the monitor to read cleanly again")
+        assert vm.log.read_text().count("aws: the metadata service answers again") == 1
+    finally:
+        vm.kill_daemon()
