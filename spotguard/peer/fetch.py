@@ -221,7 +221,8 @@ async def fetch_replica(
     clients = [client]
     try:
         if connect is not None:
-            clients += [await connect() for _ in range(flows - 1)]
+            for _ in range(flows - 1):
+                clients.append(await connect())  # one at a time: a failed connect leaves the others closable
         workers.pool().warm(2 * len(clients))  # a worker to receive each connection's frames, one to write
         heads = [await _ask_fetch(each, replica_id, k, len(clients)) for k, each in enumerate(clients)]
         if len({(head["name"], head["manifest"]) for head in heads}) != 1:
