@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -36,6 +37,7 @@ from spotguard.daemon.requests import RequestHandler, checkpoint_now
 from spotguard.daemon.server import SocketServer
 from spotguard.daemon.stall import StallWatch
 from spotguard.daemon.status import plan_status_of, render_status
+from spotguard.daemon.supervise import keep_running
 from spotguard.daemon.uploader import Uploader
 from spotguard.notice import Action, Notice, utcnow
 from spotguard.peer.discovery import PeerRegistry
@@ -366,13 +368,16 @@ class Daemon:
         except TimeoutError:
             logger.warning("the first metadata check took longer than %.0f s", self.config.http_timeout * 2 + 1)
         await asyncio.to_thread(self.events.flush)  # what READY promises is on disk too
-        self._tasks = [asyncio.create_task(self.uploader.run(), name="uploader")]
-        self._tasks.append(asyncio.create_task(self.stalls.watch(self._stopping), name="stall-watch"))
-        self._tasks.append(asyncio.create_task(self._end_notices_on_time(), name="notice-lifecycle"))
-        self._tasks.append(asyncio.create_task(self._probe_rate(), name="rate-probe"))
-        self._tasks.append(asyncio.create_task(self._revise_plan(), name="plan-revise"))
-        self._tasks += [asyncio.create_task(self._watch(m), name=f"monitor-{m.name}") for m in self.monitors]
-        self._tasks.append(asyncio.create_task(watchdog_loop(self.notifier, self.notifier.watchdog_interval())))
+        services: dict[str, Callable[[], Awaitable[None]]] = {
+            "uploader": self.uploader.run,
+            "stall-watch": lambda: self.stalls.watch(self._stopping),
+            "notice-lifecycle": self._end_notices_on_time,
+            "rate-probe": self._probe_rate,
+            "plan-revise": self._revise_plan,
+            **{f"monitor-{m.name}": functools.partial(self._watch, m) for m in self.monitors},
+            "watchdog": lambda: watchdog_loop(self.notifier, self.notifier.watchdog_interval()),
+        }
+        self._tasks = [asyncio.create_task(keep_running(name, run), name=name) for name, run in services.items()]
 
     def request_stop(self) -> None:
         self._stopping.set()
