@@ -58,6 +58,9 @@ TTL_HEADER = "X-aws-ec2-metadata-token-ttl-seconds"
 TOKEN_HEADER = "X-aws-ec2-metadata-token"
 DEFAULT_TOKEN_TTL = 21600
 PROBE_TOKEN_TTL = 60  # the doctor's token: it reads one path and is done
+# Fallen back to IMDSv1 (``imds_v1_fallback``), a token is asked for again this often: a failure that
+# passed goes back to IMDSv2, and one that lasts (a container's hop limit) costs one PUT per period.
+V2_RETRY_AFTER = 300.0
 NOTICE_WINDOW = 120.0  # a spot interruption's two-minute warning
 # A rebalance recommendation has no deadline of its own; the interruption that may follow it still
 # comes with a two-minute notice, so two minutes from the recommendation is the earliest it can bite.
@@ -198,6 +201,7 @@ class AwsMonitor(PolledMonitor):
         self._token_expires = 0.0
         self._token_lock = asyncio.Lock()
         self._using_v1 = False
+        self._v1_until = 0.0  # monotonic: while falling back to IMDSv1, when to try a token again
         self._first_seen: dict[str, datetime] = {}
         self._lifecycle_hook = lifecycle_hook
         self._asg_name = asg_name
@@ -310,16 +314,21 @@ class AwsMonitor(PolledMonitor):
         async with self._token_lock:
             if self._token is not None and self._monotonic() < self._token_expires - self._refresh_margin:
                 return self._token
-            if self._using_v1:
+            if self._using_v1 and self._monotonic() < self._v1_until:
                 return None
             try:
                 self._token = await self._fetch_token()
             except MonitorError:
                 if not self._v1_fallback:
                     raise
-                logger.warning("aws: no IMDSv2 token could be had; falling back to IMDSv1 as configured")
-                self._using_v1 = True
+                if not self._using_v1:
+                    logger.warning("aws: no IMDSv2 token could be had; falling back to IMDSv1 as configured")
+                # One failure (a slow token PUT) must not leave the daemon on IMDSv1 for months.
+                self._using_v1, self._v1_until = True, self._monotonic() + V2_RETRY_AFTER
                 return None
+            if self._using_v1:
+                logger.info("aws: IMDSv2 tokens can be had again; IMDSv1 is no longer used")
+                self._using_v1 = False
             return self._token
 
     async def _drop_token(self, token: str | None) -> None:

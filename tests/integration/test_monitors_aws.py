@@ -6,8 +6,9 @@ from datetime import UTC, datetime
 
 import pytest
 
+from spotguard.emulate.common import RunningEmulator
 from spotguard.notice import Kind
-from spotguard.providers.aws import AwsMonitor
+from spotguard.providers.aws import V2_RETRY_AFTER, AwsMonitor
 from spotguard.providers.base import Monitor, MonitorError
 from tests.emulators import (
     FakeClock,
@@ -301,5 +302,33 @@ def test_aws_fault_mix_no_notice_before_same_id_after() -> None:
                 assert None not in after
                 assert len(notices) >= 3
                 assert len({n.event_id for n in notices if not isinstance(n, str) and n}) == 1
+
+    run(scenario())
+
+
+def test_aws_imdsv1_fallback_goes_back_to_tokens_once_they_can_be_had() -> None:
+    """With the fallback allowed, one failed token request must not keep the daemon on IMDSv1 for the
+    months it runs: a token is asked for again after ``V2_RETRY_AFTER`` seconds, and used once had."""
+
+    def tokened_gets(emu: RunningEmulator) -> int:
+        gets = [r for r in emu.requests() if r["method"] == "GET"]
+        return sum(1 for r in gets if "X-aws-ec2-metadata-token" in r["headers"])
+
+    async def scenario() -> None:
+        monotonic = FakeMonotonic()
+        with emulator("aws", imds_v1=True) as emu:
+            emu.inject({"kind": "status", "status": 403, "path": "/latest/api/token", "count": 1})
+            async with http_session() as session:
+                monitor = AwsMonitor(session, emu.url, imds_v1_fallback=True, monotonic=monotonic)
+                assert await monitor.check() is None  # on IMDSv1: the one token request failed
+                assert count_requests(emu, "PUT", "token") == 1 and tokened_gets(emu) == 0
+                monotonic.now += V2_RETRY_AFTER - 1
+                assert await monitor.check() is None
+                assert count_requests(emu, "PUT", "token") == 1 and tokened_gets(emu) == 0  # not yet
+                monotonic.now += 2
+                emu.trigger(kind="spot", action="terminate")
+                notice = await monitor.check()
+                assert notice is not None and notice.kind is Kind.TERMINATE
+                assert count_requests(emu, "PUT", "token") == 2 and tokened_gets(emu) > 0
 
     run(scenario())
