@@ -230,7 +230,9 @@ class Uploader:
         self.committed = set(remote)
         for name in self.committed & set(self._failed_in_a_row):  # committed by another writer meanwhile
             self._failures.forget(name)
-        for info in await asyncio.to_thread(scan_local, self.root):
+        local = await asyncio.to_thread(scan_local, self.root)
+        self._forget_gone({info.name for info in local})
+        for info in local:
             theirs = remote[info.name].manifest if info.name in remote else None
             if info.manifest is not None and theirs is not None and info.name not in self.conflicts:
                 difference = files_difference(info.manifest, theirs)
@@ -241,6 +243,14 @@ class Uploader:
             settled = self.committed | self.conflicts | set(self._queued)
             if committed_here and info.name not in settled and not uploading:
                 self.submit(self.root / info.name, urgent=False)
+
+    def _forget_gone(self, here: set[str]) -> None:
+        """Drop what is remembered per checkpoint for those gone from this disk (pruned, removed) and
+        not in the queue: a name a save, for the months the daemon runs, otherwise."""
+        keep = here | set(self._queued) | self.in_flight() | set(self._ahead.tasks)
+        self.shares_uploaded &= keep
+        for name in set(self._ahead.manifest_seen) - keep:
+            del self._ahead.manifest_seen[name]
 
     # --- the loop ----------------------------------------------------------------------------
 

@@ -4,16 +4,20 @@ share it ever wrote, while node 0's stays pruned, until every save there fails f
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 from spotguard.control import request
+from spotguard.daemon.uploader import Uploader
 from spotguard.harness import Vm, wait_for
 from spotguard.localstore import CheckpointWriter, scan_local
 from spotguard.manifest import step_dir_name, write_part
 from spotguard.space import keep_room_for_one
 from spotguard.storage import open_storage
+from spotguard.storage.file import FileStorage
 from tests.diskspace import fill
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -64,3 +68,31 @@ def test_the_room_for_the_next_save_is_made_from_older_shares_never_the_newest(
     dropped = keep_room_for_one(root)
     assert dropped == [step_dir_name(1)]  # the oldest went, and that made room for one more
     assert local_steps(root) == [2, 3]
+
+
+def test_what_the_uploader_remembers_of_a_share_goes_with_the_share(tmp_path: Path) -> None:
+    """The names of the shares sent are kept (so that a rescan does not send one again) only while
+    the share is on this disk: over months of saves they would otherwise grow by one per save."""
+    (tmp_path / "bucket").mkdir()
+    root = tmp_path / "node1"
+    uploader = Uploader(FileStorage((tmp_path / "bucket").as_uri()), root, scan_interval=3600)
+
+    async def scenario() -> tuple[set[str], set[str]]:
+        task = asyncio.create_task(uploader.run())
+        try:
+            for step in range(1, 6):
+                uploader.submit(write_share(root, step, 4 * KiB), urgent=False)
+                deadline = time.monotonic() + 30
+                while step_dir_name(step) not in uploader.shares_uploaded and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+            sent = set(uploader.shares_uploaded)
+            await uploader.rescan()
+            return sent, set(uploader.shares_uploaded)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    sent, remembered = asyncio.run(scenario())
+    assert sent == {step_dir_name(step) for step in range(1, 6)}  # every share sent, none forgotten yet
+    assert local_steps(root) == [4, 5]  # local retention kept the newest two
+    assert remembered == {step_dir_name(4), step_dir_name(5)}
