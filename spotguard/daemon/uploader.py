@@ -61,6 +61,39 @@ class _Current:
     cancel: threading.Event
 
 
+def _send(
+    storage: Storage,
+    step_dir: Path,
+    files: Mapping[str, FileEntry],
+    manifest: Manifest | None,
+    *,
+    multi_node: bool,
+    deadline: float | None,
+    current: _Current,
+    concurrency: int,
+    other_nodes_wait: float,
+) -> None:
+    """Blocking, in an upload thread: this disk's files, then (if this node holds it) the manifest,
+    once every node's files are in (waiting up to the deadline, else ``other_nodes_wait`` seconds)."""
+    upload_files(
+        storage,
+        step_dir,
+        files,
+        concurrency=concurrency,
+        deadline=deadline,
+        cancel=current.cancel,
+        progress=current.progress,
+    )
+    if manifest is None:
+        return
+    if multi_node:
+        wait = deadline if deadline is not None else time.monotonic() + other_nodes_wait
+        wait_for_other_nodes(storage, manifest, step_dir.name, deadline=wait, cancel=current.cancel)
+    if current.cancel.is_set():
+        raise UploadCancelled(f"{step_dir.name}: upload cancelled before commit")
+    commit_remote(storage, step_dir, deadline=deadline)
+
+
 class Uploader:
     def __init__(
         self,
@@ -319,8 +352,9 @@ class Uploader:
         logger.info("uploading %s (%d bytes, %s)", job.name, total, "urgent" if current.urgent else "periodic")
         try:
             await self._in_upload_thread(
-                self._send, step_dir, files, manifest, multi_node=share is not None, deadline=deadline, current=current
-            )
+                _send, self.storage, step_dir, files, manifest, multi_node=share is not None, deadline=deadline,
+                current=current, concurrency=self.concurrency, other_nodes_wait=self.other_nodes_timeout,
+            )  # fmt: skip
         except UploadCancelled:
             self._queued.setdefault(job.name, _Job(1, job.neg_step, job.name))
             return
@@ -351,36 +385,6 @@ class Uploader:
             return
         # From the first byte sent, files sent ahead of the commit included.
         await self._committed(job.name, manifest, current.progress.elapsed())
-
-    def _send(
-        self,
-        step_dir: Path,
-        files: Mapping[str, FileEntry],
-        manifest: Manifest | None,
-        *,
-        multi_node: bool,
-        deadline: float | None,
-        current: _Current,
-    ) -> None:
-        """Blocking, in a thread: this disk's files, then (if this node holds it) the manifest."""
-        assert self.storage is not None
-        upload_files(
-            self.storage,
-            step_dir,
-            files,
-            concurrency=self.concurrency,
-            deadline=deadline,
-            cancel=current.cancel,
-            progress=current.progress,
-        )
-        if manifest is None:
-            return
-        if multi_node:
-            wait = deadline if deadline is not None else time.monotonic() + self.other_nodes_timeout
-            wait_for_other_nodes(self.storage, manifest, step_dir.name, deadline=wait, cancel=current.cancel)
-        if current.cancel.is_set():
-            raise UploadCancelled(f"{step_dir.name}: upload cancelled before commit")
-        commit_remote(self.storage, step_dir, deadline=deadline)
 
     def retry_delay(self, name: str) -> float:
         """How long to wait after the last failure in a row of ``name`` (see ``UploadFailures``)."""
