@@ -34,6 +34,8 @@ def test_a_replica_whose_commit_fails_waits_and_one_whose_files_are_gone_is_give
     bucket = tmp_path / "bucket"
     bucket.mkdir()
     with receiving_daemon(tmp_path, bucket.as_uri()) as vm:
+        # After the daemon's own upload-rate probe, which writes in the bucket (and would make it again).
+        wait_for(lambda: vm.status()["upload_rate_bytes_s"], 30, "the daemon's upload-rate probe")
         shutil.rmtree(bucket)
         bucket.write_bytes(b"")  # the bucket now refuses every write: its directory is a plain file
         step_dir = write_checkpoint(tmp_path / "vm-a", 9, {"weights.bin": os.urandom(MiB)})
