@@ -16,6 +16,7 @@ import os
 import selectors
 import socket
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +27,7 @@ from spotguard import protocol
 logger = logging.getLogger("spotguard.trainer")
 
 _NON_ESSENTIAL = frozenset({"file", "file-range"})  # hints the daemon can do without; dropped first when full
+_REPEAT_ERROR_AFTER = 600.0  # seconds before the same error from the daemon is logged again
 
 
 class DaemonClient:
@@ -56,6 +58,8 @@ class DaemonClient:
         self.welcome: dict[str, Any] | None = None
         self.welcomed = threading.Event()
         self.connections = 0  # how many times a connection was made (reconnects show here)
+        self._welcomes = 0  # connections the daemon took (answered with a welcome)
+        self._last_error: tuple[str, float] | None = None  # the daemon's last error logged, and when
         self._waiting: dict[str, tuple[threading.Event, list[dict[str, Any]]]] = {}  # reply type -> its slot
         self._thread = threading.Thread(target=self._run, name="spotguard-daemon-client", daemon=True)
 
@@ -135,8 +139,7 @@ class DaemonClient:
                 self._closing.wait(delay)
                 delay = min(delay * 2, self._retry_max)
                 continue
-            delay = self._retry_min
-            broken = False
+            welcomes, broken = self._welcomes, False
             try:
                 self._serve(sock)
             except OSError as exc:
@@ -153,6 +156,14 @@ class DaemonClient:
                 sock.close()
             if broken:
                 self._closing.wait(self._retry_max)  # so a bug that repeats does not spin
+            elif self._welcomes > welcomes:
+                delay = self._retry_min  # a connection the daemon took: the next reconnect is prompt
+            else:
+                # Closed without a welcome (refused: busy, a uid not allowed; or a daemon stopping):
+                # wait as after a failed connect, or this thread reconnects in a loop on a core the
+                # training shares (thousands of times a second).
+                self._closing.wait(delay)
+                delay = min(delay * 2, self._retry_max)
 
     def _serve(self, sock: socket.socket) -> None:
         with self._lock:
@@ -177,6 +188,21 @@ class DaemonClient:
                     line, buffer = buffer.split(b"\n", 1)
                     self._dispatch(line)
 
+    def _log_error(self, text: str) -> None:
+        """An error from the daemon, logged when it differs from the last one or that one was logged
+        :data:`_REPEAT_ERROR_AFTER` seconds ago: a refusal that lasts (a uid not allowed) comes at every
+        reconnect, for as long as the training runs."""
+        now = time.monotonic()
+        if (
+            self._last_error is not None
+            and self._last_error[0] == text
+            and now - self._last_error[1] < _REPEAT_ERROR_AFTER
+        ):
+            logger.debug("%s (again)", text)
+            return
+        self._last_error = (text, now)
+        logger.warning("%s", text)
+
     def _dispatch(self, line: bytes) -> None:
         try:
             message = protocol.decode(line, allowed=protocol.DAEMON_TYPES)
@@ -185,9 +211,10 @@ class DaemonClient:
             return
         if message["type"] == "welcome":
             self.welcome = message
+            self._welcomes += 1
             self.welcomed.set()
         elif message["type"] == "error":
-            logger.warning("spotguard daemon: %s: %s", message["code"], message["message"])
+            self._log_error(f"spotguard daemon: {message['code']}: {message['message']}")
         with self._lock:
             waiting = self._waiting.get(message["type"])
             # An error answers whichever request is waiting (e.g. one an older daemon does not know).
