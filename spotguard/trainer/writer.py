@@ -153,13 +153,22 @@ def _pickle_payload(payload: Any) -> tuple[bytes, dict[str, torch.UntypedStorage
         storages[key] = storage
         return ("storage", storage_type, key, location, numel)
 
-    class Pickler(pickle.Pickler):
-        def persistent_id(self, obj: Any) -> Any:
-            return persistent_id(obj)
-
     buffer = _BytesSink()
-    Pickler(buffer, protocol=torch.serialization.DEFAULT_PROTOCOL).dump(payload)
+    _StoragePickler(buffer, persistent_id).dump(payload)
     return buffer.value(), storages
+
+
+class _StoragePickler(pickle.Pickler):
+    """A pickler whose ``persistent_id`` is the given function. One class for every save: a class made
+    per call lives in a reference cycle, and kept the storages its ``persistent_id`` saw (the state's
+    and the RNG's) until the cycle collector ran, never when a training loop turns it off."""
+
+    def __init__(self, sink: _BytesSink, persistent: Callable[[Any], tuple[Any, ...] | None]) -> None:
+        super().__init__(sink, protocol=torch.serialization.DEFAULT_PROTOCOL)
+        self._persistent = persistent
+
+    def persistent_id(self, obj: Any) -> tuple[Any, ...] | None:
+        return self._persistent(obj)
 
 
 class _BytesSink:
@@ -582,6 +591,7 @@ class _Run:
         crc = 0
         for piece in file.pieces:
             crc = crc32c_combine(crc, piece.crc, piece.length)
+        file.pieces = []  # each piece points back at its file: freed now, not by the cycle collector
         with self.lock:
             self.writer.files[file.name] = FileEntry(size=file.size, crc32c=crc32c_hex(crc))
             del self.open[file.name]
@@ -607,6 +617,7 @@ class _Run:
             if file.fd >= 0:
                 os.close(file.fd)
             file.tmp.unlink(missing_ok=True)
+            file.pieces = []  # (see _finish_file)
         self.open.clear()
 
 
