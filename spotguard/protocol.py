@@ -86,6 +86,7 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
 _OPTIONAL: dict[str, dict[str, type | tuple[type, ...]]] = {
     "drill": {"deadline_s": (int, float)},
     "hello": {"state_bytes": int, "sharded": bool},
+    "error": {"re": str},  # the type of the request it answers, when that was known
 }
 CLIENT_TYPES = frozenset(
     {

@@ -203,15 +203,19 @@ class SocketServer:
                 return
             if not line.strip():
                 continue
+            # An error names the request it answers (``re``) once that decoded: a hook waiting for
+            # another reply is not woken by it.
+            answering: dict[str, str] = {}
             try:
                 message = protocol.decode(line, allowed=protocol.CLIENT_TYPES, limit=self._limit)
+                answering = {"re": message["type"]}
                 replies = await self._handler(peer, message)
             except protocol.ProtocolError as exc:
                 logger.warning("pid %d: %s: %s", peer.pid, exc.code, exc)
-                replies = [("error", {"code": exc.code, "message": str(exc)})]
+                replies = [("error", {"code": exc.code, "message": str(exc), **answering})]
             except Exception as exc:  # a bug in one request must not take the daemon down
                 logger.exception("pid %d: internal error handling a request", peer.pid)
-                replies = [("error", {"code": "internal", "message": f"internal error: {exc}"})]
+                replies = [("error", {"code": "internal", "message": f"internal error: {exc}", **answering})]
             for reply_type, fields in replies:
                 if not await peer.send(reply_type, **fields):
                     return

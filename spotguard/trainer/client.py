@@ -188,6 +188,16 @@ class DaemonClient:
                     line, buffer = buffer.split(b"\n", 1)
                     self._dispatch(line)
 
+    def _woken_by_error_locked(self, error: dict[str, Any]) -> list[tuple[threading.Event, list[dict[str, Any]]]]:
+        """The requests an error ends: the one it names (``re``), or, from a daemon that names none (an
+        older one; a request it could not parse), whichever is waiting. An error about another message
+        (a ``file-range`` of a pruned directory) must not make a waiting ``safe-steps`` read as "no
+        daemon": a save short of room would then drop checkpoints not yet in the bucket."""
+        named = error.get("re")
+        if not isinstance(named, str):
+            return list(self._waiting.values())
+        return [self._waiting[named]] if named in self._waiting else []
+
     def _log_error(self, text: str) -> None:
         """An error from the daemon, logged when it differs from the last one or that one was logged
         :data:`_REPEAT_ERROR_AFTER` seconds ago: a refusal that lasts (a uid not allowed) comes at every
@@ -217,8 +227,7 @@ class DaemonClient:
             self._log_error(f"spotguard daemon: {message['code']}: {message['message']}")
         with self._lock:
             waiting = self._waiting.get(message["type"])
-            # An error answers whichever request is waiting (e.g. one an older daemon does not know).
-            woken = [waiting] if waiting else list(self._waiting.values()) if message["type"] == "error" else []
+            woken = [waiting] if waiting else self._woken_by_error_locked(message) if message["type"] == "error" else []
         if waiting is not None:
             waiting[1].append(message)
         for answered, _ in woken:

@@ -128,3 +128,24 @@ def test_a_daemon_that_refuses_the_connection_is_retried_with_a_growing_wait_and
     finally:
         first.close()
         refused.close()
+
+
+def test_an_error_about_another_message_does_not_end_a_waiting_request(vm: Vm) -> None:
+    """The daemon names the request an error answers (``re``). An error about a ``file-range`` (its
+    directory pruned meanwhile) made a ``safe-steps`` waiting at the time read as "no daemon", and a
+    save short of room then applied the no-daemon rule to checkpoints not yet in the bucket."""
+    hello = {"rank": 0, "world_size": 1, "pid": 1, "checkpoint_dir": str(vm.root)}
+    errors: list[dict[str, Any]] = []
+    client = DaemonClient(vm.socket, hello, lambda m: errors.append(m) if m["type"] == "error" else None).start()
+    try:
+        wait_until(client.welcomed.is_set)
+        replies = []
+        for _ in range(30):
+            gone = vm.root / "step-000000001"  # never made: the daemon answers bad-path
+            client.send("file-range", path=str(gone), name="w.bin", tmp="w.bin.tmp", size=10, offset=0, length=10)
+            replies.append(client.ask("safe-steps", timeout=10.0))
+        assert all(reply is not None and reply["type"] == "safe-steps" for reply in replies), replies
+        wait_until(lambda: len(errors) == 30)
+        assert {(error["code"], error.get("re")) for error in errors} == {("bad-path", "file-range")}
+    finally:
+        client.close()
