@@ -101,6 +101,7 @@ class Handoff:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._reset_at_end = False  # the notice ended while the handoff sent its save: forget at its end
+        self._ending: asyncio.Task[None] | None = None  # one cancelled by reset, closing its connections
 
     # --- what the daemon tells it -------------------------------------------------------
 
@@ -167,6 +168,7 @@ class Handoff:
                 return
             why = "the notice ended before a checkpoint was saved for it"
             self._task.cancel(why)
+            self._ending = self._task
             self.error = why
             self._move(HandoffState.FAILED, why)
         self._forget()
@@ -182,9 +184,10 @@ class Handoff:
         self.state = HandoffState.IDLE
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel("daemon shutting down")
-            await asyncio.gather(self._task, return_exceptions=True)
+        running = [task for task in (self._task, self._ending) if task is not None]
+        for task in running:
+            task.cancel("daemon shutting down")
+        await asyncio.gather(*running, return_exceptions=True)
         for key in list(self._streams):
             self._drop(key)
 
