@@ -6,6 +6,7 @@ Each resume goes into a state built from another seed, so every value compared w
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import subprocess
 import sys
@@ -139,6 +140,13 @@ def rank_main(root: Path, rendezvous: Path, rank: int) -> None:
         guard.close()
     torch.save(loaded(state, by_name=True), root / f"actual-rank{rank}.pt")
     dist.destroy_process_group()
+    # Leave without tearing down DDP, as tests/e2e/dist_trainer.py does: freeing its reducer at exit
+    # runs the gloo process group's destructor, which joins a gloo thread that may wait for the GIL
+    # (torch 2.13): a rank hung, or aborted with "terminate called without an active exception" (once
+    # in some twenty CI runs, on a loaded machine). Everything it had to write is written by now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
