@@ -11,10 +11,8 @@ import asyncio
 import contextlib
 import functools
 import logging
-import math
 import os
 import signal
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -46,6 +44,7 @@ from spotguard.peer.receiver import PeerReceiver
 from spotguard.peer.tokens import token_weakness
 from spotguard.peer.wire import load_token
 from spotguard.providers.base import Acknowledgements, Monitor, MonitorError
+from spotguard.repeats import RepeatedErrors
 from spotguard.storage.base import Capability, Storage, StorageError
 from spotguard.storage.journal import UploadJournal
 from spotguard.version import __version__
@@ -141,7 +140,7 @@ class Daemon:
         self.save_failures: list[dict[str, Any]] = []  # the last few, newest last
         self.metrics_url: str | None = None  # set by build_and_run when metrics are served
         self.monitor_errors: dict[str, str] = {}
-        self._monitor_warned: dict[str, float] = {}  # monitor -> when its current error was last logged
+        self._monitor_warnings = RepeatedErrors(MONITOR_WARN_EVERY)
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
@@ -318,7 +317,7 @@ class Daemon:
                 logger.exception("%s monitor failed", monitor.name)
             return
         if self.monitor_errors.pop(monitor.name, None) is not None:
-            self._monitor_warned.pop(monitor.name, None)
+            self._monitor_warnings.clear(monitor.name)
             logger.info("%s: the metadata service answers again", monitor.name)
         for notice in notices:
             await self.on_notice(notice)
@@ -326,12 +325,9 @@ class Daemon:
     def _monitor_failed(self, name: str, error: str, exc: Exception) -> bool:
         """Note a failed check (status, metric); whether to log it: a new or changed error, or the same
         one last logged :data:`MONITOR_WARN_EVERY` seconds ago."""
-        changed = self.monitor_errors.get(name) != error
         self.monitor_errors[name] = error
         self.bus.emit(MonitorFailed(name, exc))
-        now = time.monotonic()
-        if changed or now - self._monitor_warned.get(name, -math.inf) >= MONITOR_WARN_EVERY:
-            self._monitor_warned[name] = now
+        if self._monitor_warnings.due(name, error):
             return True
         logger.debug("%s (still failing)", error)
         return False

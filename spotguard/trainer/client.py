@@ -16,13 +16,13 @@ import os
 import selectors
 import socket
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from spotguard import protocol
+from spotguard.repeats import RepeatedErrors
 
 logger = logging.getLogger("spotguard.trainer")
 
@@ -59,7 +59,7 @@ class DaemonClient:
         self.welcomed = threading.Event()
         self.connections = 0  # how many times a connection was made (reconnects show here)
         self._welcomes = 0  # connections the daemon took (answered with a welcome)
-        self._last_error: tuple[str, float] | None = None  # the daemon's last error logged, and when
+        self._errors = RepeatedErrors(_REPEAT_ERROR_AFTER)  # a refusal that lasts comes at every reconnect
         self._waiting: dict[str, tuple[threading.Event, list[dict[str, Any]]]] = {}  # reply type -> its slot
         self._thread = threading.Thread(target=self._run, name="spotguard-daemon-client", daemon=True)
 
@@ -202,16 +202,10 @@ class DaemonClient:
         """An error from the daemon, logged when it differs from the last one or that one was logged
         :data:`_REPEAT_ERROR_AFTER` seconds ago: a refusal that lasts (a uid not allowed) comes at every
         reconnect, for as long as the training runs."""
-        now = time.monotonic()
-        if (
-            self._last_error is not None
-            and self._last_error[0] == text
-            and now - self._last_error[1] < _REPEAT_ERROR_AFTER
-        ):
+        if self._errors.due("daemon", text):
+            logger.warning("%s", text)
+        else:
             logger.debug("%s (again)", text)
-            return
-        self._last_error = (text, now)
-        logger.warning("%s", text)
 
     def _dispatch(self, line: bytes) -> None:
         try:
