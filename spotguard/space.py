@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import shutil
 from collections.abc import Callable, Collection
 from pathlib import Path
@@ -43,6 +44,45 @@ class SpotguardDiskFull(FatalError, OSError):
 
 def is_disk_full(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full_behind(exc: BaseException) -> OSError | None:
+    """The ENOSPC (or EDQUOT) error behind ``exc``: ``exc`` itself, its cause or context, or one rank's
+    failure inside DCP's ``CheckpointException`` (which keeps them in ``failures`` as ``(error,
+    traceback)`` pairs); None when there is none. Frameworks wrap a full disk in their own errors."""
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        error = todo.pop()
+        if id(error) in seen:
+            continue
+        seen.add(id(error))
+        if is_disk_full(error):
+            assert isinstance(error, OSError)
+            return error
+        todo.extend(linked for linked in (error.__cause__, error.__context__) if linked is not None)
+        failures = getattr(error, "failures", None)
+        if isinstance(failures, dict):
+            for failure in failures.values():
+                inner = failure[0] if isinstance(failure, tuple) and failure else failure
+                if isinstance(inner, BaseException):
+                    todo.append(inner)
+    return None
+
+
+def as_disk_full(error: OSError, root: Path | None = None) -> SpotguardDiskFull:
+    """``error`` (a full disk) with the numbers: where, how much was free, and at least one byte more
+    than that needed (how much a framework's write wanted is not known)."""
+    if isinstance(error, SpotguardDiskFull):
+        return error
+    where = Path(os.fsdecode(error.filename)).parent if error.filename else root
+    if where is None:
+        where = Path.cwd()
+    try:
+        free = free_bytes(where)
+    except OSError:
+        free = 0
+    return SpotguardDiskFull(where, free + 1, free, str(error))
 
 
 def free_bytes(path: Path) -> int:
@@ -122,4 +162,12 @@ def keep_room_for_one(root: Path, *, protected: Collection[str] = ()) -> list[st
         return []
 
 
-__all__ = ["SpotguardDiskFull", "free_bytes", "is_disk_full", "keep_room_for_one", "make_room"]
+__all__ = [
+    "SpotguardDiskFull",
+    "as_disk_full",
+    "disk_full_behind",
+    "free_bytes",
+    "is_disk_full",
+    "keep_room_for_one",
+    "make_room",
+]

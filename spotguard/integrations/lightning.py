@@ -167,7 +167,8 @@ class SpotguardCallback(pl.Callback):
                 trainer.save_checkpoint(step_dir / CKPT_NAME)
         except AlreadyCommitted as exc:
             step_dir = exc.step_dir
-        self.last_saved = step_dir
+        if guard.last_checkpoint == step_dir:  # else a periodic save the full disk skipped (logged)
+            self.last_saved = step_dir
         if guard.stop_requested:
             trainer.should_stop = True
 

@@ -169,6 +169,7 @@ class SpotguardCallback(transformers.TrainerCallback):
                     shutil.move(written, step_dir / relpath)
         except AlreadyCommitted as exc:
             step_dir = exc.step_dir
-        self.last_saved = step_dir
+        if guard.last_checkpoint == step_dir:  # else a periodic save the full disk skipped (logged)
+            self.last_saved = step_dir
         if guard.stop_requested:
             control.should_training_stop = True

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from spotguard.errors import FatalError
+from spotguard.space import SpotguardDiskFull, as_disk_full, disk_full_behind
 
 T = TypeVar("T")
 
@@ -68,12 +69,28 @@ class RankFailed(FatalError, RuntimeError):
     """One or more ranks failed a step every rank takes part in; every rank raises this, with the same text."""
 
 
+class FailedElsewhere(FatalError, RuntimeError):
+    """This rank's part went well, but a library that agrees on failures itself (DCP) failed the step
+    because of another rank: :func:`agree_ok` counts it, and names only the ranks that failed."""
+
+
+class RankDiskFull(SpotguardDiskFull, RankFailed):
+    """A :class:`RankFailed` where a rank's disk was full: every rank raises it, with the numbers of the
+    first full rank, so that every rank treats it as a full disk (a periodic save is skipped on all of
+    them, not only on the rank whose disk it was)."""
+
+    def __init__(self, message: str, full: SpotguardDiskFull) -> None:
+        super().__init__(full.path, full.bytes_needed, full.bytes_free)
+        self.strerror = message  # str(): the same text on every rank
+
+
 def agree_ok(what: str, error: BaseException | None) -> None:
     """Collective: every rank reports whether its part of ``what`` succeeded, before the next collective.
 
     Without this, a rank that raised leaves the others waiting in that collective until the process
     group times out. If any rank failed, every rank raises the same :class:`RankFailed` naming each
-    failed rank and its error. Without ``torch.distributed`` the error is raised as it is.
+    failed rank and its error (a :class:`RankDiskFull` when one of them was a full disk). Without
+    ``torch.distributed`` the error is raised as it is.
     """
     if not active():
         if error is not None:
@@ -81,10 +98,24 @@ def agree_ok(what: str, error: BaseException | None) -> None:
         return
     if not agree_any([error is not None])[0]:
         return
+    mine: tuple[str, tuple[str, int, int] | None] | None = None
+    if error is not None and not isinstance(error, FailedElsewhere):
+        full = disk_full_behind(error)
+        room = as_disk_full(full) if full is not None else None
+        mine = (
+            f"{type(error).__name__}: {error}",
+            None if room is None else (str(room.path), room.bytes_needed, room.bytes_free),
+        )
     reports: list[Any] = [None] * world_size()
-    dist.all_gather_object(reports, None if error is None else f"{type(error).__name__}: {error}")
-    failures = "; ".join(f"rank {r}: {report}" for r, report in enumerate(reports) if report is not None)
-    raise RankFailed(f"spotguard: {what} failed on {failures}") from error
+    dist.all_gather_object(reports, mine)
+    failures = "; ".join(f"rank {r}: {report[0]}" for r, report in enumerate(reports) if report is not None)
+    failures = failures or f"some rank ({error})"  # only FailedElsewhere, which names them
+    message = f"spotguard: {what} failed on {failures}"
+    rooms = [report[1] for report in reports if report is not None and report[1] is not None]
+    if rooms:
+        path, needed, free = rooms[0]
+        raise RankDiskFull(message, SpotguardDiskFull(Path(path), needed, free)) from error
+    raise RankFailed(message) from error
 
 
 @contextmanager

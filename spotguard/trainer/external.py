@@ -10,11 +10,13 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NoReturn
 
 from spotguard.errors import FatalError
 from spotguard.localstore import CheckpointExists, CheckpointWriter
 from spotguard.manifest import MANIFEST
 from spotguard.trainer import dist
+from spotguard.trainer.notices import Message
 from spotguard.trainer.saving import Saver
 
 logger = logging.getLogger("spotguard.trainer")
@@ -29,25 +31,51 @@ class AlreadyCommitted(FatalError):
 
 
 @contextmanager
-def commit_external(saver: Saver, writer: CheckpointWriter, done: Callable[[], None]) -> Iterator[Path]:
+def commit_external(
+    saver: Saver, writer: CheckpointWriter, done: Callable[[], None], notice: Message | None = None
+) -> Iterator[Path]:
     """Prepare ``writer``'s directory on every rank, yield it, then (rank 0) record and commit what was
     written there; ``done`` runs after the commit, or at once when the step was already committed
-    (then :class:`AlreadyCommitted` is raised before yielding). Collective."""
+    (then :class:`AlreadyCommitted` is raised before yielding). Collective.
+
+    On a failure the daemon hears ``save-failed`` and a partial directory on a full disk is removed,
+    as for the Guard's own saves; the error raised is :class:`SpotguardDiskFull` for a full disk
+    (however the framework wrapped it)."""
     try:
         saver.open_step_dir(writer)
     except CheckpointExists:
         logger.info("spotguard: %s is already committed; not writing it again", writer.dir.name)
         done()
         raise AlreadyCommitted(writer.dir) from None
-    with dist.settled(f"writing {writer.dir.name}"):  # every rank's files are in place, or all ranks hear why not
-        yield writer.dir
-    with dist.settled(f"committing {writer.dir.name}"):  # nobody goes on (or exits) before the commit
-        if saver.rank == 0:
-            for relpath in files_under(writer.dir):
-                fsync_file(writer.dir / relpath)  # frameworks write without fsync; the manifest must not lie
-                writer.add_existing(relpath)
-            writer.commit()
+    except Exception as exc:  # no room even for the directory
+        _failed(saver, writer, exc, notice)
+    try:
+        with dist.settled(f"writing {writer.dir.name}"):  # every rank's files are in place, or all ranks hear why
+            yield writer.dir
+        with dist.settled(f"committing {writer.dir.name}"):  # nobody goes on (or exits) before the commit
+            if saver.rank == 0:
+                for relpath in files_under(writer.dir):
+                    fsync_file(writer.dir / relpath)  # frameworks write without fsync; the manifest must not lie
+                    writer.add_existing(relpath)
+                writer.commit()
+    except Exception as exc:
+        _failed(saver, writer, exc, notice)
     done()
+
+
+def _failed(saver: Saver, writer: CheckpointWriter, exc: Exception, notice: Message | None) -> NoReturn:
+    failure = saver.save_failed(writer, exc, bytes_under(writer.dir), notice)
+    if failure is exc:
+        raise exc
+    raise failure from exc
+
+
+def bytes_under(step_dir: Path) -> int:
+    """What a failed write left in ``step_dir``: at least that much was needed."""
+    try:
+        return sum(path.stat().st_size for path in step_dir.rglob("*") if path.is_file())
+    except OSError:
+        return 0
 
 
 def files_under(step_dir: Path) -> list[str]:

@@ -170,10 +170,15 @@ class Guard:
 
         Every rank must enter (the directory exists on all ranks before anyone writes, and nobody leaves
         before rank 0 committed). Raises :class:`AlreadyCommitted` (before yielding) if the step is
-        already complete. On an exception nothing is committed: the directory stays incomplete and the
-        next writer removes it. On a clean exit every file is recorded in the manifest, the manifest is
+        already complete. On a clean exit every file is recorded in the manifest, the manifest is
         committed, the daemon is told and the notice counts as answered. ``live`` (e.g. ``{"model": ...,
         "optimizer": ...}``) is described in the manifest, so that a resume can be checked against it.
+
+        On an exception nothing is committed, the daemon hears the save failed, and the directory stays
+        incomplete for the next writer to remove (at once on a full disk). A full disk (however the
+        framework wrapped ``ENOSPC``) is raised from an urgent save as :class:`spotguard.SpotguardDiskFull`;
+        a periodic one is logged, the ``with`` block ends as if it had committed and training goes on, as
+        in :meth:`save` (:attr:`last_checkpoint` tells the two apart).
         """
         reason, notice = self._flags.save_reason()
         full_meta: dict[str, Any] = dict(meta)
@@ -189,8 +194,21 @@ class Guard:
             self._saved(step, notice)
             self._saver.report(writer.dir, step, reason, notice)
 
-        with commit_external(self._saver, writer, done) as step_dir:
-            yield step_dir
+        try:
+            with commit_external(self._saver, writer, done, notice) as step_dir:
+                yield step_dir
+        except AlreadyCommitted:
+            raise
+        except SpotguardDiskFull as exc:
+            if reason != "periodic":
+                self._flags.stop_if_hard(notice)
+                raise
+            # As in save(): a full disk must not end training; the periodic clock restarts.
+            logger.warning("spotguard: periodic checkpoint %s not written: %s", writer.dir.name, exc)
+            self._saved(step, notice)
+        except BaseException:
+            self._flags.stop_if_hard(notice)  # as in save(): the notice stays pending, a hard one ends the loop
+            raise
 
     # --- the loop's questions ------------------------------------------------------------
 
@@ -202,6 +220,12 @@ class Guard:
         the two calls must not end the loop before the checkpoint it asked for is taken.
         """
         return self._flags.stop_agreed
+
+    @property
+    def last_checkpoint(self) -> Path | None:
+        """The step directory of the newest checkpoint this Guard committed (a periodic save written in
+        the background once it is committed); None before the first."""
+        return self._saver.last_committed
 
     @property
     def deadline(self) -> datetime | None:

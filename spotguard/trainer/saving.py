@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from spotguard.localstore import CheckpointExists, CheckpointWriter, prune_local, remove_incomplete, scan_local
-from spotguard.manifest import FileEntry, load_manifest_or_none
+from spotguard.manifest import FileEntry, load_manifest_or_none, load_part
 from spotguard.safefile import SaveCancelled
-from spotguard.space import SpotguardDiskFull, free_bytes, is_disk_full, make_room
+from spotguard.space import SpotguardDiskFull, disk_full_behind, free_bytes, is_disk_full, make_room
 from spotguard.trainer import dist
 from spotguard.trainer.client import DaemonClient
 from spotguard.trainer.notices import Message
@@ -28,6 +28,7 @@ from spotguard.trainer.writer import ParallelWriter
 # Saves at a notice, racing its deadline: they prune no older checkpoint before they return (the
 # next save does; one that is short of room makes its own).
 HURRIED = frozenset({"urgent", "soft"})
+NEARLY_FULL = 1 << 20  # free bytes under which a failed write counts as a full disk, whatever it raised
 
 logger = logging.getLogger("spotguard.trainer")
 
@@ -51,13 +52,15 @@ class Saver:
         self.world_size = dist.world_size()
         self.io_threads = io_threads  # threads that write and read this rank's files
         self.on_commit = on_commit  # called at each local commit (the Guard's timeline)
-        self.node_leader = self.rank == 0  # the rank that tells this node's daemon about commits
+        self.node_leader = self.rank == 0  # the rank that speaks for this disk: tells its daemon, clears leftovers
+        self._leader_known = self.world_size == 1
         self.stager = Stager()
         # Writes the state files of urgent and periodic saves (never both at once: an urgent save
         # first cancels the periodic one); its staging buffers for CUDA tensors are kept across saves.
         self.files_writer = ParallelWriter(io_threads)
         self._background: tuple[threading.Thread, threading.Event] | None = None
         self._background_error: Exception | None = None
+        self.last_committed: Path | None = None  # the step directory of the newest commit
         self._last_bytes: int | None = None  # what the last checkpoint took on disk, to expect as much again
 
     # --- the two paths -------------------------------------------------------------------
@@ -151,6 +154,9 @@ class Saver:
         alike) or there is no room (:class:`SpotguardDiskFull` on all ranks). Collective."""
         exists = False
         no_room: SpotguardDiskFull | None = None
+        if not self._leader_known:  # once: which rank speaks for this disk (collective, like this call)
+            self.node_leader = dist.is_node_leader(self.checkpoint_dir)
+            self._leader_known = True
         with dist.settled(f"preparing {writer.dir.name}"):  # any other failure on rank 0 reaches every rank
             if self.rank == 0:
                 try:
@@ -159,6 +165,9 @@ class Saver:
                     exists = True
                 except SpotguardDiskFull as exc:
                     no_room = exc
+            elif self.node_leader:
+                # Another node's disk: its leftovers (a failed or killed save's share) go as on rank 0's.
+                self._remove_incomplete(writer)
         # Also keeps the other ranks from writing before rank 0 has made the directory.
         exists, full = dist.agree_any([exists, no_room is not None])
         if exists:
@@ -171,11 +180,14 @@ class Saver:
         # Leftovers of a writer killed mid-save; the daemon never loads or uploads them. Every save
         # removes them, an urgent one too: they exist only after a crash (otherwise this is one look
         # at the directory), and they hold room the save may need.
+        self._remove_incomplete(writer)
+        writer.prepare()
+        make_room(self.checkpoint_dir, needed, safe=self.safe_in_bucket, exclude={writer.dir.name})
+
+    def _remove_incomplete(self, writer: CheckpointWriter) -> None:
         removed = remove_incomplete(self.checkpoint_dir, except_names=frozenset({writer.dir.name}))
         if removed:
             logger.info("spotguard: removed incomplete checkpoints %s", ", ".join(removed))
-        writer.prepare()
-        make_room(self.checkpoint_dir, needed, safe=self.safe_in_bucket, exclude={writer.dir.name})
 
     def safe_in_bucket(self) -> Collection[str] | None:
         """What the daemon says is complete in the bucket; None when no daemon answers."""
@@ -233,11 +245,19 @@ class Saver:
         """Nothing was committed: remove the partial directory, tell the daemon, and return the error
         to raise (a raw ENOSPC becomes :class:`SpotguardDiskFull` with the numbers)."""
         failure = exc
-        if is_disk_full(exc) and not isinstance(exc, SpotguardDiskFull):
+        # With several ranks agree_ok decided already, alike on every rank (RankDiskFull or not).
+        if self.world_size == 1 and not isinstance(exc, SpotguardDiskFull):
             free = free_bytes(self.checkpoint_dir)
-            failure = SpotguardDiskFull(self.checkpoint_dir, max(needed, free + 1), free, f"{writer.dir.name}: {exc}")
-        partial = load_manifest_or_none(writer.dir) is None
-        if partial and self.rank == 0 and (self.world_size == 1 or isinstance(exc, SpotguardDiskFull)):
+            # torch.save to a path reports a full disk as 'basic_ios::clear: iostream error', no errno:
+            # a failed write that left (almost) no room is taken for what it most likely was.
+            if disk_full_behind(exc) is not None or free < NEARLY_FULL:
+                failure = SpotguardDiskFull(
+                    self.checkpoint_dir, max(needed, free + 1), free, f"{writer.dir.name}: {exc}"
+                )
+        partial = load_manifest_or_none(writer.dir) is None and load_part(writer.dir) is None
+        if partial and self.node_leader and (self.world_size == 1 or isinstance(exc, SpotguardDiskFull)):
+            # Several ranks: only a full disk, which every rank agreed on (RankDiskFull), so no rank is
+            # still writing; its room is wanted now. Other leftovers go at the next save.
             shutil.rmtree(writer.dir, ignore_errors=True)
         if self.node_leader:
             self._tell_save_failed(writer, failure, notice)
@@ -263,6 +283,7 @@ class Saver:
 
     def report(self, target: Path, step: int, reason: str, notice: Message | None) -> None:
         """After a commit: tell the daemon (each node's leader speaks for its disk) and keep the disk in bounds."""
+        self.last_committed = target
         if not self.node_leader:
             return
         self.client.send(

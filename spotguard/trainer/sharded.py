@@ -40,6 +40,7 @@ from spotguard.localstore import CheckpointWriter
 from spotguard.manifest import FileEntry, Manifest, write_part
 from spotguard.trainer import dist
 from spotguard.trainer.contents import flatten
+from spotguard.trainer.dcp_errors import dcp_errors, noting_full_disk
 from spotguard.trainer.state import (
     DCP_LAYOUT,
     RNG_KEY,
@@ -162,7 +163,8 @@ def _write_dcp(
         # No more threads than tensors: DCP writes one file per thread, an empty one for an idle thread.
         thread_count = max(1, min(threads, _tensor_count(tree)))
         dcp_writer = dcp.FileSystemWriter(writer.dir, sync_files=True, overwrite=False, thread_count=thread_count)
-        dcp.save(tree, storage_writer=dcp_writer)
+        with dcp_errors(noting_full_disk(dcp_writer)):
+            dcp.save(tree, storage_writer=dcp_writer)
     # On another node's disk the directory exists only once DCP (or the first file) made it.
     paths = sorted(writer.dir.iterdir()) if writer.dir.is_dir() else []
     written = [p for p in paths if p.name.startswith(f"__{rank}_") or (rank == 0 and p.name == ".metadata")]
@@ -256,7 +258,8 @@ def load_sharded(
         with warnings.catch_warnings():
             # Loading a sharded checkpoint into one process is a feature here, not an accident.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(tree, storage_reader=_ThreadedReader(step_dir, threads))
+            with dcp_errors():
+                dcp.load(tree, storage_reader=_ThreadedReader(step_dir, threads))
         set_state_dict(
             state[model],
             [state[key] for key in optimizers],

@@ -1,6 +1,10 @@
-"""One rank of a 2-rank gloo job whose urgent save fails on some rank; prints what this rank raised.
+"""One rank of a 2-rank gloo job whose saves fail on some rank; prints one JSON line per save.
 
-RANK=r WORLD_SIZE=2 RENDEZVOUS_FILE=f python -m tests.e2e.dist_failure ROOT0,ROOT1 STEP_DIR_STATE
+RANK=r WORLD_SIZE=2 RENDEZVOUS_FILE=f [FILLER=path] python -m tests.e2e.dist_failure ROOT0,ROOT1 KIND PLAN
+
+KIND: ``dcp`` (a module, which DCP writes on rank 0) or ``files`` (a tensor per rank, each its own file).
+PLAN: saves as ``step:reason``, comma-separated. Before a step whose reason ends in ``+room``, the rank
+whose disk holds ``FILLER`` deletes it (all ranks wait for that).
 """
 
 from __future__ import annotations
@@ -10,28 +14,43 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from spotguard import Guard
+from spotguard import Guard, SpotguardDiskFull
 
 
 def main() -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", init_method=f"file://{os.environ['RENDEZVOUS_FILE']}", world_size=world, rank=rank)
-    roots = sys.argv[1].split(",")
-    root = Path(roots[rank])
-    guard = Guard(checkpoint_dir=root, socket=root.parent / f"none-{rank}.sock", daemon_wait=0.1)
-    state = {"weights": torch.arange(1024, dtype=torch.float32) * (rank + 1), "step": 5}
-    started = time.monotonic()
-    try:
-        guard.save(state, 5, reason="urgent")
-        outcome = {"rank": rank, "raised": None}
-    except Exception as exc:
-        outcome = {"rank": rank, "raised": type(exc).__name__, "message": str(exc)}
-    outcome["seconds"] = time.monotonic() - started
-    print(json.dumps(outcome), flush=True)
+    root = Path(sys.argv[1].split(",")[rank])
+    torch.manual_seed(0)
+    state: dict[str, Any]
+    if sys.argv[2] == "dcp":
+        state = {"model": torch.nn.Linear(1024, 1024)}  # 4 MiB, the same on both ranks: DCP writes it on rank 0
+    else:
+        state = {"weights": torch.full((1 << 20,), float(rank + 1))}  # 4 MiB each, a file per rank
+    guard = Guard(checkpoint_dir=root, socket=root.parent / f"none-{rank}.sock", daemon_wait=0.1, handle_sigterm=False)
+    for planned in sys.argv[3].split(","):
+        step, reason = planned.split(":")
+        if reason.endswith("+room"):
+            reason = reason.removesuffix("+room")
+            filler = Path(os.environ["FILLER"])
+            if filler.parent == root.parent:
+                filler.unlink()  # this rank's disk had the room taken
+            dist.barrier()
+        outcome: dict[str, Any] = {"step": int(step), "rank": rank, "raised": None}
+        started = time.monotonic()
+        try:
+            guard.save(state, int(step), reason=reason)
+        except Exception as exc:
+            outcome.update(raised=type(exc).__name__, disk_full=isinstance(exc, SpotguardDiskFull), message=str(exc))
+        outcome["seconds"] = time.monotonic() - started
+        outcome["last_checkpoint"] = str(guard.last_checkpoint)
+        outcome["on_disk"] = sorted(path.name for path in root.iterdir()) if root.is_dir() else []
+        print(json.dumps(outcome), flush=True)
     guard.close()
     dist.destroy_process_group()
     os._exit(0)  # see dist_trainer: freeing the process group's workers can deadlock at exit

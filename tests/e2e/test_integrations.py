@@ -18,6 +18,7 @@ from spotguard.control import request
 from spotguard.harness import Vm, compare_final, wait_for
 from spotguard.localstore import CheckpointWriter, scan_local
 from spotguard.manifest import load_manifest, verify_dir
+from tests.diskspace import fill
 from tests.e2e.integration_trainers import EVAL_BATCHES, STEPS_PER_EPOCH
 
 REPO = Path(__file__).resolve().parents[2]
@@ -136,6 +137,24 @@ def test_periodic_saves_go_on_and_sigterm_commits_an_urgent_one_then_stops(frame
     assert all(verify_dir(root / i.name) == [] for i in infos)
     if framework == "transformers":
         assert events[-1] == {**events[-1], "event": "stopped", "step": K}
+
+
+@pytest.mark.slow
+def test_lightning_periodic_saves_on_a_full_disk_are_skipped_and_training_runs_to_the_end(
+    tmp_path: Path, tmpfs: Callable[[int], Path]
+) -> None:
+    """The callback's saves are written by Lightning itself (external_save): a full disk there ended
+    the run at the first periodic save; Guard.save's rule holds for them too."""
+    pytest.importorskip("lightning")
+    disk = tmpfs(1 << 20)
+    root = disk / "ckpt"
+    root.mkdir()
+    fill(disk, leave=0)
+    events = run_events(trainer_command("lightning", root, tmp_path / "none.sock", every_steps=10))
+    assert [e["step"] for e in events if e["event"] == "step"] == list(range(1, STEPS + 1))
+    assert events[-1] == {**events[-1], "event": "finished", "step": STEPS}
+    assert not [e for e in events if e["event"] == "saved"], "nothing committed, and nothing claimed"
+    assert list(root.iterdir()) == [], "no partial step directory holds what little room there is"
 
 
 # --- a notice while the loop is evaluating --------------------------------------------------------

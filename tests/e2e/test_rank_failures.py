@@ -6,10 +6,15 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from tests.diskspace import fill
+
+MiB = 1 << 20
 
 
 @pytest.fixture
@@ -26,15 +31,14 @@ def read_only_dir(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", str(path)], check=True)
 
 
-@pytest.mark.slow
-def test_a_rank_whose_write_fails_takes_every_rank_down_with_the_same_error(
-    tmp_path: Path, read_only_dir: Path
-) -> None:
-    good = tmp_path / "nvme0"
-    env = {**os.environ, "WORLD_SIZE": "2", "RENDEZVOUS_FILE": str(tmp_path / "rendezvous")}
+def run_two_ranks(
+    tmp_path: Path, roots: list[Path], kind: str, plan: str, filler: Path | None = None
+) -> list[list[dict[str, Any]]]:
+    """Both ranks of tests/e2e/dist_failure.py; each rank's JSON lines (one per save), rank 0's first."""
+    env = {**os.environ, "WORLD_SIZE": "2", "RENDEZVOUS_FILE": str(tmp_path / "rendezvous"), "FILLER": str(filler)}
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "tests.e2e.dist_failure", f"{good},{read_only_dir}"],
+            [sys.executable, "-m", "tests.e2e.dist_failure", ",".join(map(str, roots)), kind, plan],
             env={**env, "RANK": str(rank)},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -42,16 +46,25 @@ def test_a_rank_whose_write_fails_takes_every_rank_down_with_the_same_error(
         )
         for rank in range(2)
     ]
-    outcomes = []
+    lines = []
     try:
         for proc in procs:
-            out, err = proc.communicate(timeout=60)
-            lines = [line for line in out.splitlines() if line.startswith("{")]
-            assert lines, f"rank printed nothing; stderr:\n{err}"
-            outcomes.append(json.loads(lines[-1]))
+            out, err = proc.communicate(timeout=120)
+            mine = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+            assert len(mine) == plan.count(":"), f"rank printed {mine}; stderr:\n{err}"
+            lines.append(mine)
     finally:
         for proc in procs:
             proc.kill()
+    return lines
+
+
+@pytest.mark.slow
+def test_a_rank_whose_write_fails_takes_every_rank_down_with_the_same_error(
+    tmp_path: Path, read_only_dir: Path
+) -> None:
+    good = tmp_path / "nvme0"
+    outcomes = [lines[0] for lines in run_two_ranks(tmp_path, [good, read_only_dir], "files", "5:urgent")]
     assert [o["raised"] for o in outcomes] == ["RankFailed", "RankFailed"], outcomes
     assert outcomes[0]["message"] == outcomes[1]["message"]
     message = outcomes[0]["message"]
@@ -59,3 +72,38 @@ def test_a_rank_whose_write_fails_takes_every_rank_down_with_the_same_error(
     assert "Read-only file system" in message
     assert all(o["seconds"] < 10 for o in outcomes), outcomes
     assert not (good / "step-000000005" / "manifest.json").exists()  # nothing half-written counts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("kind", "full_rank"), [("dcp", 0), ("files", 1)])
+def test_a_full_disk_on_one_rank_skips_a_periodic_save_on_every_rank_and_fails_an_urgent_one_alike(
+    tmp_path: Path, tmpfs: Callable[[int], Path], kind: str, full_rank: int
+) -> None:
+    """A full disk is a full disk on every rank: a periodic save is skipped by all ranks and training
+    goes on (it ended the run, as RankFailed, or as DCP's CheckpointException, which no ``except
+    Exception`` sees); an urgent one raises the same SpotguardDiskFull everywhere; the partial
+    directories go at once; once there is room again the next save commits."""
+    small = tmpfs(8 * MiB)
+    roots = [tmp_path / "nvme0" / "ckpt", tmp_path / "nvme1" / "ckpt"]
+    roots[full_rank] = small / "ckpt"
+    roots[full_rank].mkdir()
+    filler = fill(small, leave=1 * MiB)
+
+    ranks = run_two_ranks(tmp_path, roots, kind, "5:periodic,6:urgent,7:periodic+room", filler)
+
+    periodic, urgent, after = ([lines[i] for lines in ranks] for i in range(3))
+    assert [o["raised"] for o in periodic] == [None, None], periodic
+    assert periodic[full_rank]["on_disk"] == [], "the failed save's directory went at once, its room with it"
+    assert urgent[full_rank]["on_disk"] == []
+    assert [o["raised"] for o in urgent] == ["RankDiskFull", "RankDiskFull"], urgent
+    assert all(o["disk_full"] for o in urgent)
+    assert urgent[0]["message"] == urgent[1]["message"]
+    assert f"failed on rank {full_rank}:" in urgent[0]["message"]
+    assert f"rank {1 - full_rank}:" not in urgent[0]["message"]
+    assert [o["raised"] for o in after] == [None, None], after
+    committed = str(roots[0] / "step-000000007")
+    assert (Path(committed) / "manifest.json").is_file()
+    assert [o["last_checkpoint"] for o in after] == [committed, str(roots[1] / "step-000000007")]
+    # Nothing of the failed saves is left on either disk, the full one included.
+    for root in roots:
+        assert sorted(p.name for p in root.iterdir()) == ["step-000000007"], root

@@ -4,6 +4,7 @@ on, urgent ones drop older local checkpoints (never the newest) or raise ``Spotg
 from __future__ import annotations
 
 import errno
+import io
 import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -123,3 +124,83 @@ def test_without_a_daemon_a_bucket_set_for_resume_does_not_stop_local_retention(
     finally:
         guard.close()
     assert [info.step for info in scan_local(root) if info.status == "complete"] == [4, 5]
+
+
+def write_framework_checkpoint(path: Path, size: int, *, buffered: bool = True) -> None:
+    """What a framework's own save does, ``size`` bytes: Lightning's ``torch.save`` into memory, then
+    one write of the file (a full disk raises ENOSPC), or ``torch.save`` to the path (its C++ writer
+    reports a full disk as 'basic_ios::clear: iostream error', with no errno)."""
+    state = {"weights": torch.ones(size // 4, dtype=torch.float32)}
+    if not buffered:
+        torch.save(state, path)
+        return
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    path.write_bytes(buffer.getvalue())
+
+
+def test_a_framework_written_periodic_save_on_a_full_disk_is_skipped_and_training_goes_on(
+    root: Path, guard: Guard, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Lightning's and the Hugging Face callbacks' saves go through external_save: a full disk there must
+    not end the run any more than in save(). torch.save hides ENOSPC behind its zip writer's
+    RuntimeError; the hook still recognizes it."""
+    with guard.external_save(1, {"framework": "test", "resume": "model.ckpt"}) as step_dir:
+        write_framework_checkpoint(step_dir / "model.ckpt", MiB)
+    assert guard.last_checkpoint == step_dir == root / step_dir_name(1)
+    filler = fill(root.parent, leave=1 * MiB)
+
+    with (
+        caplog.at_level(logging.WARNING, logger="spotguard.trainer"),
+        guard.external_save(2, {"framework": "test", "resume": "model.ckpt"}) as step_dir,
+    ):
+        write_framework_checkpoint(step_dir / "model.ckpt", 3 * MiB)
+    assert guard.last_checkpoint == root / step_dir_name(1), "the skipped save is not taken for a commit"
+    assert not (root / step_dir_name(2)).exists(), "its partial directory is removed at once"
+    failure = next(r for r in caplog.records if "periodic checkpoint step-000000002 not written" in r.getMessage())
+    assert "no room for a checkpoint" in failure.getMessage()
+    assert not guard.should_checkpoint(2), "the periodic clock restarted: no doomed save at the very next step"
+
+    filler.unlink()
+    with guard.external_save(3, {"framework": "test", "resume": "model.ckpt"}) as step_dir:
+        write_framework_checkpoint(step_dir / "model.ckpt", 3 * MiB)
+    assert guard.last_checkpoint == root / step_dir_name(3)
+    assert complete(root) == [1, 3]
+
+
+def test_a_framework_written_urgent_save_on_a_full_disk_raises_disk_full_and_ends_the_loop(
+    root: Path, guard: Guard
+) -> None:
+    fill(root.parent, leave=1 * MiB)
+    guard.notify_sigterm()
+    with (
+        pytest.raises(SpotguardDiskFull) as info,
+        guard.external_save(4, {"framework": "test", "resume": "model.ckpt"}) as step_dir,
+    ):
+        write_framework_checkpoint(step_dir / "model.ckpt", 3 * MiB, buffered=False)
+    assert info.value.errno == errno.ENOSPC and str(root) in str(info.value)
+    assert not (root / step_dir_name(4)).exists()
+    assert guard.last_checkpoint is None
+    assert guard.stop_requested, "SIGTERM: the loop ends cleanly after the failed save"
+
+
+def test_a_full_disk_is_found_behind_the_errors_frameworks_wrap_it_in() -> None:
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    from spotguard.space import as_disk_full, disk_full_behind
+
+    full = OSError(errno.ENOSPC, "No space left on device", "/nvme/ckpt/step-000000002/__0_0.distcp")
+    try:
+        try:
+            raise full
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598") from None
+    except RuntimeError as masked:  # torch.save's zip writer: the ENOSPC is only the context
+        wrapped = masked
+    assert disk_full_behind(wrapped) is full
+    dcp_failure = CheckpointException("save failed", {1: _wrap_exception(wrapped)})
+    assert disk_full_behind(dcp_failure) is full
+    assert disk_full_behind(RuntimeError("unexpected pos")) is None
+    assert disk_full_behind(OSError(errno.EIO, "Input/output error")) is None
+    numbers = as_disk_full(full)
+    assert numbers.path == Path("/nvme/ckpt/step-000000002") and numbers.bytes_needed == numbers.bytes_free + 1

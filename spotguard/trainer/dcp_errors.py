@@ -1,0 +1,65 @@
+"""DCP's failures as errors the rest of spotguard can act on.
+
+DCP agrees on a failure itself and raises ``CheckpointException`` on every rank. That is a
+``BaseException``: no ``except Exception`` sees it, so a full disk in a periodic save ended the
+training run, the daemon was never told the save failed, and the partial directory stayed. It also
+carries each rank's error as a copy made by pickling, which drops the cause: a full disk shows up as
+``RuntimeError: unexpected pos`` from ``torch.save``'s zip writer, and a writer thread's own error
+is only printed. So the file system under DCP's writer keeps the first full-disk error of this
+rank, and :func:`dcp_errors` raises this rank's own error (that one first), or
+:class:`FailedElsewhere` on a rank whose part went well.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Generator, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+from spotguard.space import disk_full_behind
+from spotguard.trainer import dist
+
+
+class FullDiskNoted(FileSystem):
+    """DCP's own file system, keeping the first full-disk error raised under any of its streams."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.full: OSError | None = None
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[Any, None, None]:
+        try:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+        except Exception as exc:
+            self.full = self.full or disk_full_behind(exc)
+            raise
+
+
+def noting_full_disk(writer: FileSystemWriter) -> FullDiskNoted:
+    """Put a :class:`FullDiskNoted` under ``writer`` (DCP keeps its file system in ``fs``)."""
+    noted = FullDiskNoted()
+    writer.fs = noted
+    return noted
+
+
+@contextmanager
+def dcp_errors(noted: FullDiskNoted | None = None) -> Iterator[None]:
+    """Turn DCP's ``CheckpointException`` into this rank's own error: the full disk ``noted`` saw, else
+    the copy DCP kept of this rank's error, else :class:`dist.FailedElsewhere`."""
+    try:
+        yield
+    except CheckpointException as exc:
+        if noted is not None and noted.full is not None:
+            raise noted.full from None
+        failed = sorted(exc.failures)
+        own = exc.failures.get(dist.rank())
+        if own is not None and isinstance(own[0], Exception):
+            raise own[0] from None
+        raise dist.FailedElsewhere(f"DCP failed on rank(s) {', '.join(map(str, failed))}") from None
