@@ -3,6 +3,9 @@
 The training loop never waits on this thread: messages from the daemon only
 set flags (through ``on_message``), and messages to it are queued and sent
 whenever a connection is up, so a daemon restart goes unnoticed by the loop.
+Nor does it wait on the daemon: a send takes what the socket takes at once, and
+the thread sends the rest when the daemon reads again (a daemon stopped or stuck
+on a dying disk must not stop training once the socket's buffer is full).
 The queue is bounded: with no daemon for days, a trainer that saves often must
 not grow it without end. Full, it drops the oldest ``file`` or ``file-range`` message first (early-upload
 hints; the checkpoint's ``saved`` covers the same files), else the
@@ -11,6 +14,7 @@ oldest message (the daemon rescans the checkpoint root when it starts anyway).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import selectors
@@ -28,6 +32,7 @@ logger = logging.getLogger("spotguard.trainer")
 
 _NON_ESSENTIAL = frozenset({"file", "file-range"})  # hints the daemon can do without; dropped first when full
 _REPEAT_ERROR_AFTER = 600.0  # seconds before the same error from the daemon is logged again
+_HELLO_TIMEOUT = 5.0  # seconds a new connection may take to accept the hello
 
 
 class DaemonClient:
@@ -49,6 +54,7 @@ class DaemonClient:
         self._retry_min = retry_min
         self._retry_max = retry_max
         self._outbox: deque[tuple[str, bytes]] = deque()
+        self._sent = 0  # bytes of the outbox's first line already on the current connection
         self._max_outbox = max_outbox
         self.dropped = 0  # messages dropped from a full outbox
         self._lock = threading.Lock()
@@ -61,6 +67,9 @@ class DaemonClient:
         self._welcomes = 0  # connections the daemon took (answered with a welcome)
         self._errors = RepeatedErrors(_REPEAT_ERROR_AFTER)  # a refusal that lasts comes at every reconnect
         self._waiting: dict[str, tuple[threading.Event, list[dict[str, Any]]]] = {}  # reply type -> its slot
+        # Tells the thread that the outbox has lines the socket did not take (to wait until it is writable).
+        self._wake_reader, self._wake_writer = socket.socketpair()
+        self._wake_writer.setblocking(False)
         self._thread = threading.Thread(target=self._run, name="spotguard-daemon-client", daemon=True)
 
     def start(self) -> DaemonClient:
@@ -76,20 +85,28 @@ class DaemonClient:
         """Queue a message; it goes out now if connected, else right after the next reconnect."""
         line = protocol.encode(message_type, **fields)
         with self._lock:
-            if len(self._outbox) >= self._max_outbox:
-                self._drop_one_locked()
+            if len(self._outbox) >= self._max_outbox and not self._drop_one_locked():
+                self._count_dropped_locked(message_type)  # nothing else could go: this one does
+                return
             self._outbox.append((message_type, line))
             self._flush_locked()
 
-    def _drop_one_locked(self) -> None:
-        victim = next((i for i, (kind, _) in enumerate(self._outbox) if kind in _NON_ESSENTIAL), 0)
-        kind, _ = self._outbox[victim]
+    def _drop_one_locked(self) -> bool:
+        first = 1 if self._sent else 0  # a line partly on the wire stays whole
+        kinds = [kind for kind, _ in self._outbox]
+        victim = next((i for i in range(first, len(kinds)) if kinds[i] in _NON_ESSENTIAL), first)
+        if victim >= len(kinds):
+            return False
         del self._outbox[victim]
+        self._count_dropped_locked(kinds[victim])
+        return True
+
+    def _count_dropped_locked(self, kind: str) -> None:
         self.dropped += 1
         if self.dropped == 1 or self.dropped % 100 == 0:
             logger.warning(
                 "spotguard daemon unreachable: %d messages queued, dropped the oldest %r (%d dropped so far)",
-                len(self._outbox) + 1,
+                len(self._outbox),
                 kind,
                 self.dropped,
             )
@@ -117,16 +134,32 @@ class DaemonClient:
                 self._sock.shutdown(socket.SHUT_RDWR)
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self._wake_reader.close()
+            self._wake_writer.close()
 
     # --- thread side ---------------------------------------------------------------------
 
-    def _flush_locked(self) -> None:
+    def _flush_locked(self) -> bool:
+        """Send what the socket takes now, without waiting; False when the connection is broken (the
+        thread notices and reconnects). What is left waits for the thread to see the socket writable."""
         while self._sock is not None and self._outbox:
+            line = memoryview(self._outbox[0][1])
             try:
-                self._sock.sendall(self._outbox[0][1])
+                self._sent += self._sock.send(line[self._sent :], socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                self._wake()
+                return True
             except OSError:
-                return  # the reader notices the broken connection and reconnects
-            self._outbox.popleft()
+                return False
+            if self._sent == len(line):
+                self._outbox.popleft()
+                self._sent = 0
+        return True
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):  # full (the thread is woken already), or closed
+            self._wake_writer.send(b"w")
 
     def _run(self) -> None:
         delay = self._retry_min
@@ -152,6 +185,7 @@ class DaemonClient:
             finally:
                 with self._lock:
                     self._sock = None
+                    self._sent = 0  # a line cut short goes whole on the next connection
                 self.connected.clear()
                 sock.close()
             if broken:
@@ -168,25 +202,42 @@ class DaemonClient:
     def _serve(self, sock: socket.socket) -> None:
         with self._lock:
             hello = self._hello
+        sock.settimeout(_HELLO_TIMEOUT)  # a daemon that accepted but never reads is a failed connect
         sock.sendall(protocol.encode("hello", **hello))
+        sock.settimeout(None)
         with self._lock:
             self._sock = sock
+            self._sent = 0
             self._flush_locked()
         self.connections += 1
         self.connected.set()
         buffer = b""
         with selectors.DefaultSelector() as selector:
             selector.register(sock, selectors.EVENT_READ)
+            selector.register(self._wake_reader, selectors.EVENT_READ)
+            writing = False
             while not self._closing.is_set():
-                if not selector.select(timeout=0.5):
-                    continue
-                chunk = sock.recv(65536)
-                if not chunk:
-                    return
-                buffer += chunk
-                while b"\n" in buffer:
-                    line, buffer = buffer.split(b"\n", 1)
-                    self._dispatch(line)
+                with self._lock:
+                    pending = bool(self._outbox)
+                if pending != writing:  # wait for room in the socket only while there is something to send
+                    selector.modify(sock, selectors.EVENT_READ | (selectors.EVENT_WRITE if pending else 0))
+                    writing = pending
+                for key, events in selector.select(timeout=0.5):
+                    if key.fileobj is self._wake_reader:
+                        self._wake_reader.recv(4096)
+                        continue
+                    if events & selectors.EVENT_WRITE:
+                        with self._lock:
+                            if not self._flush_locked():
+                                return
+                    if events & selectors.EVENT_READ:
+                        chunk = sock.recv(65536)
+                        if not chunk:
+                            return
+                        buffer += chunk
+                        while b"\n" in buffer:
+                            line, buffer = buffer.split(b"\n", 1)
+                            self._dispatch(line)
 
     def _woken_by_error_locked(self, error: dict[str, Any]) -> list[tuple[threading.Event, list[dict[str, Any]]]]:
         """The requests an error ends: the one it names (``re``), or, from a daemon that names none (an

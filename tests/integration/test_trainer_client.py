@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -149,3 +150,56 @@ def test_an_error_about_another_message_does_not_end_a_waiting_request(vm: Vm) -
         assert {(error["code"], error.get("re")) for error in errors} == {("bad-path", "file-range")}
     finally:
         client.close()
+
+
+def test_a_daemon_that_stops_reading_never_blocks_a_send_and_later_gets_every_kept_line_whole(tmp_path: Path) -> None:
+    """A daemon stopped (SIGSTOP, a debugger) or stuck on a dying disk reads nothing: once the socket's
+    buffer is full, a blocking send stopped the training thread for as long as the daemon did. Now the
+    socket takes what it can, the rest waits in the bounded outbox, and it all goes, whole and in
+    order, once the daemon reads again."""
+    path = tmp_path / "stuck.sock"
+    hello = {"rank": 0, "world_size": 1, "pid": 1, "checkpoint_dir": str(tmp_path)}
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(str(path))
+        listener.listen(1)
+        listener.settimeout(15)
+        client = DaemonClient(path, hello, lambda message: None, max_outbox=50).start()
+        try:
+            conn, _ = listener.accept()
+            wait_until(client.connected.is_set)
+            steps, files_per_step, name = 20, 100, "n" * 1000
+            sent = 0
+
+            def a_training_loop() -> None:
+                nonlocal sent
+                for step in range(steps):
+                    for n in range(files_per_step):
+                        # 2 MB in all: ten times what a Unix socket's buffer takes.
+                        client.send("file", path=str(tmp_path / f"step-{step}"), name=f"{name}{n}", size=1, crc32c="0")
+                        sent += 1
+                    client.send(
+                        "saved", path=str(tmp_path / f"step-{step}"), step=step, reason="periodic", event_id=None
+                    )
+                    sent += 1
+
+            loop = threading.Thread(target=a_training_loop, daemon=True)
+            loop.start()
+            loop.join(timeout=30)
+            assert not loop.is_alive(), f"send() blocked on a daemon that reads nothing ({sent} messages sent)"
+            assert client.dropped > 0, "the socket's buffer did fill: the outbox had to drop hints"
+
+            with conn:
+                conn.settimeout(15)
+                received = b""
+                expected = steps * (files_per_step + 1) - client.dropped + 1  # and the hello
+                while received.count(b"\n") < expected:
+                    chunk = conn.recv(1 << 20)
+                    assert chunk, "the client hung up early"
+                    received += chunk
+                messages = [json.loads(line) for line in received.splitlines()]  # no line torn or spliced
+        finally:
+            client.close()
+    assert messages[0]["type"] == "hello"
+    assert [m["step"] for m in messages if m["type"] == "saved"] == list(range(steps)), "every commit arrives, in order"
+    assert len(messages) - 1 + client.dropped == steps * (files_per_step + 1)
+    assert not client._outbox
