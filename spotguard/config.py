@@ -45,8 +45,8 @@ WEBHOOK_FIELDS = (
 
 # Settings that are a number of seconds and must be positive.
 _POSITIVE_SECONDS = (
-    "poll_interval", "http_timeout", "drill_deadline", "scan_interval", "shutdown_grace", "forecast_interval",
-    "incomplete_grace", "stall_min_seconds", "upload_retry_max", "stale_upload_age",
+    "poll_interval", "http_timeout", "drill_deadline", "scan_interval", "bucket_scan_interval", "shutdown_grace",
+    "forecast_interval", "incomplete_grace", "stall_min_seconds", "upload_retry_max", "stale_upload_age",
 )  # fmt: skip
 # Counts that must be at least one.
 _AT_LEAST_ONE = ("keep_local", "keep_remote", "max_connections", "upload_concurrency", "upload_alert_after")
@@ -88,6 +88,7 @@ class DaemonConfig:
     drill_deadline: float = 120.0  # seconds a drill gives, unless `spotguard drill --deadline` says
     notice_grace: float = 60.0  # seconds past its deadline a hard notice still stops new trainers, then is over
     scan_interval: float = 2.0  # how often the uploader rescans the checkpoint root
+    bucket_scan_interval: float = 60.0  # how often it lists the bucket with nothing new on disk (requests cost)
     shutdown_grace: float = 110.0  # on SIGTERM, upload for at most this long (or the notice deadline)
     upload_concurrency: int = 16  # upload streams in flight at once (S3 gives each connection tens of MB/s)
     upload_retry_max: float = 60.0  # a failed upload waits 2 s, doubled per failure in a row, up to this

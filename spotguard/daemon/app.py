@@ -69,6 +69,7 @@ def _build_uploader(config: DaemonConfig, storage: Storage | None, root: Path, b
         retry_max=config.upload_retry_max,
         alert_after=config.upload_alert_after,
         scan_interval=config.scan_interval,
+        bucket_scan_interval=config.bucket_scan_interval,
         forecast_interval=config.forecast_interval,
         bus=bus,
     )

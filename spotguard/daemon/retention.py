@@ -10,7 +10,7 @@ from pathlib import Path
 
 from spotguard.localstore import prune_local, scan_local
 from spotguard.storage.base import Storage, StorageError
-from spotguard.storage.checkpoints import prune_remote
+from spotguard.storage.checkpoints import KnownManifests, prune_remote
 
 logger = logging.getLogger("spotguard.uploader")
 
@@ -25,6 +25,7 @@ async def apply_retention(
     in_flight: frozenset[str],
     settled: Callable[[], set[str]],
     bucket: bool = True,
+    known: KnownManifests | None = None,
 ) -> None:
     """Keep the newest ``keep_remote`` checkpoints in the bucket (never one ``in_flight``; not done
     unless ``bucket``: a multi-node job's node other than 0 leaves the bucket to node 0, which
@@ -33,7 +34,9 @@ async def apply_retention(
     share sent there, or another writer's there)."""
     if bucket:
         try:
-            removed = await asyncio.to_thread(prune_remote, storage, keep_remote, protected=in_flight, grace=grace)
+            removed = await asyncio.to_thread(
+                prune_remote, storage, keep_remote, protected=in_flight, grace=grace, known=known
+            )
             if removed:
                 logger.info("bucket retention removed %s", ", ".join(removed))
         except (StorageError, OSError) as exc:

@@ -2,7 +2,9 @@
 
 What is left to do is derived, never remembered: at start and every
 ``scan_interval`` the uploader compares the complete checkpoints under the
-local root with the complete ones in the bucket. Urgent checkpoints jump the
+local root with the complete ones in the bucket. The bucket is listed at most
+every ``bucket_scan_interval``, and at once when the local root holds a checkpoint
+not yet settled; each manifest in it is read once (:class:`KnownManifests`). Urgent checkpoints jump the
 queue and cancel a periodic upload in flight (it is picked up again later;
 the files it already sent are not sent twice). Blocking storage calls run in
 threads, never on the event loop.
@@ -29,11 +31,12 @@ from spotguard.daemon.retention import apply_retention
 from spotguard.daemon.streams import EarlyUploads
 from spotguard.daemon.upload_failures import UploadFailures
 from spotguard.localstore import scan_local
-from spotguard.manifest import FileEntry, Manifest, node_holdings, parse_step_dir
+from spotguard.manifest import CheckpointInfo, FileEntry, Manifest, node_holdings, parse_step_dir
 from spotguard.safefile import SymlinkRefused
 from spotguard.storage.base import Capability, Storage, StorageError
 from spotguard.storage.checkpoints import (
     CommitLost,
+    KnownManifests,
     UploadCancelled,
     UploadProgress,
     commit_remote,
@@ -94,6 +97,26 @@ def _send(
     commit_remote(storage, step_dir, deadline=deadline)
 
 
+class BucketListings:
+    """When the uploader lists the bucket next, and the manifests it has read there."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self.manifests = KnownManifests()
+        self.count = 0
+        self._at = -interval  # monotonic time of the last listing
+
+    def due(self) -> bool:
+        return time.monotonic() - self._at >= self.interval
+
+    async def complete(self, storage: Storage) -> dict[str, CheckpointInfo]:
+        """List the bucket now; its complete checkpoints by name."""
+        listing = await asyncio.to_thread(list_remote, storage, known=self.manifests)
+        self._at = time.monotonic()
+        self.count += 1
+        return {info.name: info for info in listing if info.status == "complete"}
+
+
 class Uploader:
     def __init__(
         self,
@@ -105,6 +128,7 @@ class Uploader:
         incomplete_grace: float = 3600.0,
         concurrency: int = 8,
         scan_interval: float = 2.0,
+        bucket_scan_interval: float = 60.0,
         retry_after: float = 2.0,
         retry_max: float = 60.0,
         alert_after: int = 5,
@@ -120,6 +144,8 @@ class Uploader:
         self.incomplete_grace = timedelta(seconds=incomplete_grace)
         self.concurrency = concurrency
         self.scan_interval = scan_interval
+        self.listings = BucketListings(bucket_scan_interval)
+        self.rescans = 0  # of the local root
         self.forecast_interval = forecast_interval
         self.committed: set[str] = set()  # complete in the bucket
         self.shares_uploaded: set[str] = set()  # multi-node: this node's share is in the bucket
@@ -250,32 +276,46 @@ class Uploader:
         if self.storage is not None:
             self.storage.set_deadline(monotonic_deadline(deadline))
 
-    async def rescan(self) -> None:
-        """Queue every complete local checkpoint not yet complete in the bucket."""
+    async def rescan(self, *, bucket: bool = True) -> None:
+        """Queue every complete local checkpoint not yet complete in the bucket. The bucket is listed
+        when ``bucket`` is set, when the last listing is ``bucket_scan_interval`` old, or when a local
+        checkpoint is not settled yet; otherwise what the last listing (and the commits since) said
+        stands. Listing every 2 s cost a LIST and a GET per checkpoint in the bucket each time."""
         if self.storage is None:
             return
-        storage = self.storage
         self.abort_streams("its temporary file was removed before it was finished")
         self._ahead.forget_done()
-        remote = {
-            info.name: info for info in await asyncio.to_thread(list_remote, storage) if info.status == "complete"
-        }
+        self.rescans += 1
+        local = await asyncio.to_thread(scan_local, self.root)
+        self._forget_gone({info.name for info in local})
+        if bucket or self.listings.due() or any(self._unsettled(info) for info in local):
+            await self._list_bucket(local)
+        for info in local:
+            if self._unsettled(info):
+                self.submit(self.root / info.name, urgent=False)
+
+    async def _list_bucket(self, local: list[CheckpointInfo]) -> None:
+        assert self.storage is not None
+        storage = self.storage
+        remote = await self.listings.complete(storage)
         self.committed = set(remote)
         for name in self.committed & set(self._failed_in_a_row):  # committed by another writer meanwhile
             self._failures.forget(name)
-        local = await asyncio.to_thread(scan_local, self.root)
-        self._forget_gone({info.name for info in local})
         for info in local:
             theirs = remote[info.name].manifest if info.name in remote else None
             if info.manifest is not None and theirs is not None and info.name not in self.conflicts:
                 difference = files_difference(info.manifest, theirs)
                 if difference is not None:
                     self._conflict(info.name, f"{storage.url} holds another writer's checkpoint there ({difference})")
-            uploading = self._current is not None and self._current.name == info.name
-            committed_here = info.held and info.name not in self.shares_uploaded
-            settled = self.committed | self.conflicts | set(self._queued)
-            if committed_here and info.name not in settled and not uploading:
-                self.submit(self.root / info.name, urgent=False)
+
+    def _unsettled(self, info: CheckpointInfo) -> bool:
+        """A checkpoint held here that nothing has decided about yet: not in the bucket, not queued,
+        not uploading, not refused, not in conflict, not a share already sent."""
+        if not info.held or info.name in self.shares_uploaded:
+            return False
+        uploading = self._current is not None and self._current.name == info.name
+        settled = self.committed | self.conflicts | set(self.refused) | set(self._queued)
+        return info.name not in settled and not uploading
 
     def _forget_gone(self, here: set[str]) -> None:
         """Drop what is remembered per checkpoint for those gone from this disk (pruned, removed) and
@@ -306,16 +346,16 @@ class Uploader:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._wake.wait(), timeout)
                     if time.monotonic() >= next_scan:
-                        await self._rescan_logged()
+                        await self._rescan_logged(bucket=False)
                         next_scan = time.monotonic() + self.scan_interval
                     continue
                 await self._upload(job)
         finally:
             watcher.cancel()
 
-    async def _rescan_logged(self) -> None:
+    async def _rescan_logged(self, *, bucket: bool = True) -> None:
         try:
-            await self.rescan()
+            await self.rescan(bucket=bucket)
         except (StorageError, OSError) as exc:
             logger.warning("cannot list %s: %s (will retry)", self.storage.url if self.storage else "-", exc)
 
@@ -423,6 +463,7 @@ class Uploader:
             in_flight=frozenset(self._queued) | ({self._current.name} if self._current else set()),
             settled=lambda: self.committed | self.conflicts | self.shares_uploaded,
             bucket=bucket,
+            known=self.listings.manifests,
         )
 
     # --- shutdown and status -----------------------------------------------------------
@@ -473,4 +514,6 @@ class Uploader:
             "failures": self.failures[-5:],
             "failing_streak": self.failing_streak(),
             "conflicts": sorted(self.conflicts)[-5:],
+            "bucket_listings": self.listings.count,
+            "manifests_read": self.listings.manifests.reads,
         }

@@ -79,13 +79,51 @@ def _problems_against(manifest: Manifest, objects: dict[str, ObjectInfo], name: 
     return problems
 
 
+class KnownManifests:
+    """Manifests already read from a bucket, each with the listing of its object when it was read.
+
+    A manifest is written once and never changed in place: while its object lists the same (size,
+    checksum, time written) it need not be read again. For a daemon listing the bucket all day, that
+    is one request per listing instead of one per checkpoint more. An object whose listing gives no
+    time and no checksum is always read. Only the names of the last listing are kept."""
+
+    def __init__(self) -> None:
+        self._known: dict[str, tuple[ObjectInfo, Manifest | None, str | None]] = {}
+        self._lock = threading.Lock()  # examined from a pool of threads
+        self.reads = 0  # manifests read from the bucket (the rest came from here)
+
+    def get(self, name: str, listed: ObjectInfo) -> tuple[Manifest | None, str | None] | None:
+        with self._lock:
+            known = self._known.get(name)
+        if known is None or known[0] != listed or (listed.modified is None and listed.crc32c is None):
+            return None
+        return known[1], known[2]
+
+    def put(self, name: str, listed: ObjectInfo, manifest: Manifest | None, foreign: str | None) -> None:
+        with self._lock:
+            self._known[name] = (listed, manifest, foreign)
+            self.reads += 1
+
+    def keep_only(self, names: Iterable[str]) -> None:
+        with self._lock:
+            self._known = {name: self._known[name] for name in names if name in self._known}
+
+
 def list_remote(
-    storage: Storage, *, progress: Callable[[int, int], None] | None = None, workers: int = 8
+    storage: Storage,
+    *,
+    progress: Callable[[int, int], None] | None = None,
+    workers: int = 8,
+    known: KnownManifests | None = None,
 ) -> list[CheckpointInfo]:
     """Checkpoints in the bucket, oldest first. Complete: a valid manifest whose files are all there
     with the right sizes (and checksums, where the store reports them). Manifests are read
-    ``workers`` at a time; ``progress(examined, found)`` is called after each checkpoint."""
-    return _examine(storage, _group_by_checkpoint(storage.list()), progress=progress, workers=workers)
+    ``workers`` at a time (those ``known`` already holds, not at all); ``progress(examined, found)``
+    is called after each checkpoint."""
+    groups = _group_by_checkpoint(storage.list())
+    if known is not None:
+        known.keep_only(groups)
+    return _examine(storage, groups, progress=progress, workers=workers, known=known)
 
 
 def _examine(
@@ -94,6 +132,7 @@ def _examine(
     *,
     progress: Callable[[int, int], None] | None = None,
     workers: int = 8,
+    known: KnownManifests | None = None,
 ) -> list[CheckpointInfo]:
     """``list_remote`` for a listing already grouped by checkpoint."""
     lock = threading.Lock()
@@ -102,15 +141,9 @@ def _examine(
     def examine(name: str, objects: dict[str, ObjectInfo]) -> CheckpointInfo:
         step = parse_step_dir(name)
         assert step is not None
-        manifest = None
-        foreign = None
+        manifest, foreign = None, None
         if MANIFEST in objects:
-            try:
-                data = storage.read_bytes(f"{name}/{MANIFEST}")
-                foreign = foreign_format(data)
-                manifest = None if foreign is not None else _parse_manifest(name, data)
-            except (ManifestError, StorageError):
-                manifest = None
+            manifest, foreign = _manifest_of(storage, name, objects[MANIFEST], known)
         if progress:
             nonlocal examined
             with lock:
@@ -124,6 +157,26 @@ def _examine(
     with ThreadPoolExecutor(max_workers=max(1, min(workers, len(groups) or 1))) as pool:
         infos = list(pool.map(lambda item: examine(*item), groups.items()))
     return sorted(infos, key=lambda info: info.step)
+
+
+def _manifest_of(
+    storage: Storage, name: str, listed: ObjectInfo, known: KnownManifests | None
+) -> tuple[Manifest | None, str | None]:
+    """A checkpoint's manifest (None if unreadable or invalid) and its foreign format, if any."""
+    if known is not None and (seen := known.get(name, listed)) is not None:
+        return seen
+    try:
+        data = storage.read_bytes(f"{name}/{MANIFEST}")
+    except StorageError:
+        return None, None  # not remembered: the next listing reads it again
+    foreign = foreign_format(data)
+    try:
+        manifest = None if foreign is not None else _parse_manifest(name, data)
+    except ManifestError:
+        manifest = None
+    if known is not None:
+        known.put(name, listed, manifest, foreign)
+    return manifest, foreign
 
 
 def verify_remote(storage: Storage, name: str, *, streams: int = 16, progress: Progress | None = None) -> list[str]:
@@ -423,6 +476,7 @@ def prune_remote(
     protected: frozenset[str] = frozenset(),
     grace: timedelta = DEFAULT_INCOMPLETE_GRACE,
     now: datetime | None = None,
+    known: KnownManifests | None = None,
 ) -> list[str]:
     """Keep the newest ``keep`` complete checkpoints and delete the older complete ones; delete
     incomplete ones nothing has written to for ``grace`` (leftovers of a VM that died mid-upload;
@@ -431,7 +485,9 @@ def prune_remote(
     Manifests go first, so a half-deleted checkpoint is never mistaken for a complete one."""
     now = now or datetime.now(UTC)
     groups = _group_by_checkpoint(storage.list())  # one listing serves both the status and the keys
-    infos = _examine(storage, groups)
+    if known is not None:
+        known.keep_only(groups)
+    infos = _examine(storage, groups, known=known)
     for info in infos:
         if info.foreign_format is not None:
             logger.warning(

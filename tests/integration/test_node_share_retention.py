@@ -86,6 +86,10 @@ def test_what_the_uploader_remembers_of_a_share_goes_with_the_share(tmp_path: Pa
                 while step_dir_name(step) not in uploader.shares_uploaded and time.monotonic() < deadline:
                     await asyncio.sleep(0.01)
             sent = set(uploader.shares_uploaded)
+            # The local retention after the last share's upload runs after it is marked sent.
+            deadline = time.monotonic() + 30
+            while local_steps(root) != [4, 5] and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
             await uploader.rescan()
             return sent, set(uploader.shares_uploaded)
         finally:

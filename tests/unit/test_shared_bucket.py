@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from threading import Barrier
@@ -30,6 +30,8 @@ class CountingStorage(FileStorage):
         super().__init__(url)
         self.commits = 0
         self.listings = 0
+        self.manifest_reads = 0
+        self.bucket_listings = 0  # of the whole bucket (the others: one checkpoint's files)
         self.before_commit: Callable[[str], None] | None = None
 
     def put_bytes_if_absent(self, key: str, data: bytes, *, crc32c: str) -> None:
@@ -40,7 +42,12 @@ class CountingStorage(FileStorage):
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         self.listings += 1
+        self.bucket_listings += not prefix
         return super().list(prefix)
+
+    def read_bytes(self, key: str) -> bytes:
+        self.manifest_reads += key.endswith("/" + MANIFEST)
+        return super().read_bytes(key)
 
 
 @pytest.fixture
@@ -108,7 +115,7 @@ def test_uploader_leaves_another_writers_checkpoint_of_the_same_step_alone(
     write_checkpoint(root, 1, {"w.pt": b"ours!!" * 100})  # the same step, other bytes
     write_checkpoint(root, 2, {"w.pt": b"two" * 100})
     storage.commits = 0
-    uploader = Uploader(storage, root, scan_interval=0.02)
+    uploader = Uploader(storage, root, scan_interval=0.02, bucket_scan_interval=0.02)  # a listing every rescan
     run_uploader_until(uploader, storage, lambda: "step-000000002" in uploader.committed)
     assert uploader.conflicts == {"step-000000001"}
     assert storage.commits == 1  # step 2 only
@@ -132,7 +139,7 @@ def test_uploader_that_loses_the_race_for_a_manifest_backs_off_once(
             upload_checkpoint(other, theirs)
 
     storage.before_commit = they_commit_first
-    uploader = Uploader(storage, root, scan_interval=0.02)
+    uploader = Uploader(storage, root, scan_interval=0.02, bucket_scan_interval=0.02)  # a listing every rescan
     run_uploader_until(uploader, storage, lambda: bool(uploader.conflicts))
     assert uploader.conflicts == {"step-000000001"}
     assert storage.commits == 1  # no retry loop
@@ -171,3 +178,76 @@ def test_files_ready_ahead_of_the_commit_never_overwrite_another_writers_checkpo
     asyncio.run(run())
     assert sorted(p.name for p in (storage.root / "step-000000001").iterdir()) == [MANIFEST, "w.pt"]
     assert verify_remote(storage, "step-000000001") == []
+
+
+async def rescans(uploader: Uploader, count: int, done: Callable[[], bool] = lambda: True) -> None:
+    """Wait until the running ``uploader`` rescanned its root ``count`` times more and ``done()``."""
+    deadline = time.monotonic() + 20
+    target = uploader.rescans + count
+    while uploader.rescans < target or not done():
+        assert time.monotonic() < deadline, f"uploader stuck: {uploader.status()}"
+        await asyncio.sleep(0.02)
+
+
+def run_with(uploader: Uploader, steps: Callable[[], Awaitable[None]]) -> None:
+    async def run() -> None:
+        task = asyncio.create_task(uploader.run())
+        try:
+            await steps()
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    asyncio.run(run())
+
+
+def test_an_idle_uploader_lists_the_bucket_only_when_due_or_when_the_root_holds_something_new(
+    tmp_path: Path, storage: CountingStorage
+) -> None:
+    """Every rescan listed the bucket and read every manifest in it: 43,200 LISTs and three times as
+    many GETs a day per node, billed, with nothing to upload. A listing is needed at start, for a
+    checkpoint new on disk, and now and then for other writers' changes."""
+    root = tmp_path / "nvme"
+    for step in (1, 2, 3):
+        upload_checkpoint(storage, write_checkpoint(root, step, {"w.pt": bytes([step]) * 1000}))
+    storage.bucket_listings = storage.manifest_reads = 0
+    uploader = Uploader(storage, root, scan_interval=0.02, bucket_scan_interval=3600)
+
+    async def steps() -> None:
+        await rescans(uploader, 50)
+        assert uploader.committed == {"step-000000001", "step-000000002", "step-000000003"}
+        assert (storage.bucket_listings, storage.manifest_reads) == (1, 3), "one listing at start, each manifest once"
+        # A complete checkpoint appears on disk with no word from a trainer (a hook without a daemon,
+        # a restart in between): the next rescan looks it up in the bucket and uploads it.
+        write_checkpoint(root, 4, {"w.pt": b"four" * 250})
+        await rescans(uploader, 20, done=lambda: "step-000000004" in uploader.committed)
+        listed = storage.bucket_listings
+        assert listed <= 3, "the lookup of the new checkpoint, and the bucket retention after its commit"
+        await rescans(uploader, 50)
+        assert storage.bucket_listings == listed, "none while idle"
+
+    run_with(uploader, steps)
+    assert storage.manifest_reads == 4, "only the new checkpoint's manifest is read (by the retention)"
+    assert verify_remote(storage, "step-000000004") == []
+
+
+def test_a_due_listing_reads_only_the_manifests_that_changed(tmp_path: Path, storage: CountingStorage) -> None:
+    root = tmp_path / "nvme"
+    for step in (1, 2):
+        upload_checkpoint(storage, write_checkpoint(root, step, {"w.pt": bytes([step]) * 1000}))
+    storage.bucket_listings = storage.manifest_reads = 0
+    uploader = Uploader(storage, root, scan_interval=0.02, bucket_scan_interval=0.02)
+
+    async def steps() -> None:
+        await rescans(uploader, 20)
+        assert storage.bucket_listings >= 10 and storage.manifest_reads == 2
+        # Another writer replaces step 2 in the bucket (deleted, then committed anew, other bytes):
+        # its manifest lists differently, so it is read again, and the conflict is seen.
+        other = FileStorage(storage.url)
+        other.delete(o.key for o in other.list("step-000000002/"))
+        upload_checkpoint(other, write_checkpoint(tmp_path / "other", 2, {"w.pt": b"theirs" * 100}))
+        await rescans(uploader, 20, done=lambda: "step-000000002" in uploader.conflicts)
+
+    run_with(uploader, steps)
+    assert storage.manifest_reads == 3
