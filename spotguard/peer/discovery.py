@@ -258,6 +258,10 @@ class PeerRegistry:
     def read(self) -> list[PeerEntry]:
         """Every readable entry (blocking); entries past :data:`PRUNE_AFTER` periods are deleted."""
         listing = [info for info in self.storage.list(f"{PREFIX}/") if info.key.endswith(".json")]
+        # What was logged of an entry goes with the entry: over months of spot VMs coming and going
+        # (each one leaving an entry that goes stale, then is deleted) it grew by one per VM.
+        listed = {info.key for info in listing}
+        self._reported = {key: why for key, why in self._reported.items() if key in listed}
         with ThreadPoolExecutor(max_workers=max(1, min(16, len(listing)))) as pool:
             entries = [entry for entry in pool.map(self._entry, [info.key for info in listing]) if entry is not None]
         now, limit = self.clock(), PRUNE_AFTER * self.heartbeat

@@ -30,6 +30,7 @@ from spotguard.harness import Vm
 from spotguard.peer.discovery import MAX_CANDIDATES, PeerRegistry
 from spotguard.peer.fetch import resume_from_peers
 from spotguard.peer.networks import DEFAULT_PEER_NETWORKS, PeerNetworks, parse_networks
+from spotguard.storage.base import put_bytes
 from spotguard.storage.file import FileStorage
 
 TOKEN = "the-job-s-peer-token-0123456789abcdef"
@@ -155,6 +156,31 @@ def test_a_forged_entry_and_a_future_heartbeat_are_never_dialled_and_logged_once
     log = vm.log.read_text()
     assert len(re.findall(re.escape(forged_key) + r" not signed with the job's token", log)) == 1, log
     assert len(re.findall(re.escape(future_key) + r" its heartbeat is more than 60 s in the future", log)) == 1, log
+
+
+def test_what_was_logged_of_a_refused_entry_goes_with_the_entry(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A refused entry is logged once while it stays; once it is gone from the registry nothing is
+    kept of it (a job's VMs come and go for months), and one that comes back is news again."""
+    storage = FileStorage(f"file://{tmp_path}/bucket/run1")
+    forged_key = entry(storage, "127.0.0.1:9", token=FORGER)
+    saved = storage.read_bytes(forged_key)
+    reader = PeerRegistry(storage, token=TOKEN.encode(), networks=LOOPBACK_OK)
+
+    def logged() -> int:
+        return len([r for r in caplog.records if forged_key in r.getMessage() and "not signed" in r.getMessage()])
+
+    with caplog.at_level(logging.WARNING, logger="spotguard"):
+        for _ in range(3):
+            assert asyncio.run(reader.candidates()) == []
+        assert logged() == 1
+        storage.delete([forged_key])
+        asyncio.run(reader.candidates())
+        assert reader._reported == {}, "nothing is kept of an entry no longer in the registry"
+        put_bytes(storage, forged_key, saved)
+        asyncio.run(reader.candidates())
+        assert logged() == 2, "the same forged entry, back again, is logged again"
 
 
 def test_150_entries_are_capped_and_probed_at_once_within_one_deadline(tmp_path: Path, listeners: object) -> None:
