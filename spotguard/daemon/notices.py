@@ -79,7 +79,10 @@ class EventLog:
         return event_id in self.events
 
     def record(self, notice: Notice, **fields: Any) -> None:
-        """Remember ``fields`` for the notice; the file is written off the caller's thread (see :meth:`_save`)."""
+        """Remember ``fields`` for the notice; the file is written off the caller's thread (see :meth:`_save`).
+        Notices a day past their deadline are forgotten here too, not only at start: a daemon runs for
+        months, and the whole log is written at every record."""
+        self._forget_old()
         entry = self.events.setdefault(notice.event_id, {"notice": notice.to_dict()})
         entry.update(fields)
         self._save()

@@ -156,3 +156,18 @@ def test_recording_does_not_wait_for_the_disk_and_writes_keep_their_order(tmp_pa
     disk_free.set()
     log.close()
     assert json.loads(log.path.read_text())["events"][first.event_id]["saved_step"] == 3  # the newer record won
+
+
+def test_a_running_daemon_forgets_notices_a_day_past_their_deadline_at_its_next_record(tmp_path: Path) -> None:
+    """They were forgotten only when the daemon started; one running for months kept every drill and
+    notice in the log it writes whole at each record."""
+    log = EventLog(tmp_path / "state", tmp_path / "root")
+    clock = Clock()
+    clock.advance(-2 * 86400)
+    old = notice(clock, 30, identity="old")
+    log.record(old, state="over")
+    clock.advance(2 * 86400)
+    log.record(notice(clock, 30, identity="new"), state="pending")
+    log.flush()
+    assert old.event_id not in log
+    assert list(json.loads(log.path.read_bytes())["events"]) == ["none-drill-new"]
