@@ -32,6 +32,7 @@ from spotguard.daemon.streams import EarlyUploads
 from spotguard.daemon.upload_failures import UploadFailures
 from spotguard.localstore import scan_local
 from spotguard.manifest import CheckpointInfo, FileEntry, Manifest, node_holdings, parse_step_dir
+from spotguard.repeats import RepeatedErrors
 from spotguard.safefile import SymlinkRefused
 from spotguard.storage.base import Capability, Storage, StorageError
 from spotguard.storage.checkpoints import (
@@ -47,6 +48,7 @@ from spotguard.storage.checkpoints import (
 )
 
 logger = logging.getLogger("spotguard.uploader")
+LIST_WARN_EVERY = 600.0  # seconds before the same listing error is logged again
 
 
 @dataclass(order=True)
@@ -98,13 +100,25 @@ def _send(
 
 
 class BucketListings:
-    """When the uploader lists the bucket next, and the manifests it has read there."""
+    """When the uploader lists the bucket next, the manifests it has read there, and the log of a
+    listing that keeps failing (a bucket down for a weekend: a new or changed error, then every
+    :data:`LIST_WARN_EVERY` seconds, and once when it answers again)."""
 
     def __init__(self, interval: float) -> None:
         self.interval = interval
         self.manifests = KnownManifests()
         self.count = 0
         self._at = -interval  # monotonic time of the last listing
+        self._warnings = RepeatedErrors(LIST_WARN_EVERY)
+        self._failing = False
+
+    def failed(self, url: str, exc: Exception) -> None:
+        error = f"cannot list {url}: {exc}"
+        self._failing = True
+        if self._warnings.due("bucket", error):
+            logger.warning("%s (will retry)", error)
+        else:
+            logger.debug("%s (still failing)", error)
 
     def due(self) -> bool:
         return time.monotonic() - self._at >= self.interval
@@ -114,6 +128,10 @@ class BucketListings:
         listing = await asyncio.to_thread(list_remote, storage, known=self.manifests)
         self._at = time.monotonic()
         self.count += 1
+        if self._failing:
+            self._failing = False
+            self._warnings.clear("bucket")
+            logger.info("%s answers listings again", storage.url)
         return {info.name: info for info in listing if info.status == "complete"}
 
 
@@ -357,7 +375,7 @@ class Uploader:
         try:
             await self.rescan(bucket=bucket)
         except (StorageError, OSError) as exc:
-            logger.warning("cannot list %s: %s (will retry)", self.storage.url if self.storage else "-", exc)
+            self.listings.failed(self.storage.url if self.storage else "-", exc)
 
     def _next_job(self) -> _Job | None:
         now = time.monotonic()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +17,7 @@ import pytest
 from spotguard.crc32c import crc32c_of_bytes
 from spotguard.daemon.uploader import Uploader
 from spotguard.manifest import MANIFEST, load_manifest
-from spotguard.storage.base import ObjectExists, ObjectInfo
+from spotguard.storage.base import ObjectExists, ObjectInfo, StorageError
 from spotguard.storage.checkpoints import list_remote, upload_checkpoint, verify_remote
 from spotguard.storage.file import FileStorage
 from tests.checkpoints import write_checkpoint
@@ -32,6 +33,7 @@ class CountingStorage(FileStorage):
         self.listings = 0
         self.manifest_reads = 0
         self.bucket_listings = 0  # of the whole bucket (the others: one checkpoint's files)
+        self.listing_fails: str | None = None  # the error every listing of the whole bucket raises
         self.before_commit: Callable[[str], None] | None = None
 
     def put_bytes_if_absent(self, key: str, data: bytes, *, crc32c: str) -> None:
@@ -43,6 +45,8 @@ class CountingStorage(FileStorage):
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         self.listings += 1
         self.bucket_listings += not prefix
+        if not prefix and self.listing_fails is not None:
+            raise StorageError(self.listing_fails)
         return super().list(prefix)
 
     def read_bytes(self, key: str) -> bytes:
@@ -251,3 +255,26 @@ def test_a_due_listing_reads_only_the_manifests_that_changed(tmp_path: Path, sto
 
     run_with(uploader, steps)
     assert storage.manifest_reads == 3
+
+
+def test_a_bucket_that_keeps_failing_its_listings_is_logged_once_then_once_when_it_answers(
+    tmp_path: Path, storage: CountingStorage, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A new checkpoint on disk makes every rescan list the bucket until the listing succeeds: with
+    the bucket down for a weekend, that was one warning every 2 s."""
+    root = tmp_path / "nvme"
+    write_checkpoint(root, 1, {"w.pt": b"one" * 100})
+    storage.listing_fails = "503 Slow Down"
+    uploader = Uploader(storage, root, scan_interval=0.02, bucket_scan_interval=3600)
+
+    async def steps() -> None:
+        await rescans(uploader, 50)
+        assert storage.bucket_listings >= 50, "the new checkpoint is looked up at every rescan"
+        storage.listing_fails = None
+        await rescans(uploader, 5, done=lambda: "step-000000001" in uploader.committed)
+
+    with caplog.at_level(logging.DEBUG, logger="spotguard.uploader"):
+        run_with(uploader, steps)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "cannot list" in r.getMessage()]
+    assert len(warnings) == 1 and "503 Slow Down" in warnings[0].getMessage()
+    assert caplog.text.count("answers listings again") == 1
