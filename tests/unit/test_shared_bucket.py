@@ -18,7 +18,7 @@ from spotguard.crc32c import crc32c_of_bytes
 from spotguard.daemon.uploader import Uploader
 from spotguard.manifest import MANIFEST, load_manifest
 from spotguard.storage.base import ObjectExists, ObjectInfo, StorageError
-from spotguard.storage.checkpoints import list_remote, upload_checkpoint, verify_remote
+from spotguard.storage.checkpoints import KnownManifests, list_remote, upload_checkpoint, verify_remote
 from spotguard.storage.file import FileStorage
 from tests.checkpoints import write_checkpoint
 
@@ -242,19 +242,25 @@ def test_a_due_listing_reads_only_the_manifests_that_changed(tmp_path: Path, sto
         upload_checkpoint(storage, write_checkpoint(root, step, {"w.pt": bytes([step]) * 1000}))
     storage.bucket_listings = storage.manifest_reads = 0
     uploader = Uploader(storage, root, scan_interval=0.02, bucket_scan_interval=0.02)
+    run_with(uploader, lambda: rescans(uploader, 20))
+    assert storage.bucket_listings >= 10 and storage.manifest_reads == 2
 
-    async def steps() -> None:
-        await rescans(uploader, 20)
-        assert storage.bucket_listings >= 10 and storage.manifest_reads == 2
-        # Another writer replaces step 2 in the bucket (deleted, then committed anew, other bytes):
-        # its manifest lists differently, so it is read again, and the conflict is seen.
-        other = FileStorage(storage.url)
-        other.delete(o.key for o in other.list("step-000000002/"))
-        upload_checkpoint(other, write_checkpoint(tmp_path / "other", 2, {"w.pt": b"theirs" * 100}))
-        await rescans(uploader, 20, done=lambda: "step-000000002" in uploader.conflicts)
-
-    run_with(uploader, steps)
-    assert storage.manifest_reads == 3
+    # Another writer replaces step 2 (deleted, then committed anew, other bytes): its manifest lists
+    # differently, so it is read again; a checkpoint gone from the bucket is no longer remembered.
+    known = KnownManifests()
+    assert [i.name for i in list_remote(storage, known=known)] == ["step-000000001", "step-000000002"]
+    list_remote(storage, known=known)
+    assert known.reads == 2
+    other = FileStorage(storage.url)
+    other.delete(o.key for o in other.list("step-000000002/"))
+    upload_checkpoint(other, write_checkpoint(tmp_path / "other", 2, {"w.pt": b"theirs" * 100}))
+    replaced = list_remote(storage, known=known)[1]
+    assert known.reads == 3 and replaced.manifest is not None and replaced.manifest.files["w.pt"].size == 600
+    other.delete(o.key for o in other.list("step-000000001/"))
+    list_remote(storage, known=known)
+    upload_checkpoint(other, write_checkpoint(tmp_path / "again", 1, {"w.pt": b"back" * 100}))
+    list_remote(storage, known=known)
+    assert known.reads == 4, "step 1, gone and back with another manifest, is read again"
 
 
 def test_a_bucket_that_keeps_failing_its_listings_is_logged_once_then_once_when_it_answers(
