@@ -70,14 +70,12 @@ def disk_full_behind(exc: BaseException) -> OSError | None:
     return None
 
 
-def as_disk_full(error: OSError, root: Path | None = None) -> SpotguardDiskFull:
+def as_disk_full(error: OSError) -> SpotguardDiskFull:
     """``error`` (a full disk) with the numbers: where, how much was free, and at least one byte more
     than that needed (how much a framework's write wanted is not known)."""
     if isinstance(error, SpotguardDiskFull):
         return error
-    where = Path(os.fsdecode(error.filename)).parent if error.filename else root
-    if where is None:
-        where = Path.cwd()
+    where = Path(os.fsdecode(error.filename)).parent if error.filename else Path.cwd()
     try:
         free = free_bytes(where)
     except OSError:

@@ -306,11 +306,10 @@ class Uploader:
         self.rescans += 1
         local = await asyncio.to_thread(scan_local, self.root)
         self._forget_gone({info.name for info in local})
-        if bucket or self.listings.due() or any(self._unsettled(info) for info in local):
+        if bucket or self.listings.due() or self._unsettled(local):
             await self._list_bucket(local)
-        for info in local:
-            if self._unsettled(info):
-                self.submit(self.root / info.name, urgent=False)
+        for info in self._unsettled(local):
+            self.submit(self.root / info.name, urgent=False)
 
     async def _list_bucket(self, local: list[CheckpointInfo]) -> None:
         assert self.storage is not None
@@ -326,14 +325,12 @@ class Uploader:
                 if difference is not None:
                     self._conflict(info.name, f"{storage.url} holds another writer's checkpoint there ({difference})")
 
-    def _unsettled(self, info: CheckpointInfo) -> bool:
-        """A checkpoint held here that nothing has decided about yet: not in the bucket, not queued,
+    def _unsettled(self, local: list[CheckpointInfo]) -> list[CheckpointInfo]:
+        """The checkpoints held here that nothing has decided about yet: not in the bucket, not queued,
         not uploading, not refused, not in conflict, not a share already sent."""
-        if not info.held or info.name in self.shares_uploaded:
-            return False
-        uploading = self._current is not None and self._current.name == info.name
-        settled = self.committed | self.conflicts | set(self.refused) | set(self._queued)
-        return info.name not in settled and not uploading
+        settled = self.committed | self.conflicts | self.refused.keys() | self._queued.keys() | self.shares_uploaded
+        settled |= self.in_flight()
+        return [info for info in local if info.held and info.name not in settled]
 
     def _forget_gone(self, here: set[str]) -> None:
         """Drop what is remembered per checkpoint for those gone from this disk (pruned, removed) and

@@ -120,10 +120,7 @@ def list_remote(
     with the right sizes (and checksums, where the store reports them). Manifests are read
     ``workers`` at a time (those ``known`` already holds, not at all); ``progress(examined, found)``
     is called after each checkpoint."""
-    groups = _group_by_checkpoint(storage.list())
-    if known is not None:
-        known.keep_only(groups)
-    return _examine(storage, groups, progress=progress, workers=workers, known=known)
+    return _examine(storage, _group_by_checkpoint(storage.list()), progress=progress, workers=workers, known=known)
 
 
 def _examine(
@@ -135,6 +132,8 @@ def _examine(
     known: KnownManifests | None = None,
 ) -> list[CheckpointInfo]:
     """``list_remote`` for a listing already grouped by checkpoint."""
+    if known is not None:
+        known.keep_only(groups)
     lock = threading.Lock()
     examined = 0
 
@@ -485,8 +484,6 @@ def prune_remote(
     Manifests go first, so a half-deleted checkpoint is never mistaken for a complete one."""
     now = now or datetime.now(UTC)
     groups = _group_by_checkpoint(storage.list())  # one listing serves both the status and the keys
-    if known is not None:
-        known.keep_only(groups)
     infos = _examine(storage, groups, known=known)
     for info in infos:
         if info.foreign_format is not None:

@@ -79,8 +79,8 @@ class RankDiskFull(SpotguardDiskFull, RankFailed):
     first full rank, so that every rank treats it as a full disk (a periodic save is skipped on all of
     them, not only on the rank whose disk it was)."""
 
-    def __init__(self, message: str, full: SpotguardDiskFull) -> None:
-        super().__init__(full.path, full.bytes_needed, full.bytes_free)
+    def __init__(self, message: str, path: Path, bytes_needed: int, bytes_free: int) -> None:
+        super().__init__(path, bytes_needed, bytes_free)
         self.strerror = message  # str(): the same text on every rank
 
 
@@ -114,7 +114,7 @@ def agree_ok(what: str, error: BaseException | None) -> None:
     rooms = [report[1] for report in reports if report is not None and report[1] is not None]
     if rooms:
         path, needed, free = rooms[0]
-        raise RankDiskFull(message, SpotguardDiskFull(Path(path), needed, free)) from error
+        raise RankDiskFull(message, Path(path), needed, free) from error
     raise RankFailed(message) from error
 
 
