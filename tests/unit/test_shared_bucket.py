@@ -88,26 +88,35 @@ def test_a_file_of_the_same_size_but_other_bytes_is_sent_again(tmp_path: Path, s
     assert verify_remote(storage, "step-000000001") == []
 
 
-def run_uploader_until(uploader: Uploader, storage: CountingStorage, done: Callable[[], bool]) -> None:
-    """Run ``uploader`` until ``done()`` and at least 30 listings (rescans) more, with a deadline."""
+def run_with(uploader: Uploader, steps: Callable[[], Awaitable[None]]) -> None:
+    """Run ``uploader`` while ``steps()`` runs beside it on the same loop."""
 
     async def run() -> None:
         task = asyncio.create_task(uploader.run())
         try:
-            deadline = time.monotonic() + 20
-            while not done():
-                assert time.monotonic() < deadline, f"uploader stuck: {uploader.status()}"
-                await asyncio.sleep(0.02)
-            settled = storage.listings + 30
-            while storage.listings < settled:
-                assert time.monotonic() < deadline, f"uploader stuck: {uploader.status()}"
-                await asyncio.sleep(0.02)
+            await steps()
         finally:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
     asyncio.run(run())
+
+
+def run_uploader_until(uploader: Uploader, storage: CountingStorage, done: Callable[[], bool]) -> None:
+    """Run ``uploader`` until ``done()`` and at least 30 listings (rescans) more, with a deadline."""
+
+    async def steps() -> None:
+        deadline = time.monotonic() + 20
+        while not done():
+            assert time.monotonic() < deadline, f"uploader stuck: {uploader.status()}"
+            await asyncio.sleep(0.02)
+        settled = storage.listings + 30
+        while storage.listings < settled:
+            assert time.monotonic() < deadline, f"uploader stuck: {uploader.status()}"
+            await asyncio.sleep(0.02)
+
+    run_with(uploader, steps)
 
 
 def test_uploader_leaves_another_writers_checkpoint_of_the_same_step_alone(
@@ -191,19 +200,6 @@ async def rescans(uploader: Uploader, count: int, done: Callable[[], bool] = lam
     while uploader.rescans < target or not done():
         assert time.monotonic() < deadline, f"uploader stuck: {uploader.status()}"
         await asyncio.sleep(0.02)
-
-
-def run_with(uploader: Uploader, steps: Callable[[], Awaitable[None]]) -> None:
-    async def run() -> None:
-        task = asyncio.create_task(uploader.run())
-        try:
-            await steps()
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    asyncio.run(run())
 
 
 def test_an_idle_uploader_lists_the_bucket_only_when_due_or_when_the_root_holds_something_new(
