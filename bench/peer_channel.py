@@ -35,6 +35,7 @@ from peer_rescue import make_checkpoint, peer_receiver, plain_copy, timed_handof
 
 from spotguard.harness import Vm
 from spotguard.manifest import load_manifest
+from spotguard.peer import workers
 from spotguard.peer.channel import MAX_PLAINTEXT
 from spotguard.peer.wire import parse_address
 
@@ -126,6 +127,8 @@ def main() -> int:
             f"CPU-s/GiB sender {per_gib['sender']:.2f} receiver {per_gib['receiver']:.2f}  runs {runs}{carried}"
         )
     print(f"protected ({args.connections} flows) / plain throughput: {ratio:.2f} (target >= 0.80)")
+    pool = workers.pool()  # the receiving daemon's follows the same rule on this machine
+    print(f"workers: up to {pool.size} per process, each with a second thread: {'yes' if pool.beside else 'no'}")
     print(f"protected (1 flow) / plain throughput: {rates['protected-1-flow'] / rates['plain']:.2f}")
     report: dict[str, Any] = {"machine": machine(), "bytes": nbytes, "files": args.files, "seconds": times}
     report.update(connections=args.connections, rates_mb_s=rates, ratio=ratio, cipher_mb_s=ciphers)

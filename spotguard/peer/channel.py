@@ -16,6 +16,7 @@ every drain of a write has a deadline (:data:`IO_TIMEOUT`), and both sides set T
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -391,55 +392,103 @@ def seal_frame(
     laid out in ``out`` (at least :func:`sealed_size` bytes). The file's bytes are read straight into
     their records' places and sealed there, in place: a frame costs one read, no copy and no
     allocation. Raises :class:`EOFError` if the file ends first."""
+    ends = list(seal_batches(cipher, header, fd, offset, length, out=out))
+    return memoryview(out)[: ends[-1] if ends else 0]
+
+
+def seal_batches(
+    cipher: noise.CipherState, header: bytes, fd: int, offset: int, length: int, *, out: bytearray
+) -> Iterator[int]:
+    """:func:`seal_frame` :data:`BATCH_RECORDS` records at a time: after each batch is read and sealed,
+    yields where the sealed bytes of ``out`` end, so that they may go out while the next batch is
+    sealed (the bytes before that point are not touched again)."""
     records = list(_layout([len(header), length]))
-    end = _records_end(records)
-    if len(out) < end:
-        raise ValueError(f"a frame of {end} bytes in a buffer of {len(out)}: see sealed_size()")
+    if len(out) < _records_end(records):
+        raise ValueError(f"a frame of {_records_end(records)} bytes in a buffer of {len(out)}: see sealed_size()")
     view = memoryview(out)
 
     def body(at: int, size: int) -> memoryview:
         return view[at + _LENGTH.size : at + _LENGTH.size + size]
 
-    for at, index, piece in records:
-        if index == 0:
-            body(at, len(piece))[:] = header[piece.start : piece.stop]
-    _preadv_full(fd, [body(at, len(piece)) for at, index, piece in records if index == 1], offset)
-    for at, _, piece in records:
-        _seal_record(cipher, view, at, body(at, len(piece)))  # in place: AES-GCM's input and output coincide
-    return view[:end]
+    for first in range(0, len(records), BATCH_RECORDS):
+        group = records[first : first + BATCH_RECORDS]
+        for at, index, piece in group:
+            if index == 0:
+                body(at, len(piece))[:] = header[piece.start : piece.stop]
+        data = [(at, piece) for at, index, piece in group if index == 1]
+        if data:
+            _preadv_full(fd, [body(at, len(piece)) for at, piece in data], offset + data[0][1].start)
+        for at, _, piece in group:
+            _seal_record(cipher, view, at, body(at, len(piece)))  # in place: AES-GCM's input and output coincide
+        yield _records_end(group)
 
 
 def open_payload(
     cipher: noise.CipherState,
-    batch: bytearray,
+    batches: tuple[bytearray, bytearray],
     receive: Callable[[memoryview], None],
     read_ahead: bytes,
     view: memoryview,
+    *,
+    beside: concurrent.futures.Executor | None = None,
+    stop: Callable[[], None] = lambda: None,
 ) -> None:
     """A payload of ``len(view)`` bytes, laid out as the protocol says (full records, the last one
     shorter): ``read_ahead`` the first of its bytes, the rest filled by ``receive``,
-    :data:`BATCH_RECORDS` records at a time into ``batch``, each record opened into its place in
-    ``view``. Raises :class:`~spotguard.peer.wire.PeerError` (``bad-record``)."""
+    :data:`BATCH_RECORDS` records at a time into one of ``batches``, each record opened into its place
+    in ``view``. With ``beside`` (a thread), the next batch is received there while this one is
+    opened (both steps leave the GIL). Raises :class:`~spotguard.peer.wire.PeerError`
+    (``bad-record``), or what ``receive`` raised; on an error ``stop()`` ends a batch still being
+    received beside (the connection cannot go on) and its thread is waited for, so that ``batches``
+    are the caller's again."""
     records = list(_layout([len(view)]))
+    groups = [records[first : first + BATCH_RECORDS] for first in range(0, len(records), BATCH_RECORDS)]
     ahead = memoryview(read_ahead)
-    for first in range(0, len(records), BATCH_RECORDS):
-        group = records[first : first + BATCH_RECORDS]
-        base = group[0][0]
-        chunk = memoryview(batch)[: _records_end(group) - base]
+
+    def fill(number: int) -> memoryview:
+        nonlocal ahead
+        group = groups[number]
+        chunk = memoryview(batches[number % 2])[: _records_end(group) - group[0][0]]
         taken = min(len(ahead), len(chunk))
         chunk[:taken] = ahead[:taken]
         ahead = ahead[taken:]
         receive(chunk[taken:])
-        for at, _, piece in group:
-            record = chunk[at - base :]
-            if _LENGTH.unpack_from(record)[0] != len(piece) + noise.TAGLEN:
-                raise wire.PeerError("bad-record", "a payload's records not laid out as the protocol says")
-            try:
-                cipher.decrypt_into(
-                    record[_LENGTH.size : _LENGTH.size + len(piece) + noise.TAGLEN], view[piece.start : piece.stop]
-                )
-            except noise.NoiseError as exc:
-                raise wire.PeerError("bad-record", str(exc)) from None
+        return chunk
+
+    if beside is None:
+        for number, group in enumerate(groups):
+            _open_batch(cipher, group, fill(number), view)
+        return
+    coming = beside.submit(fill, 0) if groups else None
+    try:
+        for number, group in enumerate(groups):
+            assert coming is not None
+            chunk, coming = coming.result(), None
+            if number + 1 < len(groups):
+                coming = beside.submit(fill, number + 1)
+            _open_batch(cipher, group, chunk, view)
+    except BaseException:
+        if coming is not None and not coming.done():
+            stop()
+            concurrent.futures.wait([coming])
+        raise
+
+
+def _open_batch(
+    cipher: noise.CipherState, group: list[tuple[int, int, range]], chunk: memoryview, view: memoryview
+) -> None:
+    """Open the records of ``group``, received in ``chunk``, into their places in ``view``."""
+    base = group[0][0]
+    for at, _, piece in group:
+        record = chunk[at - base :]
+        if _LENGTH.unpack_from(record)[0] != len(piece) + noise.TAGLEN:
+            raise wire.PeerError("bad-record", "a payload's records not laid out as the protocol says")
+        try:
+            cipher.decrypt_into(
+                record[_LENGTH.size : _LENGTH.size + len(piece) + noise.TAGLEN], view[piece.start : piece.stop]
+            )
+        except noise.NoiseError as exc:
+            raise wire.PeerError("bad-record", str(exc)) from None
 
 
 def records_of(length: int) -> int:
@@ -596,6 +645,7 @@ __all__ = [
     "BATCH_RECORDS",
     "open_payload",
     "records_of",
+    "seal_batches",
     "seal_frame",
     "sealed_size",
     "GREETING",

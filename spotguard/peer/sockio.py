@@ -41,11 +41,12 @@ class HandedSocket:
         self._lock = threading.Lock()
         self._closed = False
 
-    def shut(self) -> None:
-        """End the job's I/O now (from any thread): the worker's wait returns, its next call fails."""
+    def shut(self, how: int = socket.SHUT_RDWR) -> None:
+        """End the job's I/O now (from any thread): the worker's wait returns, its next call fails.
+        ``how``: ``SHUT_RD`` ends a receive only, so that the connection can still answer with an error."""
         with self._lock, contextlib.suppress(OSError):
             if not self._closed:
-                self.sock.shutdown(socket.SHUT_RDWR)
+                self.sock.shutdown(how)
 
     def close(self) -> None:
         with self._lock:

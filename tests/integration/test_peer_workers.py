@@ -1,6 +1,8 @@
 """Data frames carried by worker processes (spotguard/peer/workers.py), against a real daemon: the
 bytes arrive whole and checked, and a changed record, a silent sender or a worker killed mid-frame
-ends that connection only, keeps nothing, and leaves the daemon serving."""
+ends that connection only, keeps nothing, and leaves the daemon serving. A worker driven directly,
+with a second thread overlapping a frame's steps and without: its frames are the ones sealed here,
+and a changed record ends its receive at once."""
 
 from __future__ import annotations
 
@@ -15,14 +17,26 @@ import socket
 import struct
 import sys
 import termios
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, cast
 
+import google_crc32c
 import pytest
 
 from spotguard.harness import Vm, wait_for, worker_pids
-from spotguard.peer import wire, workers
+from spotguard.peer import noise, wire, workers
+from spotguard.peer.channel import (
+    BATCH_RECORDS,
+    FULL_RECORD,
+    MAX_PLAINTEXT,
+    Channel,
+    records_of,
+    seal_frame,
+    sealed_size,
+)
 from spotguard.peer.client import PeerClient
 from spotguard.peer.fetch import fetch_replica, list_replicas
 from spotguard.peer.flows import send_committed
@@ -386,3 +400,109 @@ def test_a_worker_killed_mid_frame_ends_that_connection_only_and_is_replaced(
         assert time.monotonic() < deadline, "no worker carried a frame after the kill"
         assert hand_over(receiver_vm, step_dir, url)["state"] == "verified"
         wait_for(lambda: receiver_vm.status()["peers"]["replicas"] == [], 30, "the replica committed")
+
+
+@pytest.fixture(params=[True, False], ids=["beside", "in-turn"])
+def direct_pool(request: pytest.FixtureRequest) -> Iterator[workers.WorkerPool]:
+    """A pool of one worker, with a second thread that overlaps a frame's steps (the default where
+    the cores outnumber the pool's workers) or without (its steps take turns)."""
+    pool = workers.WorkerPool(1, beside=request.param)
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+def idle_worker(pool: workers.WorkerPool) -> workers.Worker:
+    if pool.status()["workers"] == 0:
+        pool.warm(1)
+    wait_for(lambda: pool.status()["idle"] == 1, 30, "the worker ready")
+    worker = pool.take()
+    assert worker is not None
+    return worker
+
+
+def threads_of(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+KEY = bytes(range(32))
+
+
+def send_beside(sock: socket.socket, data: bytes | bytearray) -> None:
+    """``data`` sent on ``sock`` by a thread of its own (a socket pair holds less than a payload)."""
+    threading.Thread(target=sock.sendall, args=(data,), daemon=True).start()
+
+
+def test_a_frame_a_worker_seals_and_sends_is_the_frame_sealed_here(
+    direct_pool: workers.WorkerPool, tmp_path: Path
+) -> None:
+    length = 3 * BATCH_RECORDS * MAX_PLAINTEXT + 777  # several batches
+    data = os.urandom(length + 9)
+    (tmp_path / "f").write_bytes(data)
+    header = wire.encode({"t": "data", "name": "f", "size": len(data), "offset": 9, "len": length})
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    ours, theirs = socket.socketpair()
+    try:
+        expected = bytes(
+            seal_frame(
+                noise.CipherState(KEY, 40), header, fd, 9, length, out=bytearray(sealed_size(len(header), length))
+            )
+        )
+        ours.setblocking(False)  # as the event loop's sockets are: the worker's waits have deadlines
+        job = {"t": "send", "key": KEY, "n": 40, "timeout": 30.0, "header": header, "offset": 9, "length": length}
+        worker = idle_worker(direct_pool)
+        with concurrent.futures.ThreadPoolExecutor(1) as reader:
+            received = reader.submit(lambda: theirs.recv(len(expected), socket.MSG_WAITALL))
+            assert worker.call(job, [ours.fileno(), fd]) is None
+            assert received.result(timeout=30) == expected
+        assert (threads_of(worker.process.pid) > 1) == direct_pool.beside
+    finally:
+        os.close(fd)
+        ours.close()
+        theirs.close()
+
+
+def test_a_changed_record_ends_a_workers_receive_at_once_and_the_worker_serves_on(
+    direct_pool: workers.WorkerPool, tmp_path: Path
+) -> None:
+    """The first batch holds a changed record and the sender then says nothing more: the worker
+    answers bad-record at once (not at its 60 s deadline), then receives and writes the next payload."""
+    payload = os.urandom(3 * BATCH_RECORDS * MAX_PLAINTEXT)
+    sender = Channel(cast(Any, None), cast(Any, None), noise.CipherState(KEY), noise.CipherState(KEY))
+    sealed = bytearray(sender.seal(payload))
+    good = bytes(sender.seal(payload))  # the next nonces: what the second job opens
+    sealed[300] ^= 0x01
+    ours, theirs = socket.socketpair()
+    try:
+        ours.setblocking(False)
+        send_beside(theirs, sealed[: BATCH_RECORDS * FULL_RECORD + 100])  # then silence, the socket left open
+        job = {"t": "receive", "key": KEY, "n": 0, "timeout": 60.0, "ahead": b"", "length": len(payload)}
+        started = time.monotonic()
+        with pytest.raises(wire.PeerError) as caught:
+            idle_worker(direct_pool).call(job, [ours.fileno()], more=True)
+        assert caught.value.code == "bad-record"
+        assert time.monotonic() - started < 10
+    finally:
+        ours.close()
+        theirs.close()
+    ours, theirs = socket.socketpair()
+    try:
+        ours.setblocking(False)
+        send_beside(theirs, good[100:])
+        worker = idle_worker(direct_pool)
+        job = {
+            "t": "receive",
+            "key": KEY,
+            "n": records_of(len(payload)),
+            "timeout": 30.0,
+            "ahead": good[:100],
+            "length": len(payload),
+        }
+        worker.call(job, [ours.fileno()], more=True)
+        crc = worker.call({"t": "write", "path": str(tmp_path / "out"), "offset": 0}, [])
+        assert (tmp_path / "out").read_bytes() == payload
+        assert crc == google_crc32c.value(payload)
+    finally:
+        ours.close()
+        theirs.close()

@@ -1,16 +1,31 @@
 """A data frame sealed in place from a file is byte for byte the frame :meth:`Channel.seal` makes of
-the same header and bytes (same key, same counter), whatever the sizes."""
+the same header and bytes (same key, same counter), whatever the sizes; sealed batch by batch, what
+was handed out is never touched again; a payload received beside its opening arrives whole, and a
+changed record stops the receive still under way."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
+import socket
+import threading
+import time
 from pathlib import Path
 from typing import Any, cast
 
 import pytest
 
-from spotguard.peer import noise
-from spotguard.peer.channel import MAX_PLAINTEXT, Channel, sealed_size
+from spotguard.peer import noise, wire
+from spotguard.peer.channel import (
+    BATCH_RECORDS,
+    FULL_RECORD,
+    MAX_PLAINTEXT,
+    Channel,
+    open_payload,
+    seal_batches,
+    sealed_size,
+)
+from spotguard.peer.sockio import HandedSocket
 
 KEY = bytes(range(32))
 
@@ -49,3 +64,89 @@ def test_a_file_that_ends_first_or_a_small_buffer_is_refused(tmp_path: Path) -> 
             channel().seal_read(b"h", fd, 0, 100, bytearray(sealed_size(1, 100) - 1))
     finally:
         os.close(fd)
+
+
+def test_a_frame_sealed_batch_by_batch_never_touches_what_it_handed_out(tmp_path: Path) -> None:
+    # A worker sends each batch while the next is sealed: the bytes before a yielded end are final.
+    length = 2 * BATCH_RECORDS * MAX_PLAINTEXT + 12_345  # three batches, the header's record in the first
+    data = os.urandom(length + 3)
+    (tmp_path / "f").write_bytes(data)
+    header = b'{"t":"data"}'
+    expected = bytes(channel().seal(header, data[3:]))
+    out = bytearray(sealed_size(len(header), length))
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        handed_out = [
+            (end, bytes(out[:end])) for end in seal_batches(noise.CipherState(KEY), header, fd, 3, length, out=out)
+        ]
+    finally:
+        os.close(fd)
+    assert [end for end, _ in handed_out] == sorted({end for end, _ in handed_out})
+    assert len(handed_out) == 3
+    assert handed_out[-1][0] == len(expected)
+    for end, sealed in handed_out:
+        assert sealed == expected[:end]
+
+
+def _payload_over_a_socket(payload: bytes, ahead: int, change_at: int | None = None, stall_after: int | None = None):
+    """A payload's records (as a data frame lays them out) sent by a thread on one end of a socket
+    pair: ``ahead`` bytes of them returned as read ahead, one byte changed at ``change_at``, the
+    sender going silent (its end left open) after ``stall_after`` bytes."""
+    sealed = bytearray(channel().seal(payload))
+    if change_at is not None:
+        sealed[change_at] ^= 0x01
+    theirs, ours = socket.socketpair()
+    ours.setblocking(False)
+    rest = sealed[ahead:] if stall_after is None else sealed[ahead:stall_after]
+    sender = threading.Thread(target=theirs.sendall, args=(rest,), daemon=True)
+    sender.start()
+    return bytes(sealed[:ahead]), ours, theirs
+
+
+@pytest.mark.parametrize("use_thread", [True, False], ids=["beside", "in-turn"])
+@pytest.mark.parametrize("ahead", [0, 100, FULL_RECORD + 7])
+def test_a_payload_received_beside_its_opening_or_in_turn_arrives_whole(ahead: int, use_thread: bool) -> None:
+    payload = os.urandom(3 * BATCH_RECORDS * MAX_PLAINTEXT + 999)
+    read_ahead, ours, theirs = _payload_over_a_socket(payload, ahead)
+    handed = HandedSocket(ours.fileno())
+    view = memoryview(bytearray(len(payload)))
+    batches = (bytearray(BATCH_RECORDS * FULL_RECORD), bytearray(BATCH_RECORDS * FULL_RECORD))
+    with concurrent.futures.ThreadPoolExecutor(1) as beside, ours, theirs:
+        open_payload(
+            noise.CipherState(KEY),
+            batches,
+            lambda chunk: handed.recv_exactly(chunk, 10),
+            read_ahead,
+            view,
+            beside=beside if use_thread else None,
+            stop=lambda: handed.shut(socket.SHUT_RD),
+        )
+        handed.close()
+    assert bytes(view) == payload
+
+
+def test_a_changed_record_stops_the_batch_still_coming_at_once() -> None:
+    # The first batch holds a changed record and the sender then goes silent: the error comes at
+    # once, not after the receive's deadline, and the thread beside is free again.
+    payload = os.urandom(3 * BATCH_RECORDS * MAX_PLAINTEXT)
+    read_ahead, ours, theirs = _payload_over_a_socket(
+        payload, 0, change_at=500, stall_after=BATCH_RECORDS * FULL_RECORD + 10
+    )
+    handed = HandedSocket(ours.fileno())
+    batches = (bytearray(BATCH_RECORDS * FULL_RECORD), bytearray(BATCH_RECORDS * FULL_RECORD))
+    with concurrent.futures.ThreadPoolExecutor(1) as beside, ours, theirs:
+        started = time.monotonic()
+        with pytest.raises(wire.PeerError) as caught:
+            open_payload(
+                noise.CipherState(KEY),
+                batches,
+                lambda chunk: handed.recv_exactly(chunk, 60),
+                read_ahead,
+                memoryview(bytearray(len(payload))),
+                beside=beside,
+                stop=lambda: handed.shut(socket.SHUT_RD),
+            )
+        assert caught.value.code == "bad-record"
+        assert time.monotonic() - started < 10  # the receive's deadline is 60 s
+        assert beside.submit(lambda: "free").result(timeout=5) == "free"
+        handed.close()
