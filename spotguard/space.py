@@ -21,6 +21,8 @@ from spotguard.localstore import scan_local
 
 logger = logging.getLogger("spotguard.trainer")
 
+NEARLY_FULL = 1 << 20  # free bytes under which a failed write counts as a full disk, whatever it raised
+
 
 class SpotguardDiskFull(FatalError, OSError):
     """No room on the local disk for a checkpoint, even after dropping what was safe to drop.
@@ -85,6 +87,22 @@ def as_disk_full(error: OSError) -> SpotguardDiskFull:
 
 def free_bytes(path: Path) -> int:
     return shutil.disk_usage(path).free
+
+
+def full_disk_of(error: BaseException, disk: Path) -> SpotguardDiskFull | None:
+    """The full disk behind a failed write to ``disk``: an ENOSPC in ``error``'s chain
+    (:func:`disk_full_behind`), or, whatever it raised, ``disk`` left with under
+    :data:`NEARLY_FULL` bytes free: ``torch.save`` to a path reports a full disk as 'basic_ios::clear:
+    iostream error', with no errno, so a failed write that left (almost) no room is taken for what
+    it most likely was. The numbers are ``disk``'s; None when neither holds."""
+    behind = disk_full_behind(error) is not None
+    try:
+        free = free_bytes(disk)
+    except OSError:  # the disk cannot even be asked: only the error's own word counts
+        return SpotguardDiskFull(disk, 1, 0, str(error)) if behind else None
+    if behind or free < NEARLY_FULL:
+        return SpotguardDiskFull(disk, free + 1, free, str(error))
+    return None
 
 
 def make_room(

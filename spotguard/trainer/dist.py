@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from spotguard.errors import FatalError
-from spotguard.space import SpotguardDiskFull, as_disk_full, disk_full_behind
+from spotguard.space import SpotguardDiskFull, as_disk_full, disk_full_behind, full_disk_of
 
 T = TypeVar("T")
 
@@ -84,12 +84,14 @@ class RankDiskFull(SpotguardDiskFull, RankFailed):
         self.strerror = message  # str(): the same text on every rank
 
 
-def agree_ok(what: str, error: BaseException | None) -> None:
+def agree_ok(what: str, error: BaseException | None, disk: Path | None = None) -> None:
     """Collective: every rank reports whether its part of ``what`` succeeded, before the next collective.
 
     Without this, a rank that raised leaves the others waiting in that collective until the process
     group times out. If any rank failed, every rank raises the same :class:`RankFailed` naming each
-    failed rank and its error (a :class:`RankDiskFull` when one of them was a full disk). Without
+    failed rank and its error (a :class:`RankDiskFull` when one of them was a full disk: an ENOSPC
+    behind its error, or, where ``what`` wrote to ``disk``, that disk left nearly full, whatever the
+    error said; each rank judges its own disk and all ranks decide on the same reports). Without
     ``torch.distributed`` the error is raised as it is.
     """
     if not active():
@@ -100,8 +102,11 @@ def agree_ok(what: str, error: BaseException | None) -> None:
         return
     mine: tuple[str, tuple[str, int, int] | None] | None = None
     if error is not None and not isinstance(error, FailedElsewhere):
-        full = disk_full_behind(error)
-        room = as_disk_full(full) if full is not None else None
+        if disk is not None:
+            room = full_disk_of(error, disk)
+        else:
+            full = disk_full_behind(error)
+            room = as_disk_full(full) if full is not None else None
         mine = (
             f"{type(error).__name__}: {error}",
             None if room is None else (str(room.path), room.bytes_needed, room.bytes_free),
@@ -119,14 +124,15 @@ def agree_ok(what: str, error: BaseException | None) -> None:
 
 
 @contextmanager
-def settled(what: str) -> Iterator[None]:
-    """Run the block on every rank, then :func:`agree_ok` on its outcome (a barrier when all went well)."""
+def settled(what: str, disk: Path | None = None) -> Iterator[None]:
+    """Run the block on every rank, then :func:`agree_ok` on its outcome (a barrier when all went well);
+    ``disk``: where the block writes."""
     error: Exception | None = None
     try:
         yield
     except Exception as exc:
         error = exc
-    agree_ok(what, error)
+    agree_ok(what, error, disk)
 
 
 def broadcast_object(value: T) -> T:

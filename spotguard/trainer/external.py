@@ -50,7 +50,9 @@ def commit_external(
     except Exception as exc:  # no room even for the directory
         _failed(saver, writer, exc, notice)
     try:
-        with dist.settled(f"writing {writer.dir.name}"):  # every rank's files are in place, or all ranks hear why
+        # Every rank's files are in place, or all ranks hear why (a full disk by its free space too:
+        # torch.save to a path reports one with no errno).
+        with dist.settled(f"writing {writer.dir.name}", saver.checkpoint_dir):
             yield writer.dir
         with dist.settled(f"committing {writer.dir.name}"):  # nobody goes on (or exits) before the commit
             if saver.rank == 0:

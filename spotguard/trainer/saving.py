@@ -18,7 +18,7 @@ from typing import Any
 from spotguard.localstore import CheckpointExists, CheckpointWriter, prune_local, remove_incomplete, scan_local
 from spotguard.manifest import FileEntry, load_manifest_or_none, load_part
 from spotguard.safefile import SaveCancelled
-from spotguard.space import SpotguardDiskFull, disk_full_behind, free_bytes, is_disk_full, make_room
+from spotguard.space import SpotguardDiskFull, free_bytes, full_disk_of, is_disk_full, make_room
 from spotguard.trainer import dist
 from spotguard.trainer.client import DaemonClient
 from spotguard.trainer.notices import Message
@@ -28,7 +28,6 @@ from spotguard.trainer.writer import ParallelWriter
 # Saves at a notice, racing its deadline: they prune no older checkpoint before they return (the
 # next save does; one that is short of room makes its own).
 HURRIED = frozenset({"urgent", "soft"})
-NEARLY_FULL = 1 << 20  # free bytes under which a failed write counts as a full disk, whatever it raised
 
 logger = logging.getLogger("spotguard.trainer")
 
@@ -247,12 +246,10 @@ class Saver:
         failure = exc
         # With several ranks agree_ok decided already, alike on every rank (RankDiskFull or not).
         if self.world_size == 1 and not isinstance(exc, SpotguardDiskFull):
-            free = free_bytes(self.checkpoint_dir)
-            # torch.save to a path reports a full disk as 'basic_ios::clear: iostream error', no errno:
-            # a failed write that left (almost) no room is taken for what it most likely was.
-            if disk_full_behind(exc) is not None or free < NEARLY_FULL:
+            full = full_disk_of(exc, self.checkpoint_dir)
+            if full is not None:
                 failure = SpotguardDiskFull(
-                    self.checkpoint_dir, max(needed, free + 1), free, f"{writer.dir.name}: {exc}"
+                    self.checkpoint_dir, max(needed, full.bytes_needed), full.bytes_free, f"{writer.dir.name}: {exc}"
                 )
         partial = load_manifest_or_none(writer.dir) is None and load_part(writer.dir) is None
         if partial and self.node_leader and (self.world_size == 1 or isinstance(exc, SpotguardDiskFull)):

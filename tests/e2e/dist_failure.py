@@ -2,7 +2,10 @@
 
 RANK=r WORLD_SIZE=2 RENDEZVOUS_FILE=f [FILLER=path] python -m tests.e2e.dist_failure ROOT0,ROOT1 KIND PLAN
 
-KIND: ``dcp`` (a module, which DCP writes on rank 0) or ``files`` (a tensor per rank, each its own file).
+KIND: ``dcp`` (a module, which DCP writes on rank 0), ``files`` (a tensor per rank, each its own file)
+or ``external`` (as ``files``, but each rank's ``torch.save`` to a path inside ``Guard.external_save``,
+as a framework's callback saves: a full disk raises there with no errno; an urgent save is one after
+a SIGTERM notice).
 PLAN: saves as ``step:reason``, comma-separated. Before a step whose reason ends in ``+room``, the rank
 whose disk holds ``FILLER`` deletes it (all ranks wait for that).
 """
@@ -39,12 +42,18 @@ def main() -> None:
             reason = reason.removesuffix("+room")
             filler = Path(os.environ["FILLER"])
             if filler.parent == root.parent:
-                filler.unlink()  # this rank's disk had the room taken
+                filler.unlink(missing_ok=True)  # this rank's disk had the room taken (another rank's too)
             dist.barrier()
         outcome: dict[str, Any] = {"step": int(step), "rank": rank, "raised": None}
         started = time.monotonic()
         try:
-            guard.save(state, int(step), reason=reason)
+            if sys.argv[2] != "external":
+                guard.save(state, int(step), reason=reason)
+            else:
+                if reason == "urgent":
+                    guard.notify_sigterm()
+                with guard.external_save(int(step), {"framework": "test"}) as step_dir:
+                    torch.save(state, str(step_dir / f"rank{rank}.pt"))
         except Exception as exc:
             outcome.update(raised=type(exc).__name__, disk_full=isinstance(exc, SpotguardDiskFull), message=str(exc))
         outcome["seconds"] = time.monotonic() - started

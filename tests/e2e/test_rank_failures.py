@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from spotguard.manifest import load_manifest
 from tests.diskspace import fill
 
 MiB = 1 << 20
@@ -107,3 +108,31 @@ def test_a_full_disk_on_one_rank_skips_a_periodic_save_on_every_rank_and_fails_a
     # Nothing of the failed saves is left on either disk, the full one included.
     for root in roots:
         assert sorted(p.name for p in root.iterdir()) == ["step-000000007"], root
+
+
+@pytest.mark.slow
+def test_a_framework_save_that_fills_the_ranks_disk_is_a_full_disk_on_every_rank(
+    tmp_path: Path, tmpfs: Callable[[int], Path]
+) -> None:
+    """Two ranks on one disk save through external_save, each torch.save to a path, as a framework's
+    callback does: a full disk raises there with no errno ('basic_ios::clear'), which ended the run
+    as RankFailed. Each rank judges its own disk (under 1 MiB left after a failed write) and both
+    decide on both verdicts: a periodic save is skipped, an urgent one raises RankDiskFull alike."""
+    small = tmpfs(16 * MiB)  # room for both ranks' 4 MiB once the filler goes
+    root = small / "ckpt"
+    root.mkdir()
+    filler = fill(small, leave=1 * MiB)
+
+    ranks = run_two_ranks(tmp_path, [root, root], "external", "5:periodic,6:urgent,7:periodic+room", filler)
+
+    periodic, urgent, after = ([lines[i] for lines in ranks] for i in range(3))
+    assert [o["raised"] for o in periodic] == [None, None], periodic
+    assert [o["raised"] for o in urgent] == ["RankDiskFull", "RankDiskFull"], urgent
+    assert all(o["disk_full"] for o in urgent)
+    assert urgent[0]["message"] == urgent[1]["message"]
+    assert "no errno" not in urgent[0]["message"] and "rank 1:" in urgent[0]["message"]
+    assert [o["raised"] for o in after] == [None, None], after
+    committed = root / "step-000000007"
+    assert [o["last_checkpoint"] for o in after] == [str(committed), str(committed)]
+    assert sorted(load_manifest(committed).files) == ["rank0.pt", "rank1.pt"]
+    assert sorted(p.name for p in root.iterdir()) == ["step-000000007"], "the failed saves left nothing"

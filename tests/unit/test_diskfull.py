@@ -204,3 +204,15 @@ def test_a_full_disk_is_found_behind_the_errors_frameworks_wrap_it_in() -> None:
     assert disk_full_behind(OSError(errno.EIO, "Input/output error")) is None
     numbers = as_disk_full(full)
     assert numbers.path == Path("/nvme/ckpt/step-000000002") and numbers.bytes_needed == numbers.bytes_free + 1
+
+
+def test_a_failed_write_is_a_full_disk_by_its_error_or_by_the_room_it_left(tmp_path: Path) -> None:
+    from spotguard.space import full_disk_of
+
+    masked = RuntimeError("basic_ios::clear: iostream error")  # torch.save to a path: no errno
+    assert full_disk_of(masked, tmp_path) is None  # this disk has room: some other failure
+    masked.__context__ = OSError(errno.ENOSPC, "No space left on device")
+    full = full_disk_of(masked, tmp_path)
+    assert full is not None and full.path == tmp_path and full.bytes_needed == full.bytes_free + 1
+    assert full_disk_of(masked, tmp_path / "gone") is not None  # the error's word, where the disk cannot be asked
+    assert full_disk_of(RuntimeError("unexpected pos"), tmp_path / "gone") is None
