@@ -5,8 +5,10 @@ the manifest, the manifest is committed last, and the daemon is told, as for the
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -49,11 +51,21 @@ def commit_external(
         raise AlreadyCommitted(writer.dir) from None
     except Exception as exc:  # no room even for the directory
         _failed(saver, writer, exc, notice)
+    # This rank speaks for a disk other than rank 0's (another node's): the step directory is made
+    # there too, so that a framework writing there finds it, and must stay empty (see below).
+    elsewhere = saver.rank != 0 and saver.node_leader
+    if elsewhere:
+        with contextlib.suppress(OSError):  # if it cannot be made, a write there fails in the block below
+            writer.dir.mkdir(parents=True, exist_ok=True)
     try:
         # Every rank's files are in place, or all ranks hear why (a full disk by its free space too:
         # torch.save to a path reports one with no errno).
         with dist.settled(f"writing {writer.dir.name}", saver.checkpoint_dir):
             yield writer.dir
+        if saver.world_size > 1:
+            with dist.settled(f"checking {writer.dir.name}"):  # once every rank has written
+                if elsewhere:
+                    _nothing_written_here(saver, writer)
         with dist.settled(f"committing {writer.dir.name}"):  # nobody goes on (or exits) before the commit
             if saver.rank == 0:
                 for relpath in files_under(writer.dir):
@@ -63,6 +75,28 @@ def commit_external(
     except Exception as exc:
         _failed(saver, writer, exc, notice)
     done()
+
+
+class WrittenOffRankZero(FatalError):
+    """A framework wrote files of a checkpoint on a disk other than rank 0's, which its manifest
+    (recorded from rank 0's disk) would leave out."""
+
+
+def _nothing_written_here(saver: Saver, writer: CheckpointWriter) -> None:
+    """On a disk other than rank 0's: the checkpoint is recorded from rank 0's disk only, so a file a
+    framework wrote here (each rank's shard of a sharded save, on nodes with disks of their own)
+    would be missing from it. Refuse the save rather than commit it incomplete; with nothing here,
+    the empty directory goes."""
+    written = files_under(writer.dir) if writer.dir.is_dir() else []
+    if written:
+        shown = ", ".join(written[:3]) + (", ..." if len(written) > 3 else "")
+        raise WrittenOffRankZero(
+            f"{len(written)} file(s) of {writer.dir.name} were written on {saver.checkpoint_dir}, a disk other"
+            f" than rank 0's ({shown}): a checkpoint the framework writes itself is recorded from rank 0's disk"
+            " only and would be incomplete; give every node the same checkpoint_dir on shared storage, or save"
+            " through guard.save()"
+        )
+    shutil.rmtree(writer.dir, ignore_errors=True)
 
 
 def _failed(saver: Saver, writer: CheckpointWriter, exc: Exception, notice: Message | None) -> NoReturn:

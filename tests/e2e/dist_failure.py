@@ -2,10 +2,10 @@
 
 RANK=r WORLD_SIZE=2 RENDEZVOUS_FILE=f [FILLER=path] python -m tests.e2e.dist_failure ROOT0,ROOT1 KIND PLAN
 
-KIND: ``dcp`` (a module, which DCP writes on rank 0), ``files`` (a tensor per rank, each its own file)
-or ``external`` (as ``files``, but each rank's ``torch.save`` to a path inside ``Guard.external_save``,
+KIND: ``dcp`` (a module, which DCP writes on rank 0), ``files`` (a tensor per rank, each its own file),
+``external`` (as ``files``, but each rank's ``torch.save`` to a path inside ``Guard.external_save``,
 as a framework's callback saves: a full disk raises there with no errno; an urgent save is one after
-a SIGTERM notice).
+a SIGTERM notice) or ``external0`` (the same, rank 0 alone writing, as Lightning's DDP saves).
 PLAN: saves as ``step:reason``, comma-separated. Before a step whose reason ends in ``+room``, the rank
 whose disk holds ``FILLER`` deletes it (all ranks wait for that).
 """
@@ -47,13 +47,14 @@ def main() -> None:
         outcome: dict[str, Any] = {"step": int(step), "rank": rank, "raised": None}
         started = time.monotonic()
         try:
-            if sys.argv[2] != "external":
+            if not sys.argv[2].startswith("external"):
                 guard.save(state, int(step), reason=reason)
             else:
                 if reason == "urgent":
                     guard.notify_sigterm()
                 with guard.external_save(int(step), {"framework": "test"}) as step_dir:
-                    torch.save(state, str(step_dir / f"rank{rank}.pt"))
+                    if sys.argv[2] == "external" or rank == 0:
+                        torch.save(state, str(step_dir / f"rank{rank}.pt"))
         except Exception as exc:
             outcome.update(raised=type(exc).__name__, disk_full=isinstance(exc, SpotguardDiskFull), message=str(exc))
         outcome["seconds"] = time.monotonic() - started

@@ -136,3 +136,26 @@ def test_a_framework_save_that_fills_the_ranks_disk_is_a_full_disk_on_every_rank
     assert [o["last_checkpoint"] for o in after] == [str(committed), str(committed)]
     assert sorted(load_manifest(committed).files) == ["rank0.pt", "rank1.pt"]
     assert sorted(p.name for p in root.iterdir()) == ["step-000000007"], "the failed saves left nothing"
+
+
+@pytest.mark.slow
+def test_a_framework_save_is_refused_when_files_land_on_a_disk_other_than_rank_0s(tmp_path: Path) -> None:
+    """Nodes with disks of their own: a checkpoint a framework writes is recorded from rank 0's disk,
+    so rank 1's file on its own disk would be missing from it. Where only rank 0 writes (Lightning's
+    DDP) the save commits and leaves nothing on the other disk; where rank 1 writes too (a sharded
+    save), both ranks raise the same error saying so, and nothing is committed: it failed before as
+    'Parent directory ... does not exist' (the step directory was made on rank 0's disk only)."""
+    roots = [tmp_path / "nvme0" / "ckpt", tmp_path / "nvme1" / "ckpt"]
+
+    only_rank_0 = run_two_ranks(tmp_path, roots, "external0", "5:periodic")
+    assert [lines[0]["raised"] for lines in only_rank_0] == [None, None], only_rank_0
+    assert sorted(load_manifest(roots[0] / "step-000000005").files) == ["rank0.pt"]
+    assert list(roots[1].iterdir()) == [], "the empty step directory on rank 1's disk went"
+
+    (tmp_path / "rendezvous").unlink(missing_ok=True)
+    both = [lines[0] for lines in run_two_ranks(tmp_path, roots, "external", "6:periodic")]
+    assert [o["raised"] for o in both] == ["RankFailed", "RankFailed"], both
+    assert both[0]["message"] == both[1]["message"]
+    assert "rank 1: WrittenOffRankZero: 1 file(s) of step-000000006 were written on" in both[0]["message"]
+    assert "rank1.pt" in both[0]["message"] and "shared storage" in both[0]["message"]
+    assert not (roots[0] / "step-000000006" / "manifest.json").exists()
