@@ -403,8 +403,9 @@ def seal_batches(
     yields where the sealed bytes of ``out`` end, so that they may go out while the next batch is
     sealed (the bytes before that point are not touched again)."""
     records = list(_layout([len(header), length]))
-    if len(out) < _records_end(records):
-        raise ValueError(f"a frame of {_records_end(records)} bytes in a buffer of {len(out)}: see sealed_size()")
+    end = _records_end(records)
+    if len(out) < end:
+        raise ValueError(f"a frame of {end} bytes in a buffer of {len(out)}: see sealed_size()")
     view = memoryview(out)
 
     def body(at: int, size: int) -> memoryview:

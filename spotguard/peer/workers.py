@@ -37,6 +37,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -316,20 +317,27 @@ class _Jobs:
             self.frame = bytearray(need)
         cipher = noise.CipherState(job["key"], job["n"])
         handed = HandedSocket(connection)
-        if self.beside is None:
-            try:
+        try:
+            if self.beside is None:
                 handed.send_all(seal_frame(cipher, header, file, job["offset"], length, out=self.frame), job["timeout"])
-            finally:
-                handed.close()
-            return
+            else:
+                batches = seal_batches(cipher, header, file, job["offset"], length, out=self.frame)
+                self._send_beside(self.beside, handed, batches, job["timeout"])
+        finally:
+            handed.close()
+
+    def _send_beside(
+        self, beside: concurrent.futures.Executor, handed: HandedSocket, batches: Iterator[int], timeout: float
+    ) -> None:
+        """Send each sealed batch of :attr:`frame` in the thread ``beside`` while the next is sealed."""
         frame = memoryview(self.frame)
         going: concurrent.futures.Future[None] | None = None
         sent = 0
         try:
-            for sealed in seal_batches(cipher, header, file, job["offset"], length, out=self.frame):
+            for sealed in batches:
                 if going is not None:
                     going.result()
-                going = self.beside.submit(handed.send_all, frame[sent:sealed], job["timeout"])
+                going = beside.submit(handed.send_all, frame[sent:sealed], timeout)
                 sent = sealed
             if going is not None:
                 going.result()
@@ -340,8 +348,6 @@ class _Jobs:
                 handed.shut(socket.SHUT_WR)
                 concurrent.futures.wait([going])
             raise
-        finally:
-            handed.close()
 
     def receive(self, job: dict[str, Any], fds: list[int]) -> None:
         """Receive and open a payload, kept for the ``write`` (or ``drop``) that follows: the

@@ -125,7 +125,7 @@ def save_sharded(
     """
     model, optimizers, rest = _parts(state)
     # Every rank hears of a rank whose write failed, instead of waiting for it in the gather below.
-    with dist.settled(f"writing {writer.dir.name}", writer.dir.parent):
+    with dist.settled(f"writing {writer.dir.name}", writer.root):
         tree = _tree(state, model, optimizers)
         mine = _write_dcp(writer, tree, announce, threads)
         per_rank = Payloads({key: state[key] for key in rest})
