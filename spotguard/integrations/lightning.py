@@ -9,7 +9,9 @@ At an optimizer-step boundary (``on_train_batch_end``) where a notice arrived (d
 SIGTERM) or a periodic save is due (``every_steps``/``every_seconds``), every rank calls
 ``trainer.save_checkpoint`` into a fresh ``<root>/step-NNNNNNNNN/lightning.ckpt``; rank 0 records the
 files in ``manifest.json``, commits it last, and the daemon uploads it. A hard notice then sets
-``trainer.should_stop``. ``resume_path()`` returns the ``lightning.ckpt`` of the newest *complete*
+``trainer.should_stop``. Under DDP only rank 0 writes; a write that fails there (a full disk) still
+takes it to the barrier the other ranks wait in, so that every rank hears the same error (a periodic
+save on a full disk is skipped on all). ``resume_path()`` returns the ``lightning.ckpt`` of the newest *complete*
 checkpoint (manifest valid, CRC32C checked), downloading it from the bucket when the local root has none.
 
 Exact resume. Lightning checkpoints hold no RNG states, so the callback adds them (Python, NumPy,
@@ -59,6 +61,41 @@ logger = logging.getLogger("spotguard.integrations")
 FRAMEWORK = "lightning"
 CKPT_NAME = "lightning.ckpt"
 _STATE_FORMAT = 1
+
+
+def _save_checkpoint(trainer: pl.Trainer, path: Path) -> None:
+    """``trainer.save_checkpoint(path)``; where this rank's write fails, the rank still enters the barrier
+    that ``save_checkpoint`` ends with before the error goes on. Under DDP only rank 0 writes and the
+    others wait in that barrier: without it, rank 0 would meet them in the ranks' agreement on the
+    failure instead (another collective), and the run would hang until the process group's timeout."""
+    strategy = trainer.strategy
+    write = strategy.save_checkpoint
+    own = vars(strategy).get("save_checkpoint")  # set on the instance by someone else: put back after
+    write_failed = False
+
+    def save(*args: Any, **kwargs: Any) -> None:
+        nonlocal write_failed
+        try:
+            write(*args, **kwargs)
+        except BaseException:
+            write_failed = True
+            raise
+
+    strategy.save_checkpoint = save  # type: ignore[method-assign]  # this call's only: restored below
+    try:
+        trainer.save_checkpoint(path)
+    except BaseException:
+        if write_failed and trainer.world_size > 1:
+            try:
+                strategy.barrier("Trainer.save_checkpoint")
+            except Exception:  # a rank is gone: the agreement that follows reports it
+                logger.warning("spotguard: the barrier after a failed checkpoint write failed", exc_info=True)
+        raise
+    finally:
+        if own is None:
+            del strategy.save_checkpoint  # the class's method again
+        else:
+            strategy.save_checkpoint = own  # type: ignore[method-assign]
 
 
 def _live(model: Any, optimizers: list[Any]) -> dict[str, Any]:
@@ -164,7 +201,7 @@ class SpotguardCallback(pl.Callback):
         try:
             meta = {"framework": FRAMEWORK, "resume": CKPT_NAME}
             with guard.external_save(step, meta, _live(trainer.lightning_module, trainer.optimizers)) as step_dir:
-                trainer.save_checkpoint(step_dir / CKPT_NAME)
+                _save_checkpoint(trainer, step_dir / CKPT_NAME)
         except AlreadyCommitted as exc:
             step_dir = exc.step_dir
         if guard.last_checkpoint == step_dir:  # else a periodic save the full disk skipped (logged)

@@ -251,13 +251,15 @@ class Saver:
                 failure = SpotguardDiskFull(
                     self.checkpoint_dir, max(needed, full.bytes_needed), full.bytes_free, f"{writer.dir.name}: {exc}"
                 )
+        if not self.node_leader:
+            # The directory is its disk's leader's to judge: it may be removing it at this moment.
+            return failure
         partial = load_manifest_or_none(writer.dir) is None and load_part(writer.dir) is None
-        if partial and self.node_leader and (self.world_size == 1 or isinstance(exc, SpotguardDiskFull)):
+        if partial and (self.world_size == 1 or isinstance(exc, SpotguardDiskFull)):
             # Several ranks: only a full disk, which every rank agreed on (RankDiskFull), so no rank is
             # still writing; its room is wanted now. Other leftovers go at the next save.
             shutil.rmtree(writer.dir, ignore_errors=True)
-        if self.node_leader:
-            self._tell_save_failed(writer, failure, notice)
+        self._tell_save_failed(writer, failure, notice)
         return failure
 
     def _tell_save_failed(self, writer: CheckpointWriter, failure: Exception, notice: Message | None) -> None:

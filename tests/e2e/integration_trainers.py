@@ -2,12 +2,13 @@
 
 ``python -m tests.e2e.integration_trainers --framework lightning|transformers --root DIR --socket PATH
 --steps N [--bucket URL] [--out FILE] [--wait-notice-at K] [--every-steps S] [--eval-every E
-[--wait-notice-in-eval-at K]] [--wait-notice-at-start]`` prints JSON lines (``resumed``, ``step``,
+[--wait-notice-in-eval-at K]] [--wait-notice-at-start] [--devices N]`` prints JSON lines (``resumed``, ``step``,
 ``eval`` (one per evaluation batch), ``waiting``, ``saved``, ``stopped``/``finished``) like
 ``spotguard.demo``; ``--out`` gets the final parameters, optimizer and scheduler state of an unstopped
 run. With ``--eval-every E`` an evaluation of ``EVAL_BATCHES`` batches runs every E steps;
 ``--wait-notice-in-eval-at K`` holds in the second batch of the first evaluation at or after step K, and
 ``--wait-notice-at-start`` (Lightning) in ``on_train_start``, until the notice reached the callback.
+``--devices N`` (Lightning): N ranks under DDP (gloo, Lightning's own launcher); rank 0 prints.
 
 Both models have dropout, AdamW and a per-step LR schedule; 96 samples in batches of 8 (12 steps an
 epoch), so a resume at k not divisible by 12 continues mid-epoch.
@@ -21,6 +22,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +73,7 @@ def _resumed_step(path: str | None) -> int:
 
 def run_lightning(args: argparse.Namespace) -> dict[str, Any]:
     import lightning.pytorch as pl
+    from lightning.pytorch.strategies import DDPStrategy
     from torchdata.stateful_dataloader import StatefulDataLoader
     from torchdata.stateful_dataloader.sampler import RandomSampler
 
@@ -128,7 +131,8 @@ def run_lightning(args: argparse.Namespace) -> dict[str, Any]:
     class Progress(pl.Callback):
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             step = trainer.global_step
-            emit("step", step=step, loss=round(float(outputs["loss"]), 6))
+            if trainer.global_rank == 0:
+                emit("step", step=step, loss=round(float(outputs["loss"]), 6))
             if args.wait_notice_at == step:
                 # Lightning's own SIGTERM handler sets trainer.received_sigterm; the callback reads it.
                 hold(step, lambda: (cb.guard is not None and cb.guard.notice_pending) or trainer.received_sigterm)
@@ -146,10 +150,13 @@ def run_lightning(args: argparse.Namespace) -> dict[str, Any]:
     hold_in_eval = eval_holder(args)
     pl.seed_everything(0, verbose=False)
     module, data = Module(), Data()
+    # Several ranks: a collective left unmatched fails in a minute, not at the default half hour.
+    strategy = DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=60)) if args.devices > 1 else "auto"
     trainer = pl.Trainer(
         max_steps=args.steps,
         accelerator="cpu",
-        devices=1,
+        devices=args.devices,
+        strategy=strategy,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -164,6 +171,7 @@ def run_lightning(args: argparse.Namespace) -> dict[str, Any]:
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     return {
         "step": trainer.global_step,
+        "rank": trainer.global_rank,
         "saved": cb.last_saved,
         "final": {
             "step": trainer.global_step,
@@ -279,12 +287,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--eval-every", type=int)
     parser.add_argument("--wait-notice-in-eval-at", type=int)
     parser.add_argument("--wait-notice-at-start", action="store_true")
+    parser.add_argument("--devices", type=int, default=1)
     args = parser.parse_args(argv)
 
     warnings.filterwarnings("ignore")  # framework chatter (no GPU, few workers, ...) is not the test's business
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     torch.set_num_threads(1)  # same reduction order in every process
     result = run_lightning(args) if args.framework == "lightning" else run_transformers(args)
+    if result.get("rank", 0) != 0:
+        return 0  # rank 0 speaks for the run
     if result["saved"] is not None:
         emit("saved", step=load_manifest(result["saved"]).step, path=str(result["saved"]))
     stopped = result["step"] < args.steps

@@ -157,6 +157,26 @@ def test_lightning_periodic_saves_on_a_full_disk_are_skipped_and_training_runs_t
     assert list(root.iterdir()) == [], "no partial step directory holds what little room there is"
 
 
+@pytest.mark.slow
+def test_lightning_ddp_periodic_saves_on_rank_0s_full_disk_are_skipped_on_every_rank(
+    tmp_path: Path, tmpfs: Callable[[int], Path]
+) -> None:
+    """Under DDP only rank 0 writes Lightning's checkpoint, and the other ranks wait for it in
+    Lightning's barrier: a write that fails on rank 0 must bring it to that barrier before the ranks
+    agree on the failure, or rank 0's agreement meets the others' barrier and the run hangs."""
+    pytest.importorskip("lightning")
+    disk = tmpfs(1 << 20)
+    root = disk / "ckpt"
+    root.mkdir()
+    fill(disk, leave=0)
+    events = run_events(trainer_command("lightning", root, tmp_path / "none.sock", every_steps=4, devices=2))
+    steps = [e["step"] for e in events if e["event"] == "step"]
+    assert steps == list(range(1, STEPS + 1)), "rank 0 trained every step"
+    assert events[-1] == {**events[-1], "event": "finished", "step": STEPS}  # and every rank exited 0
+    assert not [e for e in events if e["event"] == "saved"], "nothing committed, and nothing claimed"
+    assert list(root.iterdir()) == [], "no partial step directory holds what little room there is"
+
+
 # --- a notice while the loop is evaluating --------------------------------------------------------
 
 EVAL_EVERY = 4  # 12 steps an epoch: evaluations after steps 4, 8, 12, 16, ...
