@@ -153,9 +153,14 @@ def all_gather(value: T) -> list[T]:
     return values
 
 
+def node_key(root: Path) -> tuple[str, str]:
+    """Which disk a rank writes to: its host and its checkpoint root. The ranks of one node share it."""
+    return socket.gethostname(), str(root.resolve())
+
+
 def is_node_leader(root: Path) -> bool:
     """Whether this rank is the lowest of those writing to the same local disk (host and root)."""
     if not active():
         return True
-    key = (socket.gethostname(), str(root.resolve()))
+    key = node_key(root)
     return all_gather(key).index(key) == rank()

@@ -16,7 +16,7 @@ from typing import NoReturn
 
 from spotguard.errors import FatalError
 from spotguard.localstore import CheckpointExists, CheckpointWriter
-from spotguard.manifest import MANIFEST
+from spotguard.manifest import MANIFEST, FileEntry, write_part
 from spotguard.trainer import dist
 from spotguard.trainer.notices import Message
 from spotguard.trainer.saving import Saver
@@ -34,10 +34,11 @@ class AlreadyCommitted(FatalError):
 
 @contextmanager
 def commit_external(
-    saver: Saver, writer: CheckpointWriter, done: Callable[[], None], notice: Message | None = None
+    saver: Saver, writer: CheckpointWriter, done: Callable[[bool], None], notice: Message | None = None
 ) -> Iterator[Path]:
-    """Prepare ``writer``'s directory on every rank, yield it, then (rank 0) record and commit what was
-    written there; ``done`` runs after the commit, or at once when the step was already committed
+    """Prepare ``writer``'s directory on every rank, yield it, then record and commit what was
+    written there (:func:`_commit_shares`); ``done(here)`` runs after the commit (``here``: this rank's
+    disk holds the checkpoint or a share of it), or at once when the step was already committed
     (then :class:`AlreadyCommitted` is raised before yielding). Collective.
 
     On a failure the daemon hears ``save-failed`` and a partial directory on a full disk is removed,
@@ -47,14 +48,13 @@ def commit_external(
         saver.open_step_dir(writer)
     except CheckpointExists:
         logger.info("spotguard: %s is already committed; not writing it again", writer.dir.name)
-        done()
+        done(True)
         raise AlreadyCommitted(writer.dir) from None
     except Exception as exc:  # no room even for the directory
         _failed(saver, writer, exc, notice)
     # This rank speaks for a disk other than rank 0's (another node's): the step directory is made
-    # there too, so that a framework writing there finds it, and must stay empty (see below).
-    elsewhere = saver.rank != 0 and saver.node_leader
-    if elsewhere:
+    # there too, so that a framework writing there finds it.
+    if saver.rank != 0 and saver.node_leader:
         with contextlib.suppress(OSError):  # if it cannot be made, a write there fails in the block below
             writer.dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -62,41 +62,61 @@ def commit_external(
         # torch.save to a path reports one with no errno).
         with dist.settled(f"writing {writer.dir.name}", saver.checkpoint_dir):
             yield writer.dir
-        if saver.world_size > 1:
-            with dist.settled(f"checking {writer.dir.name}"):  # once every rank has written
-                if elsewhere:
-                    _nothing_written_here(saver, writer)
-        with dist.settled(f"committing {writer.dir.name}"):  # nobody goes on (or exits) before the commit
-            if saver.rank == 0:
-                for relpath in files_under(writer.dir):
-                    fsync_file(writer.dir / relpath)  # frameworks write without fsync; the manifest must not lie
-                    writer.add_existing(relpath)
-                writer.commit()
+        with dist.settled(f"recording {writer.dir.name}", saver.checkpoint_dir):
+            mine = _record(writer, keep_empty=saver.rank == 0) if saver.node_leader else {}
+        here = _commit_shares(saver, writer, dist.all_gather((dist.node_key(saver.checkpoint_dir), mine)))
     except Exception as exc:
         _failed(saver, writer, exc, notice)
-    done()
+    done(here)
 
 
-class WrittenOffRankZero(FatalError):
-    """A framework wrote files of a checkpoint on a disk other than rank 0's, which its manifest
-    (recorded from rank 0's disk) would leave out."""
+class SharesDisagree(FatalError):
+    """Two nodes' disks hold a file of the same name with different bytes: no manifest can hold both."""
 
 
-def _nothing_written_here(saver: Saver, writer: CheckpointWriter) -> None:
-    """On a disk other than rank 0's: the checkpoint is recorded from rank 0's disk only, so a file a
-    framework wrote here (each rank's shard of a sharded save, on nodes with disks of their own)
-    would be missing from it. Refuse the save rather than commit it incomplete; with nothing here,
-    the empty directory goes."""
+def _record(writer: CheckpointWriter, *, keep_empty: bool) -> dict[str, FileEntry]:
+    """Every file the framework wrote on this disk, fsynced (frameworks write without fsync; the
+    manifest must not lie) and recorded; with none (a framework writing from rank 0 alone, this on
+    another node) the empty directory goes, unless ``keep_empty`` (rank 0's: the manifest goes there)."""
     written = files_under(writer.dir) if writer.dir.is_dir() else []
-    if written:
-        shown = ", ".join(written[:3]) + (", ..." if len(written) > 3 else "")
-        raise WrittenOffRankZero(
-            f"{len(written)} file(s) of {writer.dir.name} were written on {saver.checkpoint_dir}, a disk other"
-            f" than rank 0's ({shown}): a checkpoint the framework writes itself is recorded from rank 0's disk"
-            " only and would be incomplete; give every node the same checkpoint_dir on shared storage, or save"
-            " through guard.save()"
-        )
-    shutil.rmtree(writer.dir, ignore_errors=True)
+    for relpath in written:
+        fsync_file(writer.dir / relpath)
+        writer.add_existing(relpath)
+    if not written and not keep_empty:
+        shutil.rmtree(writer.dir, ignore_errors=True)
+    return dict(writer.files)
+
+
+def _commit_shares(
+    saver: Saver, writer: CheckpointWriter, gathered: list[tuple[tuple[str, str], dict[str, FileEntry]]]
+) -> bool:
+    """Commit what every disk's leader recorded (``gathered``: each rank's node and files, empty but
+    for leaders); returns whether this rank's disk holds the checkpoint or a share of it. On one disk
+    rank 0 commits it; where nodes have disks of their own (each rank's shard of a sharded save on its
+    node's disk), each node's leader first commits its node's share (``part-<node>.json``, as
+    :meth:`Guard.save` does) and rank 0's manifest lists every node's files: each node's daemon
+    uploads its share, and the checkpoint counts in the bucket once every share is there. Collective."""
+    # Rank 0's node always counts (its disk takes the manifest); another only with files of its own.
+    shares = [(key, files) for rank, (key, files) in enumerate(gathered) if files or rank == 0]
+    nodes = [key for key, _ in shares]  # in order of their leaders' ranks
+    everything: dict[str, FileEntry] = {}
+    for key, files in shares:
+        for name, entry in files.items():
+            if everything.setdefault(name, entry) != entry:
+                raise SharesDisagree(
+                    f"{writer.dir.name}/{name} was written on two nodes' disks with different bytes"
+                    f" (the second: {key[0]}:{key[1]}): a checkpoint can hold one; have one rank write it"
+                )
+    me = dist.node_key(saver.checkpoint_dir)
+    with dist.settled(f"committing {writer.dir.name}"):  # nobody goes on (or exits) before the commit
+        if len(nodes) > 1 and saver.node_leader and me in nodes:
+            write_part(writer.dir, nodes.index(me), len(nodes), dict(shares)[me])
+        if saver.rank == 0:
+            writer.files.update(everything)
+            if len(nodes) > 1:
+                writer.meta["nodes"] = len(nodes)
+            writer.commit()
+    return saver.rank == 0 or me in nodes
 
 
 def _failed(saver: Saver, writer: CheckpointWriter, exc: Exception, notice: Message | None) -> NoReturn:

@@ -169,10 +169,12 @@ class Guard:
         ...     trainer.save_checkpoint(step_dir / "lightning.ckpt")
 
         Every rank must enter (the directory exists on all ranks before anyone writes, and nobody leaves
-        before rank 0 committed). Raises :class:`AlreadyCommitted` (before yielding) if the step is
-        already complete. On a clean exit every file is recorded in the manifest, the manifest is
-        committed, the daemon is told and the notice counts as answered. ``live`` (e.g. ``{"model": ...,
-        "optimizer": ...}``) is described in the manifest, so that a resume can be checked against it.
+        before rank 0 committed). Where nodes have disks of their own and the framework writes on
+        several of them (a sharded save), each node commits its share, as :meth:`save` does. Raises
+        :class:`AlreadyCommitted` (before yielding) if the step is already complete. On a clean exit
+        every file is recorded in the manifest, the manifest is committed, the daemon is told and the
+        notice counts as answered. ``live`` (e.g. ``{"model": ..., "optimizer": ...}``) is described in
+        the manifest, so that a resume can be checked against it.
 
         On an exception nothing is committed, the daemon hears the save failed, and the directory stays
         incomplete for the next writer to remove (at once on a full disk). A full disk (however the
@@ -189,10 +191,10 @@ class Guard:
             self.checkpoint_dir, step, reason=reason, world_size=self.world_size, meta=full_meta, contents=contents
         )
 
-        def done() -> None:
+        def done(here: bool) -> None:
             self._flags.committed_locally()
             self._saved(step, notice)
-            self._saver.report(writer.dir, step, reason, notice)
+            self._saver.report(writer.dir, step, reason, notice, here=here)
 
         try:
             with commit_external(self._saver, writer, done, notice) as step_dir:

@@ -11,7 +11,6 @@ import logging
 from collections.abc import Mapping, MutableMapping
 from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
-from socket import gethostname
 from typing import Any
 
 from spotguard import protocol
@@ -92,7 +91,7 @@ class Resumer:
         daemon fetched onto this disk be resumed by all. Collective."""
         if not dist.active():
             return True
-        return len(set(dist.all_gather((gethostname(), str(self.checkpoint_dir.resolve()))))) == 1
+        return len(set(dist.all_gather(dist.node_key(self.checkpoint_dir)))) == 1
 
     def _daemon_has_peers(self) -> bool:
         if self.client.welcome is None and self.client.socket_path.exists():

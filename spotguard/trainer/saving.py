@@ -280,10 +280,11 @@ class Saver:
             **details,
         )
 
-    def report(self, target: Path, step: int, reason: str, notice: Message | None) -> None:
-        """After a commit: tell the daemon (each node's leader speaks for its disk) and keep the disk in bounds."""
+    def report(self, target: Path, step: int, reason: str, notice: Message | None, *, here: bool = True) -> None:
+        """After a commit: tell the daemon (each node's leader speaks for its disk, unless ``here`` is
+        False: its disk holds nothing of the checkpoint) and keep the disk in bounds."""
         self.last_committed = target
-        if not self.node_leader:
+        if not self.node_leader or not here:
             return
         self.client.send(
             "saved",

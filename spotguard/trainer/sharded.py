@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import socket
 import warnings
 from collections.abc import Callable, Collection, Mapping, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
@@ -182,7 +181,7 @@ def _share_by_node(writer: CheckpointWriter, mine: dict[str, FileEntry]) -> tupl
     """Gather every rank's files, and the lowest rank of this node (its leader). With several nodes
     the leader commits the node's share locally (``part-<node>.json``). Collective."""
     # A node is the set of ranks writing to one local disk: same host, same checkpoint root.
-    node_key = (socket.gethostname(), str(writer.root.resolve()))
+    node_key = dist.node_key(writer.root)
     gathered: list[NodeShare | None] = [None] * dist.world_size()
     torch_dist.all_gather_object(gathered, (node_key, mine))
     shares = [share for share in gathered if share is not None]

@@ -1,13 +1,14 @@
 """One rank of a 2-rank gloo job whose saves fail on some rank; prints one JSON line per save.
 
-RANK=r WORLD_SIZE=2 RENDEZVOUS_FILE=f [FILLER=path] python -m tests.e2e.dist_failure ROOT0,ROOT1 KIND PLAN
+RANK=r WORLD_SIZE=2 RENDEZVOUS_FILE=f [FILLER=path] [SOCKETS=S0,S1]
+python -m tests.e2e.dist_failure ROOT0,ROOT1 KIND PLAN
 
 KIND: ``dcp`` (a module, which DCP writes on rank 0), ``files`` (a tensor per rank, each its own file),
 ``external`` (as ``files``, but each rank's ``torch.save`` to a path inside ``Guard.external_save``,
 as a framework's callback saves: a full disk raises there with no errno; an urgent save is one after
 a SIGTERM notice) or ``external0`` (the same, rank 0 alone writing, as Lightning's DDP saves).
 PLAN: saves as ``step:reason``, comma-separated. Before a step whose reason ends in ``+room``, the rank
-whose disk holds ``FILLER`` deletes it (all ranks wait for that).
+whose disk holds ``FILLER`` deletes it (all ranks wait for that). ``SOCKETS``: each rank's daemon.
 """
 
 from __future__ import annotations
@@ -35,7 +36,10 @@ def main() -> None:
         state = {"model": torch.nn.Linear(1024, 1024)}  # 4 MiB, the same on both ranks: DCP writes it on rank 0
     else:
         state = {"weights": torch.full((1 << 20,), float(rank + 1))}  # 4 MiB each, a file per rank
-    guard = Guard(checkpoint_dir=root, socket=root.parent / f"none-{rank}.sock", daemon_wait=0.1, handle_sigterm=False)
+    # SOCKETS: each rank's daemon (a node of its own each), else none.
+    sockets = os.environ.get("SOCKETS")
+    socket = Path(sockets.split(",")[rank]) if sockets else root.parent / f"none-{rank}.sock"
+    guard = Guard(checkpoint_dir=root, socket=socket, daemon_wait=10 if sockets else 0.1, handle_sigterm=False)
     for planned in sys.argv[3].split(","):
         step, reason = planned.split(":")
         if reason.endswith("+room"):
@@ -52,7 +56,7 @@ def main() -> None:
             else:
                 if reason == "urgent":
                     guard.notify_sigterm()
-                with guard.external_save(int(step), {"framework": "test"}) as step_dir:
+                with guard.external_save(int(step), {"framework": "test", "resume": "rank0.pt"}) as step_dir:
                     if sys.argv[2] == "external" or rank == 0:
                         torch.save(state, str(step_dir / f"rank{rank}.pt"))
         except Exception as exc:

@@ -11,7 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+from spotguard.harness import Vm, wait_for
+from spotguard.localstore import scan_local
 from spotguard.manifest import load_manifest
 from tests.diskspace import fill
 
@@ -33,10 +36,13 @@ def read_only_dir(tmp_path: Path) -> Iterator[Path]:
 
 
 def run_two_ranks(
-    tmp_path: Path, roots: list[Path], kind: str, plan: str, filler: Path | None = None
+    tmp_path: Path, roots: list[Path], kind: str, plan: str, filler: Path | None = None, sockets: str = ""
 ) -> list[list[dict[str, Any]]]:
-    """Both ranks of tests/e2e/dist_failure.py; each rank's JSON lines (one per save), rank 0's first."""
+    """Both ranks of tests/e2e/dist_failure.py; each rank's JSON lines (one per save), rank 0's first.
+    ``sockets``: each rank's daemon, comma-separated."""
     env = {**os.environ, "WORLD_SIZE": "2", "RENDEZVOUS_FILE": str(tmp_path / "rendezvous"), "FILLER": str(filler)}
+    if sockets:
+        env["SOCKETS"] = sockets
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "tests.e2e.dist_failure", ",".join(map(str, roots)), kind, plan],
@@ -139,23 +145,44 @@ def test_a_framework_save_that_fills_the_ranks_disk_is_a_full_disk_on_every_rank
 
 
 @pytest.mark.slow
-def test_a_framework_save_is_refused_when_files_land_on_a_disk_other_than_rank_0s(tmp_path: Path) -> None:
-    """Nodes with disks of their own: a checkpoint a framework writes is recorded from rank 0's disk,
-    so rank 1's file on its own disk would be missing from it. Where only rank 0 writes (Lightning's
-    DDP) the save commits and leaves nothing on the other disk; where rank 1 writes too (a sharded
-    save), both ranks raise the same error saying so, and nothing is committed: it failed before as
-    'Parent directory ... does not exist' (the step directory was made on rank 0's disk only)."""
-    roots = [tmp_path / "nvme0" / "ckpt", tmp_path / "nvme1" / "ckpt"]
+def test_a_framework_save_on_nodes_with_disks_of_their_own_commits_each_nodes_share(
+    vm_factory: Callable[..., Vm], bucket: str, tmp_path: Path
+) -> None:
+    """Two nodes, each with its disk and its daemon. Where only rank 0 writes (Lightning's DDP) the
+    save commits on rank 0's disk and leaves nothing on the other; where rank 1 writes on its own
+    disk too (a sharded save), each node commits its share, rank 0's manifest lists both nodes'
+    files, and the checkpoint counts in the bucket once both daemons uploaded their share, so that a
+    fresh node restores all of it. The second case was refused before (the manifest, recorded from
+    rank 0's disk, would have missed rank 1's file), and before that failed as 'Parent directory ...
+    does not exist'."""
+    from spotguard.integrations.common import find_resumable
+    from tests.e2e.test_distributed import remote_status
 
-    only_rank_0 = run_two_ranks(tmp_path, roots, "external0", "5:periodic")
+    vms = [vm_factory(name, extra_args=["--provider", "none"]) for name in ("node-a", "node-b")]
+    roots = [vm.root for vm in vms]
+    sockets = ",".join(str(vm.socket) for vm in vms)
+
+    only_rank_0 = run_two_ranks(tmp_path, roots, "external0", "5:periodic", sockets=sockets)
     assert [lines[0]["raised"] for lines in only_rank_0] == [None, None], only_rank_0
     assert sorted(load_manifest(roots[0] / "step-000000005").files) == ["rank0.pt"]
-    assert list(roots[1].iterdir()) == [], "the empty step directory on rank 1's disk went"
+    assert "nodes" not in load_manifest(roots[0] / "step-000000005").meta  # one node holds it all
+    assert not (roots[1] / "step-000000005").exists(), "the empty step directory on rank 1's disk went"
+    wait_for(lambda: remote_status(bucket, "step-000000005") == "complete", 60, "the one-node commit in the bucket")
 
     (tmp_path / "rendezvous").unlink(missing_ok=True)
-    both = [lines[0] for lines in run_two_ranks(tmp_path, roots, "external", "6:periodic")]
-    assert [o["raised"] for o in both] == ["RankFailed", "RankFailed"], both
-    assert both[0]["message"] == both[1]["message"]
-    assert "rank 1: WrittenOffRankZero: 1 file(s) of step-000000006 were written on" in both[0]["message"]
-    assert "rank1.pt" in both[0]["message"] and "shared storage" in both[0]["message"]
-    assert not (roots[0] / "step-000000006" / "manifest.json").exists()
+    both = run_two_ranks(tmp_path, roots, "external", "6:periodic", sockets=sockets)
+    assert [lines[0]["raised"] for lines in both] == [None, None], both
+    name = "step-000000006"
+    manifest = load_manifest(roots[0] / name)
+    assert sorted(manifest.files) == ["rank0.pt", "rank1.pt"] and manifest.meta["nodes"] == 2
+    assert sorted(p.name for p in (roots[0] / name).iterdir()) == ["manifest.json", "part-0.json", "rank0.pt"]
+    assert sorted(p.name for p in (roots[1] / name).iterdir()) == ["part-1.json", "rank1.pt"]
+    assert [(i.name, i.status) for i in scan_local(roots[1]) if i.name == name] == [(name, "incomplete")]
+    wait_for(lambda: remote_status(bucket, name) == "complete", 60, "the two-node commit in the bucket")
+
+    fresh = tmp_path / "fresh-node" / "ckpt"
+    resumable = find_resumable(fresh, bucket, "test")
+    assert resumable == fresh / name / "rank0.pt"
+    for rank in range(2):
+        restored = torch.load(fresh / name / f"rank{rank}.pt", weights_only=True)
+        assert torch.equal(restored["weights"], torch.full((1 << 20,), float(rank + 1)))
