@@ -6,7 +6,8 @@ python -m tests.e2e.dist_failure ROOT0,ROOT1 KIND PLAN
 KIND: ``dcp`` (a module, which DCP writes on rank 0), ``files`` (a tensor per rank, each its own file),
 ``external`` (as ``files``, but each rank's ``torch.save`` to a path inside ``Guard.external_save``,
 as a framework's callback saves: a full disk raises there with no errno; an urgent save is one after
-a SIGTERM notice) or ``external0`` (the same, rank 0 alone writing, as Lightning's DDP saves).
+a SIGTERM notice), ``external0`` (the same, rank 0 alone writing, as Lightning's DDP saves) or
+``external-same`` (each rank its own bytes under one name).
 PLAN: saves as ``step:reason``, comma-separated. Before a step whose reason ends in ``+room``, the rank
 whose disk holds ``FILLER`` deletes it (all ranks wait for that). ``SOCKETS``: each rank's daemon.
 """
@@ -57,7 +58,9 @@ def main() -> None:
                 if reason == "urgent":
                     guard.notify_sigterm()
                 with guard.external_save(int(step), {"framework": "test", "resume": "rank0.pt"}) as step_dir:
-                    if sys.argv[2] == "external" or rank == 0:
+                    if sys.argv[2] == "external-same":  # one name, each rank's own bytes
+                        torch.save(state, str(step_dir / "rank0.pt"))
+                    elif sys.argv[2] == "external" or rank == 0:
                         torch.save(state, str(step_dir / f"rank{rank}.pt"))
         except Exception as exc:
             outcome.update(raised=type(exc).__name__, disk_full=isinstance(exc, SpotguardDiskFull), message=str(exc))

@@ -152,7 +152,8 @@ def test_a_framework_save_on_nodes_with_disks_of_their_own_commits_each_nodes_sh
     save commits on rank 0's disk and leaves nothing on the other; where rank 1 writes on its own
     disk too (a sharded save), each node commits its share, rank 0's manifest lists both nodes'
     files, and the checkpoint counts in the bucket once both daemons uploaded their share, so that a
-    fresh node restores all of it. The second case was refused before (the manifest, recorded from
+    fresh node restores all of it; one file name written on both disks with different bytes refuses
+    the save on both ranks. The second case was refused before (the manifest, recorded from
     rank 0's disk, would have missed rank 1's file), and before that failed as 'Parent directory ...
     does not exist'."""
     from spotguard.integrations.common import find_resumable
@@ -179,6 +180,15 @@ def test_a_framework_save_on_nodes_with_disks_of_their_own_commits_each_nodes_sh
     assert sorted(p.name for p in (roots[1] / name).iterdir()) == ["part-1.json", "rank1.pt"]
     assert [(i.name, i.status) for i in scan_local(roots[1]) if i.name == name] == [(name, "incomplete")]
     wait_for(lambda: remote_status(bucket, name) == "complete", 60, "the two-node commit in the bucket")
+
+    (tmp_path / "rendezvous").unlink(missing_ok=True)
+    clash = [lines[0] for lines in run_two_ranks(tmp_path, roots, "external-same", "7:periodic", sockets=sockets)]
+    assert [o["raised"] for o in clash] == ["SharesDisagree", "SharesDisagree"], clash
+    assert (
+        clash[0]["message"] == clash[1]["message"] and "rank0.pt was written on two nodes' disks" in clash[0]["message"]
+    )
+    assert not (roots[0] / "step-000000007" / "manifest.json").exists()
+    assert not list(roots[1].glob("step-000000007/part-*.json")), "no share of it committed"
 
     fresh = tmp_path / "fresh-node" / "ckpt"
     resumable = find_resumable(fresh, bucket, "test")
