@@ -334,9 +334,13 @@ class Uploader:
 
     def _forget_gone(self, here: set[str]) -> None:
         """Drop what is remembered per checkpoint for those gone from this disk (pruned, removed) and
-        not in the queue: a name a save, for the months the daemon runs, otherwise."""
+        not in the queue: a name a save, for the months the daemon runs, otherwise. A checkpoint
+        written again under a refused or conflicting name is judged afresh."""
         keep = here | set(self._queued) | self.in_flight() | set(self._ahead.tasks)
         self.shares_uploaded &= keep
+        self.conflicts &= keep
+        for name in self.refused.keys() - keep:
+            del self.refused[name]  # the failures' own dict: one record of what is refused
         for name in set(self._ahead.manifest_seen) - keep:
             del self._ahead.manifest_seen[name]
 

@@ -13,6 +13,7 @@ import base64
 import hashlib
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -173,6 +174,10 @@ def test_pinned_crc32c_fails_clearly_after_the_bounded_attempts_and_is_not_retri
         with pytest.raises(ChecksumMismatch, match="no fallback"):
             storage.put_file(big, "other/big.bin", crc32c=crc32c_of_file(big))
         assert len(multipart_uploads) == 2
+        # Once local retention removed it, the name is not remembered for the months the daemon runs.
+        shutil.rmtree(step_dir)
+        asyncio.run(uploader.rescan())
+        assert step_dir.name not in uploader.refused
     finally:
         storage.close()
 

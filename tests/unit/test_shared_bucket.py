@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shutil
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -135,6 +136,9 @@ def test_uploader_leaves_another_writers_checkpoint_of_the_same_step_alone(
     assert (storage.root / "step-000000001" / MANIFEST).read_bytes() == (theirs / MANIFEST).read_bytes()
     assert verify_remote(storage, "step-000000001") == []
     assert caplog.text.count("not committing step-000000001") == 1
+    shutil.rmtree(root / "step-000000001")  # local retention, in time: the name is not kept for months
+    asyncio.run(uploader.rescan())
+    assert uploader.conflicts == set()
 
 
 def test_uploader_that_loses_the_race_for_a_manifest_backs_off_once(
