@@ -57,6 +57,11 @@ class UploadFailures:
         self.not_before.pop(name, None)
         self.in_a_row.pop(name, None)
 
+    def forget_refused(self, names: Iterable[str]) -> None:
+        """``names`` left the disk: one written again under such a name is tried afresh."""
+        for name in names:
+            self.refused.pop(name, None)
+
     def next_retry(self, names: Iterable[str]) -> float | None:
         """The soonest time (monotonic) any of ``names`` may be tried again after a failure; None if none
         of them is waiting out a backoff."""

@@ -339,8 +339,7 @@ class Uploader:
         keep = here | set(self._queued) | self.in_flight() | set(self._ahead.tasks)
         self.shares_uploaded &= keep
         self.conflicts &= keep
-        for name in self.refused.keys() - keep:
-            del self.refused[name]  # the failures' own dict: one record of what is refused
+        self._failures.forget_refused(self.refused.keys() - keep)
         for name in set(self._ahead.manifest_seen) - keep:
             del self._ahead.manifest_seen[name]
 
