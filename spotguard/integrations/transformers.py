@@ -10,7 +10,9 @@ SIGTERM) or a periodic save is due (``every_steps``/``every_seconds``), the call
 to save (``control.should_save``). The Trainer writes its own ``checkpoint-N/`` (model, optimizer,
 scheduler, RNG states, ``trainer_state.json``) into ``output_dir``; in ``on_save`` the callback moves it
 into a fresh spotguard step directory, ``<output_dir>/step-NNNNNNNNN/checkpoint-N/``, records every
-file in ``manifest.json``, commits it last and tells the daemon, which uploads it. A hard notice then
+file in ``manifest.json``, commits it last and tells the daemon, which uploads it. Where nodes have
+disks of their own, each node's leader moves what the Trainer wrote on its disk (its processes' RNG
+states, its shards under FSDP) and each node commits its share. A hard notice then
 sets ``control.should_training_stop``. ``resume_path(output_dir)`` returns that ``checkpoint-N``
 folder of the newest *complete* checkpoint (manifest valid, CRC32C checked), downloading it from the
 bucket when ``output_dir`` has none. ``transformers.trainer_utils.get_last_checkpoint`` only looks
@@ -159,14 +161,16 @@ class SpotguardCallback(transformers.TrainerCallback):
         try:
             live = {"model": kwargs["model"]} if kwargs.get("model") is not None else None
             with guard.external_save(step, {"framework": FRAMEWORK, "resume": relpath}, live) as step_dir:
-                if guard.rank == 0:
-                    # Raised inside the commit, so every rank hears of it instead of waiting for rank 0.
-                    if not written.is_dir():
-                        raise FileNotFoundError(
-                            f"spotguard: the Trainer's checkpoint {written} is not where it should be"
-                        )
+                # Each disk's leader takes what the Trainer wrote there: rank 0's disk holds the model;
+                # where nodes have disks of their own, another's holds its processes' RNG states (and
+                # shards, under FSDP), which would otherwise be missing from the checkpoint and left
+                # behind in output_dir at every save.
+                if guard.node_leader and written.is_dir():
                     # A rename when output_dir is the root (the usual case): nothing is copied.
                     shutil.move(written, step_dir / relpath)
+                elif guard.rank == 0:
+                    # Raised inside the commit, so every rank hears of it instead of waiting for rank 0.
+                    raise FileNotFoundError(f"spotguard: the Trainer's checkpoint {written} is not where it should be")
         except AlreadyCommitted as exc:
             step_dir = exc.step_dir
         if guard.last_checkpoint == step_dir:  # else a periodic save the full disk skipped (logged)

@@ -224,6 +224,13 @@ class Guard:
         return self._flags.stop_agreed
 
     @property
+    def node_leader(self) -> bool:
+        """Whether this rank speaks for its disk: the lowest rank writing to the same host and
+        ``checkpoint_dir``. Known from the first save on (inside :meth:`external_save` it is): before,
+        rank 0 alone is taken for one."""
+        return self._saver.node_leader
+
+    @property
     def last_checkpoint(self) -> Path | None:
         """The step directory of the newest checkpoint this Guard committed (a periodic save written in
         the background once it is committed); None before the first."""

@@ -9,6 +9,7 @@ run. With ``--eval-every E`` an evaluation of ``EVAL_BATCHES`` batches runs ever
 ``--wait-notice-in-eval-at K`` holds in the second batch of the first evaluation at or after step K, and
 ``--wait-notice-at-start`` (Lightning) in ``on_train_start``, until the notice reached the callback.
 ``--devices N`` (Lightning): N ranks under DDP (gloo, Lightning's own launcher); rank 0 prints.
+``--roots R0,R1`` (Hugging Face, under torchrun): each rank's output_dir, as on nodes with disks of their own.
 
 Both models have dropout, AdamW and a per-step LR schedule; 96 samples in batches of 8 (12 steps an
 epoch), so a resume at k not divisible by 12 continues mid-epoch.
@@ -216,7 +217,7 @@ def run_transformers(args: argparse.Namespace) -> dict[str, Any]:
     )
     model = transformers.BertForSequenceClassification(config)
     training_args = transformers.TrainingArguments(
-        output_dir=str(args.root),
+        output_dir=str(args.root if args.roots is None else args.roots.split(",")[int(os.environ["RANK"])]),
         max_steps=args.steps,
         per_device_train_batch_size=BATCH,
         learning_rate=1e-3,
@@ -239,7 +240,8 @@ def run_transformers(args: argparse.Namespace) -> dict[str, Any]:
 
     class Progress(transformers.TrainerCallback):
         def on_step_end(self, hf_args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            emit("step", step=state.global_step)
+            if state.is_world_process_zero:
+                emit("step", step=state.global_step)
             if args.wait_notice_at == state.global_step:
                 hold(state.global_step, lambda: cb.guard is not None and cb.guard.notice_pending)
 
@@ -260,10 +262,12 @@ def run_transformers(args: argparse.Namespace) -> dict[str, Any]:
         callbacks=[Progress(), cb],
     )
     resume = cb.resume_path(training_args.output_dir)
-    emit("resumed", step=_resumed_step(resume), path=resume)
+    if training_args.process_index == 0:
+        emit("resumed", step=_resumed_step(resume), path=resume)
     trainer.train(resume_from_checkpoint=resume)
     return {
         "step": trainer.state.global_step,
+        "rank": trainer.args.process_index,
         "saved": cb.last_saved,
         "final": {
             "step": trainer.state.global_step,
@@ -278,6 +282,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.e2e.integration_trainers")
     parser.add_argument("--framework", choices=["lightning", "transformers"], required=True)
     parser.add_argument("--root", type=Path, required=True)
+    parser.add_argument("--roots", help="transformers under torchrun: each rank's root (a node's disk)")
     parser.add_argument("--socket", type=Path, required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--bucket")

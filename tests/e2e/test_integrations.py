@@ -177,6 +177,32 @@ def test_lightning_ddp_periodic_saves_on_rank_0s_full_disk_are_skipped_on_every_
     assert list(root.iterdir()) == [], "no partial step directory holds what little room there is"
 
 
+@pytest.mark.slow
+def test_transformers_on_nodes_with_disks_of_their_own_commits_every_processs_files(tmp_path: Path) -> None:
+    """Two processes under torchrun, each with output_dir on a disk of its own: the Trainer writes
+    the model on rank 0's and each process's RNG state on its own. Every node's share is committed
+    with the checkpoint; before, rank 1's RNG state was missing from it and its checkpoint-N folder
+    was left behind in output_dir at every save."""
+    pytest.importorskip("transformers")
+    roots = [tmp_path / "nvme0", tmp_path / "nvme1"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    command = trainer_command("transformers", roots[0], tmp_path / "none.sock", every_steps=3)
+    command = [*torchrun, *command[1:], "--roots", ",".join(map(str, roots))]
+    events = run_events(command)
+    assert [e["step"] for e in events if e["event"] == "step"] == list(range(1, STEPS + 1))
+    saved = [f"step-{step:09d}" for step in range(3, STEPS + 1, 3)]
+    kept = sorted(p.name for p in roots[0].iterdir())  # with no daemon, the newest few are kept
+    assert kept and kept[-1] == saved[-1] and set(kept) <= set(saved)
+    assert sorted(p.name for p in roots[1].iterdir()) == kept, "no checkpoint-N left behind in output_dir"
+    for name in kept:
+        checkpoint = f"checkpoint-{int(name.removeprefix('step-'))}"
+        manifest = load_manifest(roots[0] / name)
+        assert manifest.meta["nodes"] == 2
+        assert f"{checkpoint}/rng_state_0.pth" in manifest.files and f"{checkpoint}/rng_state_1.pth" in manifest.files
+        assert sorted(p.name for p in (roots[1] / name / checkpoint).iterdir()) == ["rng_state_1.pth"]
+        assert (roots[1] / name / "part-1.json").exists()
+
+
 # --- a notice while the loop is evaluating --------------------------------------------------------
 
 EVAL_EVERY = 4  # 12 steps an epoch: evaluations after steps 4, 8, 12, 16, ...
