@@ -70,10 +70,6 @@ def commit_external(
     done(here)
 
 
-class SharesDisagree(FatalError):
-    """Two nodes' disks hold a file of the same name with different bytes: no manifest can hold both."""
-
-
 def _record(writer: CheckpointWriter, *, keep_empty: bool) -> dict[str, FileEntry]:
     """Every file the framework wrote on this disk, fsynced (frameworks write without fsync; the
     manifest must not lie) and recorded; with none (a framework writing from rank 0 alone, this on
@@ -95,28 +91,39 @@ def _commit_shares(
     rank 0 commits it; where nodes have disks of their own (each rank's shard of a sharded save on its
     node's disk), each node's leader first commits its node's share (``part-<node>.json``, as
     :meth:`Guard.save` does) and rank 0's manifest lists every node's files: each node's daemon
-    uploads its share, and the checkpoint counts in the bucket once every share is there. Collective."""
-    # Rank 0's node always counts (its disk takes the manifest); another only with files of its own.
-    shares = [(key, files) for rank, (key, files) in enumerate(gathered) if files or rank == 0]
-    nodes = [key for key, _ in shares]  # in order of their leaders' ranks
+    uploads its share, and the checkpoint counts in the bucket once every share is there. Collective.
+
+    A name on several disks (a framework saving the whole checkpoint on every node, Hugging Face's
+    ``save_on_each_node``) is the first node's: rank 0's, else the lowest rank's. A node left with
+    nothing of its own keeps nothing."""
+    shares: dict[tuple[str, str], dict[str, FileEntry]] = {}
     everything: dict[str, FileEntry] = {}
-    for key, files in shares:
-        for name, entry in files.items():
-            if everything.setdefault(name, entry) != entry:
-                raise SharesDisagree(
-                    f"{writer.dir.name}/{name} was written on two nodes' disks with different bytes"
-                    f" (the second: {key[0]}:{key[1]}): a checkpoint can hold one; have one rank write it"
-                )
+    for rank, (key, files) in enumerate(gathered):  # rank 0's node first, then in order of their leaders
+        own = {name: entry for name, entry in files.items() if name not in everything}
+        differ = sorted(name for name in files.keys() & everything.keys() if files[name] != everything[name])
+        if differ and saver.rank == 0:
+            logger.warning(
+                "spotguard: %s: %s differ between nodes' disks; the checkpoint holds the copy of the first node"
+                " that wrote them (rank 0's, else the lowest rank's)",
+                writer.dir.name,
+                ", ".join(differ[:3]) + (", ..." if len(differ) > 3 else ""),
+            )
+        everything.update(own)
+        if own or rank == 0:  # rank 0's node always counts: its disk takes the manifest
+            shares[key] = own
+    nodes = list(shares)
     me = dist.node_key(saver.checkpoint_dir)
     with dist.settled(f"committing {writer.dir.name}"):  # nobody goes on (or exits) before the commit
+        if saver.node_leader and me not in nodes:
+            shutil.rmtree(writer.dir, ignore_errors=True)  # only copies of another node's files
         if len(nodes) > 1 and saver.node_leader and me in nodes:
-            write_part(writer.dir, nodes.index(me), len(nodes), dict(shares)[me])
+            write_part(writer.dir, nodes.index(me), len(nodes), shares[me])
         if saver.rank == 0:
             writer.files.update(everything)
             if len(nodes) > 1:
                 writer.meta["nodes"] = len(nodes)
             writer.commit()
-    return saver.rank == 0 or me in nodes
+    return me in nodes
 
 
 def _failed(saver: Saver, writer: CheckpointWriter, exc: Exception, notice: Message | None) -> NoReturn:
