@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from spotguard.errors import FatalError
+from spotguard.manifest import FileEntry
 from spotguard.space import SpotguardDiskFull, as_disk_full, disk_full_behind, full_disk_of
 
 T = TypeVar("T")
@@ -153,7 +154,11 @@ def all_gather(value: T) -> list[T]:
     return values
 
 
-def node_key(root: Path) -> tuple[str, str]:
+NodeKey = tuple[str, str]  # (host, checkpoint root): one local disk
+NodeShare = tuple[NodeKey, dict[str, FileEntry]]  # a disk and the files written on it
+
+
+def node_key(root: Path) -> NodeKey:
     """Which disk a rank writes to: its host and its checkpoint root. The ranks of one node share it."""
     return socket.gethostname(), str(root.resolve())
 

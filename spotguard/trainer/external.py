@@ -63,44 +63,40 @@ def commit_external(
         with dist.settled(f"writing {writer.dir.name}", saver.checkpoint_dir):
             yield writer.dir
         with dist.settled(f"recording {writer.dir.name}", saver.checkpoint_dir):
-            mine = _record(writer, keep_empty=saver.rank == 0) if saver.node_leader else {}
-        here = _commit_shares(saver, writer, dist.all_gather((dist.node_key(saver.checkpoint_dir), mine)))
+            mine = _record(writer) if saver.node_leader else {}
+        me = dist.node_key(saver.checkpoint_dir)
+        here = _commit_shares(saver, writer, me, dist.all_gather((me, mine)))
     except Exception as exc:
         _failed(saver, writer, exc, notice)
     done(here)
 
 
-def _record(writer: CheckpointWriter, *, keep_empty: bool) -> dict[str, FileEntry]:
+def _record(writer: CheckpointWriter) -> dict[str, FileEntry]:
     """Every file the framework wrote on this disk, fsynced (frameworks write without fsync; the
-    manifest must not lie) and recorded; with none (a framework writing from rank 0 alone, this on
-    another node) the empty directory goes, unless ``keep_empty`` (rank 0's: the manifest goes there)."""
-    written = files_under(writer.dir) if writer.dir.is_dir() else []
-    for relpath in written:
+    manifest must not lie) and recorded."""
+    for relpath in files_under(writer.dir) if writer.dir.is_dir() else []:
         fsync_file(writer.dir / relpath)
         writer.add_existing(relpath)
-    if not written and not keep_empty:
-        shutil.rmtree(writer.dir, ignore_errors=True)
     return dict(writer.files)
 
 
-def _commit_shares(
-    saver: Saver, writer: CheckpointWriter, gathered: list[tuple[tuple[str, str], dict[str, FileEntry]]]
-) -> bool:
+def _commit_shares(saver: Saver, writer: CheckpointWriter, me: dist.NodeKey, gathered: list[dist.NodeShare]) -> bool:
     """Commit what every disk's leader recorded (``gathered``: each rank's node and files, empty but
-    for leaders); returns whether this rank's disk holds the checkpoint or a share of it. On one disk
-    rank 0 commits it; where nodes have disks of their own (each rank's shard of a sharded save on its
-    node's disk), each node's leader first commits its node's share (``part-<node>.json``, as
-    :meth:`Guard.save` does) and rank 0's manifest lists every node's files: each node's daemon
-    uploads its share, and the checkpoint counts in the bucket once every share is there. Collective.
+    for leaders; ``me``: this rank's node); returns whether this rank's disk holds the checkpoint or a
+    share of it. On one disk rank 0 commits it; where nodes have disks of their own (each rank's shard
+    of a sharded save on its node's disk), each node's leader first commits its node's share
+    (``part-<node>.json``, as :meth:`Guard.save` does) and rank 0's manifest lists every node's
+    files: each node's daemon uploads its share, and the checkpoint counts in the bucket once every
+    share is there. Collective.
 
     A name on several disks (a framework saving the whole checkpoint on every node, Hugging Face's
     ``save_on_each_node``) is the first node's: rank 0's, else the lowest rank's. A node left with
-    nothing of its own keeps nothing."""
-    shares: dict[tuple[str, str], dict[str, FileEntry]] = {}
+    nothing of its own (none written there: a framework writing from rank 0 alone) keeps nothing."""
+    shares: dict[dist.NodeKey, dict[str, FileEntry]] = {}
     everything: dict[str, FileEntry] = {}
     for rank, (key, files) in enumerate(gathered):  # rank 0's node first, then in order of their leaders
         own = {name: entry for name, entry in files.items() if name not in everything}
-        differ = sorted(name for name in files.keys() & everything.keys() if files[name] != everything[name])
+        differ = [name for name in sorted(files.keys() - own.keys()) if files[name] != everything[name]]
         if differ and saver.rank == 0:
             logger.warning(
                 "spotguard: %s: %s differ between nodes' disks; the checkpoint holds the copy of the first node"
@@ -112,10 +108,9 @@ def _commit_shares(
         if own or rank == 0:  # rank 0's node always counts: its disk takes the manifest
             shares[key] = own
     nodes = list(shares)
-    me = dist.node_key(saver.checkpoint_dir)
     with dist.settled(f"committing {writer.dir.name}"):  # nobody goes on (or exits) before the commit
         if saver.node_leader and me not in nodes:
-            shutil.rmtree(writer.dir, ignore_errors=True)  # only copies of another node's files
+            shutil.rmtree(writer.dir, ignore_errors=True)  # empty, or only copies of another node's files
         if len(nodes) > 1 and saver.node_leader and me in nodes:
             write_part(writer.dir, nodes.index(me), len(nodes), shares[me])
         if saver.rank == 0:

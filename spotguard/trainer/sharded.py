@@ -174,15 +174,12 @@ def _write_dcp(
     return mine
 
 
-NodeShare = tuple[tuple[str, str], dict[str, FileEntry]]  # ((host, root), the files its ranks wrote)
-
-
-def _share_by_node(writer: CheckpointWriter, mine: dict[str, FileEntry]) -> tuple[list[NodeShare], int]:
+def _share_by_node(writer: CheckpointWriter, mine: dict[str, FileEntry]) -> tuple[list[dist.NodeShare], int]:
     """Gather every rank's files, and the lowest rank of this node (its leader). With several nodes
     the leader commits the node's share locally (``part-<node>.json``). Collective."""
     # A node is the set of ranks writing to one local disk: same host, same checkpoint root.
     node_key = dist.node_key(writer.root)
-    gathered: list[NodeShare | None] = [None] * dist.world_size()
+    gathered: list[dist.NodeShare | None] = [None] * dist.world_size()
     torch_dist.all_gather_object(gathered, (node_key, mine))
     shares = [share for share in gathered if share is not None]
     nodes = list(dict.fromkeys(key for key, _ in shares))  # in order of their lowest rank
