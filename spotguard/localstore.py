@@ -153,12 +153,11 @@ def scan_local(root: Path) -> list[CheckpointInfo]:
         else:
             try:
                 size = sum(p.stat().st_size for p in entry.rglob("*") if p.is_file())
+                share = load_part(entry)
             except FileNotFoundError:
-                continue  # removed while we looked (the daemon's retention, another rank's clean-up)
+                continue  # removed while we looked (a trainer's or the daemon's retention, another rank's clean-up)
             foreign = local_foreign_format(entry) if manifest is None else None
-            infos.append(
-                CheckpointInfo(entry.name, step, "incomplete", size, None, manifest, load_part(entry), foreign)
-            )
+            infos.append(CheckpointInfo(entry.name, step, "incomplete", size, None, manifest, share, foreign))
     return sorted(infos, key=lambda info: info.step)
 
 

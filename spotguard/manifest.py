@@ -227,8 +227,13 @@ def write_part(step_dir: Path, node: int, nodes: int, files: Mapping[str, FileEn
 
 
 def load_part(step_dir: Path) -> dict[str, FileEntry] | None:
-    """This node's committed share of a multi-node checkpoint, if its marker is valid and its files present."""
-    for marker in step_dir.glob(f"{PART_PREFIX}*.json"):
+    """This node's committed share of a multi-node checkpoint, if its marker is valid and its files present
+    (None for a directory removed meanwhile: a trainer's or the daemon's retention prunes while others scan)."""
+    try:
+        markers = list(step_dir.glob(f"{PART_PREFIX}*.json"))
+    except FileNotFoundError:
+        return None
+    for marker in markers:
         try:
             document = json.loads(read_nofollow(marker))
             files = {
@@ -237,9 +242,18 @@ def load_part(step_dir: Path) -> dict[str, FileEntry] | None:
             }
         except (OSError, ValueError, KeyError, TypeError, AttributeError, ManifestError):
             continue
-        if all((step_dir / name).is_file() and (step_dir / name).stat().st_size == e.size for name, e in files.items()):
+        if all(_regular_file_size(step_dir / name) == e.size for name, e in files.items()):
             return files
     return None
+
+
+def _regular_file_size(path: Path) -> int | None:
+    """``path``'s size if it is a regular file, None if it is not (or no longer) one."""
+    try:
+        info = path.stat()
+    except OSError:
+        return None
+    return info.st_size if stat.S_ISREG(info.st_mode) else None
 
 
 def load_manifest(step_dir: Path) -> Manifest:

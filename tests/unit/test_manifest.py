@@ -1,6 +1,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +17,9 @@ from spotguard.manifest import (
     ManifestFormatError,
     load_manifest,
     load_manifest_or_none,
+    load_part,
     verify_dir,
+    write_part,
 )
 from spotguard.safefile import SymlinkRefused, atomic_file
 from tests.checkpoints import write_checkpoint
@@ -97,6 +102,59 @@ def test_directory_without_manifest_is_incomplete_and_listed_so(tmp_path: Path) 
     assert infos[1].created is None
     assert remove_incomplete(tmp_path) == ["step-000000002"]
     assert not (tmp_path / "step-000000002").exists()
+
+
+def test_a_share_whose_directory_or_file_went_is_no_share(tmp_path: Path) -> None:
+    assert load_part(tmp_path / "step-000000007") is None  # removed before the scan reached it
+    writer = CheckpointWriter(tmp_path, 8, reason="periodic")
+    writer.prepare()
+    entry = writer.write_bytes("shard-1.bin", b"x" * 10)
+    write_part(writer.dir, 1, 2, {"shard-1.bin": entry})
+    assert load_part(writer.dir) == {"shard-1.bin": entry}
+    (writer.dir / "shard-1.bin").unlink()
+    (writer.dir / "shard-1.bin").mkdir()  # the name is there, but not as the file the share names
+    assert load_part(writer.dir) is None
+
+
+_SAVE_AND_PRUNE = """
+import shutil, sys
+from pathlib import Path
+from spotguard.localstore import CheckpointWriter
+from spotguard.manifest import write_part
+root = Path(sys.argv[1])
+step = 0
+while not (root.parent / "stop").exists():
+    step += 1
+    writer = CheckpointWriter(root, step, reason="periodic")
+    writer.prepare()
+    files = {f"shard-{n}.bin": writer.write_bytes(f"shard-{n}.bin", b"x" * 4096) for n in range(4)}
+    write_part(writer.dir, 1, 2, files)
+    shutil.rmtree(writer.dir)
+"""
+
+
+def test_scanning_while_a_trainer_prunes_never_raises(tmp_path: Path) -> None:
+    """A trainer's retention (or the daemon's) removes step directories while the daemon scans the
+    root: once in ~1,000 periodic saves a directory went between the scan's look at its files and at
+    its share marker, and the daemon answered the trainer's "saved" with an internal error. The
+    trainer here is another process, so that its removals land anywhere in a scan."""
+    root = tmp_path / "nvme"
+    root.mkdir()
+    trainer = subprocess.Popen([sys.executable, "-c", _SAVE_AND_PRUNE, str(root)])
+    try:
+        deadline = time.monotonic() + 30
+        while not any(root.iterdir()):  # the trainer's interpreter starting
+            assert trainer.poll() is None and time.monotonic() < deadline, "the trainer wrote nothing"
+        seen = 0
+        for _ in range(3000):
+            for info in scan_local(root):
+                assert info.status == "incomplete"
+                assert info.node_files is None or sorted(info.node_files) == [f"shard-{n}.bin" for n in range(4)]
+                seen += 1
+        assert seen > 0, "the scans never met a step directory: the race was not exercised"
+    finally:
+        (tmp_path / "stop").touch()
+        assert trainer.wait(timeout=30) == 0
 
 
 def test_checkpoints_are_never_overwritten(tmp_path: Path) -> None:
