@@ -48,16 +48,15 @@ def forecast_report(
     return report
 
 
-async def watch_deadline(
-    forecast: Callable[[], dict[str, Any] | None], interval: Callable[[], float], late_logged: set[str]
-) -> None:
+async def watch_deadline(forecast: Callable[[], dict[str, Any] | None], interval: Callable[[], float]) -> None:
     """Log, every ``interval()`` while an urgent upload races a deadline, whether it will make it
-    at the rate so far; say once (remembered in ``late_logged``) when the deadline passed with it
-    unfinished."""
+    at the rate so far; say once per checkpoint when the deadline passed with it unfinished."""
+    late_logged: set[str] = set()  # while this race lasts: a daemon outlives many notices
     while True:
         await asyncio.sleep(interval())
         report = forecast()
         if report is None or "deadline_s_left" not in report:
+            late_logged.clear()
             continue
         name, left = report["name"], report["deadline_s_left"]
         where = f"{name}: {_mib(report['bytes_done'])} of {_mib(report['bytes_total'])} MiB in the bucket"

@@ -49,6 +49,11 @@ class StallWatch:
     def mark_told(self, peers: Sequence[Peer], notice: Notice) -> None:
         now = asyncio.get_running_loop().time()
         for peer in peers:
+            # Only the pending notice's entries are ever read: a trainer connected for months is told
+            # of many (rebalances, maintenance, drills), and would keep every one.
+            for event_id in peer.told.keys() - {notice.event_id}:
+                del peer.told[event_id]
+            peer.acted &= {notice.event_id}
             peer.told.setdefault(notice.event_id, now)
 
     def acted(self, peer: Peer, event_id: str, what: str) -> None:

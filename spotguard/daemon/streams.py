@@ -244,6 +244,16 @@ class EarlyUploads:
             else:
                 del self.tasks[name]
 
+    def forget_gone(self, keep: set[str]) -> set[str]:
+        """Forget the progress of checkpoints not in ``keep`` and with no files uploading ahead of their
+        commit (an upload that failed until local retention removed its checkpoint left it behind);
+        ``keep`` with those checkpoints added."""
+        keep = keep | set(self.tasks) | {stream.name for stream in self.streams.values()}
+        for memo in (self.progress, self.manifest_seen):
+            for name in memo.keys() - keep:
+                del memo[name]
+        return keep
+
     def uploading(self) -> list[str]:
         """The checkpoints with files uploading ahead of their commit (a name may repeat)."""
         names = [n for n, tasks in self.tasks.items() if any(not t.done() for t in tasks) and n in self.progress]

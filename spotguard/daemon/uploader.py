@@ -190,7 +190,6 @@ class Uploader:
         # Files of checkpoints still being written, uploading ahead of the commit.
         self._ahead = EarlyUploads(storage, self._progress, self._in_upload_thread, slots=concurrency)
         self._early = self._ahead.tasks
-        self._late_logged: set[str] = set()  # checkpoints already reported as past the deadline
 
     # --- what to upload --------------------------------------------------------------------
 
@@ -306,6 +305,8 @@ class Uploader:
         self.rescans += 1
         local = await asyncio.to_thread(scan_local, self.root)
         self._forget_gone({info.name for info in local})
+        if self._deadline is None:  # housekeeping waits while a notice's checkpoint races its deadline
+            await asyncio.to_thread(self.storage.retry_aborts)
         if bucket or self.listings.due() or self._unsettled(local):
             await self._list_bucket(local)
         for info in self._unsettled(local):
@@ -336,12 +337,11 @@ class Uploader:
         """Drop what is remembered per checkpoint for those gone from this disk (pruned, removed) and
         not in the queue: a name a save, for the months the daemon runs, otherwise. A checkpoint
         written again under a refused or conflicting name is judged afresh."""
-        keep = here | set(self._queued) | self.in_flight() | set(self._ahead.tasks)
+        keep = self._ahead.forget_gone(here | set(self._queued) | self.in_flight())
         self.shares_uploaded &= keep
         self.conflicts &= keep
+        self._urgent &= keep
         self._failures.forget_refused(self.refused.keys() - keep)
-        for name in set(self._ahead.manifest_seen) - keep:
-            del self._ahead.manifest_seen[name]
 
     # --- the loop ----------------------------------------------------------------------------
 
@@ -520,7 +520,7 @@ class Uploader:
     async def watch_deadline(self) -> None:
         """Log, every ``forecast_interval`` while an urgent upload races a deadline, whether it
         will make it at the rate so far; say once when the deadline passed with it unfinished."""
-        await watch_deadline(self.forecast, lambda: self.forecast_interval, self._late_logged)
+        await watch_deadline(self.forecast, lambda: self.forecast_interval)
 
     def status(self) -> dict[str, Any]:
         return {

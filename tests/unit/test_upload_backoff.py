@@ -143,3 +143,39 @@ def test_a_failing_checkpoint_removed_before_its_retry_is_forgotten_and_the_uplo
     assert streak >= 2 and "neither a complete checkpoint" in caplog.text
     assert loop_cpu < 0.3, f"the uploader's loop spent {loop_cpu:.2f} s of CPU in 1 s with nothing to do"
     assert uploader.failing_streak() == 0 and uploader.status()["failing_streak"] == 0
+
+
+def test_what_an_upload_held_for_checkpoints_that_failed_until_retention_removed_them_is_forgotten(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bucket down for hours while the trainer keeps saving under a pending notice: each save's
+    upload fails until local retention removes it. What the uploader held for each (its progress, its
+    urgency) must go with it, or the months a daemon runs add one per save."""
+    caplog.set_level(logging.INFO, logger="spotguard.uploader")
+    uploader, _ = uploader_for(tmp_path)
+    uploader.set_deadline(utcnow() + timedelta(seconds=600))
+    steps = [write_checkpoint(tmp_path / "local", step, {"w.bin": b"w" * 1024}) for step in (1, 2, 3)]
+
+    async def scenario() -> tuple[set[str], set[str]]:
+        task = asyncio.create_task(uploader.run())
+        try:
+            for step_dir in steps:
+                uploader.submit(step_dir, urgent=True)
+            deadline = time.monotonic() + 30
+            while len({f["name"] for f in uploader.failures}) < 3 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            held = (set(uploader._progress), set(uploader._urgent))
+            for step_dir in steps:
+                shutil.rmtree(step_dir)  # the trainer's retention, while the uploads wait out their backoff
+            while caplog.text.count("neither a complete checkpoint") < 3 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)  # each retry finds its checkpoint gone
+            await uploader.rescan(bucket=False)  # the next look at the disk
+            return held
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    progress, urgent = asyncio.run(scenario())
+    names = {step_dir.name for step_dir in steps}
+    assert progress == names and urgent == names  # what the test is about was held while they failed
+    assert uploader._progress == {} and uploader._urgent == set()
