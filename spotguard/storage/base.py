@@ -194,6 +194,11 @@ class Storage(Protocol):
         """Remove unfinished uploads under the prefix (older than ``older_than``); how many."""
         ...
 
+    def retry_aborts(self) -> int:
+        """Try again to abort the uploads this instance gave up and could not abort (the store was
+        failing then); how many are gone now. At most every so often: cheap to call on every rescan."""
+        ...
+
     def probe_checksum(self, key: str, *, adopt: bool = False) -> ChecksumProbe | None:
         """Upload a tiny object under ``key`` as large files go and compare the CRC32C the store
         answers; None where there is nothing to probe."""
@@ -219,6 +224,9 @@ class StoreDefaults:
         return 0
 
     def abort_stale_multipart_uploads(self, older_than: dt.timedelta | None = None) -> int:
+        return 0
+
+    def retry_aborts(self) -> int:
         return 0
 
     def probe_checksum(self, key: str, *, adopt: bool = False) -> ChecksumProbe | None:

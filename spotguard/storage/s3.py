@@ -317,6 +317,9 @@ class S3Storage(StoreDefaults):
     def keep_journal(self, journal: UploadJournal) -> int:
         return self._multipart.keep_journal(journal)
 
+    def retry_aborts(self) -> int:
+        return self._multipart.retry_aborts()
+
     def abort_stale_multipart_uploads(self, older_than: dt.timedelta | None = None) -> int:
         """Abort unfinished multipart uploads under our prefix; returns how many.
 

@@ -14,6 +14,7 @@ import datetime as dt
 import hashlib
 import logging
 import threading
+import time
 from typing import Any
 
 import google_crc32c
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 # may be listed as older than the client, and is not ours to abort.
 _INITIATED_PRECISION = dt.timedelta(seconds=1)
 _MAX_PARTS = 10_000
+ABORT_RETRY_INTERVAL = 60.0  # seconds between tries to abort uploads whose abort failed
 MIN_PART = 5 * 1024 * 1024  # S3's floor for every part but the last
 
 Part = tuple[int, str, int, int]  # (number, ETag, CRC32C, length)
@@ -128,6 +130,12 @@ class S3Multipart:
         self._leftovers_checked = RecentKeys()  # keys whose leftover multipart uploads are aborted
         self._folders_listed = RecentKeys()  # folders whose open uploads were listed
         self._leftovers: dict[str, builtins.list[str]] = {}  # by key: upload ids listed, opened before us
+        # Uploads given up whose abort failed too (the store was failing): their parts stay billed until
+        # aborted, and a daemon runs for months between restarts, so they are tried again now and then.
+        self._abort_failed: dict[str, str] = {}  # upload id -> key
+        self._abort_lock = threading.Lock()
+        self.abort_retry_interval = ABORT_RETRY_INTERVAL
+        self._abort_retry_at = 0.0  # time.monotonic()
 
     def plan(self, size: int) -> Plan:
         part = self.part_size
@@ -230,11 +238,31 @@ class S3Multipart:
         except ObjectNotFound:
             pass
         except Exception:
-            # The journal keeps it: the next start tries again (and the sweep by age as well).
-            log.warning("s3: could not abort multipart upload %s of %s", upload_id, full, exc_info=True)
+            # The journal keeps it: retry_aborts tries again, and so does the next start (and its sweep by age).
+            again = upload_id in self._abort_failed  # its traceback was logged the first time
+            log.warning("s3: could not abort multipart upload %s of %s", upload_id, full, exc_info=not again)
+            with self._abort_lock:
+                if not again:
+                    self._abort_failed[upload_id] = full
+                    self._abort_retry_at = time.monotonic() + self.abort_retry_interval
             return False
+        with self._abort_lock:
+            self._abort_failed.pop(upload_id, None)
         self.journal_done(upload_id)
         return True
+
+    def retry_aborts(self) -> int:
+        """Abort again the uploads whose abort failed, once :attr:`abort_retry_interval` has passed since
+        the last try; how many are gone now."""
+        with self._abort_lock:
+            if not self._abort_failed or time.monotonic() < self._abort_retry_at:
+                return 0
+            self._abort_retry_at = time.monotonic() + self.abort_retry_interval
+            failed = list(self._abort_failed.items())
+        aborted = sum(self.abort(full, upload_id) for upload_id, full in failed)
+        if aborted:
+            log.info("s3: aborted %d multipart uploads whose abort had failed", aborted)
+        return aborted
 
     def _abort_leftovers(self, full: str) -> None:
         """Abort the multipart uploads of exactly ``full`` opened before this instance was made: an

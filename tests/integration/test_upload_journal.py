@@ -148,3 +148,43 @@ def test_a_journal_of_many_finished_uploads_is_rewritten_with_only_the_open_ones
     ]
     journal.done("upload-open")
     assert [u.upload_id for u in UploadJournal(journal.path).unfinished()] == ["upload-left"]
+
+
+def test_an_upload_whose_abort_failed_is_aborted_once_the_store_answers_again(
+    server: S3Server, url: str, tmp_path: Path
+) -> None:
+    """A streamed upload given up while the store fails cannot be aborted either: its parts stay open and
+    billed. A daemon restarted aborts it from its journal, but one runs for months between restarts:
+    it tries again every so often, and the journal forgets the upload once it is gone."""
+    from tests.faultproxy import FaultProxy
+
+    client = boto3.client("s3", endpoint_url=server.endpoint_url)
+    local = tmp_path / "big.bin"
+    local.write_bytes(os.urandom(6 * MiB))
+    journal = UploadJournal(tmp_path / "uploads.jsonl")
+    with FaultProxy(server.endpoint_url, fault_rate=0.0, faults=("500",)) as proxy:
+        storage = S3Storage(url, endpoint_url=proxy.url, part_size=5 * MiB, max_attempts=1, attempts=1)
+        storage.keep_journal(journal)
+        storage._multipart.abort_retry_interval = 0.2  # a minute in the daemon
+        fd = os.open(local, os.O_RDONLY)
+        try:
+            stream = storage.begin_stream(KEY, 6 * MiB, fd)
+            assert stream is not None
+            stream.add(0, 5 * MiB)
+            wait_for(lambda: open_uploads(client, server.bucket, "") != [], 30, "the upload to open")
+            upload = open_uploads(client, server.bucket, "")[0]
+            wait_for(lambda: parts_sent(client, server.bucket, upload) == 1, 30, "its first part")
+            proxy.set_fault_rate(1.0)
+            stream.abort()  # the checkpoint was given up, and the store fails the abort too
+            assert [u["UploadId"] for u in open_uploads(client, server.bucket, "")] == [upload["UploadId"]]
+            assert [u.upload_id for u in journal.unfinished()] == [upload["UploadId"]]
+            assert storage.retry_aborts() == 0  # not before its interval, and the store still fails
+            proxy.set_fault_rate(0.0)
+            wait_for(lambda: storage.retry_aborts() == 1, 30, "the abort to be tried again")
+            assert open_uploads(client, server.bucket, "") == []
+            assert journal.unfinished() == []
+            assert storage.retry_aborts() == 0  # nothing left to try
+        finally:
+            os.close(fd)
+            storage.close()
+            client.close()
