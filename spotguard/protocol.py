@@ -94,6 +94,9 @@ CLIENT_TYPES = frozenset(
         "peer-resume", "drill", "status",
     }
 )  # fmt: skip
+# What a save-failed message's "error" names (a trainer's own words are in its "message").
+SAVE_FAILURES = ("disk-full", "write-failed")
+
 DAEMON_TYPES = frozenset({"welcome", "checkpoint-now", "ok", "safe-steps", "peer-resume", "status", "error"})
 
 

@@ -38,7 +38,9 @@ from spotguard.daemon.events import (
     UploadCommitted,
     UploadFailed,
 )
+from spotguard.manifest import REASONS
 from spotguard.notice import Action
+from spotguard.protocol import SAVE_FAILURES
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -252,7 +254,10 @@ class DaemonMetrics:
             case TrainerStalled():
                 self.trainer_stalls.inc()
             case SaveFailed(failure=failure):
-                self.save_failures.labels(str(failure["reason"]), str(failure["error"])).inc()
+                # Label values from a socket client are bounded: any other string would be a series of its own.
+                reason = failure["reason"] if failure["reason"] in REASONS else "other"
+                error = failure["error"] if failure["error"] in SAVE_FAILURES else "other"
+                self.save_failures.labels(reason, error).inc()
 
 
 class MetricsServer:

@@ -179,3 +179,32 @@ def test_what_an_upload_held_for_checkpoints_that_failed_until_retention_removed
     names = {step_dir.name for step_dir in steps}
     assert progress == names and urgent == names  # what the test is about was held while they failed
     assert uploader._progress == {} and uploader._urgent == set()
+
+
+def test_save_failure_metric_labels_stay_within_the_known_values(tmp_path: Path) -> None:
+    """A socket client's save-failed message names its reason and error; other strings than the known
+    ones would each make a metric series of their own, for the daemon's life."""
+    from prometheus_client import CollectorRegistry
+
+    from spotguard.config import DaemonConfig
+    from spotguard.daemon.app import Daemon
+    from spotguard.daemon.events import SaveFailed
+    from spotguard.daemon.metrics import DaemonMetrics
+
+    config = DaemonConfig(
+        provider="none", socket=tmp_path / "s.sock", checkpoint_dir=tmp_path / "nvme", state_dir=tmp_path / "state"
+    )
+    daemon = Daemon(config, provider="none")
+    registry = CollectorRegistry()
+    DaemonMetrics(registry).attach(daemon)
+    daemon.bus.emit(SaveFailed({"reason": "urgent", "error": "disk-full"}))
+    for n in range(50):
+        daemon.bus.emit(SaveFailed({"reason": f"made-up-{n}", "error": f"OSError {n}"}))
+    series = {
+        (s.labels["reason"], s.labels["error"]): s.value
+        for metric in registry.collect()
+        if metric.name == "spotguard_save_failures"
+        for s in metric.samples
+        if s.name.endswith("_total")
+    }
+    assert series == {("urgent", "disk-full"): 1.0, ("other", "other"): 50.0}
