@@ -202,7 +202,6 @@ class AwsMonitor(PolledMonitor):
         self._token_lock = asyncio.Lock()
         self._using_v1 = False
         self._v1_until = 0.0  # monotonic: while falling back to IMDSv1, when to try a token again
-        self._first_seen: dict[str, datetime] = {}
         self._lifecycle_hook = lifecycle_hook
         self._asg_name = asg_name
 
@@ -251,7 +250,7 @@ class AwsMonitor(PolledMonitor):
         text = await self._get(SPOT_PATH)
         if text is None:
             return []
-        first_seen = self._seen(f"spot:{text.strip()}")
+        first_seen = self.first_seen(f"spot:{text.strip()}")
         return [self._parse(SPOT_PATH, lambda: parse_instance_action(text, first_seen))]
 
     async def _rebalance(self) -> list[Notice]:
@@ -266,7 +265,8 @@ class AwsMonitor(PolledMonitor):
         text = await self._get(LIFECYCLE_PATH)
         if text is None:
             return []
-        notice = self._parse(LIFECYCLE_PATH, lambda: parse_lifecycle(text, self._seen(f"lifecycle:{text.strip()}")))
+        seen = self.first_seen(f"lifecycle:{text.strip()}")
+        notice = self._parse(LIFECYCLE_PATH, lambda: parse_lifecycle(text, seen))
         if notice is None:
             return []
         if self._lifecycle_hook is not None:
@@ -276,10 +276,6 @@ class AwsMonitor(PolledMonitor):
             )
             notice = dataclasses.replace(notice, acknowledgement=acknowledgement)
         return [notice]
-
-    def _seen(self, key: str) -> datetime:
-        # A deadline of "now" must stay the same on every poll of the same event.
-        return self._first_seen.setdefault(key, self._clock())
 
     @staticmethod
     def _parse(path: str, parse: Callable[[], Any]) -> Any:

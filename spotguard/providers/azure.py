@@ -98,7 +98,6 @@ class AzureMonitor(PolledMonitor):
         super().__init__(session, base_url, **polling)
         self._vm_name = vm_name
         self._incarnation: int | None = None
-        self._started_seen: dict[str, datetime] = {}
 
     async def check_all(self) -> list[Notice]:
         vm_name = await self.vm_name()
@@ -142,11 +141,8 @@ class AzureMonitor(PolledMonitor):
         kind = kind_for(str(event.get("EventType")))
         event_id = event_id_for("azure", kind, event["EventId"])
         not_before = str(event.get("NotBefore") or "").strip()
-        if not_before:
-            deadline = parse_not_before(not_before)
-        else:
-            # Blank NotBefore: the event has started. "Now" must not move between polls.
-            deadline = self._started_seen.setdefault(event_id, self._clock())
+        # Blank NotBefore: the event has started, and "now" must not move between polls.
+        deadline = parse_not_before(not_before) if not_before else self.first_seen(event_id)
         azure_id = str(event["EventId"])
         acknowledgement = Acknowledgement(f"azure: StartRequests for {azure_id}", lambda: self.start_requests(azure_id))
         return Notice(

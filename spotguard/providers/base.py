@@ -65,6 +65,9 @@ class Polling(TypedDict, total=False):
     clock: Callable[[], datetime]
 
 
+FIRST_SEEN_KEPT = 64  # events whose first sighting a monitor remembers
+
+
 class PolledMonitor:
     """What the metadata monitors share: the caller's HTTP session, base URL, poll interval and timeout.
 
@@ -89,9 +92,20 @@ class PolledMonitor:
 
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._clock = clock  # UTC wall time, for deadlines
+        self._first_seen: dict[str, datetime] = {}  # the latest FIRST_SEEN_KEPT events, oldest first
 
     async def check_all(self) -> list[Notice]:
         raise NotImplementedError
+
+    def first_seen(self, event_id: str) -> datetime:
+        """When ``event_id`` was first polled: a deadline a cloud gives only as "from now" (or "started")
+        must not move between polls. Past :data:`FIRST_SEEN_KEPT`, the event polled longest ago is
+        forgotten: a daemon outlives many, and each is gone from the metadata long before that."""
+        seen = self._first_seen.pop(event_id, None)
+        self._first_seen[event_id] = seen = self._clock() if seen is None else seen  # polled now: the newest
+        while len(self._first_seen) > FIRST_SEEN_KEPT:
+            del self._first_seen[next(iter(self._first_seen))]
+        return seen
 
     async def check(self) -> Notice | None:
         """The most urgent current notice, or None (for callers that want only one)."""
@@ -214,11 +228,14 @@ class Acknowledgements:
     """
 
     def __init__(self) -> None:
-        self._by_event: dict[str, Acknowledgement] = {}
+        self._by_event: dict[str, Acknowledgement] = {}  # the latest FIRST_SEEN_KEPT events, oldest first
 
     def remember(self, notice: Notice) -> None:
         if notice.acknowledgement is not None:
+            self._by_event.pop(notice.event_id, None)  # polled again: the newest
             self._by_event[notice.event_id] = notice.acknowledgement
+            while len(self._by_event) > FIRST_SEEN_KEPT:  # a daemon outlives many events
+                del self._by_event[next(iter(self._by_event))]
 
     async def send(self, event_id: str) -> None:
         """Send the acknowledgement of ``event_id``, if its notice carried one; a failure is logged."""

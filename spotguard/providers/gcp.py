@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from datetime import datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Unpack
 
@@ -114,7 +114,6 @@ class GcpMonitor(PolledMonitor):
         self._boot_id = boot_id if boot_id is not None else read_boot_id()
         self._etag: str | None = None
         self._pause = 0.0
-        self._first_seen: dict[str, datetime] = {}
         self._maintenance_value = "NONE"
         self._maintenance_count = 0
 
@@ -166,7 +165,7 @@ class GcpMonitor(PolledMonitor):
     def _notice(self, kind: Kind, identity: str, notice: timedelta, raw: dict[str, Any]) -> Notice:
         event_id = event_id_for("gcp", kind, identity)
         # GCP gives no deadline, only "N seconds from now": fix it when first seen so every poll agrees.
-        first_seen = self._first_seen.setdefault(event_id, self._clock())
+        first_seen = self.first_seen(event_id)
         return Notice(provider="gcp", kind=kind, deadline=first_seen + notice, event_id=event_id, raw=raw)
 
     async def _fetch(self) -> str:
