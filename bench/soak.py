@@ -8,7 +8,9 @@ prunes, locally and in the bucket), a status request and a Prometheus scrape. Ev
 ``--handoff-every`` cycles: a replica handed to its peer receiver by another daemon (this
 process) and committed by it. Every ``--reconnect-every`` cycles: the trainer closes its Guard
 and connects again. Every ``--rebalance-every`` cycles: a new rebalance recommendation (a soft
-notice).
+notice). ``--fault-rate``: that share of the daemon's requests to the bucket fails (a 503, a 500,
+a reset connection or a stalled answer, in turn: the tests' fault proxy in front of moto), so that
+the paths of failed and retried uploads run thousands of times too.
 
 Every ``--sample-every`` cycles the daemon's resident memory, open file descriptors, threads and
 worker processes are read from ``/proc``; the report gives their first and last samples and the
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
 import sys
@@ -37,6 +40,7 @@ from common import moto_process
 from peer_rescue import TOKEN
 
 from spotguard import Guard
+from spotguard.emulate.common import RunningEmulator
 from spotguard.emulate.registry import start_emulator
 from spotguard.harness import Vm, wait_for, worker_pids
 from spotguard.peer.client import PeerClient
@@ -45,6 +49,7 @@ from spotguard.peer.wire import parse_address
 from spotguard.trainer.writer import CheckpointWriter
 
 STATE_MIB = 4
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the fault proxy of tests/
 
 
 @dataclass(frozen=True)
@@ -102,62 +107,43 @@ def main() -> int:
     cli.add_argument("--handoff-every", type=int, default=10)
     cli.add_argument("--reconnect-every", type=int, default=50)
     cli.add_argument("--rebalance-every", type=int, default=100)
+    cli.add_argument("--fault-rate", type=float, default=0.0)
     args = cli.parse_args()
     torch.set_num_threads(1)
     state = {"weight": torch.randn(STATE_MIB * 2**20 // 4), "step": torch.zeros(1)}
-    with tempfile.TemporaryDirectory(prefix="spotguard-soak-") as tmp, moto_process() as moto:
-        scratch = Path(tmp)
-        emulator = start_emulator("aws")
-        config = scratch / "spotguard.toml"
-        metrics_port = free_port()
-        config.write_text(f"metrics_port = {metrics_port}\n")
-        vm = Vm(
-            scratch,
-            "vm",
-            moto.url("ckpt"),
-            extra_args=[
-                "--config", str(config),
-                "--provider", "aws",
-                "--metadata-url", emulator.url,
-                "--poll-interval", "0.2",
-                "--peer-listen", "127.0.0.1:0",
-            ],
-        )  # fmt: skip
-        vm.start_daemon(env={"SPOTGUARD_PEER_TOKEN": TOKEN})
-        assert vm.process is not None
-        pid = vm.process.pid
-        where = parse_address(vm.status()["peers"]["listen"])
-        guard = Guard(checkpoint_dir=vm.root, socket=vm.socket, handle_sigterm=False)
-        samples: list[Sample] = []
-        started = time.monotonic()
-        try:
-            for cycle in range(1, args.cycles + 1):
-                step = 2 * cycle  # a peer's replica of the same job takes the odd step after it
-                state["step"].fill_(step)
-                guard.save(state, step)
-                wait_for(lambda step=step: committed(vm) >= step, 60, f"step {step} to be committed in the bucket")
-                scrape(metrics_port)
-                if cycle % args.handoff_every == 0:
-                    hand_over(peer_checkpoint(scratch / "peer", step + 1), where, moto.url("ckpt"))
-                    wait_for(lambda: not vm.status()["peers"]["replicas"], 60, "the replica to be committed")
-                if cycle % args.reconnect_every == 0:
-                    guard.close()
-                    guard = Guard(checkpoint_dir=vm.root, socket=vm.socket, handle_sigterm=False)
-                if cycle % args.rebalance_every == 0:
-                    emulator.trigger(kind="rebalance")
-                if cycle % args.sample_every == 0:
-                    samples.append(sample(pid, cycle))
-                    latest = samples[-1]
-                    print(
-                        f"cycle {cycle:6d} {time.monotonic() - started:7.1f} s  rss {latest.rss_kib / 1024:7.1f} MiB"
-                        f"  fds {latest.fds:4d}  threads {latest.threads:3d}  workers {latest.workers}",
-                        flush=True,
-                    )
-        finally:
-            guard.close()
-            vm.stop_daemon()
-            emulator.stop()
-            errors = report_errors(vm.log)
+    with contextlib.ExitStack() as stack:
+        return soak(args, state, stack)
+
+
+def soak(args: argparse.Namespace, state: dict[str, torch.Tensor], stack: contextlib.ExitStack) -> int:
+    scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="spotguard-soak-")))
+    moto = stack.enter_context(moto_process())
+    if args.fault_rate:
+        from tests.faultproxy import FaultProxy
+
+        proxy = stack.enter_context(FaultProxy(moto.endpoint_url, fault_rate=args.fault_rate, stall_seconds=2.0))
+        os.environ["AWS_ENDPOINT_URL_S3"] = proxy.url  # the daemon's; this process's own calls go direct
+    emulator = stack.enter_context(start_emulator("aws"))
+    config = scratch / "spotguard.toml"
+    metrics_port = free_port()
+    config.write_text(f"metrics_port = {metrics_port}\n")
+    vm = Vm(
+        scratch,
+        "vm",
+        moto.url("ckpt"),
+        extra_args=[
+            "--config", str(config),
+            "--provider", "aws",
+            "--metadata-url", emulator.url,
+            "--poll-interval", "0.2",
+            "--peer-listen", "127.0.0.1:0",
+        ],
+    )  # fmt: skip
+    vm.start_daemon(env={"SPOTGUARD_PEER_TOKEN": TOKEN})
+    stack.callback(vm.stop_daemon)
+    started = time.monotonic()
+    samples = run_cycles(args, state, vm, emulator, metrics_port, scratch)
+    vm.stop_daemon()
     first, last = samples[0], samples[-1]
     print(f"\n{args.cycles} cycles in {time.monotonic() - started:.0f} s; growth per 1,000 cycles, second half:")
     for field, unit in (("rss_kib", "KiB"), ("fds", ""), ("threads", ""), ("workers", "")):
@@ -165,18 +151,61 @@ def main() -> int:
             f"  {field:8s} {getattr(first, field):8d} -> {getattr(last, field):8d}"
             f"   {slope_per_1000(samples, field):+9.1f} {unit}"
         )
-    return 1 if errors else 0
+    return 1 if report_errors(vm.log) else 0
+
+
+def run_cycles(
+    args: argparse.Namespace,
+    state: dict[str, torch.Tensor],
+    vm: Vm,
+    emulator: RunningEmulator,
+    metrics_port: int,
+    scratch: Path,
+) -> list[Sample]:
+    assert vm.process is not None
+    pid = vm.process.pid
+    where = parse_address(vm.status()["peers"]["listen"])
+    guard = Guard(checkpoint_dir=vm.root, socket=vm.socket, handle_sigterm=False)
+    samples: list[Sample] = []
+    started = time.monotonic()
+    try:
+        for cycle in range(1, args.cycles + 1):
+            step = 2 * cycle  # a peer's replica of the same job takes the odd step after it
+            state["step"].fill_(step)
+            guard.save(state, step)
+            wait_for(lambda step=step: committed(vm) >= step, 300, f"step {step} to be committed in the bucket")
+            scrape(metrics_port)
+            if cycle % args.handoff_every == 0:
+                hand_over(peer_checkpoint(scratch / "peer", step + 1), where, vm.bucket)
+                wait_for(lambda: not vm.status()["peers"]["replicas"], 300, "the replica to be committed")
+            if cycle % args.reconnect_every == 0:
+                guard.close()
+                guard = Guard(checkpoint_dir=vm.root, socket=vm.socket, handle_sigterm=False)
+            if cycle % args.rebalance_every == 0:
+                emulator.trigger(kind="rebalance")
+            if cycle % args.sample_every == 0:
+                samples.append(latest := sample(pid, cycle))
+                print(
+                    f"cycle {cycle:6d} {time.monotonic() - started:7.1f} s  rss {latest.rss_kib / 1024:7.1f} MiB"
+                    f"  fds {latest.fds:4d}  threads {latest.threads:3d}  workers {latest.workers}",
+                    flush=True,
+                )
+    finally:
+        guard.close()
+    return samples
 
 
 def report_errors(log: Path) -> int:
-    """Print the daemon's errors (its log's ERROR records, the first one's traceback in full); how many."""
+    """Print how many errors the daemon logged (a failing bucket's are expected) and the first
+    traceback in full; the number of tracebacks (an error the daemon did not expect)."""
     lines = log.read_text(errors="replace").splitlines()
-    errors = [index for index, line in enumerate(lines) if " ERROR " in line or "Traceback" in line]
-    if errors:
-        print(f"the daemon logged {len(errors)} errors; the first:")
-        first = errors[0]
-        print("\n".join(lines[first : first + 40]))
-    return len(errors)
+    errors = sum(" ERROR " in line for line in lines)
+    tracebacks = [index for index, line in enumerate(lines) if line.startswith("Traceback")]
+    print(f"the daemon logged {errors} errors, {len(tracebacks)} with a traceback")
+    if tracebacks:
+        first = tracebacks[0]
+        print("\n".join(lines[max(0, first - 1) : first + 40]))
+    return len(tracebacks)
 
 
 def peer_checkpoint(root: Path, step: int) -> Path:
