@@ -1,9 +1,15 @@
-"""Errors that may come at every poll or reconnect for months (a metadata service that keeps failing,
-a daemon that keeps refusing the hook): logged when they first come or change, then once a period."""
+"""What comes again and again in the months a daemon runs: errors at every poll or reconnect (a metadata
+service that keeps failing, a daemon that keeps refusing the hook), logged when they first come or change,
+then once a period; and keys noted per event or per file, of which only the latest are kept."""
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
+from typing import Generic, TypeVar
+
+K = TypeVar("K")
+V = TypeVar("V")
 
 
 class RepeatedErrors:
@@ -27,4 +33,35 @@ class RepeatedErrors:
         self._logged.pop(source, None)
 
 
-__all__ = ["RepeatedErrors"]
+class Latest(Generic[K, V]):
+    """The ``size`` keys used last and their values. Noting a key (:meth:`put`, :meth:`setdefault`)
+    makes it the newest; past ``size`` the one noted longest ago goes. A key that comes back after it
+    went counts as new."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._items: OrderedDict[K, V] = OrderedDict()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, key: K) -> V | None:
+        """``key``'s value, if it is kept (not noting it)."""
+        return self._items.get(key)
+
+    def put(self, key: K, value: V) -> V:
+        self._items[key] = value
+        self._items.move_to_end(key)
+        if len(self._items) > self._size:
+            self._items.popitem(last=False)
+        return value
+
+    def setdefault(self, key: K, default: V) -> V:
+        """``key``'s value, ``default`` if it has none; noted either way."""
+        return self.put(key, self._items.get(key, default))
+
+
+__all__ = ["Latest", "RepeatedErrors"]

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypedDict, runtime_checkable
 
 from spotguard.errors import TransientError
 from spotguard.notice import Acknowledgement, Notice, utcnow
+from spotguard.repeats import Latest
 
 if TYPE_CHECKING:
     import aiohttp
@@ -92,7 +93,7 @@ class PolledMonitor:
 
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._clock = clock  # UTC wall time, for deadlines
-        self._first_seen: dict[str, datetime] = {}  # the latest FIRST_SEEN_KEPT events, oldest first
+        self._first_seen: Latest[str, datetime] = Latest(FIRST_SEEN_KEPT)
 
     async def check_all(self) -> list[Notice]:
         raise NotImplementedError
@@ -101,11 +102,7 @@ class PolledMonitor:
         """When ``event_id`` was first polled: a deadline a cloud gives only as "from now" (or "started")
         must not move between polls. Past :data:`FIRST_SEEN_KEPT`, the event polled longest ago is
         forgotten: a daemon outlives many, and each is gone from the metadata long before that."""
-        seen = self._first_seen.pop(event_id, None)
-        self._first_seen[event_id] = seen = self._clock() if seen is None else seen  # polled now: the newest
-        while len(self._first_seen) > FIRST_SEEN_KEPT:
-            del self._first_seen[next(iter(self._first_seen))]
-        return seen
+        return self._first_seen.setdefault(event_id, self._clock())
 
     async def check(self) -> Notice | None:
         """The most urgent current notice, or None (for callers that want only one)."""
@@ -228,14 +225,11 @@ class Acknowledgements:
     """
 
     def __init__(self) -> None:
-        self._by_event: dict[str, Acknowledgement] = {}  # the latest FIRST_SEEN_KEPT events, oldest first
+        self._by_event: Latest[str, Acknowledgement] = Latest(FIRST_SEEN_KEPT)  # a daemon outlives many events
 
     def remember(self, notice: Notice) -> None:
         if notice.acknowledgement is not None:
-            self._by_event.pop(notice.event_id, None)  # polled again: the newest
-            self._by_event[notice.event_id] = notice.acknowledgement
-            while len(self._by_event) > FIRST_SEEN_KEPT:  # a daemon outlives many events
-                del self._by_event[next(iter(self._by_event))]
+            self._by_event.put(notice.event_id, notice.acknowledgement)
 
     async def send(self, event_id: str) -> None:
         """Send the acknowledgement of ``event_id``, if its notice carried one; a failure is logged."""

@@ -20,7 +20,6 @@ import os
 import random
 import tempfile
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -29,6 +28,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol, TypeVar, runtime_checkable
 from urllib.parse import urlsplit
 
 from spotguard.crc32c import crc32c_of_bytes
+from spotguard.repeats import Latest
 from spotguard.storage.errors import (  # re-exported: the contract's errors
     ChecksumMismatch,
     ObjectExists,
@@ -300,27 +300,17 @@ def retry(
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-class RecentKeys:
+class RecentKeys(Latest[str, None]):
     """The ``size`` keys (or folders) a store noted last: what it checks once per key, such as the
     leftovers of an earlier run, without keeping every key a daemon wrote in the months it runs (a
     checkpoint's files a few times an hour). A key that fell out and comes back is checked again:
     that costs a listing, never a wrong answer (only what predates the store's instance is removed)."""
 
     def __init__(self, size: int = 4096) -> None:
-        self._size = size
-        self._keys: OrderedDict[str, None] = OrderedDict()
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._keys
-
-    def __len__(self) -> int:
-        return len(self._keys)
+        super().__init__(size)
 
     def add(self, key: str) -> None:
-        self._keys[key] = None
-        self._keys.move_to_end(key)
-        if len(self._keys) > self._size:
-            self._keys.popitem(last=False)
+        self.put(key, None)
 
 
 #: How uploads to s3:// are verified: see README, "Buckets" (``checksum``).
