@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from common import moto_process
+from common import _free_port, moto_process
 from peer_rescue import TOKEN
 
 from spotguard import Guard
@@ -125,7 +125,7 @@ def soak(args: argparse.Namespace, state: dict[str, torch.Tensor], stack: contex
         os.environ["AWS_ENDPOINT_URL_S3"] = proxy.url  # the daemon's; this process's own calls go direct
     emulator = stack.enter_context(start_emulator("aws"))
     config = scratch / "spotguard.toml"
-    metrics_port = free_port()
+    metrics_port = _free_port()
     config.write_text(f"metrics_port = {metrics_port}\n")
     vm = Vm(
         scratch,
@@ -223,14 +223,6 @@ def committed(vm: Vm) -> int:
     report = vm.status()["uploads"]["last_committed"] or {}
     name = str(report.get("name", "step-0"))
     return int(name.removeprefix("step-") or 0)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 if __name__ == "__main__":

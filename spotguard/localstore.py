@@ -153,10 +153,10 @@ def scan_local(root: Path) -> list[CheckpointInfo]:
         else:
             try:
                 size = sum(p.stat().st_size for p in entry.rglob("*") if p.is_file())
-                share = load_part(entry)
             except FileNotFoundError:
                 continue  # removed while we looked (a trainer's or the daemon's retention, another rank's clean-up)
             foreign = local_foreign_format(entry) if manifest is None else None
+            share = load_part(entry)  # None for a directory removed since
             infos.append(CheckpointInfo(entry.name, step, "incomplete", size, None, manifest, share, foreign))
     return sorted(infos, key=lambda info: info.step)
 

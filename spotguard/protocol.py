@@ -95,7 +95,9 @@ CLIENT_TYPES = frozenset(
     }
 )  # fmt: skip
 # What a save-failed message's "error" names (a trainer's own words are in its "message").
-SAVE_FAILURES = ("disk-full", "write-failed")
+DISK_FULL = "disk-full"
+WRITE_FAILED = "write-failed"
+SAVE_FAILURES = (DISK_FULL, WRITE_FAILED)
 
 DAEMON_TYPES = frozenset({"welcome", "checkpoint-now", "ok", "safe-steps", "peer-resume", "status", "error"})
 

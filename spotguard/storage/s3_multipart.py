@@ -239,12 +239,12 @@ class S3Multipart:
             pass
         except Exception:
             # The journal keeps it: retry_aborts tries again, and so does the next start (and its sweep by age).
-            again = upload_id in self._abort_failed  # its traceback was logged the first time
-            log.warning("s3: could not abort multipart upload %s of %s", upload_id, full, exc_info=not again)
             with self._abort_lock:
+                again = upload_id in self._abort_failed  # its traceback was logged the first time
                 if not again:
                     self._abort_failed[upload_id] = full
                     self._abort_retry_at = time.monotonic() + self.abort_retry_interval
+            log.warning("s3: could not abort multipart upload %s of %s", upload_id, full, exc_info=not again)
             return False
         with self._abort_lock:
             self._abort_failed.pop(upload_id, None)

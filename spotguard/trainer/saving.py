@@ -17,7 +17,7 @@ from typing import Any
 
 from spotguard.localstore import CheckpointExists, CheckpointWriter, prune_local, remove_incomplete, scan_local
 from spotguard.manifest import FileEntry, load_manifest_or_none, load_part
-from spotguard.protocol import SAVE_FAILURES
+from spotguard.protocol import DISK_FULL, WRITE_FAILED
 from spotguard.safefile import SaveCancelled
 from spotguard.space import SpotguardDiskFull, free_bytes, full_disk_of, is_disk_full, make_room
 from spotguard.trainer import dist
@@ -275,7 +275,7 @@ class Saver:
             "save-failed",
             step=writer.step,
             reason=writer.reason,
-            error=SAVE_FAILURES[0] if isinstance(failure, SpotguardDiskFull) else SAVE_FAILURES[1],
+            error=DISK_FULL if isinstance(failure, SpotguardDiskFull) else WRITE_FAILED,
             message=str(failure),
             event_id=notice["notice"]["event_id"] if notice else None,
             **details,
