@@ -20,8 +20,8 @@ from spotguard.crc32c import crc32c_combine, crc32c_hex_to_int, crc32c_of_bytes,
 from spotguard.manifest import FileEntry, Manifest, ManifestError, check_relpath, parse_step_dir
 from spotguard.peer import wire
 
-# Disk writes of one connection in flight while its next frame is read (memory: one more than this
-# x the frame size, at most MAX_DATA).
+# Disk writes of one replica in flight while its flows' next frames are read (memory, where frames
+# are received in-process: one more than this x the frame size, at most MAX_DATA: 72 MiB).
 WRITES_IN_FLIGHT = 8
 
 Ranges = dict[str, list[tuple[int, int, int]]]  # per file, (offset, length, CRC32C) of every range written

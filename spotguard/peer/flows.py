@@ -37,7 +37,7 @@ logger = logging.getLogger("spotguard.handoff")
 
 KEEPALIVE = 10.0  # seconds a flow waits for a piece before a ping (the receiver's idle limit is 30 s)
 PIECE = wire.SEND_CHUNK  # bytes of one piece: what a flow takes from the queue at once (one frame)
-MAX_FLOWS = 8  # the default bound (the receiver's max_connections is 8 too)
+MAX_FLOWS = 8  # the default bound (a receiver takes 16 connections: two senders' worth)
 PACE_INTERVAL = 0.25  # seconds between looks at the rate
 COMMIT_RESERVE = 0.2  # share of the time left kept for the receiver's checks and the commit
 

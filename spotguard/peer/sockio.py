@@ -4,33 +4,24 @@ while the event loop leaves it alone.
 :class:`HandedSocket` is a duplicate of the socket: the daemon passes it to the worker (which gets
 its own duplicate, and reads or writes it with a deadline on every wait), and keeps it to shut the
 socket down if the connection is lost or its handler cancelled meanwhile, which ends the worker's
-wait at once. :func:`run_handed` waits for the worker's answer in an I/O thread: threads apart from
-asyncio's default executor, so that frames waiting on each other in one process (a sender and a
-receiver in tests, a fetch and a handoff) never starve it nor each other.
+wait at once. :func:`run_handed` awaits the worker's answer.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import os
 import select
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from spotguard.peer import wire
 
 T = TypeVar("T")
-
-# Threads that wait for a worker's answer (and so, through it, on a peer). Apart from asyncio's
-# default executor (sized for short tasks), so that connections waiting on each other in one process
-# (a sender and a receiver in tests, a fetch and a handoff) never starve it nor each other: one per
-# job, and the workers are at most MAX_WORKERS.
-_IO_THREADS = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="spotguard-peer-io")
 
 
 class HandedSocket:
@@ -86,28 +77,23 @@ class HandedSocket:
             raise TimeoutError(f"{what} for {timeout:g} s")
 
 
-async def in_io_thread(work: Callable[[], T]) -> T:
-    """``work()`` in an I/O thread (one that may wait on a peer or a worker process)."""
-    return await asyncio.get_running_loop().run_in_executor(_IO_THREADS, work)
+async def run_handed(stream: wire.FrameStream, handed: HandedSocket, work: Callable[[], Awaitable[T]]) -> T:
+    """``await work()``, a worker's job that uses ``handed`` (closed once it is answered). If the
+    connection is lost or this task is cancelled meanwhile, the socket is shut and the job ends at once."""
 
-
-async def run_handed(stream: wire.FrameStream, handed: HandedSocket, work: Callable[[], T]) -> T:
-    """``work()`` in an I/O thread that uses ``handed`` (closed once it returns). If the connection is
-    lost or this task is cancelled meanwhile, the socket is shut and the thread ends at once."""
-
-    def run() -> T:
+    async def run() -> T:
         try:
-            return work()
+            return await work()
         finally:
             handed.close()
 
     stream.on_lost = handed.shut
-    future = asyncio.get_running_loop().run_in_executor(_IO_THREADS, run)
+    future = asyncio.ensure_future(run())
     try:
         return await asyncio.shield(future)
     except asyncio.CancelledError:
         handed.shut()
-        await asyncio.wait([future])  # at once: the thread's socket is shut; its buffers are ours again
+        await asyncio.wait([future])  # at once: the job's socket is shut; the worker is free again
         if not future.cancelled():
             future.exception()  # retrieved: the cancellation is what this task reports
         raise
@@ -115,4 +101,4 @@ async def run_handed(stream: wire.FrameStream, handed: HandedSocket, work: Calla
         stream.on_lost = None
 
 
-__all__ = ["HandedSocket", "in_io_thread", "run_handed"]
+__all__ = ["HandedSocket", "run_handed"]

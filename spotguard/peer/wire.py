@@ -29,11 +29,12 @@ VERSION = 2
 MAX_HEADER_BEFORE_AUTH = 1024
 MAX_HEADER = 16 * 1024 * 1024  # a commit frame carries the manifest, which lists every file
 MAX_DATA = 8 * 1024 * 1024
-# What a sender puts in one data frame. The receiver keeps a few frames in flight per connection
-# (memory: that many of these), each a disk write in a thread: measured on loopback, 4 MiB frames
-# cost the receiver about half the CPU of 1 MiB ones (fewer thread handoffs, fewer writes contending
-# for the file's lock).
-SEND_CHUNK = 4 * 1024 * 1024
+# What a sender puts in one data frame: the most a receiver takes. Each frame costs both event loops
+# a hand-over to a worker process and back, so bigger frames carry more per hand-over: on loopback
+# 4 MiB frames cost the receiver about half the CPU of 1 MiB ones, and on 16 cores four flows of
+# 8 MiB frames carried 5.0-6.1 GB/s against 4.9 with 4 MiB (BENCHMARKS.md). The receiver keeps a
+# few frames in flight per replica (memory: that many of these, files.WRITES_IN_FLIGHT).
+SEND_CHUNK = MAX_DATA
 # Received bytes not yet read by the connection's handler: frame headers, the start of a payload.
 # Small, because the start of a payload that lands here is copied once more (a bigger header is
 # received straight into its own buffer).

@@ -26,6 +26,7 @@ connection's deadline.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import errno
 import logging
@@ -45,11 +46,17 @@ from spotguard.errors import SpotguardError
 from spotguard.peer import noise, wire
 from spotguard.peer.channel import BATCH_RECORDS, FULL_RECORD, open_payload, seal_batches, seal_frame, sealed_size
 from spotguard.peer.files import write_at
-from spotguard.peer.sockio import HandedSocket, in_io_thread
+from spotguard.peer.sockio import HandedSocket
 
 logger = logging.getLogger("spotguard.peers")
 
-MAX_WORKERS = 8  # a receiver's max_connections, a sender's MAX_FLOWS
+# Two per flow of a handoff's bound (flows.MAX_FLOWS, 8): a receiving flow holds one worker receiving
+# its next frame and one writing the last. With 8, a receiver of eight flows received a third of
+# their frames in-process; with 16, all, and twice the throughput on 16 cores (BENCHMARKS.md).
+MAX_WORKERS = 16
+# Above this many cores each worker keeps a second thread: on 16 cores four flows carried 15 % more
+# with it; on 2, one flow carried 15-25 % less (BENCHMARKS.md).
+BESIDE_FROM_CORES = 8
 # Payloads at least this big go to a worker; smaller ones are not worth the round trip (~0.1 ms).
 WORKER_PAYLOAD = 256 * 1024
 _READY = b"ready"
@@ -78,16 +85,31 @@ class Worker:
         self.control = control
         self._owner = owner
 
-    def call(self, job: dict[str, Any], fds: list[int], *, more: bool = False) -> Any:
-        """Run ``job`` (blocking: in a thread); its result, or the error it raised in the worker. The
-        worker goes back to its pool after, unless ``more`` calls of the same job follow (a received
-        payload's ``write`` or ``drop``) and this one succeeded. Raises :class:`WorkerLost` if the
-        worker died."""
+    async def call(self, job: dict[str, Any], fds: list[int], *, more: bool = False) -> Any:
+        """Run ``job``; its result, or the error it raised in the worker. The worker goes back to its
+        pool after, unless ``more`` calls of the same job follow (a received payload's ``write`` or
+        ``drop``) and this one succeeded. Raises :class:`WorkerLost` if the worker died.
+
+        The answer is awaited on the event loop, not in a thread: a thread per frame cost the loop a
+        hand-off each way, and threads waiting to take the GIL back in turn delayed every flow's next
+        frame (on 16 cores four flows carried 4.9 GB/s without them against 4.1, BENCHMARKS.md). A
+        caller cancelled meanwhile does not end the exchange: the worker's answer is still read
+        before it is given back, as a job it was sent must finish (its socket shut, at once)."""
+        exchange = asyncio.ensure_future(self._exchange(job, fds, more=more))
+        self._owner.exchanges.add(exchange)  # held while it runs, its caller gone or not
+        exchange.add_done_callback(self._owner.exchanges.discard)
+        return await asyncio.shield(exchange)
+
+    async def _exchange(self, job: dict[str, Any], fds: list[int], *, more: bool) -> Any:
         try:
+            # One small message at a time, the answer read before the next: the pair's buffer has room.
             socket.send_fds(self.control, [pickle.dumps(job)], fds)
-            answer = self.control.recv(_MAX_MESSAGE)
+            answer = await asyncio.get_running_loop().sock_recv(self.control, _MAX_MESSAGE)
             if not answer:
                 raise WorkerLost("a peer worker process ended during a frame")
+        except asyncio.CancelledError:
+            self._owner.lost(self)  # the loop is closing with the job's answer unread: it cannot serve on
+            raise
         except OSError as exc:
             self._owner.lost(self)
             if isinstance(exc, WorkerLost):
@@ -112,13 +134,12 @@ class Worker:
     async def write(self, path: Path, offset: int, length: int, ranges: list[tuple[int, int, int]]) -> None:
         """Write the payload this worker received at ``offset`` of ``path``; note its CRC32C in
         ``ranges``. The worker is given back."""
-        job = {"t": "write", "path": str(path), "offset": offset}
-        crc = await in_io_thread(lambda: self.call(job, []))
+        crc = await self.call({"t": "write", "path": str(path), "offset": offset}, [])
         ranges.append((offset, length, crc))
 
     async def drop(self) -> None:
         """Forget the payload this worker received (its replica is no longer being received)."""
-        await in_io_thread(lambda: self.call({"t": "drop"}, []))
+        await self.call({"t": "drop"}, [])
 
     def close(self) -> None:
         self.control.close()  # the worker reads end of file and exits
@@ -154,6 +175,7 @@ class WorkerPool:
         self._no_start_until = 0.0  # monotonic: a worker could not start, none is tried before then
         self._failing = False  # the last start failed (its warning logged once, until one starts again)
         self.frames = 0  # data frames the workers carried
+        self.exchanges: set[asyncio.Future[Any]] = set()  # jobs sent, their answers awaited
         self._lock = threading.Lock()
         self._starter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="spotguard-peer-workers")
 
@@ -206,7 +228,7 @@ class WorkerPool:
         with self._lock:
             self._count -= 1
             self._busy -= 1
-        worker.close()
+        self._starter.submit(worker.close)  # off the event loop: the process may take a moment to end
 
     def close(self) -> None:
         with self._lock:
@@ -263,7 +285,7 @@ def _spawn(owner: WorkerPool) -> Worker:
         process.wait()
         ours.close()
         raise
-    ours.settimeout(None)
+    ours.setblocking(False)  # its answers are awaited on an event loop
     return Worker(process, ours, owner)
 
 
@@ -278,9 +300,7 @@ def pool() -> WorkerPool:
     with _POOL_LOCK:
         if _POOL is None or _POOL[0] != os.getpid():
             cores = len(os.sched_getaffinity(0))
-            # A second thread per worker where the cores outnumber the workers: on 16 cores four
-            # flows carried 15 % more with it; on 2, one flow carried 15-25 % less (BENCHMARKS.md).
-            _POOL = (os.getpid(), WorkerPool(min(MAX_WORKERS, cores), beside=cores > MAX_WORKERS))
+            _POOL = (os.getpid(), WorkerPool(min(MAX_WORKERS, cores), beside=cores > BESIDE_FROM_CORES))
         return _POOL[1]
 
 

@@ -146,12 +146,12 @@ def test_a_worker_that_died_before_or_while_it_had_a_job_is_reported_as_ended() 
         dead.process.kill()  # before its job is sent
         dead.process.wait()
         with pytest.raises(workers.WorkerLost, match="ended during a frame"):
-            dead.call({"t": "drop"}, [])
+            asyncio.run(dead.call({"t": "drop"}, []))
         stopped.process.send_signal(signal.SIGSTOP)  # its job waits unread, then it dies
         wait_for(lambda: process_state(stopped.process.pid) == "T", 10, "the worker stopped")
         with concurrent.futures.ThreadPoolExecutor(1) as executor:
             try:
-                call = executor.submit(stopped.call, {"t": "drop"}, [])
+                call = executor.submit(asyncio.run, stopped.call({"t": "drop"}, []))
                 wait_for(lambda: queued_unread(stopped.control) > 0, 10, "the job queued to the stopped worker")
             finally:
                 stopped.process.kill()  # the call's wait ends with it, whatever happened above
@@ -254,7 +254,7 @@ def test_a_worker_signalled_while_it_starts_still_starts_and_serves() -> None:
         wait_for(lambda: pool.status()["idle"] == 1, 30, "the worker ready")
         worker = pool.take()
         assert worker is not None and worker.process.pid == pid and worker.process.poll() is None
-        assert worker.call({"t": "drop"}, []) is None  # it serves jobs
+        assert asyncio.run(worker.call({"t": "drop"}, [])) is None  # it serves jobs
         assert signalled_while_starting  # the signals did come before it was ready
     finally:
         pool.close()
@@ -303,7 +303,7 @@ def test_a_worker_that_cannot_start_leaves_frames_in_process_for_a_while_then_on
         monkeypatch.setattr(sys, "executable", real_python)  # the node has room again
         wait_for(lambda: idle_when_warmed() == 1, 30, "a worker started again")
         worker = pool.take()
-        assert worker is not None and worker.call({"t": "drop"}, []) is None  # it serves jobs
+        assert worker is not None and asyncio.run(worker.call({"t": "drop"}, [])) is None  # it serves jobs
         assert starts_tried() == 2 and len(warnings()) == 1
         assert [r.getMessage() for r in caplog.records if r.levelno == logging.INFO] == [
             "peer worker processes start again"
@@ -454,7 +454,7 @@ def test_a_frame_a_worker_seals_and_sends_is_the_frame_sealed_here(
         worker = idle_worker(direct_pool)
         with concurrent.futures.ThreadPoolExecutor(1) as reader:
             received = reader.submit(lambda: theirs.recv(len(expected), socket.MSG_WAITALL))
-            assert worker.call(job, [ours.fileno(), fd]) is None
+            assert asyncio.run(worker.call(job, [ours.fileno(), fd])) is None
             assert received.result(timeout=30) == expected
         assert (threads_of(worker.process.pid) > 1) == direct_pool.beside
     finally:
@@ -480,7 +480,7 @@ def test_a_changed_record_ends_a_workers_receive_at_once_and_the_worker_serves_o
         job = {"t": "receive", "key": KEY, "n": 0, "timeout": 60.0, "ahead": b"", "length": len(payload)}
         started = time.monotonic()
         with pytest.raises(wire.PeerError) as caught:
-            idle_worker(direct_pool).call(job, [ours.fileno()], more=True)
+            asyncio.run(idle_worker(direct_pool).call(job, [ours.fileno()], more=True))
         assert caught.value.code == "bad-record"
         assert time.monotonic() - started < 10
     finally:
@@ -499,10 +499,46 @@ def test_a_changed_record_ends_a_workers_receive_at_once_and_the_worker_serves_o
             "ahead": good[:100],
             "length": len(payload),
         }
-        worker.call(job, [ours.fileno()], more=True)
-        crc = worker.call({"t": "write", "path": str(tmp_path / "out"), "offset": 0}, [])
+        asyncio.run(worker.call(job, [ours.fileno()], more=True))
+        crc = asyncio.run(worker.call({"t": "write", "path": str(tmp_path / "out"), "offset": 0}, []))
         assert (tmp_path / "out").read_bytes() == payload
         assert crc == google_crc32c.value(payload)
+    finally:
+        ours.close()
+        theirs.close()
+
+
+def test_a_caller_cancelled_mid_job_leaves_its_worker_to_finish_and_serve_on(direct_pool: workers.WorkerPool) -> None:
+    """A handler cancelled while its worker waits on a silent peer (a connection lost, a daemon
+    stopping): the cancellation is the caller's at once; the job ends when the socket is shut, its
+    answer is still read, and the worker goes back to its pool, serving the next job, not lost."""
+    ours, theirs = socket.socketpair()
+    worker = idle_worker(direct_pool)
+    fds_before = len(os.listdir(f"/proc/{worker.process.pid}/fd"))
+
+    async def cancel_mid_job() -> None:
+        job = {"t": "receive", "key": KEY, "n": 0, "timeout": 60.0, "ahead": b"", "length": 4 * MAX_PLAINTEXT}
+        call = asyncio.ensure_future(worker.call(job, [ours.fileno()], more=True))
+        deadline = time.monotonic() + 30
+        while len(os.listdir(f"/proc/{worker.process.pid}/fd")) <= fds_before:  # it holds the socket
+            assert time.monotonic() < deadline, "the worker never took its job"
+            await asyncio.sleep(0.01)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert direct_pool.exchanges  # the job goes on without its caller
+        ours.shutdown(socket.SHUT_RDWR)  # what run_handed does on a cancellation
+        done, _ = await asyncio.wait(set(direct_pool.exchanges), timeout=30)
+        assert done and not direct_pool.exchanges
+
+    try:
+        started = time.monotonic()
+        asyncio.run(cancel_mid_job())
+        assert time.monotonic() - started < 20  # not the job's 60 s deadline
+        assert direct_pool.status() == {"workers": 1, "idle": 1, "busy": 0, "frames": 0}
+        again = direct_pool.take()
+        assert again is worker and worker.process.poll() is None
+        assert asyncio.run(worker.call({"t": "drop"}, [])) is None  # it serves jobs
     finally:
         ours.close()
         theirs.close()
