@@ -13,12 +13,18 @@ from datetime import datetime
 from typing import Any
 
 from spotguard.notice import parse_iso
+from spotguard.repeats import Latest
 from spotguard.trainer import dist
 
 logger = logging.getLogger("spotguard.trainer")
 
 #: A ``checkpoint-now`` message from the daemon (``notice``, ``stop``, ``deadline_s``).
 Message = dict[str, Any]
+
+# Notices remembered as handled (or acknowledged), the latest ones: the daemon sends one again only
+# while its event is still current (a reconnect, the next poll), and keeps no more than its own latest
+# 64 (providers.base.FIRST_SEEN_KEPT); a job that runs for months sees a notice at every rebalance.
+HANDLED_KEPT = 64
 
 
 class NoticeFlags:
@@ -27,8 +33,8 @@ class NoticeFlags:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._notice: Message | None = None  # the checkpoint-now message not yet saved for
-        self._handled_events: set[str] = set()
-        self._acknowledged: set[str] = set()  # notices the daemon was told we are acting on
+        self._handled_events: Latest[str, None] = Latest(HANDLED_KEPT)
+        self._acknowledged: Latest[str, None] = Latest(HANDLED_KEPT)  # notices the daemon was told we act on
         self.sigterm = False  # set by a signal handler: a plain store, safe there
         self.stop_agreed = False
         self.urgent_agreed = False
@@ -81,7 +87,7 @@ class NoticeFlags:
         event_id = str(notice["notice"]["event_id"])
         if event_id in self._acknowledged:
             return None
-        self._acknowledged.add(event_id)
+        self._acknowledged.put(event_id, None)
         return event_id
 
     def save_reason(self) -> tuple[str, Message | None]:
@@ -101,7 +107,7 @@ class NoticeFlags:
         """The save answering ``notice`` is taken: it is handled, and no longer pending."""
         with self._lock:
             if notice is not None:
-                self._handled_events.add(str(notice["notice"]["event_id"]))
+                self._handled_events.put(str(notice["notice"]["event_id"]), None)
                 if self._notice is notice:
                     self._notice = None
         self.urgent_agreed = False
