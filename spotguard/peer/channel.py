@@ -19,6 +19,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
+import mmap
 import os
 import socket
 import struct
@@ -386,22 +387,42 @@ def _seal_record(cipher: noise.CipherState, out: memoryview, at: int, plaintext:
 
 
 def seal_frame(
-    cipher: noise.CipherState, header: bytes, fd: int, offset: int, length: int, *, out: bytearray
+    cipher: noise.CipherState,
+    header: bytes,
+    fd: int,
+    offset: int,
+    length: int,
+    *,
+    out: bytearray,
+    mapped: bool = False,
 ) -> memoryview:
     """A data frame: ``header`` and ``length`` bytes of the file ``fd`` from ``offset``, as records
     laid out in ``out`` (at least :func:`sealed_size` bytes). The file's bytes are read straight into
     their records' places and sealed there, in place: a frame costs one read, no copy and no
-    allocation. Raises :class:`EOFError` if the file ends first."""
-    ends = list(seal_batches(cipher, header, fd, offset, length, out=out))
+    allocation. ``mapped``: sealed straight from the file's pages instead (see :func:`seal_batches`).
+    Raises :class:`EOFError` if the file ends first."""
+    ends = list(seal_batches(cipher, header, fd, offset, length, out=out, mapped=mapped))
     return memoryview(out)[: ends[-1] if ends else 0]
 
 
 def seal_batches(
-    cipher: noise.CipherState, header: bytes, fd: int, offset: int, length: int, *, out: bytearray
+    cipher: noise.CipherState,
+    header: bytes,
+    fd: int,
+    offset: int,
+    length: int,
+    *,
+    out: bytearray,
+    mapped: bool = False,
 ) -> Iterator[int]:
     """:func:`seal_frame` :data:`BATCH_RECORDS` records at a time: after each batch is read and sealed,
     yields where the sealed bytes of ``out`` end, so that they may go out while the next batch is
-    sealed (the bytes before that point are not touched again)."""
+    sealed (the bytes before that point are not touched again).
+
+    ``mapped``: AES-GCM reads the file's pages through a read-only mapping and writes the records
+    into ``out``, which saves the read's copy into user space (about a fifth of a sending worker's
+    CPU). Only for a worker process: a file cut short while mapped raises SIGBUS, which ends the
+    process that touches the missing page, and a worker's end is one the daemon survives."""
     records = list(_layout([len(header), length]))
     end = _records_end(records)
     if len(out) < end:
@@ -411,17 +432,53 @@ def seal_batches(
     def body(at: int, size: int) -> memoryview:
         return view[at + _LENGTH.size : at + _LENGTH.size + size]
 
-    for first in range(0, len(records), BATCH_RECORDS):
-        group = records[first : first + BATCH_RECORDS]
-        for at, index, piece in group:
-            if index == 0:
-                body(at, len(piece))[:] = header[piece.start : piece.stop]
-        data = [(at, piece) for at, index, piece in group if index == 1]
-        if data:
-            _preadv_full(fd, [body(at, len(piece)) for at, piece in data], offset + data[0][1].start)
-        for at, _, piece in group:
-            _seal_record(cipher, view, at, body(at, len(piece)))  # in place: AES-GCM's input and output coincide
-        yield _records_end(group)
+    with _mapped_range(fd, offset, length) if mapped else contextlib.nullcontext() as source:
+        for first in range(0, len(records), BATCH_RECORDS):
+            group = records[first : first + BATCH_RECORDS]
+            for at, index, piece in group:
+                if index == 0:
+                    body(at, len(piece))[:] = header[piece.start : piece.stop]
+            data = [(at, piece) for at, index, piece in group if index == 1]
+            if data and source is None:
+                _preadv_full(fd, [body(at, len(piece)) for at, piece in data], offset + data[0][1].start)
+            for at, index, piece in group:
+                if index == 1 and source is not None:
+                    # A view of the mapping that outlived the call would keep it from being closed.
+                    _seal_record(cipher, view, at, source[piece.start : piece.stop])
+                else:
+                    _seal_record(cipher, view, at, body(at, len(piece)))  # in place: input and output coincide
+            yield _records_end(group)
+
+
+@contextlib.contextmanager
+def _mapped_range(fd: int, offset: int, length: int) -> Iterator[memoryview | None]:
+    """``length`` bytes of the file ``fd`` from ``offset``, mapped read-only; ``None`` for none, or
+    where the file's filesystem maps no files (some FUSE and network ones): it is read instead.
+    Raises :class:`EOFError` if the file is shorter, as a read would: a page past its end would
+    raise SIGBUS when touched."""
+    if length == 0:
+        yield None
+        return
+    size = os.fstat(fd).st_size
+    if offset + length > size:
+        raise EOFError(f"the file ended at {size} bytes")
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    try:
+        # MAP_POPULATE maps every page in one call, not one fault per few pages as they are read.
+        mapping = mmap.mmap(
+            fd, offset + length - start, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ, offset=start
+        )
+    except OSError:
+        yield None
+        return
+    with mapping:
+        whole = memoryview(mapping)
+        source = whole[offset - start :]
+        try:
+            yield source
+        finally:
+            source.release()  # the caller's name for it holds the mapping no more
+            whole.release()
 
 
 def open_payload(

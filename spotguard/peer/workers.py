@@ -14,7 +14,9 @@ Nothing else crosses: the worker's answer is a CRC32C or an error.
 An idle daemon keeps no workers. They start (a Python process each, ~0.1 s) when they will be
 needed: at a notice routed to a peer, when a replica opens or a fetch connects, and on a big frame
 that finds none free (it goes the in-process way meanwhile); up to one per core and
-:data:`MAX_WORKERS`, kept for the life of the process; one that dies is replaced. One that cannot
+:data:`MAX_WORKERS`; one that dies is replaced. One idle for :data:`RETIRE_IDLE_AFTER` ends: a
+daemon runs for months between the rare minutes that need its workers, and each holds an
+interpreter (35 MiB resident) and up to 18 MiB of frame buffers; the next notice warms the pool again. One that cannot
 start (a fork refused under memory pressure, a full process table) sends frames the in-process way
 for :data:`RETRY_START_AFTER` seconds, then the pool tries again: a daemon runs for months, and a
 failure at one notice must not cost every later handoff its workers. A worker reads
@@ -59,6 +61,9 @@ MAX_WORKERS = 16
 BESIDE_FROM_CORES = 8
 # Payloads at least this big go to a worker; smaller ones are not worth the round trip (~0.1 ms).
 WORKER_PAYLOAD = 256 * 1024
+# Seconds a worker may stay idle before it ends (the most recently used are taken first, so that the
+# pool shrinks to what the traffic needs). Longer than a handoff's gaps between frames by far.
+RETIRE_IDLE_AFTER = 300.0
 _READY = b"ready"
 _MAX_MESSAGE = 64 * 1024  # a job (a frame's header, up to 4 KiB read ahead) or an answer
 _START_TIMEOUT = 30.0
@@ -84,6 +89,7 @@ class Worker:
         self.process = process
         self.control = control
         self._owner = owner
+        self.idle_since = time.monotonic()
 
     async def call(self, job: dict[str, Any], fds: list[int], *, more: bool = False) -> Any:
         """Run ``job``; its result, or the error it raised in the worker. The worker goes back to its
@@ -166,9 +172,10 @@ class WorkerPool:
     it after its job, :meth:`lost` one that failed. ``beside``: each worker overlaps a frame's two
     steps in a second thread (:class:`_Jobs`)."""
 
-    def __init__(self, size: int, *, beside: bool = False) -> None:
+    def __init__(self, size: int, *, beside: bool = False, retire_after: float = RETIRE_IDLE_AFTER) -> None:
         self.size = size
         self.beside = beside
+        self.retire_after = retire_after
         self._idle: list[Worker] = []
         self._count = 0  # started or starting
         self._busy = 0  # taken for a job
@@ -177,10 +184,13 @@ class WorkerPool:
         self.frames = 0  # data frames the workers carried
         self.exchanges: set[asyncio.Future[Any]] = set()  # jobs sent, their answers awaited
         self._lock = threading.Lock()
+        self._idle_changed = threading.Condition(self._lock)  # a worker went idle, or the pool closed
+        self._retirer: threading.Thread | None = None  # started with the first worker
+        self._closed = False
         self._starter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="spotguard-peer-workers")
 
     def take(self) -> Worker | None:
-        """An idle worker, or None (and one more starts, if the pool may grow)."""
+        """An idle worker (the one used last), or None (and one more starts, if the pool may grow)."""
         with self._lock:
             while self._idle:
                 worker = self._idle.pop()
@@ -211,7 +221,35 @@ class WorkerPool:
         """A worker taken for a job is idle again."""
         with self._lock:
             self._busy -= 1
-            self._idle.append(worker)
+            self._went_idle(worker)
+
+    def _went_idle(self, worker: Worker) -> None:
+        """(Under the lock.) ``worker`` joins the idle ones, the last in line to retire."""
+        worker.idle_since = time.monotonic()
+        self._idle.append(worker)
+        if self._retirer is None:
+            self._retirer = threading.Thread(target=self._retire_idle, name="spotguard-peer-retire", daemon=True)
+            self._retirer.start()
+        self._idle_changed.notify()
+
+    def _retire_idle(self) -> None:
+        """End each worker idle for :attr:`retire_after` seconds, until the pool closes. The idle list
+        is in the order they went idle (:meth:`take` takes from its end), so its first is the oldest."""
+        while True:
+            with self._idle_changed:
+                if self._closed:
+                    return
+                now = time.monotonic()
+                retiring = []
+                while self._idle and now - self._idle[0].idle_since >= self.retire_after:
+                    retiring.append(self._idle.pop(0))
+                self._count -= len(retiring)
+                if not retiring:
+                    self._idle_changed.wait(self._idle[0].idle_since + self.retire_after - now if self._idle else None)
+                    continue
+            for worker in retiring:
+                worker.close()
+            logger.debug("%d idle peer worker(s) ended", len(retiring))
 
     def carried(self) -> None:
         with self._lock:
@@ -234,6 +272,8 @@ class WorkerPool:
         with self._lock:
             idle, self._idle = self._idle, []
             self._count -= len(idle)
+            self._closed = True
+            self._idle_changed.notify()
         for worker in idle:
             worker.close()
 
@@ -254,7 +294,7 @@ class WorkerPool:
                 )
             return
         with self._lock:
-            self._idle.append(worker)
+            self._went_idle(worker)
             recovered, self._failing = self._failing, False
         if recovered:
             logger.info("peer worker processes start again")
@@ -339,9 +379,10 @@ class _Jobs:
         handed = HandedSocket(connection)
         try:
             if self.beside is None:
-                handed.send_all(seal_frame(cipher, header, file, job["offset"], length, out=self.frame), job["timeout"])
+                sealed = seal_frame(cipher, header, file, job["offset"], length, out=self.frame, mapped=True)
+                handed.send_all(sealed, job["timeout"])
             else:
-                batches = seal_batches(cipher, header, file, job["offset"], length, out=self.frame)
+                batches = seal_batches(cipher, header, file, job["offset"], length, out=self.frame, mapped=True)
                 self._send_beside(self.beside, handed, batches, job["timeout"])
         finally:
             handed.close()
@@ -438,6 +479,7 @@ if __name__ == "__main__":
 
 __all__ = [
     "MAX_WORKERS",
+    "RETIRE_IDLE_AFTER",
     "RETRY_START_AFTER",
     "WORKER_PAYLOAD",
     "Worker",

@@ -1,11 +1,14 @@
-"""A data frame sealed in place from a file is byte for byte the frame :meth:`Channel.seal` makes of
-the same header and bytes (same key, same counter), whatever the sizes; sealed batch by batch, what
+"""A data frame sealed in place from a file, or from the file's mapped pages (a worker's way), is
+byte for byte the frame :meth:`Channel.seal` makes of the same header and bytes (same key, same
+counter), whatever the sizes, and no mapping outlives it; sealed batch by batch, what
 was handed out is never touched again; a payload received beside its opening arrives whole, and a
 changed record stops the receive still under way."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import errno
+import mmap
 import os
 import socket
 import threading
@@ -23,6 +26,7 @@ from spotguard.peer.channel import (
     Channel,
     open_payload,
     seal_batches,
+    seal_frame,
     sealed_size,
 )
 from spotguard.peer.sockio import HandedSocket
@@ -30,16 +34,37 @@ from spotguard.peer.sockio import HandedSocket
 KEY = bytes(range(32))
 
 
+def mapped_files() -> list[str]:
+    """The files this process has mapped (``/proc/self/maps``: a path is a line's sixth field)."""
+    lines = [line.split(maxsplit=5) for line in Path("/proc/self/maps").read_text().splitlines()]
+    return [fields[5] for fields in lines if len(fields) == 6]
+
+
+def sealed_from(fd: int, header: bytes, offset: int, length: int, out: bytearray, *, mapped: bool) -> bytes:
+    if mapped:
+        return bytes(seal_frame(noise.CipherState(KEY), header, fd, offset, length, out=out, mapped=True))
+    return bytes(channel().seal_read(header, fd, offset, length, out))
+
+
 def channel() -> Channel:
     # Sealing touches the sending cipher only: no stream, no socket.
     return Channel(cast(Any, None), cast(Any, None), noise.CipherState(KEY), noise.CipherState(KEY))
 
 
+@pytest.mark.parametrize("mapped", [False, True], ids=["read", "mapped"])
 @pytest.mark.parametrize(
     ("offset", "length"),
-    [(0, 0), (0, 1), (5, MAX_PLAINTEXT), (3, MAX_PLAINTEXT + 1), (0, 4 * MAX_PLAINTEXT), (7, 300_000)],
+    [
+        (0, 0),
+        (0, 1),
+        (5, MAX_PLAINTEXT),
+        (3, MAX_PLAINTEXT + 1),
+        (0, 4 * MAX_PLAINTEXT),
+        (7, 300_000),
+        (3 * 4096 + 17, 300_000),  # a mapping starts on a page: this one 17 bytes before the range
+    ],
 )
-def test_a_frame_sealed_in_place_equals_the_sealed_copy(tmp_path: Path, offset: int, length: int) -> None:
+def test_a_frame_sealed_in_place_equals_the_sealed_copy(tmp_path: Path, offset: int, length: int, mapped: bool) -> None:
     data = os.urandom(offset + length + 11)
     (tmp_path / "f").write_bytes(data)
     header = b'{"t":"data"}' * 9
@@ -47,26 +72,46 @@ def test_a_frame_sealed_in_place_equals_the_sealed_copy(tmp_path: Path, offset: 
     buffer = bytearray(b"\xee" * (sealed_size(len(header), length) + 5))  # stale bytes from a frame before
     fd = os.open(tmp_path / "f", os.O_RDONLY)
     try:
-        sealed = channel().seal_read(header, fd, offset, length, buffer)
+        sealed = sealed_from(fd, header, offset, length, buffer, mapped=mapped)
     finally:
         os.close(fd)
     assert len(expected) == sealed_size(len(header), length)
-    assert bytes(sealed) == bytes(expected)
+    assert sealed == bytes(expected)
+    assert str(tmp_path / "f") not in mapped_files()
 
 
-def test_a_file_that_ends_first_or_a_small_buffer_is_refused(tmp_path: Path) -> None:
+def test_a_file_its_filesystem_will_not_map_is_read_instead(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENODEV, "No such device")  # what mmap(2) says where a filesystem maps no files
+
+    data = os.urandom(300_000)
+    (tmp_path / "f").write_bytes(data)
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    header = b'{"t":"data"}'
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        sealed = sealed_from(fd, header, 9, 200_000, bytearray(sealed_size(len(header), 200_000)), mapped=True)
+    finally:
+        os.close(fd)
+    assert sealed == bytes(channel().seal(header, data[9:200_009]))
+
+
+@pytest.mark.parametrize("mapped", [False, True], ids=["read", "mapped"])
+def test_a_file_that_ends_first_or_a_small_buffer_is_refused(tmp_path: Path, mapped: bool) -> None:
     (tmp_path / "f").write_bytes(b"x" * 100)
     fd = os.open(tmp_path / "f", os.O_RDONLY)
     try:
-        with pytest.raises(EOFError):
-            channel().seal_read(b"h", fd, 50, 51, bytearray(sealed_size(1, 51)))
+        with pytest.raises(EOFError):  # mapped, a page past the file's end would have raised SIGBUS
+            sealed_from(fd, b"h", 50, 51, bytearray(sealed_size(1, 51)), mapped=mapped)
         with pytest.raises(ValueError, match="sealed_size"):
-            channel().seal_read(b"h", fd, 0, 100, bytearray(sealed_size(1, 100) - 1))
+            sealed_from(fd, b"h", 0, 100, bytearray(sealed_size(1, 100) - 1), mapped=mapped)
     finally:
         os.close(fd)
+    assert str(tmp_path / "f") not in mapped_files()
 
 
-def test_a_frame_sealed_batch_by_batch_never_touches_what_it_handed_out(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mapped", [False, True], ids=["read", "mapped"])
+def test_a_frame_sealed_batch_by_batch_never_touches_what_it_handed_out(tmp_path: Path, mapped: bool) -> None:
     # A worker sends each batch while the next is sealed: the bytes before a yielded end are final.
     length = 2 * BATCH_RECORDS * MAX_PLAINTEXT + 12_345  # three batches, the header's record in the first
     data = os.urandom(length + 3)
@@ -77,7 +122,8 @@ def test_a_frame_sealed_batch_by_batch_never_touches_what_it_handed_out(tmp_path
     fd = os.open(tmp_path / "f", os.O_RDONLY)
     try:
         handed_out = [
-            (end, bytes(out[:end])) for end in seal_batches(noise.CipherState(KEY), header, fd, 3, length, out=out)
+            (end, bytes(out[:end]))
+            for end in seal_batches(noise.CipherState(KEY), header, fd, 3, length, out=out, mapped=mapped)
         ]
     finally:
         os.close(fd)
