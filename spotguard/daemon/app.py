@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from spotguard.config import ConfigError, DaemonConfig
+from spotguard.daemon import heap
 from spotguard.daemon.events import (
     EventBus,
     MonitorFailed,
@@ -114,6 +115,7 @@ class Daemon:
         self.bus.subscribe(PlanChanged, lambda event: self.peering.follow_plan(event.notice, event.plan))
         self.bus.subscribe(UploadCommitted, self._measure_upload)
         self._stopping = asyncio.Event()
+        self.heap_trims = 0  # the heaps' free pages given back while idle (_trim_heap)
         self.requests = RequestHandler(self, stopping=self._stopping.is_set)
         self.server = SocketServer(
             config.socket,
@@ -371,6 +373,7 @@ class Daemon:
             "notice-lifecycle": self._end_notices_on_time,
             "rate-probe": self._probe_rate,
             "plan-revise": self._revise_plan,
+            "heap-trim": self._trim_heap,
             **{f"monitor-{m.name}": functools.partial(self._watch, m) for m in self.monitors},
             "watchdog": lambda: watchdog_loop(self.notifier, self.notifier.watchdog_interval()),
         }
@@ -378,6 +381,23 @@ class Daemon:
 
     def request_stop(self) -> None:
         self._stopping.set()
+
+    async def _trim_heap(self) -> None:
+        """Every :data:`~spotguard.daemon.heap.TRIM_INTERVAL`, while no notice is pending and nothing
+        is uploading, give the heaps' free pages back (spotguard/daemon/heap.py): a daemon runs for
+        months, and what one upload's buffers left in them is no use until the next."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), heap.TRIM_INTERVAL)
+            if self._stopping.is_set():
+                return
+            if self.may_trim_heap():
+                await asyncio.to_thread(heap.release_free_memory)
+                self.heap_trims += 1
+
+    def may_trim_heap(self) -> bool:
+        """Nothing in a hurry: a trim mid-race would only make the next buffers fault their pages in again."""
+        return self.pending is None and self.uploader.idle.is_set()
 
     async def serve_until_stopped(self) -> int:
         await self.start()

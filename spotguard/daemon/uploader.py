@@ -180,7 +180,7 @@ class Uploader:
         self._queued: dict[str, _Job] = {}
         self._urgent: set[str] = set()
         self._wake = asyncio.Event()
-        self._idle = asyncio.Event()
+        self.idle = asyncio.Event()  # set while nothing is queued or uploading
         self._current: _Current | None = None
         self._deadline: datetime | None = None  # the pending notice's, if any
         # Early uploads (at most `concurrency`) and the one checkpoint job; more would only wait.
@@ -208,7 +208,7 @@ class Uploader:
         if urgent and current is not None and not current.urgent:
             logger.info("urgent %s: cancelling the periodic upload of %s", name, current.name)
             current.cancel.set()
-        self._idle.clear()
+        self.idle.clear()
         self._wake.set()
 
     def file_ready(self, step_dir: Path, rel: str, entry: FileEntry, *, urgent: bool) -> None:
@@ -347,7 +347,7 @@ class Uploader:
 
     async def run(self) -> None:
         if self.storage is None:
-            self._idle.set()
+            self.idle.set()
             return
         watcher = asyncio.create_task(self.watch_deadline(), name="upload-deadline-watch")
         try:
@@ -357,7 +357,7 @@ class Uploader:
                 job = self._next_job()
                 if job is None:
                     if not self._queued:
-                        self._idle.set()
+                        self.idle.set()
                     retry = self._failures.next_retry(self._queued)
                     timeout = max(0.0, min(next_scan, retry if retry is not None else next_scan) - time.monotonic())
                     self._wake.clear()
@@ -500,8 +500,8 @@ class Uploader:
 
     async def _wait_idle(self) -> None:
         while self._queued or self._current is not None:
-            self._idle.clear()
-            await self._idle.wait()
+            self.idle.clear()
+            await self.idle.wait()
 
     def forecast(self) -> dict[str, Any] | None:
         """The checkpoint being uploaded now (an urgent one first, early uploads included): how
