@@ -15,11 +15,11 @@ An idle daemon keeps no workers. They start (a Python process each, ~0.1 s) when
 needed: at a notice routed to a peer, when a replica opens or a fetch connects, and on a big frame
 that finds none free (it goes the in-process way meanwhile); up to one per core and
 :data:`MAX_WORKERS`; one that dies is replaced. One idle for :data:`RETIRE_IDLE_AFTER` ends: a
-daemon runs for months between the rare minutes that need its workers, and each holds an
-interpreter (35 MiB resident) and up to 18 MiB of frame buffers; the next notice warms the pool again. One that cannot
-start (a fork refused under memory pressure, a full process table) sends frames the in-process way
-for :data:`RETRY_START_AFTER` seconds, then the pool tries again: a daemon runs for months, and a
-failure at one notice must not cost every later handoff its workers. A worker reads
+daemon runs for months between the rare minutes that need its workers, and each holds an interpreter
+(35 MiB resident) and up to 18 MiB of frame buffers; the next notice warms the pool again. One that
+cannot start (a fork refused under memory pressure, a full process table) sends frames the
+in-process way for :data:`RETRY_START_AFTER` seconds, then the pool tries again: a daemon runs for
+months, and a failure at one notice must not cost every later handoff its workers. A worker reads
 jobs only from its own socket pair with the daemon, inherits nothing else, and ends when the
 daemon's end closes. The socket a job carries is shut down by the loop if the connection is lost or
 its handler cancelled, which ends the worker's wait at once; every wait in the worker also has the
