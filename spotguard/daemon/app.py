@@ -290,8 +290,7 @@ class Daemon:
         while not self._stopping.is_set():
             if self.notices.current() is not None:
                 self.planner.revise(self.uploader.forecast())
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), _PLAN_REVISE_INTERVAL)
+            await self._pause(_PLAN_REVISE_INTERVAL)
 
     async def _probe_rate(self) -> None:
         """A small upload at start, so that the first notice's plan has a rate to go on."""
@@ -340,8 +339,12 @@ class Daemon:
             started = asyncio.get_running_loop().time()
             await self._check_once(monitor)
             spent = asyncio.get_running_loop().time() - started
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), max(0.0, monitor.interval - spent))
+            await self._pause(max(0.0, monitor.interval - spent))
+
+    async def _pause(self, seconds: float) -> None:
+        """Wait ``seconds``, or until the daemon is stopping if that comes first."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), seconds)
 
     async def start(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -386,12 +389,9 @@ class Daemon:
         """Every :data:`~spotguard.daemon.heap.TRIM_INTERVAL`, while no notice is pending and nothing
         is uploading, give the heaps' free pages back (spotguard/daemon/heap.py): a daemon runs for
         months, and what one upload's buffers left in them is no use until the next."""
-        while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), heap.TRIM_INTERVAL)
-            if self._stopping.is_set():
-                return
-            if self.may_trim_heap():
+        while not self._stopping.is_set():
+            await self._pause(heap.TRIM_INTERVAL)
+            if self.may_trim_heap() and not self._stopping.is_set():
                 await asyncio.to_thread(heap.release_free_memory)
                 self.heap_trims += 1
 

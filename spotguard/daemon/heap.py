@@ -16,9 +16,8 @@ pending, nothing uploading.
 from __future__ import annotations
 
 import ctypes
-import logging
-
-logger = logging.getLogger("spotguard.daemon")
+import functools
+from typing import Any
 
 # How often an idle daemon gives its heaps' free pages back: a trim of heaps with nothing to give
 # costs well under a millisecond; one after an upload gives back what its parts left.
@@ -28,13 +27,20 @@ TRIM_INTERVAL = 60.0
 def release_free_memory() -> bool:
     """Give the free pages of every heap of the process back to the system (glibc's
     ``malloc_trim(0)``). Whether any was given; False where the C library has no such call."""
+    malloc_trim = _malloc_trim()
+    return malloc_trim is not None and bool(malloc_trim(0))
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    """The C library's ``malloc_trim``, looked up once; None where there is none (not glibc)."""
     try:
         malloc_trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
-        return False
+        return None
     malloc_trim.argtypes = [ctypes.c_size_t]
     malloc_trim.restype = ctypes.c_int
-    return bool(malloc_trim(0))
+    return malloc_trim
 
 
 __all__ = ["TRIM_INTERVAL", "release_free_memory"]

@@ -438,9 +438,10 @@ def seal_batches(
             for at, index, piece in group:
                 if index == 0:
                     body(at, len(piece))[:] = header[piece.start : piece.stop]
-            data = [(at, piece) for at, index, piece in group if index == 1]
-            if data and source is None:
-                _preadv_full(fd, [body(at, len(piece)) for at, piece in data], offset + data[0][1].start)
+            if source is None:  # the batch's file bytes read into their records' places, in one call
+                data = [(at, piece) for at, index, piece in group if index == 1]
+                if data:
+                    _preadv_full(fd, [body(at, len(piece)) for at, piece in data], offset + data[0][1].start)
             for at, index, piece in group:
                 if index == 1 and source is not None:
                     # A view of the mapping that outlived the call would keep it from being closed.
