@@ -125,12 +125,15 @@ def test_a_warmed_pool_has_its_workers_ready_before_a_frame_and_they_end_with_it
 
 def test_idle_workers_end_after_a_while_and_a_busy_one_does_not() -> None:
     """A daemon runs for months: workers a notice started must not stay for the rest of them."""
-    pool = workers.WorkerPool(2, retire_after=1.0)
+    # Long enough at first for both to start on a loaded machine, without the first one ending meanwhile.
+    pool = workers.WorkerPool(2, retire_after=60.0)
     try:
         pool.warm(2)
         wait_for(lambda: pool.status()["idle"] == 2, 30, "two workers ready")
-        busy = pool.take()
-        assert busy is not None
+        busy, other = pool.take(), pool.take()
+        assert busy is not None and other is not None
+        pool.retire_after = 1.0
+        other.release()  # idle from now on (and the pool's retiring thread woken to see the new bound)
         # The idle one ends; the one busy with a job (longer than the idle time) does not.
         wait_for(lambda: pool.status()["workers"] == 1, 30, "the idle worker to end")
         assert pool.status() == {"workers": 1, "idle": 0, "busy": 1, "frames": 0}
@@ -140,7 +143,8 @@ def test_idle_workers_end_after_a_while_and_a_busy_one_does_not() -> None:
         wait_for(lambda: pool.status()["workers"] == 0, 30, "the worker given back to end")
         assert time.monotonic() - idle_from >= 1.0  # not before its idle time was up
         wait_for(lambda: busy.process.poll() is not None, 10, "its process to exit")
-        # The pool starts workers again when asked.
+        # The pool starts workers again when asked (and keeps this one while the test looks).
+        pool.retire_after = 60.0
         assert pool.take() is None
         wait_for(lambda: pool.status()["idle"] == 1, 30, "a fresh worker ready")
     finally:
