@@ -42,7 +42,10 @@ BATCH = 8  # 12 steps per epoch
 
 
 def emit(event: str, **fields: Any) -> None:
-    print(json.dumps({"event": event, "t": time.time(), **fields}), flush=True)
+    """One JSON line on stdout, in one write: processes sharing the pipe (ranks under torchrun, whose
+    output is unbuffered) cannot split each other's lines, as ``print``'s separate newline could."""
+    sys.stdout.write(json.dumps({"event": event, "t": time.time(), **fields}) + "\n")
+    sys.stdout.flush()
 
 
 def build_training(seed: int = 0, *, plain_loader: bool = False) -> dict[str, Any]:

@@ -102,6 +102,19 @@ def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: 
         time.sleep(interval)
 
 
+def bucket_status(bucket: str, name: str) -> str | None:
+    """The status of checkpoint ``name`` in ``bucket`` as a resume sees it (``complete`` once every
+    node's share and the manifest are there); None while the bucket has none of it."""
+    from spotguard.storage import open_storage
+    from spotguard.storage.checkpoints import list_remote
+
+    storage = open_storage(bucket)
+    try:
+        return next((info.status for info in list_remote(storage) if info.name == name), None)
+    finally:
+        storage.close()
+
+
 def trainer_command(
     root: Path, bucket: str | None, socket: Path, steps: int, out: Path | None, **extra: Any
 ) -> list[str]:

@@ -9,10 +9,12 @@ own files. The manifest's ``meta`` says which framework wrote the checkpoint and
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,9 @@ from spotguard.trainer.schedule import check_periodic
 from spotguard.trainer.settings import GuardOptions, TrainerSettings
 
 logger = logging.getLogger("spotguard.integrations")
+
+# In a checkpoint root: held by the one process fetching a checkpoint from the bucket into that root.
+RESTORE_LOCK = ".spotguard-restore.lock"
 
 
 def checked_options(options: GuardOptions) -> GuardOptions:
@@ -50,7 +55,6 @@ def find_resumable(
     bucket: str | None,
     framework: str,
     *,
-    local_rank: int = 0,
     wait: float = 600.0,
     clock: Callable[[], float] = time.monotonic,
     live: Mapping[str, Any] | None = None,
@@ -59,7 +63,10 @@ def find_resumable(
 
     Looks in the local root first (manifest valid, sizes and CRC32C checked); if none there and a
     bucket is given, downloads the newest complete one (verified, falling back to older ones).
-    Only ``local_rank`` 0 downloads; other local ranks wait for its copy to appear.
+    One process per root downloads: the first to take the root's restore lock. The others (the
+    other ranks writing to that disk) wait up to ``wait`` seconds for it, then find its copy. A
+    rank is not asked which it is: on nodes with disks of their own, each disk gets its own copy,
+    however the launcher numbered the ranks.
 
     ``live`` (the model, the optimizer, named as they were when saved) is compared with the chosen
     checkpoint's recorded contents first, from its manifest alone: a mismatch raises
@@ -71,31 +78,48 @@ def find_resumable(
     from spotguard.storage import open_storage  # a storage SDK only now, and only if needed
     from spotguard.storage.checkpoints import list_remote, restore
 
-    storage = open_storage(bucket)
-    try:
-        listing = list_remote(storage)
-        complete = [info for info in listing if info.status == "complete"]
-        if complete and complete[-1].manifest is not None:
-            check_live(complete[-1].name, complete[-1].manifest, live)
-        if local_rank == 0:
-            step_dir = restore(storage, root, log=logger.warning, candidates=listing)
-            if step_dir is None:
-                return None
-            logger.info("spotguard: restored %s from %s", step_dir.name, bucket)
-            return _resume_target(step_dir, framework)
-        names = [info.name for info in complete]
-    finally:
-        storage.close()
-    if not names:
-        return None
-    # Another process on this machine downloads; wait for any complete checkpoint it leaves.
-    deadline = clock() + wait
-    while clock() < deadline:
-        found = _newest_local(root, framework, None)
+    with _restore_lock(root, wait, clock):
+        found = _newest_local(root, framework, live)  # fetched by the process that held the lock before
         if found is not None:
             return found
-        time.sleep(0.2)
-    raise TimeoutError(f"local rank 0 did not restore a checkpoint into {root} within {wait:.0f} s")
+        storage = open_storage(bucket)
+        try:
+            listing = list_remote(storage)
+            complete = [info for info in listing if info.status == "complete"]
+            if complete and complete[-1].manifest is not None:
+                check_live(complete[-1].name, complete[-1].manifest, live)
+            step_dir = restore(storage, root, log=logger.warning, candidates=listing)
+        finally:
+            storage.close()
+    if step_dir is None:
+        return None
+    logger.info("spotguard: restored %s from %s", step_dir.name, bucket)
+    return _resume_target(step_dir, framework)
+
+
+@contextlib.contextmanager
+def _restore_lock(root: Path, wait: float, clock: Callable[[], float]) -> Iterator[None]:
+    """Hold ``root``'s restore lock (``flock`` on :data:`RESTORE_LOCK`), waiting up to ``wait`` s for
+    the process holding it. The file is opened read-only and left readable, so that trainers of
+    another uid sharing the root can take it too; the lock ends with the descriptor, even when its
+    holder is killed mid-fetch."""
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root / RESTORE_LOCK, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        deadline = clock() + wait
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if clock() >= deadline:
+                    raise TimeoutError(
+                        f"another process has been restoring a checkpoint into {root} for {wait:.0f} s"
+                    ) from None
+                time.sleep(0.2)  # polled: the holder may be another uid's process, or gone
+        yield
+    finally:
+        os.close(fd)  # and the lock with it
 
 
 def check_live(name: str, manifest: Manifest, live: Mapping[str, Any] | None) -> None:
@@ -143,11 +167,3 @@ def _resume_target(step_dir: Path, framework: str) -> Path | None:
         return None
     target = step_dir / manifest.meta["resume"]
     return target if target.exists() else None
-
-
-def env_local_rank() -> int:
-    """This process's rank on its machine before ``torch.distributed`` is up (launchers set LOCAL_RANK)."""
-    try:
-        return int(os.environ.get("LOCAL_RANK", "0"))
-    except ValueError:
-        return 0

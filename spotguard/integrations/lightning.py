@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Unpack
 
 import lightning.pytorch as pl
 
-from spotguard.integrations.common import checked_options, env_local_rank, find_resumable, resume_location
+from spotguard.integrations.common import checked_options, find_resumable, resume_location
 from spotguard.trainer.external import AlreadyCommitted
 from spotguard.trainer.settings import GuardOptions
 
@@ -137,7 +137,7 @@ class SpotguardCallback(pl.Callback):
         """
         root, bucket = resume_location(self._guard_options)
         live = {key: value for key, value in (("model", model), ("optimizer", optimizer)) if value is not None}
-        found = find_resumable(root, bucket, FRAMEWORK, local_rank=env_local_rank(), live=live)
+        found = find_resumable(root, bucket, FRAMEWORK, live=live)
         return str(found) if found is not None else None
 
     # --- lifetime ----------------------------------------------------------------------------

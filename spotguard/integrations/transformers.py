@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Unpack
 
 import transformers
 
-from spotguard.integrations.common import checked_options, env_local_rank, find_resumable, resume_location
+from spotguard.integrations.common import checked_options, find_resumable, resume_location
 from spotguard.trainer.external import AlreadyCommitted
 from spotguard.trainer.settings import GuardOptions
 
@@ -94,7 +94,6 @@ class SpotguardCallback(transformers.TrainerCallback):
             root,
             bucket,
             FRAMEWORK,
-            local_rank=env_local_rank(),
             live={"model": model} if model is not None else None,
         )
         return str(found) if found is not None else None

@@ -9,7 +9,9 @@ run. With ``--eval-every E`` an evaluation of ``EVAL_BATCHES`` batches runs ever
 ``--wait-notice-in-eval-at K`` holds in the second batch of the first evaluation at or after step K, and
 ``--wait-notice-at-start`` (Lightning) in ``on_train_start``, until the notice reached the callback.
 ``--devices N`` (Lightning): N ranks under DDP (gloo, Lightning's own launcher); rank 0 prints.
-``--roots R0,R1`` (Hugging Face, under torchrun): each rank's output_dir, as on nodes with disks of their own.
+``--roots R0,R1`` (Hugging Face, under torchrun): each rank's output_dir, as on nodes with disks of their own;
+``--sockets S0,S1`` each rank's daemon (one per node) and ``--wait-rank R`` holds on rank R alone (a notice
+that reached one node: the others go on to the step's agreement and wait there).
 
 Both models have dropout, AdamW and a per-step LR schedule; 96 samples in batches of 8 (12 steps an
 epoch), so a resume at k not divisible by 12 continues mid-epoch.
@@ -234,7 +236,9 @@ def run_transformers(args: argparse.Namespace) -> dict[str, Any]:
         eval_steps=args.eval_every,
         per_device_eval_batch_size=BATCH,
     )
-    cb = SpotguardCallback(bucket=args.bucket, socket=args.socket, every_steps=args.every_steps)
+    rank = int(os.environ.get("RANK", "0"))
+    socket = args.socket if args.sockets is None else Path(args.sockets.split(",")[rank])
+    cb = SpotguardCallback(bucket=args.bucket, socket=socket, every_steps=args.every_steps)
     hold_in_eval = eval_holder(args)
     eval_batch = [0]
 
@@ -242,7 +246,7 @@ def run_transformers(args: argparse.Namespace) -> dict[str, Any]:
         def on_step_end(self, hf_args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if state.is_world_process_zero:
                 emit("step", step=state.global_step)
-            if args.wait_notice_at == state.global_step:
+            if args.wait_notice_at == state.global_step and args.wait_rank in (None, rank):
                 hold(state.global_step, lambda: cb.guard is not None and cb.guard.notice_pending)
 
         def on_evaluate(self, hf_args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -284,6 +288,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--root", type=Path, required=True)
     parser.add_argument("--roots", help="transformers under torchrun: each rank's root (a node's disk)")
     parser.add_argument("--socket", type=Path, required=True)
+    parser.add_argument("--sockets", help="transformers under torchrun: each rank's daemon socket (a node's daemon)")
+    parser.add_argument("--wait-rank", type=int, help="with --wait-notice-at: the one rank that holds")
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--bucket")
     parser.add_argument("--out", type=Path)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from spotguard.control import request
-from spotguard.harness import Vm, compare_final, wait_for
+from spotguard.harness import Vm, bucket_status, compare_final, wait_for
 from spotguard.localstore import scan_local
 from spotguard.manifest import load_manifest, verify_dir
 
@@ -257,7 +257,7 @@ def test_two_nodes_commit_in_the_bucket_only_when_both_shares_are_there(
         # Neither disk holds the whole checkpoint; each holds its node's committed share.
         assert (vm_a.root / name / "part-0.json").exists() and (vm_b.root / name / "part-1.json").exists()
         assert [(i.name, i.status) for i in scan_local(vm_b.root)] == [(name, "incomplete")]
-        wait_for(lambda: remote_status(bucket, name) == "complete", 60, "the two-node commit in the bucket")
+        wait_for(lambda: bucket_status(bucket, name) == "complete", 60, "the two-node commit in the bucket")
         for vm in (vm_a, vm_b):
             vm.stop_daemon()
 
@@ -277,7 +277,7 @@ def test_a_node_that_dies_before_uploading_leaves_the_checkpoint_incomplete(
 
     def lose_node_b_then_notice(event: dict) -> None:
         if event["event"] == "step" and event["step"] == second:
-            wait_for(lambda: remote_status(bucket, f"step-{first:09d}") == "complete", 60, "the periodic checkpoint")
+            wait_for(lambda: bucket_status(bucket, f"step-{first:09d}") == "complete", 60, "the periodic checkpoint")
             vm_b.kill_daemon()  # VM B goes away with its share of the next checkpoint
             request(vm_a.socket, "drill", deadline_s=120)
 
@@ -295,9 +295,9 @@ def test_a_node_that_dies_before_uploading_leaves_the_checkpoint_incomplete(
     assert [e["step"] for e in events if e["event"] == "saved"] == [first, second]
     # Node A's share reaches the bucket, but without node B's the manifest must never appear.
     name = f"step-{second:09d}"
-    wait_for(lambda: remote_status(bucket, name) == "incomplete", 30, "node A's share in the bucket")
+    wait_for(lambda: bucket_status(bucket, name) == "incomplete", 30, "node A's share in the bucket")
     assert (vm_a.status()["uploads"]["current"] or {}).get("name") == name  # still waiting for node B
-    assert remote_status(bucket, name) == "incomplete"
+    assert bucket_status(bucket, name) == "incomplete"
 
     events = launch(
         2, "--roots", f"{tmp_path / 'fresh-a'},{tmp_path / 'fresh-b'}", "--bucket", bucket, "--steps", str(first + 1)
@@ -370,7 +370,7 @@ def test_a_peer_rescues_the_share_of_a_node_the_bucket_cannot_take_in_time(
         shutil.copy(vm.log, tmp_path / "dead-node.log")  # kept for the timeline, off the deleted disk
         shutil.rmtree(vm.dir)
         assert ballast_file not in remote_files(bucket, name)  # the dying node's own upload did not make it
-        wait_for(lambda: remote_status(bucket, name) == "complete", 60, "the survivor to commit the checkpoint")
+        wait_for(lambda: bucket_status(bucket, name) == "complete", 60, "the survivor to commit the checkpoint")
         assert ballast_file in remote_files(bucket, name)
         wait_for(lambda: survivor.status()["peers"]["replicas"] == [], 30, "the survivor to drop the replica")
         survivor.stop_daemon()
@@ -389,17 +389,6 @@ def remote_files(bucket: str, name: str) -> set[str]:
     storage = open_storage(bucket)
     try:
         return {o.key.partition("/")[2] for o in storage.list(f"{name}/")}
-    finally:
-        storage.close()
-
-
-def remote_status(bucket: str, name: str) -> str | None:
-    from spotguard.storage import open_storage
-    from spotguard.storage.checkpoints import list_remote
-
-    storage = open_storage(bucket)
-    try:
-        return next((i.status for i in list_remote(storage) if i.name == name), None)
     finally:
         storage.close()
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from spotguard.control import request
-from spotguard.harness import Vm, compare_final, wait_for
+from spotguard.harness import Vm, bucket_status, compare_final, wait_for
 from spotguard.localstore import CheckpointWriter, scan_local
 from spotguard.manifest import load_manifest, verify_dir
 from tests.diskspace import fill
@@ -201,6 +201,61 @@ def test_transformers_on_nodes_with_disks_of_their_own_commits_every_processs_fi
         assert f"{checkpoint}/rng_state_0.pth" in manifest.files and f"{checkpoint}/rng_state_1.pth" in manifest.files
         assert sorted(p.name for p in (roots[1] / name / checkpoint).iterdir()) == ["rng_state_1.pth"]
         assert (roots[1] / name / "part-1.json").exists()
+
+
+@pytest.mark.slow
+def test_transformers_on_nodes_with_disks_of_their_own_resumes_bitwise_on_two_fresh_nodes(
+    vm_factory: Callable[..., Vm], bucket: str, tmp_path: Path
+) -> None:
+    """A notice on node 1 of a two-node Trainer job, each node with its disk and its daemon: both
+    commit their share of step K and upload it, and the checkpoint counts in the bucket once both
+    shares are there. Two fresh nodes (empty disks, new daemons, the same bucket) each fetch all of it
+    through ``resume_path()`` (node 1 had only its RNG state) and train to the end, bit for bit where
+    an uninterrupted two-node run ends."""
+    pytest.importorskip("transformers")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
+    def two_nodes(roots: list[Path], sockets: list[Path], out: Path | None = None, **extra: object) -> list[str]:
+        command = trainer_command("transformers", roots[0], sockets[0], out, **extra)
+        return [*torchrun, *command[1:], "--roots", ",".join(map(str, roots)), "--sockets", ",".join(map(str, sockets))]
+
+    reference_out = tmp_path / "reference.pt"
+    no_daemon = tmp_path / "none.sock"
+    reference = subprocess.Popen(
+        two_nodes([tmp_path / "ref0", tmp_path / "ref1"], [no_daemon, no_daemon], reference_out),
+        stdout=subprocess.DEVNULL,
+        cwd=REPO,
+    )
+    try:
+        nodes = [vm_factory("node-0"), vm_factory("node-1")]
+
+        def drill_node_1(proc: subprocess.Popen[str], event: dict) -> None:
+            if event["event"] == "waiting":
+                request(nodes[1].socket, "drill", deadline_s=120)
+
+        roots, sockets = [vm.root for vm in nodes], [vm.socket for vm in nodes]
+        events = run_events(two_nodes(roots, sockets, bucket=bucket, wait_notice_at=K, wait_rank=1), drill_node_1)
+        assert [e["step"] for e in events if e["event"] == "saved"] == [K]
+        assert events[-1]["event"] == "stopped" and events[-1]["step"] == K
+        name, checkpoint = f"step-{K:09d}", f"checkpoint-{K}"
+        assert sorted(p.name for p in (roots[1] / name / checkpoint).iterdir()) == ["rng_state_1.pth"]
+        wait_for(lambda: bucket_status(bucket, name) == "complete", 60, "both shares in the bucket")
+        for vm in nodes:
+            vm.stop_daemon()
+
+        fresh = [vm_factory("node-0b"), vm_factory("node-1b")]
+        resumed_out = tmp_path / "resumed.pt"
+        command = two_nodes([vm.root for vm in fresh], [vm.socket for vm in fresh], resumed_out, bucket=bucket)
+        events = run_events(command)
+        assert events[0]["event"] == "resumed" and events[0]["step"] == K
+        assert [e["step"] for e in events if e["event"] == "step"] == list(range(K + 1, STEPS + 1))
+        assert events[-1] == {**events[-1], "event": "finished", "step": STEPS}
+        fetched = fresh[1].root / name / checkpoint
+        assert {"rng_state_0.pth", "rng_state_1.pth", "trainer_state.json"} <= {p.name for p in fetched.iterdir()}
+        assert reference.wait(timeout=120) == 0
+    finally:
+        reference.kill()  # no-op when it finished
+    assert compare_final(reference_out, resumed_out) == []
 
 
 # --- a notice while the loop is evaluating --------------------------------------------------------

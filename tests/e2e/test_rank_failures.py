@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from spotguard.crc32c import crc32c_of_file
-from spotguard.harness import Vm, wait_for
+from spotguard.harness import Vm, bucket_status, wait_for
 from spotguard.localstore import scan_local
 from spotguard.manifest import load_manifest
 from tests.diskspace import fill
@@ -157,7 +157,6 @@ def test_a_framework_save_on_nodes_with_disks_of_their_own_commits_each_nodes_sh
     The second case was refused before (the manifest, recorded from rank 0's disk, would have missed
     rank 1's file), and before that failed as 'Parent directory ... does not exist'."""
     from spotguard.integrations.common import find_resumable
-    from tests.e2e.test_distributed import remote_status
 
     vms = [vm_factory(name, extra_args=["--provider", "none"]) for name in ("node-a", "node-b")]
     roots = [vm.root for vm in vms]
@@ -168,7 +167,7 @@ def test_a_framework_save_on_nodes_with_disks_of_their_own_commits_each_nodes_sh
     assert sorted(load_manifest(roots[0] / "step-000000005").files) == ["rank0.pt"]
     assert "nodes" not in load_manifest(roots[0] / "step-000000005").meta  # one node holds it all
     assert not (roots[1] / "step-000000005").exists(), "the empty step directory on rank 1's disk went"
-    wait_for(lambda: remote_status(bucket, "step-000000005") == "complete", 60, "the one-node commit in the bucket")
+    wait_for(lambda: bucket_status(bucket, "step-000000005") == "complete", 60, "the one-node commit in the bucket")
 
     (tmp_path / "rendezvous").unlink(missing_ok=True)
     both = run_two_ranks(tmp_path, roots, "external", "6:periodic", sockets=sockets)
@@ -179,7 +178,7 @@ def test_a_framework_save_on_nodes_with_disks_of_their_own_commits_each_nodes_sh
     assert sorted(p.name for p in (roots[0] / name).iterdir()) == ["manifest.json", "part-0.json", "rank0.pt"]
     assert sorted(p.name for p in (roots[1] / name).iterdir()) == ["part-1.json", "rank1.pt"]
     assert [(i.name, i.status) for i in scan_local(roots[1]) if i.name == name] == [(name, "incomplete")]
-    wait_for(lambda: remote_status(bucket, name) == "complete", 60, "the two-node commit in the bucket")
+    wait_for(lambda: bucket_status(bucket, name) == "complete", 60, "the two-node commit in the bucket")
 
     fresh = tmp_path / "fresh-node" / "ckpt"
     resumable = find_resumable(fresh, bucket, "test")
@@ -195,4 +194,4 @@ def test_a_framework_save_on_nodes_with_disks_of_their_own_commits_each_nodes_sh
     assert load_manifest(kept.parent).files["rank0.pt"].crc32c == crc32c_of_file(kept)
     assert "nodes" not in load_manifest(kept.parent).meta, "rank 1's disk holds nothing of its own"
     assert not (roots[1] / "step-000000007").exists(), "nor keeps its copy"
-    wait_for(lambda: remote_status(bucket, "step-000000007") == "complete", 60, "the commit in the bucket")
+    wait_for(lambda: bucket_status(bucket, "step-000000007") == "complete", 60, "the commit in the bucket")

@@ -31,10 +31,10 @@ import pytest
 import torch
 
 from spotguard import Guard
-from spotguard.harness import Vm, wait_for
+from spotguard.harness import Vm, bucket_status, wait_for
 from spotguard.manifest import MANIFEST, load_manifest
 from spotguard.storage import open_storage
-from spotguard.storage.checkpoints import list_remote, verify_remote
+from spotguard.storage.checkpoints import verify_remote
 from tests.servers import FAKE_AWS_ENV, S3Server, moto_s3
 
 MiB = 1 << 20
@@ -182,14 +182,6 @@ def open_uploads(server: S3Server) -> list[str]:
         client.close()
 
 
-def status_of(bucket: str, name: str) -> str | None:
-    storage = open_storage(bucket)
-    try:
-        return next((info.status for info in list_remote(storage) if info.name == name), None)
-    finally:
-        storage.close()
-
-
 def data_bytes_in_bucket(s3: S3Server, name: str) -> int:
     """Bytes of the checkpoint's data objects already in the bucket (what a restart need not send)."""
     client = boto3.client("s3", endpoint_url=s3.endpoint_url, region_name="us-east-1")
@@ -201,7 +193,7 @@ def data_bytes_in_bucket(s3: S3Server, name: str) -> int:
 
 
 def upload_started(vm: Vm, bucket: str, name: str) -> bool:
-    return vm.status()["uploads"]["current"] is not None or status_of(bucket, name) == "complete"
+    return vm.status()["uploads"]["current"] is not None or bucket_status(bucket, name) == "complete"
 
 
 def calibrate(vm_factory: Callable[..., Vm], s3: S3Server, step_dir: Path, env: dict[str, str]) -> float:
@@ -260,11 +252,16 @@ def test_daemon_sigkilled_mid_upload_never_exposes_a_partial_checkpoint_and_fini
             time.sleep(delay)  # the kill point: random, not a synchronisation
             vm.kill_daemon()
             kills.append(
-                (round(left, 3), round(delay, 3), len(open_uploads(s3)), status_of(bucket, step_dir.name) == "complete")
+                (
+                    round(left, 3),
+                    round(delay, 3),
+                    len(open_uploads(s3)),
+                    bucket_status(bucket, step_dir.name) == "complete",
+                )
             )
 
         vm.start_daemon(env=env)
-        wait_for(lambda: status_of(bucket, step_dir.name) == "complete", 120, "the checkpoint to complete at last")
+        wait_for(lambda: bucket_status(bucket, step_dir.name) == "complete", 120, "the checkpoint to complete at last")
         wait_for(lambda: watcher.manifests_seen > 0, 10, "the watcher to see the committed manifest")
     finally:
         watcher.stop.set()

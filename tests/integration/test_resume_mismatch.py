@@ -7,6 +7,7 @@ counted, not assumed: the only objects read before the check are manifests.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import uuid
@@ -288,6 +289,51 @@ def test_integration_resume_path_checks_the_model_before_fetching(
     assert not (tmp_path / "new-vm").exists() or not list((tmp_path / "new-vm").glob("step-*"))
     found = find_resumable(tmp_path / "new-vm", url, "lightning", live={"model": model})
     assert found == tmp_path / "new-vm" / step_dir.name / "lightning.ckpt"
+
+
+# A rank's resume_path(), as a process of its own: where it found (or fetched) the checkpoint.
+FIND_RESUMABLE = """
+import sys
+from pathlib import Path
+from spotguard.integrations.common import find_resumable
+print(find_resumable(Path(sys.argv[1]), sys.argv[2], "lightning"), flush=True)
+"""
+
+
+def test_ranks_sharing_a_disk_fetch_it_once_and_ranks_on_disks_of_their_own_each_fetch(
+    tmp_path: Path, proxy: FaultProxy, server: S3Server
+) -> None:
+    """Processes racing to resume from the bucket: those sharing a root (a node's local ranks) fetch
+    the checkpoint once between them, whatever LOCAL_RANK says; each root of its own (nodes with
+    disks of their own, even on one host) gets its copy. Before, only LOCAL_RANK 0 fetched, and a rank
+    with another number but a disk of its own waited 600 s for a copy that never came."""
+    model = make_state()["model"]
+    guard = Guard(checkpoint_dir=tmp_path / "first-vm", socket=tmp_path / "none.sock", handle_sigterm=False)
+    with guard, guard.external_save(3, {"framework": "lightning", "resume": "lightning.ckpt"}) as step_dir:
+        torch.save(model.state_dict(), step_dir / "lightning.ckpt")
+        torch.save({"rank": 1}, step_dir / "extra.pt")
+    url = uploaded(server, step_dir)
+
+    def resume(roots: list[Path]) -> list[str]:
+        proxy.seen.clear()
+        ranks = [
+            subprocess.Popen(
+                [sys.executable, "-c", FIND_RESUMABLE, str(root), url],
+                stdout=subprocess.PIPE,
+                text=True,
+                env={**os.environ, "LOCAL_RANK": str(rank)},
+            )
+            for rank, root in enumerate(roots)
+        ]
+        found = [rank.communicate(timeout=120)[0].strip() for rank in ranks]
+        assert [rank.returncode for rank in ranks] == [0] * len(roots)
+        assert found == [str(root / step_dir.name / "lightning.ckpt") for root in roots]
+        return sorted(data_reads(proxy))
+
+    one_fetch = resume([tmp_path / "alone"])
+    assert one_fetch, "the fetch reads the checkpoint's files"
+    assert resume([tmp_path / "shared"] * 3) == one_fetch
+    assert resume([tmp_path / "disk-0", tmp_path / "disk-1"]) == sorted(one_fetch * 2)
 
 
 def test_a_corrupt_local_copy_is_fetched_again_from_the_bucket_not_loaded(
