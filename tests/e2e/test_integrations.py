@@ -177,18 +177,34 @@ def test_lightning_ddp_periodic_saves_on_rank_0s_full_disk_are_skipped_on_every_
     assert list(root.iterdir()) == [], "no partial step directory holds what little room there is"
 
 
+TORCHRUN_TWO = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
+
+def two_nodes(roots: list[Path], sockets: list[Path], out: Path | None = None, **extra: object) -> list[str]:
+    """The Trainer under torchrun, two processes, each a node: ``roots[i]`` its disk, ``sockets[i]`` its daemon."""
+    command = trainer_command("transformers", roots[0], sockets[0], out, **extra)
+    return [*TORCHRUN_TWO, *command[1:], "--roots", ",".join(map(str, roots)), "--sockets", ",".join(map(str, sockets))]
+
+
+@pytest.fixture(scope="module")
+def two_node_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Path], list[dict], Path]:
+    """An uninterrupted two-node Trainer run with no daemon, saving every 3 steps: its disks, its
+    events and its final state (periodic saves change nothing of the training)."""
+    pytest.importorskip("transformers")
+    tmp_path = tmp_path_factory.mktemp("two-nodes")
+    roots, no_daemon, out = [tmp_path / "nvme0", tmp_path / "nvme1"], tmp_path / "none.sock", tmp_path / "final.pt"
+    return roots, run_events(two_nodes(roots, [no_daemon, no_daemon], out, every_steps=3)), out
+
+
 @pytest.mark.slow
-def test_transformers_on_nodes_with_disks_of_their_own_commits_every_processs_files(tmp_path: Path) -> None:
+def test_transformers_on_nodes_with_disks_of_their_own_commits_every_processs_files(
+    two_node_run: tuple[list[Path], list[dict], Path],
+) -> None:
     """Two processes under torchrun, each with output_dir on a disk of its own: the Trainer writes
     the model on rank 0's and each process's RNG state on its own. Every node's share is committed
     with the checkpoint; before, rank 1's RNG state was missing from it and its checkpoint-N folder
     was left behind in output_dir at every save."""
-    pytest.importorskip("transformers")
-    roots = [tmp_path / "nvme0", tmp_path / "nvme1"]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    command = trainer_command("transformers", roots[0], tmp_path / "none.sock", every_steps=3)
-    command = [*torchrun, *command[1:], "--roots", ",".join(map(str, roots))]
-    events = run_events(command)
+    roots, events, _ = two_node_run
     assert [e["step"] for e in events if e["event"] == "step"] == list(range(1, STEPS + 1))
     saved = [f"step-{step:09d}" for step in range(3, STEPS + 1, 3)]
     kept = sorted(p.name for p in roots[0].iterdir())  # with no daemon, the newest few are kept
@@ -205,57 +221,38 @@ def test_transformers_on_nodes_with_disks_of_their_own_commits_every_processs_fi
 
 @pytest.mark.slow
 def test_transformers_on_nodes_with_disks_of_their_own_resumes_bitwise_on_two_fresh_nodes(
-    vm_factory: Callable[..., Vm], bucket: str, tmp_path: Path
+    two_node_run: tuple[list[Path], list[dict], Path], vm_factory: Callable[..., Vm], bucket: str, tmp_path: Path
 ) -> None:
     """A notice on node 1 of a two-node Trainer job, each node with its disk and its daemon: both
     commit their share of step K and upload it, and the checkpoint counts in the bucket once both
     shares are there. Two fresh nodes (empty disks, new daemons, the same bucket) each fetch all of it
     through ``resume_path()`` (node 1 had only its RNG state) and train to the end, bit for bit where
-    an uninterrupted two-node run ends."""
-    pytest.importorskip("transformers")
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    the uninterrupted two-node run ends."""
+    nodes = [vm_factory("node-0"), vm_factory("node-1")]
 
-    def two_nodes(roots: list[Path], sockets: list[Path], out: Path | None = None, **extra: object) -> list[str]:
-        command = trainer_command("transformers", roots[0], sockets[0], out, **extra)
-        return [*torchrun, *command[1:], "--roots", ",".join(map(str, roots)), "--sockets", ",".join(map(str, sockets))]
+    def drill_node_1(proc: subprocess.Popen[str], event: dict) -> None:
+        if event["event"] == "waiting":
+            request(nodes[1].socket, "drill", deadline_s=120)
 
-    reference_out = tmp_path / "reference.pt"
-    no_daemon = tmp_path / "none.sock"
-    reference = subprocess.Popen(
-        two_nodes([tmp_path / "ref0", tmp_path / "ref1"], [no_daemon, no_daemon], reference_out),
-        stdout=subprocess.DEVNULL,
-        cwd=REPO,
-    )
-    try:
-        nodes = [vm_factory("node-0"), vm_factory("node-1")]
+    roots, sockets = [vm.root for vm in nodes], [vm.socket for vm in nodes]
+    events = run_events(two_nodes(roots, sockets, bucket=bucket, wait_notice_at=K, wait_rank=1), drill_node_1)
+    assert [e["step"] for e in events if e["event"] == "saved"] == [K]
+    assert events[-1]["event"] == "stopped" and events[-1]["step"] == K
+    name, checkpoint = f"step-{K:09d}", f"checkpoint-{K}"
+    assert sorted(p.name for p in (roots[1] / name / checkpoint).iterdir()) == ["rng_state_1.pth"]
+    wait_for(lambda: bucket_status(bucket, name) == "complete", 60, "both shares in the bucket")
+    for vm in nodes:
+        vm.stop_daemon()
 
-        def drill_node_1(proc: subprocess.Popen[str], event: dict) -> None:
-            if event["event"] == "waiting":
-                request(nodes[1].socket, "drill", deadline_s=120)
-
-        roots, sockets = [vm.root for vm in nodes], [vm.socket for vm in nodes]
-        events = run_events(two_nodes(roots, sockets, bucket=bucket, wait_notice_at=K, wait_rank=1), drill_node_1)
-        assert [e["step"] for e in events if e["event"] == "saved"] == [K]
-        assert events[-1]["event"] == "stopped" and events[-1]["step"] == K
-        name, checkpoint = f"step-{K:09d}", f"checkpoint-{K}"
-        assert sorted(p.name for p in (roots[1] / name / checkpoint).iterdir()) == ["rng_state_1.pth"]
-        wait_for(lambda: bucket_status(bucket, name) == "complete", 60, "both shares in the bucket")
-        for vm in nodes:
-            vm.stop_daemon()
-
-        fresh = [vm_factory("node-0b"), vm_factory("node-1b")]
-        resumed_out = tmp_path / "resumed.pt"
-        command = two_nodes([vm.root for vm in fresh], [vm.socket for vm in fresh], resumed_out, bucket=bucket)
-        events = run_events(command)
-        assert events[0]["event"] == "resumed" and events[0]["step"] == K
-        assert [e["step"] for e in events if e["event"] == "step"] == list(range(K + 1, STEPS + 1))
-        assert events[-1] == {**events[-1], "event": "finished", "step": STEPS}
-        fetched = fresh[1].root / name / checkpoint
-        assert {"rng_state_0.pth", "rng_state_1.pth", "trainer_state.json"} <= {p.name for p in fetched.iterdir()}
-        assert reference.wait(timeout=120) == 0
-    finally:
-        reference.kill()  # no-op when it finished
-    assert compare_final(reference_out, resumed_out) == []
+    fresh = [vm_factory("node-0b"), vm_factory("node-1b")]
+    resumed_out = tmp_path / "resumed.pt"
+    events = run_events(two_nodes([vm.root for vm in fresh], [vm.socket for vm in fresh], resumed_out, bucket=bucket))
+    assert events[0]["event"] == "resumed" and events[0]["step"] == K
+    assert [e["step"] for e in events if e["event"] == "step"] == list(range(K + 1, STEPS + 1))
+    assert events[-1] == {**events[-1], "event": "finished", "step": STEPS}
+    fetched = fresh[1].root / name / checkpoint
+    assert {"rng_state_0.pth", "rng_state_1.pth", "trainer_state.json"} <= {p.name for p in fetched.iterdir()}
+    assert compare_final(two_node_run[2], resumed_out) == []
 
 
 # --- a notice while the loop is evaluating --------------------------------------------------------
