@@ -100,9 +100,9 @@ def find_resumable(
 @contextlib.contextmanager
 def _restore_lock(root: Path, wait: float, clock: Callable[[], float]) -> Iterator[None]:
     """Hold ``root``'s restore lock (``flock`` on :data:`RESTORE_LOCK`), waiting up to ``wait`` s for
-    the process holding it. The file is opened read-only and left readable, so that trainers of
-    another uid sharing the root can take it too; the lock ends with the descriptor, even when its
-    holder is killed mid-fetch."""
+    the process holding it (polled, so that the deadline holds). A lock needs no write access to its
+    file, which is opened read-only; the lock ends with the descriptor, even when its holder is
+    killed mid-fetch."""
     root.mkdir(parents=True, exist_ok=True)
     fd = os.open(root / RESTORE_LOCK, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
