@@ -336,6 +336,44 @@ def test_ranks_sharing_a_disk_fetch_it_once_and_ranks_on_disks_of_their_own_each
     assert resume([tmp_path / "disk-0", tmp_path / "disk-1"]) == sorted(one_fetch * 2)
 
 
+# A process that holds a root's restore lock until it is killed, as a rank dying mid-fetch would.
+HOLD_THE_LOCK = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDONLY | os.O_CREAT, 0o644)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_rank_killed_mid_fetch_leaves_the_fetch_to_the_next(
+    tmp_path: Path, proxy: FaultProxy, server: S3Server
+) -> None:
+    """While another process holds the root's restore lock, a resume waits for it (and gives up at its
+    deadline); once that process is killed, the next resume fetches at once."""
+    from spotguard.integrations.common import RESTORE_LOCK, find_resumable
+
+    model = make_state()["model"]
+    guard = Guard(checkpoint_dir=tmp_path / "first-vm", socket=tmp_path / "none.sock", handle_sigterm=False)
+    with guard, guard.external_save(4, {"framework": "lightning", "resume": "lightning.ckpt"}) as step_dir:
+        torch.save(model.state_dict(), step_dir / "lightning.ckpt")
+    url = uploaded(server, step_dir)
+    root = tmp_path / "new-vm"
+    root.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_THE_LOCK, str(root / RESTORE_LOCK)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        with pytest.raises(TimeoutError, match="restoring a checkpoint into"):
+            find_resumable(root, url, "lightning", wait=1.0)
+        assert not list(root.glob("step-*")), "nothing fetched past a held lock"
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    assert find_resumable(root, url, "lightning", wait=30.0) == root / step_dir.name / "lightning.ckpt"
+
+
 def test_a_corrupt_local_copy_is_fetched_again_from_the_bucket_not_loaded(
     tmp_path: Path, proxy: FaultProxy, server: S3Server
 ) -> None:
