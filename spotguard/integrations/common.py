@@ -116,7 +116,7 @@ def _restore_lock(root: Path, wait: float, clock: Callable[[], float]) -> Iterat
                     raise TimeoutError(
                         f"another process has been restoring a checkpoint into {root} for {wait:.0f} s"
                     ) from None
-                time.sleep(0.2)  # polled: the holder may be another uid's process, or gone
+                time.sleep(0.2)  # polled, not blocked on: a blocking flock has no deadline
         yield
     finally:
         os.close(fd)  # and the lock with it

@@ -218,8 +218,9 @@ def run_transformers(args: argparse.Namespace) -> dict[str, Any]:
         hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=100
     )
     model = transformers.BertForSequenceClassification(config)
+    rank = int(os.environ.get("RANK", "0"))  # under torchrun; one process otherwise
     training_args = transformers.TrainingArguments(
-        output_dir=str(args.root if args.roots is None else args.roots.split(",")[int(os.environ["RANK"])]),
+        output_dir=str(args.root if args.roots is None else args.roots.split(",")[rank]),
         max_steps=args.steps,
         per_device_train_batch_size=BATCH,
         learning_rate=1e-3,
@@ -236,7 +237,6 @@ def run_transformers(args: argparse.Namespace) -> dict[str, Any]:
         eval_steps=args.eval_every,
         per_device_eval_batch_size=BATCH,
     )
-    rank = int(os.environ.get("RANK", "0"))
     socket = args.socket if args.sockets is None else Path(args.sockets.split(",")[rank])
     cb = SpotguardCallback(bucket=args.bucket, socket=socket, every_steps=args.every_steps)
     hold_in_eval = eval_holder(args)

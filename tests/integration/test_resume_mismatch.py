@@ -291,6 +291,16 @@ def test_integration_resume_path_checks_the_model_before_fetching(
     assert found == tmp_path / "new-vm" / step_dir.name / "lightning.ckpt"
 
 
+def lightning_checkpoint_in_the_bucket(tmp_path: Path, server: S3Server) -> tuple[Path, str]:
+    """A Lightning-style checkpoint of two files, committed on a first VM's disk and uploaded: its step
+    directory there and the bucket's URL."""
+    guard = Guard(checkpoint_dir=tmp_path / "first-vm", socket=tmp_path / "none.sock", handle_sigterm=False)
+    with guard, guard.external_save(3, {"framework": "lightning", "resume": "lightning.ckpt"}) as step_dir:
+        torch.save(make_state()["model"].state_dict(), step_dir / "lightning.ckpt")
+        torch.save({"rank": 1}, step_dir / "extra.pt")
+    return step_dir, uploaded(server, step_dir)
+
+
 # A rank's resume_path(), as a process of its own: where it found (or fetched) the checkpoint.
 FIND_RESUMABLE = """
 import sys
@@ -307,12 +317,7 @@ def test_ranks_sharing_a_disk_fetch_it_once_and_ranks_on_disks_of_their_own_each
     the checkpoint once between them, whatever LOCAL_RANK says; each root of its own (nodes with
     disks of their own, even on one host) gets its copy. Before, only LOCAL_RANK 0 fetched, and a rank
     with another number but a disk of its own waited 600 s for a copy that never came."""
-    model = make_state()["model"]
-    guard = Guard(checkpoint_dir=tmp_path / "first-vm", socket=tmp_path / "none.sock", handle_sigterm=False)
-    with guard, guard.external_save(3, {"framework": "lightning", "resume": "lightning.ckpt"}) as step_dir:
-        torch.save(model.state_dict(), step_dir / "lightning.ckpt")
-        torch.save({"rank": 1}, step_dir / "extra.pt")
-    url = uploaded(server, step_dir)
+    step_dir, url = lightning_checkpoint_in_the_bucket(tmp_path, server)
 
     def resume(roots: list[Path]) -> list[str]:
         proxy.seen.clear()
@@ -353,11 +358,7 @@ def test_a_rank_killed_mid_fetch_leaves_the_fetch_to_the_next(
     deadline); once that process is killed, the next resume fetches at once."""
     from spotguard.integrations.common import RESTORE_LOCK, find_resumable
 
-    model = make_state()["model"]
-    guard = Guard(checkpoint_dir=tmp_path / "first-vm", socket=tmp_path / "none.sock", handle_sigterm=False)
-    with guard, guard.external_save(4, {"framework": "lightning", "resume": "lightning.ckpt"}) as step_dir:
-        torch.save(model.state_dict(), step_dir / "lightning.ckpt")
-    url = uploaded(server, step_dir)
+    step_dir, url = lightning_checkpoint_in_the_bucket(tmp_path, server)
     root = tmp_path / "new-vm"
     root.mkdir()
     holder = subprocess.Popen(
