@@ -1,10 +1,10 @@
-"""Acceptance: the daemon SIGKILLed at random moments while it uploads a ~256 MiB checkpoint to S3
+"""Acceptance: the daemon SIGKILLed at random moments while it uploads a ~128 MiB checkpoint to S3
 (moto) never lets the bucket show a manifest whose files are not all there, intact; after the last
 restart the checkpoint completes, and no multipart upload is left open.
 
 The daemon reaches moto through ``Uplink``, a relay capping the upload direction at 40 MiB/s in
 total (an instance's uplink, instead of loopback speed on a shared 2-core box), so that the upload
-takes a steady ~7 s. Kill points are random: a seeded RNG over the first half of the measured
+takes a steady ~3.5 s. Kill points are random: a seeded RNG over the first half of the measured
 upload time of what is left (progress is per file: aborted multipart parts are not resumed, and
 with every file advancing together over the shared link, nothing completes before the end, so
 every kill lands inside the upload). Not later: what the killed daemon had already handed to its
@@ -40,7 +40,7 @@ from tests.servers import FAKE_AWS_ENV, S3Server, moto_s3
 MiB = 1 << 20
 KILLS = 10
 FILES = 4
-FILE_BYTES = 64 * MiB
+FILE_BYTES = 32 * MiB
 UPLINK_BYTES_S = 40 * MiB
 PREFIX = "run1"
 
@@ -234,7 +234,7 @@ def test_daemon_sigkilled_mid_upload_never_exposes_a_partial_checkpoint_and_fini
         guard.close()
     del state
     manifest = load_manifest(step_dir)
-    assert manifest.total_bytes >= 256 * MiB and len(manifest.files) > FILES
+    assert manifest.total_bytes >= FILES * FILE_BYTES and len(manifest.files) > FILES
     uplink = Uplink(s3.endpoint_url, UPLINK_BYTES_S)
     env = {"AWS_ENDPOINT_URL_S3": uplink.url}  # the daemon only; checks here go to moto directly
     watcher = ManifestWatcher(s3)
