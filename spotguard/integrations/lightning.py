@@ -18,7 +18,8 @@ Exact resume. Lightning checkpoints hold no RNG states, so the callback adds the
 torch CPU and CUDA) to its own checkpoint entry and restores them just before the first training
 batch after the resume, when nothing else draws from them any more. Mid-epoch, Lightning restores
 the position only for a resumable loader: use torchdata's ``StatefulDataLoader`` with generators of
-its own for the loader and its sampler (README, "Exact resume and DataLoaders"). A SIGTERM makes
+its own for the loader and its sampler, and under DDP ``ResumableDistributedSampler`` with
+``Trainer(use_distributed_sampler=False)`` (README, "Exact resume and DataLoaders"). A SIGTERM makes
 Lightning raise its own ``SIGTERMException`` after the batch; the urgent checkpoint is committed by then.
 
 Between step boundaries. A notice is also looked for before the first training step

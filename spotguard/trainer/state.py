@@ -50,6 +50,7 @@ def check_state(state: Mapping[str, Any]) -> None:
                 "torchdata.stateful_dataloader.StatefulDataLoader to resume mid-epoch"
             )
         warn_if_loader_draws_global_rng(key, value)
+        warn_if_sampler_empties_a_resumed_epoch(key, value)
 
 
 def warn_if_loader_draws_global_rng(key: str, value: Any) -> None:
@@ -70,6 +71,20 @@ def warn_if_loader_draws_global_rng(key: str, value: Any) -> None:
             "its iterator draws from the global torch RNG and a resumed run will not match an "
             "uninterrupted one. Pass generator=torch.Generator().manual_seed(s1) to the loader and "
             "sampler=torchdata.stateful_dataloader.sampler.RandomSampler(ds, generator=...) to it.",
+            stacklevel=4,
+        )
+
+
+def warn_if_sampler_empties_a_resumed_epoch(key: str, value: Any) -> None:
+    """Warn about torchdata's ``StatefulDistributedSampler``: a state it saved at an epoch's last batch
+    resumes into an empty epoch (spotguard/trainer/samplers.py says why), so the resumed run goes on
+    one epoch of data behind. Its subclass in spotguard does not."""
+    if type(getattr(value, "sampler", None)).__name__ == "StatefulDistributedSampler":
+        warnings.warn(
+            f"state[{key!r}]: torchdata's StatefulDistributedSampler resumes a checkpoint taken at an "
+            "epoch's last batch into an empty epoch, and the run goes on an epoch of data behind an "
+            "uninterrupted one. Use spotguard.trainer.samplers.ResumableDistributedSampler (the same "
+            "arguments), which starts the next epoch whole there.",
             stacklevel=4,
         )
 

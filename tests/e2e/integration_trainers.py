@@ -8,8 +8,9 @@
 run. With ``--eval-every E`` an evaluation of ``EVAL_BATCHES`` batches runs every E steps;
 ``--wait-notice-in-eval-at K`` holds in the second batch of the first evaluation at or after step K, and
 ``--wait-notice-at-start`` (Lightning) in ``on_train_start``, until the notice reached the callback.
-``--devices N`` (Lightning): N ranks under DDP (gloo, Lightning's own launcher); rank 0 prints.
-``--roots R0,R1`` (Hugging Face, under torchrun): each rank's output_dir, as on nodes with disks of their own;
+``--devices N`` (Lightning): N ranks under DDP (gloo; Lightning's own launcher, or torchrun's processes
+when it runs under torchrun); rank 0 prints. ``--roots R0,R1`` (under torchrun): each rank's root (the
+Trainer's output_dir, the Lightning callback's checkpoint_dir), as on nodes with disks of their own;
 ``--sockets S0,S1`` each rank's daemon (one per node) and ``--wait-rank R`` holds on rank R alone (a notice
 that reached one node: the others go on to the step's agreement and wait there).
 
@@ -71,6 +72,18 @@ def _resumed_step(path: str | None) -> int:
     return 0 if path is None else load_manifest(Path(path).parent).step
 
 
+def torchrun_rank() -> int:
+    return int(os.environ.get("RANK", "0"))  # under torchrun; one process otherwise
+
+
+def this_ranks(args: argparse.Namespace) -> tuple[Path, Path]:
+    """This rank's root and daemon socket: ``--roots``/``--sockets`` pick one per rank (a node each)."""
+    rank = torchrun_rank()
+    root = args.root if args.roots is None else Path(args.roots.split(",")[rank])
+    socket = args.socket if args.sockets is None else Path(args.sockets.split(",")[rank])
+    return root, socket
+
+
 # --- Lightning ---------------------------------------------------------------------------------
 
 
@@ -81,6 +94,7 @@ def run_lightning(args: argparse.Namespace) -> dict[str, Any]:
     from torchdata.stateful_dataloader.sampler import RandomSampler
 
     from spotguard.integrations.lightning import SpotguardCallback
+    from spotguard.trainer.samplers import ResumableDistributedSampler
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
@@ -111,12 +125,15 @@ def run_lightning(args: argparse.Namespace) -> dict[str, Any]:
             )
 
         def train_dataloader(self) -> Any:
-            # Own generators for the loader and its sampler: README, "Exact resume and DataLoaders".
+            # Own generators for the loader and its sampler, and under DDP a sampler of our own that
+            # saves its place (README, "Exact resume and DataLoaders").
+            sampler: Any = (
+                ResumableDistributedSampler(self.dataset, shuffle=True, seed=1)
+                if args.devices > 1
+                else RandomSampler(self.dataset, generator=torch.Generator().manual_seed(1))
+            )
             return StatefulDataLoader(
-                self.dataset,
-                batch_size=BATCH,
-                sampler=RandomSampler(self.dataset, generator=torch.Generator().manual_seed(1)),
-                generator=torch.Generator().manual_seed(2),
+                self.dataset, batch_size=BATCH, sampler=sampler, generator=torch.Generator().manual_seed(2)
             )
 
         def val_dataloader(self) -> Any:
@@ -127,16 +144,16 @@ def run_lightning(args: argparse.Namespace) -> dict[str, Any]:
             )
             return torch.utils.data.DataLoader(dataset, batch_size=BATCH)
 
-    cb = SpotguardCallback(
-        checkpoint_dir=args.root, bucket=args.bucket, socket=args.socket, every_steps=args.every_steps
-    )
+    root, socket = this_ranks(args)
+    cb = SpotguardCallback(checkpoint_dir=root, bucket=args.bucket, socket=socket, every_steps=args.every_steps)
+    rank = torchrun_rank()
 
     class Progress(pl.Callback):
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             step = trainer.global_step
             if trainer.global_rank == 0:
                 emit("step", step=step, loss=round(float(outputs["loss"]), 6))
-            if args.wait_notice_at == step:
+            if args.wait_notice_at == step and args.wait_rank in (None, rank):
                 # Lightning's own SIGTERM handler sets trainer.received_sigterm; the callback reads it.
                 hold(step, lambda: (cb.guard is not None and cb.guard.notice_pending) or trainer.received_sigterm)
 
@@ -160,6 +177,7 @@ def run_lightning(args: argparse.Namespace) -> dict[str, Any]:
         accelerator="cpu",
         devices=args.devices,
         strategy=strategy,
+        use_distributed_sampler=False,  # ours (above) under DDP; Lightning's would wrap it and lose its place
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -170,7 +188,8 @@ def run_lightning(args: argparse.Namespace) -> dict[str, Any]:
         callbacks=[Progress(), cb],
     )
     ckpt_path = cb.resume_path()
-    emit("resumed", step=_resumed_step(ckpt_path), path=ckpt_path)
+    if rank == 0:
+        emit("resumed", step=_resumed_step(ckpt_path), path=ckpt_path)
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     return {
         "step": trainer.global_step,
@@ -218,9 +237,10 @@ def run_transformers(args: argparse.Namespace) -> dict[str, Any]:
         hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=100
     )
     model = transformers.BertForSequenceClassification(config)
-    rank = int(os.environ.get("RANK", "0"))  # under torchrun; one process otherwise
+    rank = torchrun_rank()
+    root, socket = this_ranks(args)
     training_args = transformers.TrainingArguments(
-        output_dir=str(args.root if args.roots is None else args.roots.split(",")[rank]),
+        output_dir=str(root),
         max_steps=args.steps,
         per_device_train_batch_size=BATCH,
         learning_rate=1e-3,
@@ -237,7 +257,6 @@ def run_transformers(args: argparse.Namespace) -> dict[str, Any]:
         eval_steps=args.eval_every,
         per_device_eval_batch_size=BATCH,
     )
-    socket = args.socket if args.sockets is None else Path(args.sockets.split(",")[rank])
     cb = SpotguardCallback(bucket=args.bucket, socket=socket, every_steps=args.every_steps)
     hold_in_eval = eval_holder(args)
     eval_batch = [0]
@@ -286,9 +305,9 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.e2e.integration_trainers")
     parser.add_argument("--framework", choices=["lightning", "transformers"], required=True)
     parser.add_argument("--root", type=Path, required=True)
-    parser.add_argument("--roots", help="transformers under torchrun: each rank's root (a node's disk)")
+    parser.add_argument("--roots", help="under torchrun: each rank's root (a node's disk)")
     parser.add_argument("--socket", type=Path, required=True)
-    parser.add_argument("--sockets", help="transformers under torchrun: each rank's daemon socket (a node's daemon)")
+    parser.add_argument("--sockets", help="under torchrun: each rank's daemon socket (a node's daemon)")
     parser.add_argument("--wait-rank", type=int, help="with --wait-notice-at: the one rank that holds")
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--bucket")

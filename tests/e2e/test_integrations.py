@@ -180,9 +180,13 @@ def test_lightning_ddp_periodic_saves_on_rank_0s_full_disk_are_skipped_on_every_
 TORCHRUN_TWO = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
 
-def two_nodes(roots: list[Path], sockets: list[Path], out: Path | None = None, **extra: object) -> list[str]:
-    """The Trainer under torchrun, two processes, each a node: ``roots[i]`` its disk, ``sockets[i]`` its daemon."""
-    command = trainer_command("transformers", roots[0], sockets[0], out, **extra)
+def two_nodes(
+    roots: list[Path], sockets: list[Path], out: Path | None = None, framework: str = "transformers", **extra: object
+) -> list[str]:
+    """A trainer under torchrun, two processes, each a node: ``roots[i]`` its disk, ``sockets[i]`` its daemon."""
+    if framework == "lightning":
+        extra["devices"] = 2  # torchrun's two processes, not Lightning's own launcher
+    command = trainer_command(framework, roots[0], sockets[0], out, **extra)
     return [*TORCHRUN_TWO, *command[1:], "--roots", ",".join(map(str, roots)), "--sockets", ",".join(map(str, sockets))]
 
 
@@ -253,6 +257,47 @@ def test_transformers_on_nodes_with_disks_of_their_own_resumes_bitwise_on_two_fr
     fetched = fresh[1].root / name / checkpoint
     assert {"rng_state_0.pth", "rng_state_1.pth", "trainer_state.json"} <= {p.name for p in fetched.iterdir()}
     assert compare_final(two_node_run[2], resumed_out) == []
+
+
+@pytest.mark.slow
+def test_lightning_on_nodes_with_disks_of_their_own_resumes_bitwise_on_two_fresh_nodes(
+    vm_factory: Callable[..., Vm], bucket: str, tmp_path: Path
+) -> None:
+    """DDP over two nodes, each with its disk and its daemon: Lightning writes its checkpoint on rank
+    0's disk alone. A notice on node 1 commits step K on both (node 1's share holds no checkpoint
+    file), and it counts in the bucket once both shares are there. Two fresh nodes each fetch it
+    through ``resume_path()`` (node 1 never had ``lightning.ckpt``; Lightning loads it on every rank)
+    and train to the end, bit for bit where an uninterrupted two-node run ends."""
+    pytest.importorskip("lightning")
+    no_daemon, reference_out = tmp_path / "none.sock", tmp_path / "reference.pt"
+    reference = [tmp_path / "ref0", tmp_path / "ref1"]
+    run_events(two_nodes(reference, [no_daemon, no_daemon], reference_out, framework="lightning"))
+    nodes = [vm_factory("node-0"), vm_factory("node-1")]
+
+    def drill_node_1(proc: subprocess.Popen[str], event: dict) -> None:
+        if event["event"] == "waiting":
+            request(nodes[1].socket, "drill", deadline_s=120)
+
+    roots, sockets = [vm.root for vm in nodes], [vm.socket for vm in nodes]
+    command = two_nodes(roots, sockets, framework="lightning", bucket=bucket, wait_notice_at=K, wait_rank=1)
+    events = run_events(command, drill_node_1)
+    assert [e["step"] for e in events if e["event"] == "saved"] == [K]
+    assert events[-1]["event"] == "stopped" and events[-1]["step"] == K
+    name = f"step-{K:09d}"
+    assert (roots[0] / name / "lightning.ckpt").is_file() and not (roots[1] / name / "lightning.ckpt").exists()
+    wait_for(lambda: bucket_status(bucket, name) == "complete", 60, "both shares in the bucket")
+    for vm in nodes:
+        vm.stop_daemon()
+
+    fresh = [vm_factory("node-0b"), vm_factory("node-1b")]
+    resumed_out = tmp_path / "resumed.pt"
+    roots, sockets = [vm.root for vm in fresh], [vm.socket for vm in fresh]
+    events = run_events(two_nodes(roots, sockets, resumed_out, framework="lightning", bucket=bucket))
+    assert events[0]["event"] == "resumed" and events[0]["step"] == K
+    assert [e["step"] for e in events if e["event"] == "step"] == list(range(K + 1, STEPS + 1))
+    assert events[-1] == {**events[-1], "event": "finished", "step": STEPS}
+    assert all((root / name / "lightning.ckpt").is_file() for root in roots), "each node fetched it"
+    assert compare_final(reference_out, resumed_out) == []
 
 
 # --- a notice while the loop is evaluating --------------------------------------------------------

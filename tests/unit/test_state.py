@@ -111,6 +111,25 @@ def test_loader_without_own_generators_warns() -> None:
         check_state({"loader": seeded})
 
 
+def test_torchdatas_distributed_sampler_warns_and_the_resumable_one_does_not() -> None:
+    from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+
+    from spotguard.trainer.samplers import ResumableDistributedSampler
+    from spotguard.trainer.state import check_state
+
+    data = list(range(32))
+    generator = torch.Generator().manual_seed(2)
+    upstream = StatefulDistributedSampler(data, num_replicas=2, rank=0, seed=1)
+    with pytest.warns(UserWarning, match="empty epoch"):
+        check_state({"loader": StatefulDataLoader(data, batch_size=4, sampler=upstream, generator=generator)})
+    ours = ResumableDistributedSampler(data, num_replicas=2, rank=0, seed=1)
+    loader = StatefulDataLoader(data, batch_size=4, sampler=ours, generator=generator)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_state({"loader": loader})
+    assert [str(w.message) for w in caught] == []
+
+
 def test_saving_a_committed_step_again_keeps_the_first(guard: Guard) -> None:
     first = guard.save({"x": torch.ones(2)}, 4)
     again = guard.save({"x": torch.zeros(2)}, 4)
