@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torchdata.stateful_dataloader import StatefulDataLoader
-from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from spotguard import Guard, SpotguardMismatch
+from spotguard.trainer.samplers import ResumableDistributedSampler
 
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 
@@ -98,7 +98,7 @@ def main() -> None:
     if args.sgd_on_rank == rank:
         optimizer = torch.optim.SGD(model.parameters(), lr=3e-3)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.9)
-    sampler = StatefulDistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=7)
+    sampler = ResumableDistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=7)
     loader = StatefulDataLoader(data, batch_size=4, sampler=sampler, generator=torch.Generator().manual_seed(3))
     torch.manual_seed(100 + rank)  # each rank its own dropout stream, as in real jobs
     roots = [Path(r) for r in args.roots.split(",") if r] or [args.root]

@@ -126,6 +126,19 @@ def test_ddp_notice_on_one_rank_saves_same_step_everywhere_and_resumes_bitwise(
     assert compare_final(reference, resumed) == []
 
 
+@pytest.mark.slow
+def test_ddp_resumed_from_an_epochs_last_step_trains_the_next_epoch_whole(reference: Path, tmp_path: Path) -> None:
+    """A checkpoint at step 8, the last batch of the first epoch on both ranks: the resumed run trains
+    the next epoch whole and ends bit for bit where the uninterrupted one ends. (torchdata's own
+    distributed sampler resumed into an empty epoch here, and the run went on an epoch behind.)"""
+    root, resumed = tmp_path / "nvme", tmp_path / "resumed.pt"
+    launch(2, "--root", str(root), "--steps", "8", "--every-steps", "8")
+    events = launch(2, "--root", str(root), "--steps", str(STEPS), "--out", str(resumed))
+    assert events[0] == {"event": "resumed", "step": 8}
+    assert [e["step"] for e in events if e["event"] == "step"] == list(range(9, STEPS + 1))
+    assert compare_final(reference, resumed) == []
+
+
 @pytest.fixture(scope="module")
 def saved_by_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A checkpoint of step 12 saved by 2 ranks, and the state they saved (once for the module)."""
