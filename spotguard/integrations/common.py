@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from spotguard.errors import FatalError
 from spotguard.localstore import scan_local
 from spotguard.manifest import Manifest, load_manifest_or_none, verify_dir
 from spotguard.trainer.client import ask_daemon_for_root
@@ -95,6 +96,44 @@ def find_resumable(
         return None
     logger.info("spotguard: restored %s from %s", step_dir.name, bucket)
     return _resume_target(step_dir, framework)
+
+
+# What one rank's ``resume_path()`` found: (the step directory's name or None, the root it looked in);
+# None where it was not asked.
+ResumeAnswer = tuple[str | None, str] | None
+
+
+def resume_for(
+    options: GuardOptions, framework: str, live: Mapping[str, Any] | None, root: str | os.PathLike[str] | None = None
+) -> tuple[Path | None, ResumeAnswer]:
+    """A callback's ``resume_path()``: :func:`find_resumable` in :func:`resume_location`'s root and
+    bucket, and what it found as the ranks compare it (the step directory the framework's form sits in)."""
+    where, bucket = resume_location(options, root)
+    found = find_resumable(where, bucket, framework, live=live)
+    return found, (found.parent.name if found is not None else None, str(where))
+
+
+class ResumeDisagreement(FatalError, RuntimeError):
+    """The ranks of one job would resume from different checkpoints, or some from none."""
+
+
+def check_ranks_resume_alike(answer: ResumeAnswer) -> None:
+    """Under ``torch.distributed``, every rank's ``resume_path()`` answer compared, before the framework
+    loads anything: a collective, so every rank calls it. Ranks resuming from different steps would
+    meet in different collectives and hang, or fail with a transport error that says nothing of why;
+    this raises :class:`ResumeDisagreement` on every rank instead, saying what each one found."""
+    from spotguard.trainer import dist
+
+    answers = [(rank, found) for rank, found in enumerate(dist.all_gather(answer)) if found is not None]
+    if len({name for _, (name, _) in answers}) <= 1:
+        return
+    found = "; ".join(f"rank {rank}: {name or 'none'} in {root}" for rank, (name, root) in answers)
+    raise ResumeDisagreement(
+        f"the ranks would resume from different checkpoints ({found}). A rank whose checkpoint_dir has "
+        "no complete checkpoint fetches the newest from the bucket, where it counts once every node's "
+        "share is in: on nodes with disks of their own set bucket=, or put checkpoint_dir on a "
+        "filesystem every node mounts"
+    )
 
 
 @contextlib.contextmanager

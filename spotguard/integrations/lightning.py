@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Unpack
 
 import lightning.pytorch as pl
 
-from spotguard.integrations.common import checked_options, find_resumable, resume_location
+from spotguard.integrations.common import ResumeAnswer, check_ranks_resume_alike, checked_options, resume_for
 from spotguard.trainer.external import AlreadyCommitted
 from spotguard.trainer.settings import GuardOptions
 
@@ -124,6 +124,7 @@ class SpotguardCallback(pl.Callback):
         self.last_saved: Path | None = None  # the step directory of the last committed checkpoint
         self._checked_step: int | None = None
         self._rng_to_restore: dict[str, Any] | None = None
+        self._resumed: ResumeAnswer = None  # what resume_path() found, compared across ranks in setup()
 
     # --- resume ------------------------------------------------------------------------------
 
@@ -136,9 +137,8 @@ class SpotguardCallback(pl.Callback):
         before anything is fetched: ``cb.resume_path(model)``. Lightning loads the checkpoint itself
         (strictly), so there is no ``strict=False`` here.
         """
-        root, bucket = resume_location(self._guard_options)
         live = {key: value for key, value in (("model", model), ("optimizer", optimizer)) if value is not None}
-        found = find_resumable(root, bucket, FRAMEWORK, live=live)
+        found, self._resumed = resume_for(self._guard_options, FRAMEWORK, live)
         return str(found) if found is not None else None
 
     # --- lifetime ----------------------------------------------------------------------------
@@ -148,7 +148,9 @@ class SpotguardCallback(pl.Callback):
             return
         from spotguard.trainer.guard import Guard
 
-        # Built here, not in __init__: torch.distributed is up now, so the Guard knows its rank.
+        # Here, not in __init__: torch.distributed is up now (the Guard knows its rank), and Lightning
+        # has loaded no checkpoint yet.
+        check_ranks_resume_alike(self._resumed)
         self.guard = Guard(**self._guard_options)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

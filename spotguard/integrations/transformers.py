@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Unpack
 
 import transformers
 
-from spotguard.integrations.common import checked_options, find_resumable, resume_location
+from spotguard.integrations.common import ResumeAnswer, check_ranks_resume_alike, checked_options, resume_for
 from spotguard.trainer.external import AlreadyCommitted
 from spotguard.trainer.settings import GuardOptions
 
@@ -77,6 +77,7 @@ class SpotguardCallback(transformers.TrainerCallback):
         self.guard: Guard | None = None
         self.last_saved: Path | None = None  # the step directory of the last committed checkpoint
         self._save_step: int | None = None  # the step this callback asked the Trainer to save
+        self._resumed: ResumeAnswer = None  # what resume_path() found, compared across ranks at train begin
 
     # --- resume ------------------------------------------------------------------------------
 
@@ -89,13 +90,8 @@ class SpotguardCallback(transformers.TrainerCallback):
         before anything is fetched. The optimizer is not checked: the Trainer creates it only inside
         ``train()``. The Trainer loads the checkpoint itself, so there is no ``strict=False`` here.
         """
-        root, bucket = resume_location(self._guard_options, self._root(output_dir))
-        found = find_resumable(
-            root,
-            bucket,
-            FRAMEWORK,
-            live={"model": model} if model is not None else None,
-        )
+        live = {"model": model} if model is not None else None
+        found, self._resumed = resume_for(self._guard_options, FRAMEWORK, live, self._root(output_dir))
         return str(found) if found is not None else None
 
     def _root(self, output_dir: str | os.PathLike[str] | None) -> str | os.PathLike[str]:
@@ -115,6 +111,8 @@ class SpotguardCallback(transformers.TrainerCallback):
         if self.guard is None:
             from spotguard.trainer.guard import Guard
 
+            # Before the first step, which is the first collective a disagreement would hang in.
+            check_ranks_resume_alike(self._resumed)
             # Built here: the Trainer has set up torch.distributed, so the Guard knows its rank.
             options = self._guard_options.copy()
             options["checkpoint_dir"] = self._root(args.output_dir)
