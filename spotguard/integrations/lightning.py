@@ -99,6 +99,25 @@ def _save_checkpoint(trainer: pl.Trainer, path: Path) -> None:
             strategy.save_checkpoint = own  # type: ignore[method-assign]
 
 
+def _warn_if_sampler_wrapped(loaders: Any) -> None:
+    """Warn where Lightning's ``use_distributed_sampler`` wrapped a loader's sampler in its
+    ``DistributedSamplerWrapper``: the wrapper saves no place and draws the wrapped sampler's order
+    afresh, so a resumed run sees other batches than an uninterrupted one."""
+    if isinstance(loaders, dict):
+        loaders = list(loaders.values())
+    for loader in loaders if isinstance(loaders, list | tuple) else [loaders]:
+        # Lightning rebuilds the loader around a batch sampler, whose sampler is the one it chose.
+        samplers = (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None))
+        if any(type(sampler).__name__ == "DistributedSamplerWrapper" for sampler in samplers):
+            logger.warning(
+                "spotguard: Lightning wrapped the training loader's sampler in its DistributedSamplerWrapper, "
+                "which keeps no place in the epoch: a resumed run will not see the batches an uninterrupted "
+                "one sees. Return a ResumableDistributedSampler (spotguard.trainer.samplers) from "
+                "train_dataloader() and pass Trainer(use_distributed_sampler=False)"
+            )
+            return
+
+
 def _live(model: Any, optimizers: list[Any]) -> dict[str, Any]:
     """What the manifest records: the module and its optimizers (``optimizer``, ``optimizer1``, ...)."""
     named = {("optimizer" if index == 0 else f"optimizer{index}"): opt for index, opt in enumerate(optimizers)}
@@ -169,6 +188,8 @@ class SpotguardCallback(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._checked_step = trainer.global_step  # a resumed run does not save its starting step again
+        if trainer.global_rank == 0:
+            _warn_if_sampler_wrapped(trainer.train_dataloader)
         # Before the first step (after the sanity check and loader setup, which can take long).
         self._check_between_steps(trainer)
 

@@ -129,7 +129,7 @@ def run_lightning(args: argparse.Namespace) -> dict[str, Any]:
             # saves its place (README, "Exact resume and DataLoaders").
             sampler: Any = (
                 ResumableDistributedSampler(self.dataset, shuffle=True, seed=1)
-                if args.devices > 1
+                if args.devices > 1 and not args.lightning_wraps_sampler
                 else RandomSampler(self.dataset, generator=torch.Generator().manual_seed(1))
             )
             return StatefulDataLoader(
@@ -177,7 +177,8 @@ def run_lightning(args: argparse.Namespace) -> dict[str, Any]:
         accelerator="cpu",
         devices=args.devices,
         strategy=strategy,
-        use_distributed_sampler=False,  # ours (above) under DDP; Lightning's would wrap it and lose its place
+        # Ours (above) under DDP; Lightning's would wrap it and lose its place.
+        use_distributed_sampler=args.lightning_wraps_sampler,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -318,6 +319,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--wait-notice-in-eval-at", type=int)
     parser.add_argument("--wait-notice-at-start", action="store_true")
     parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument(
+        "--lightning-wraps-sampler", action="store_true", help="Lightning's own distributed sampler (not exact)"
+    )
     args = parser.parse_args(argv)
 
     warnings.filterwarnings("ignore")  # framework chatter (no GPU, few workers, ...) is not the test's business

@@ -177,6 +177,23 @@ def test_lightning_ddp_periodic_saves_on_rank_0s_full_disk_are_skipped_on_every_
     assert list(root.iterdir()) == [], "no partial step directory holds what little room there is"
 
 
+@pytest.mark.slow
+def test_lightning_wrapping_the_loaders_sampler_under_ddp_is_warned_about(tmp_path: Path) -> None:
+    """The single-process recipe (a RandomSampler with its own generator) under DDP with Lightning's
+    default ``use_distributed_sampler``: Lightning wraps the sampler in one that keeps no place, so a
+    resume is not exact (a drilled mid-epoch resume ended with other parameters): the callback says so,
+    once, and what to use instead."""
+    pytest.importorskip("lightning")
+    command = trainer_command("lightning", tmp_path / "nvme", tmp_path / "none.sock", devices=2)
+    done = subprocess.run(
+        [*command, "--steps", "2", "--lightning-wraps-sampler"],
+        capture_output=True, text=True, timeout=300, cwd=REPO, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    warned = [line for line in done.stderr.splitlines() if "DistributedSamplerWrapper" in line]
+    assert len(warned) == 1 and "ResumableDistributedSampler" in warned[0], done.stderr[-3000:]
+
+
 TORCHRUN_TWO = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
 
