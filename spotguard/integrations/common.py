@@ -74,8 +74,11 @@ def find_resumable(
     :class:`~spotguard.SpotguardMismatch` before any data is fetched or handed to the framework.
     """
     found = _newest_local(root, framework, live)
-    if found is not None or bucket is None:
+    if found is not None:
         return found
+    if bucket is None:
+        refuse_a_split_checkpoint(root)
+        return None
     from spotguard.storage import open_storage  # a storage SDK only now, and only if needed
     from spotguard.storage.checkpoints import list_remote, restore
 
@@ -134,6 +137,24 @@ def check_ranks_resume_alike(answer: ResumeAnswer) -> None:
         "share is in: on nodes with disks of their own set bucket=, or put checkpoint_dir on a "
         "filesystem every node mounts"
     )
+
+
+class SplitCheckpoint(FatalError, RuntimeError):
+    """A checkpoint written across several nodes' disks, with no bucket to gather it from."""
+
+
+def refuse_a_split_checkpoint(root: Path) -> None:
+    """Raise :class:`SplitCheckpoint` where ``root`` holds this node's committed share of a multi-node
+    checkpoint and nothing resumable: no disk holds the whole of it, and starting over would silently
+    throw the job's progress away."""
+    shares = [info for info in scan_local(root) if info.status != "complete" and info.node_files is not None]
+    if shares:
+        raise SplitCheckpoint(
+            f"{root / shares[-1].name} holds only this node's share of a checkpoint written across several "
+            "nodes' disks, and no bucket is set to fetch the rest from: set bucket= (each node's daemon "
+            "uploads its share, and a resume fetches the whole), or put checkpoint_dir on a filesystem "
+            "every node mounts. To start over instead, move the step directories away"
+        )
 
 
 @contextlib.contextmanager

@@ -6,6 +6,7 @@ run ends. Plus what ``resume_path()`` must skip and HF's ``get_last_checkpoint``
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -238,6 +239,30 @@ def test_transformers_on_nodes_with_disks_of_their_own_commits_every_processs_fi
         assert f"{checkpoint}/rng_state_0.pth" in manifest.files and f"{checkpoint}/rng_state_1.pth" in manifest.files
         assert sorted(p.name for p in (roots[1] / name / checkpoint).iterdir()) == ["rng_state_1.pth"]
         assert (roots[1] / name / "part-1.json").exists()
+
+
+@pytest.mark.slow
+def test_transformers_on_nodes_with_disks_of_their_own_and_no_bucket_refuses_to_start_over(
+    two_node_run: tuple[list[Path], list[dict], Path], tmp_path: Path
+) -> None:
+    """Each disk holds its node's share of every checkpoint (rank 0's the model, rank 1's its RNG
+    state) and there is no bucket to gather them from: the restarted job ends with an error saying
+    so and what to set. Before, every rank skipped the incomplete checkpoints and trained from step 0."""
+    roots = [tmp_path / root.name for root in two_node_run[0]]
+    for source, copy in zip(two_node_run[0], roots, strict=True):
+        shutil.copytree(source, copy)
+    no_daemon = tmp_path / "none.sock"
+    done = subprocess.run(
+        two_nodes(roots, [no_daemon, no_daemon]), capture_output=True, text=True, timeout=300, cwd=REPO, check=False
+    )
+    assert done.returncode != 0
+    assert not [line for line in done.stdout.splitlines() if '"event": "step"' in line], "no step trained"
+    errors = [line for line in done.stderr.splitlines() if "SplitCheckpoint: " in line]
+    assert errors, done.stderr[-3000:]
+    newest = sorted(p.name for p in roots[0].iterdir())[-1]
+    for line in errors:  # from either rank, or both (torchrun stops the other once one has ended)
+        assert any(f"{root / newest} holds only this node's share" in line for root in roots), line
+        assert "set bucket=" in line
 
 
 @pytest.mark.slow
