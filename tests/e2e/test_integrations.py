@@ -208,6 +208,17 @@ def two_nodes(
     return [*TORCHRUN_TWO, *command[1:], "--roots", ",".join(map(str, roots)), "--sockets", ",".join(map(str, sockets))]
 
 
+def errors_of_a_failed_run(command: list[str], error: str) -> list[str]:
+    """Run ``command``, which must fail before training a step; the lines of its stderr where ``error``
+    was raised (at least one: every rank raises it, but torchrun stops the others once one has ended)."""
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO, check=False)
+    assert done.returncode != 0
+    assert not [line for line in done.stdout.splitlines() if '"event": "step"' in line], "no step trained"
+    errors = [line for line in done.stderr.splitlines() if f"{error}: " in line]
+    assert errors, done.stderr[-3000:]
+    return errors
+
+
 @pytest.fixture(scope="module")
 def two_node_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Path], list[dict], Path]:
     """An uninterrupted two-node Trainer run with no daemon, saving every 3 steps: its disks, its
@@ -252,15 +263,9 @@ def test_transformers_on_nodes_with_disks_of_their_own_and_no_bucket_refuses_to_
     for source, copy in zip(two_node_run[0], roots, strict=True):
         shutil.copytree(source, copy)
     no_daemon = tmp_path / "none.sock"
-    done = subprocess.run(
-        two_nodes(roots, [no_daemon, no_daemon]), capture_output=True, text=True, timeout=300, cwd=REPO, check=False
-    )
-    assert done.returncode != 0
-    assert not [line for line in done.stdout.splitlines() if '"event": "step"' in line], "no step trained"
-    errors = [line for line in done.stderr.splitlines() if "SplitCheckpoint: " in line]
-    assert errors, done.stderr[-3000:]
+    errors = errors_of_a_failed_run(two_nodes(roots, [no_daemon, no_daemon]), "SplitCheckpoint")
     newest = sorted(p.name for p in roots[0].iterdir())[-1]
-    for line in errors:  # from either rank, or both (torchrun stops the other once one has ended)
+    for line in errors:
         assert any(f"{root / newest} holds only this node's share" in line for root in roots), line
         assert "set bucket=" in line
 
@@ -323,14 +328,8 @@ def test_lightning_on_nodes_with_disks_of_their_own_and_no_bucket_refuses_to_res
     roots, _ = lightning_two_node_run
     assert (roots[0] / f"step-{STEPS:09d}" / "lightning.ckpt").is_file() and not any(roots[1].glob("step-*"))
     no_daemon = roots[0].parent / "none.sock"
-    done = subprocess.run(
-        two_nodes(roots, [no_daemon, no_daemon], framework="lightning"),
-        capture_output=True, text=True, timeout=300, cwd=REPO, check=False,
-    )  # fmt: skip
-    assert done.returncode != 0
-    errors = [line for line in done.stderr.splitlines() if "ResumeDisagreement: " in line]
-    # Both ranks raise it; torchrun stops the other as soon as the first has ended, so one may not be seen.
-    assert errors, done.stderr[-3000:]
+    command = two_nodes(roots, [no_daemon, no_daemon], framework="lightning")
+    errors = errors_of_a_failed_run(command, "ResumeDisagreement")
     for line in errors:
         assert f"rank 0: step-{STEPS:09d} in {roots[0]}; rank 1: none in {roots[1]}" in line
         assert "set bucket=" in line
