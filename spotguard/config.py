@@ -8,7 +8,6 @@ frozen, validated :class:`DaemonConfig`; any bad value raises
 from __future__ import annotations
 
 import ipaddress
-import json
 import os
 import string
 import tomllib
@@ -19,6 +18,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from spotguard.errors import ConfigError
+from spotguard.jsontext import parse_json
 from spotguard.notice import Action
 from spotguard.peer.channel import IO_TIMEOUT
 from spotguard.peer.flows import MAX_FLOWS
@@ -271,7 +271,7 @@ def parse_webhook_template(text: str, *, key: str = "webhook_template") -> Any:
     {'text': 'spotguard on ${host}: ${message}'}
     """
     try:
-        document = json.loads(text)
+        document = parse_json(text)
     except ValueError as exc:
         raise ConfigError(key, f"is not valid JSON: {exc}") from None
 
@@ -366,17 +366,22 @@ def env_name(key: str) -> str:
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
+    # Each error is keyed by the file: the CLI prints "config: <file>: <what is wrong>".
     try:
         with path.open("rb") as handle:
             data = tomllib.load(handle)
     except OSError as exc:
-        raise ConfigError("config", f"cannot read {path}: {exc.strerror}") from None
+        raise ConfigError(str(path), f"cannot read: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError("config", f"{path} is not valid TOML: {exc}") from None
+        raise ConfigError(str(path), f"not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:  # tomllib decodes the bytes itself, outside its own error
+        raise ConfigError(str(path), f"not UTF-8 text (byte {exc.start}): save it as UTF-8") from None
+    except RecursionError:
+        raise ConfigError(str(path), "not valid TOML: arrays or tables nested too deeply") from None
     # Accept both top-level keys and a [daemon] table, the latter for files shared with other tools.
     table = data.get("daemon", data)
     if not isinstance(table, dict):
-        raise ConfigError("config", f"{path}: [daemon] must be a table")
+        raise ConfigError(str(path), "[daemon] must be a table")
     return {k.replace("-", "_"): v for k, v in table.items()}
 
 

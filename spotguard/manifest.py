@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 from spotguard.crc32c import crc32c_of_files
 from spotguard.errors import SpotguardError
+from spotguard.jsontext import parse_json
 from spotguard.safefile import atomic_file, fsync_dir, is_temporary, read_nofollow
 from spotguard.version import __version__
 
@@ -32,7 +33,7 @@ FORMAT_VERSION = 1
 
 FORMAT = f"spotguard/{FORMAT_VERSION}"
 
-_FORMAT_NAME = re.compile(r"^spotguard/(\d+)$")
+_FORMAT_NAME = re.compile(r"spotguard/([0-9]{1,9})")  # fullmatch: ASCII digits, a number int() takes
 
 MANIFEST = "manifest.json"
 
@@ -152,12 +153,12 @@ class Manifest:
     @classmethod
     def from_json(cls, data: bytes) -> Manifest:
         try:
-            document = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            document = parse_json(data)
+        except ValueError as exc:
             raise ManifestError(f"manifest is not JSON: {exc}") from None
         if not isinstance(document, dict) or document.get("format") != FORMAT:
             found = document.get("format") if isinstance(document, dict) else None
-            match = _FORMAT_NAME.match(found) if isinstance(found, str) else None
+            match = _FORMAT_NAME.fullmatch(found) if isinstance(found, str) else None
             if isinstance(found, str) and match and int(match.group(1)) > FORMAT_VERSION:
                 raise ManifestFormatError(found)
             raise ManifestError(f"manifest format is not {FORMAT!r}")
@@ -187,8 +188,8 @@ def foreign_format(data: bytes) -> str | None:
     manifest is ours or no manifest at all. Such a checkpoint may well be complete: it is never
     deleted nor overwritten here, only skipped."""
     try:
-        document = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError):
+        document = parse_json(data)
+    except ValueError:
         return None
     if isinstance(document, dict) and "format" in document and document["format"] != FORMAT:
         return str(document["format"])
@@ -235,7 +236,7 @@ def load_part(step_dir: Path) -> dict[str, FileEntry] | None:
         return None
     for marker in markers:
         try:
-            document = json.loads(read_nofollow(marker))
+            document = parse_json(read_nofollow(marker))
             files = {
                 check_relpath(name): FileEntry(size=_int(entry["size"]), crc32c=_crc(entry["crc32c"]))
                 for name, entry in document["files"].items()

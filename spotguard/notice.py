@@ -128,7 +128,24 @@ class Notice:
         )
 
 
+# Times a notice's deadline can be. Near the calendar's ends arithmetic on a time (a notice window
+# added, a deadline moved to another clock) raises OverflowError far from where it was read: a
+# rebalance dated 9999-12-31 ended the AWS monitor's poll with it, hiding a spot notice. The lower
+# bound leaves room for a VM whose clock starts at 1970 before it is synchronized.
+EARLIEST = datetime(1900, 1, 1, tzinfo=UTC)
+LATEST = datetime(9000, 1, 1, tzinfo=UTC)
+
+
+def plausible_time(value: datetime, text: str) -> datetime:
+    """``value`` (read from ``text``), if it lies between :data:`EARLIEST` and :data:`LATEST`; else
+    ``ValueError``."""
+    if not EARLIEST <= value < LATEST:
+        raise ValueError(f"{text[:64]!r} is not a plausible time (years {EARLIEST.year}-{LATEST.year - 1})")
+    return value
+
+
 def parse_iso(text: str) -> datetime:
-    """Parse an ISO-8601 time (``Z`` accepted); naive times are taken as UTC."""
+    """Parse an ISO-8601 time (``Z`` accepted); naive times are taken as UTC. ``ValueError`` for
+    anything else, a time outside :func:`plausible_time`'s years included."""
     value = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    return value if value.tzinfo else value.replace(tzinfo=UTC)
+    return plausible_time(value if value.tzinfo else value.replace(tzinfo=UTC), text)

@@ -46,14 +46,21 @@ Daemon -> client:
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from typing import Any
 
 from spotguard.errors import SpotguardError
+from spotguard.jsontext import parse_json
 
 VERSION = 1
 MAX_MESSAGE_BYTES = 64 * 1024
 PEER_RESUME_TIMEOUT = 600.0  # seconds the daemon spends at most asking peers and fetching from one
+# Every integer field fits a C long long: sizes, offsets and steps go on to os.pwrite, struct and float
+# arithmetic, where a bigger one raises OverflowError far from the socket. A state of 10**400 bytes
+# announced on hello made the next notice's deadline plan raise: the trainers were told, but no route
+# was chosen (no peer handoff) and no webhook or metric heard of the notice.
+MAX_INT = 2**63 - 1
 
 
 class ProtocolError(SpotguardError, ValueError):
@@ -113,8 +120,8 @@ def decode(line: bytes, *, allowed: frozenset[str] | None = None, limit: int = M
     if len(line) > limit:
         raise ProtocolError("too-large", f"message of {len(line)} bytes exceeds the limit of {limit}")
     try:
-        message = json.loads(line)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        message = parse_json(line)
+    except ValueError as exc:
         raise ProtocolError("bad-json", f"not JSON: {exc}") from None
     if not isinstance(message, dict):
         raise ProtocolError("bad-message", "a message must be a JSON object")
@@ -145,18 +152,28 @@ def _check_range(message: Mapping[str, Any]) -> None:
 def _check_fields(message_type: str, message: Mapping[str, Any]) -> None:
     for name, expected in _SCHEMA[message_type].items():
         value = message.get(name)
-        # bool is an int in Python; a field that wants a number must not take true/false.
-        wrong_bool = isinstance(value, bool) and expected is not bool
-        if value is None or wrong_bool or not isinstance(value, expected):
+        if value is None or not _is_a(value, expected):
             raise ProtocolError("bad-field", f"{message_type}: field {name!r} missing or not {_type_name(expected)}")
     for name, expected in _OPTIONAL.get(message_type, {}).items():
         value = message.get(name)
-        wrong_bool = isinstance(value, bool) and expected is not bool
-        if value is not None and (wrong_bool or not isinstance(value, expected)):
+        if value is not None and not _is_a(value, expected):
             raise ProtocolError("bad-field", f"{message_type}: field {name!r} is not {_type_name(expected)}")
 
 
+def _is_a(value: Any, expected: type | tuple[type, ...]) -> bool:
+    """Whether ``value`` is of ``expected`` and, if a number, one the other side can compute with."""
+    if isinstance(value, bool):  # bool is an int in Python; a number field must not take true/false
+        return expected is bool
+    if not isinstance(value, expected):
+        return False
+    if isinstance(value, int):
+        return -MAX_INT - 1 <= value <= MAX_INT
+    return not isinstance(value, float) or math.isfinite(value)  # JSON's NaN and Infinity are Python's
+
+
 def _type_name(expected: type | tuple[type, ...]) -> str:
-    if isinstance(expected, tuple):
-        return " or ".join(t.__name__ for t in expected)
-    return expected.__name__
+    kinds = expected if isinstance(expected, tuple) else (expected,)
+    names = " or ".join(kind.__name__ for kind in kinds)
+    if int in kinds or float in kinds:
+        return f"{names} (finite, within ±2**63)"
+    return names

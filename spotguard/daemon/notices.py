@@ -29,6 +29,7 @@ from typing import Any
 
 from spotguard.daemon.events import EventBus, NoticeMoved
 from spotguard.daemon.lifecycle import NoticeState, TrackedNotice
+from spotguard.jsontext import parse_json
 from spotguard.notice import Action, Notice, utcnow
 from spotguard.safefile import atomic_file
 
@@ -51,7 +52,7 @@ class EventLog:
         self._lock = threading.Lock()
         self._latest: bytes | None = None  # the newest log not yet handed to the writer
         try:
-            loaded = json.loads(self.path.read_bytes())
+            loaded = parse_json(self.path.read_bytes())
             if not isinstance(loaded, dict) or loaded.get("root") != self.root:
                 raise ValueError(f"it is not the event log of {self.root}")
             events = loaded.get("events")

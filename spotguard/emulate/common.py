@@ -15,7 +15,8 @@ Control API, common to all providers::
     GET    /_emulator/requests                 what the instance side asked, oldest first
     GET    /_emulator/state                    provider-specific snapshot
 
-Fault kinds: ``status`` (answer ``status``, default 500), ``garbage`` (200 with a junk body),
+Fault kinds: ``status`` (answer ``status``, default 500), ``garbage`` (200 with a junk body, or with
+``body``: a hostile answer that looks almost right),
 ``drop`` (close the connection without an answer), ``latency`` (wait ``seconds`` first; combines
 with the others), plus provider-specific ones (GCP ``no_flavor``). ``count`` limits how many
 requests a fault hits (``null`` = until removed); ``path`` limits it to paths containing that text.
@@ -53,6 +54,7 @@ class Fault:
     status: int = 500
     seconds: float = 0.0
     path: str | None = None
+    body: str | None = None  # garbage: this instead of GARBAGE_BODY
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Fault:
@@ -66,6 +68,7 @@ class Fault:
             status=int(data.get("status", 500)),
             seconds=float(data.get("seconds", 0.0)),
             path=data.get("path"),
+            body=None if data.get("body") is None else str(data["body"]),
         )
 
     def matches(self, path: str) -> bool:
@@ -192,7 +195,8 @@ class Emulator:
             return web.Response(status=fault.status, text=f"emulated error {fault.status}\n")
         if fault.kind == "garbage":
             # Answered at once (no long-poll), with the headers a real answer has: only the body is wrong.
-            return web.Response(status=200, body=GARBAGE_BODY, headers=self.answer_headers())
+            body = GARBAGE_BODY if fault.body is None else fault.body.encode()
+            return web.Response(status=200, body=body, headers=self.answer_headers())
         if fault.kind == "drop":
             if request.transport is not None:
                 request.transport.abort()

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import json
 import mmap
 import os
 import socket
@@ -27,6 +26,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
+from spotguard.jsontext import parse_json
 from spotguard.peer import noise, wire
 from spotguard.peer.sockio import HandedSocket, run_handed
 
@@ -647,10 +647,10 @@ async def _check_greeting(stream: wire.ReadsInto, writer: asyncio.StreamWriter) 
         (length,) = struct.unpack(">I", await stream.readexactly(4))
         if length > wire.MAX_HEADER_BEFORE_AUTH:
             raise wire.PeerError("version", "the peer does not speak spotguard-peer (no greeting)")
-        greeting = json.loads(await stream.readexactly(length))
+        greeting = parse_json(await stream.readexactly(length))
     except asyncio.IncompleteReadError:
         raise wire.PeerError("closed", "the connection closed before the peer's greeting") from None
-    except (ValueError, RecursionError):
+    except ValueError:
         raise wire.PeerError("version", "the peer does not speak spotguard-peer (no greeting)") from None
     if isinstance(greeting, dict) and greeting.get("t") == "challenge":  # a spotguard-peer/1 receiver
         writer.write(wire.error_frame("version", V2_NOTICE))

@@ -46,6 +46,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from spotguard.jsontext import parse_json
 from spotguard.peer.networks import PeerNetworks
 from spotguard.peer.tokens import REGISTRY_KEY_LABEL, derive_key
 from spotguard.peer.wire import parse_address
@@ -281,7 +282,7 @@ class PeerRegistry:
 
     def _entry(self, key: str) -> PeerEntry | None:
         try:
-            document = json.loads(self.storage.read_bytes(key))
+            document = parse_json(self.storage.read_bytes(key))
             return PeerEntry(key, str(document["address"]), float(document["heartbeat"]), str(document.get("sig", "")))
         except ObjectNotFound:
             return None  # removed between the listing and the read: a clean shutdown

@@ -33,6 +33,7 @@ from typing import Any
 
 from spotguard.backoff import backoff_delay
 from spotguard.crc32c import crc32c_hex_to_int
+from spotguard.jsontext import parse_json
 from spotguard.manifest import (
     MANIFEST,
     FileEntry,
@@ -176,7 +177,7 @@ class ReplicaStore:
         for entry in sorted(self.area.iterdir()):
             replica = None
             try:
-                meta = json.loads((entry / _META).read_bytes())
+                meta = parse_json((entry / _META).read_bytes())
                 replica = Replica(entry.name, meta["name"], meta["bucket"], meta["sender"], entry)
                 replica.state = ReplicaState(meta["state"])
             except (OSError, ValueError, KeyError, TypeError):
@@ -344,7 +345,7 @@ def _job_manifest(replica: Replica, text: str, share: dict[str, FileEntry]) -> M
 
 
 def _parse_part(text: str) -> tuple[int, int, dict[str, FileEntry]]:
-    document = json.loads(text)
+    document = parse_json(text)
     node, nodes = document["node"], document["nodes"]
     if not (isinstance(node, int) and isinstance(nodes, int) and 0 <= node < nodes):
         raise ValueError(f"node {node!r} of {nodes!r}")

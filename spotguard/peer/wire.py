@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from spotguard.errors import SpotguardError
+from spotguard.jsontext import parse_json
 
 VERSION = 2
 MAX_HEADER_BEFORE_AUTH = 1024
@@ -76,8 +77,8 @@ async def read_frame(reader: Reads, max_header: int = MAX_HEADER) -> dict[str, A
     except asyncio.IncompleteReadError:
         raise PeerError("closed", "the connection closed mid-frame") from None
     try:
-        header = json.loads(body)
-    except (ValueError, RecursionError):
+        header = parse_json(body)
+    except ValueError:
         raise PeerError("bad-frame", "a frame that is not JSON") from None
     if not isinstance(header, dict) or not isinstance(header.get("t"), str):
         raise PeerError("bad-frame", "a frame that is not a JSON object with a type")

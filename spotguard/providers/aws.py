@@ -92,7 +92,8 @@ def parse_maintenance_time(text: str) -> datetime:
 def parse_instance_action(text: str, first_seen: datetime) -> Notice:
     """``{"action": "terminate", "time": "2017-09-18T08:22:00Z"}`` -> a hard notice."""
     data = base.load_json(text)
-    if not isinstance(data, dict) or data.get("action") not in SPOT_KINDS or not isinstance(data.get("time"), str):
+    action = data.get("action") if isinstance(data, dict) else None
+    if not isinstance(action, str) or action not in SPOT_KINDS or not isinstance(data.get("time"), str):
         raise ValueError(f"unexpected instance-action: {text[:120]!r}")
     kind = SPOT_KINDS[data["action"]]
     announced = parse_iso(data["time"])
@@ -207,14 +208,20 @@ class AwsMonitor(PolledMonitor):
 
     async def check_all(self) -> list[Notice]:
         """Every current notice, most urgent first (hard before soft, then earliest deadline)."""
+        paths = (SPOT_PATH, LIFECYCLE_PATH, MAINTENANCE_PATH, REBALANCE_PATH)
         results = await asyncio.gather(
             self._spot(), self._lifecycle(), self._maintenance(), self._rebalance(), return_exceptions=True
         )
         notices: list[Notice] = []
         errors: list[MonitorError] = []
-        for result in results:
+        for path, result in zip(paths, results, strict=True):
             if isinstance(result, MonitorError):
                 errors.append(result)
+            elif isinstance(result, Exception):
+                # Whatever one path's answer did, even to a bug of ours, the other paths' notices stand.
+                error = MonitorError(f"aws: reading {path}: {result!r}")
+                error.__cause__ = result
+                errors.append(error)
             elif isinstance(result, BaseException):
                 raise result
             else:

@@ -58,23 +58,27 @@ def kind_for(event_type: str) -> Kind:
     return Kind.TERMINATE if event_type in HARD_TYPES else Kind.MAINTENANCE
 
 
-def events_for_vm(text: str, vm_name: str) -> tuple[int, list[dict[str, Any]]]:
-    """The Scheduled Events document -> (DocumentIncarnation, this VM's pending events)."""
+def events_for_vm(text: str, vm_name: str) -> tuple[int | None, list[dict[str, Any]]]:
+    """The Scheduled Events document -> (DocumentIncarnation, None if unreadable; this VM's pending
+    events). The document lists the events of every VM in an availability set or scale set: an event
+    that names no list of resources with this VM in it is not read further, so that a malformed one
+    of another VM's never hides this VM's eviction."""
     doc = base.load_json(text)
     if not isinstance(doc, dict) or not isinstance(doc.get("Events"), list):
         raise ValueError(f"not a Scheduled Events document: {text[:80]!r}")
     mine = []
     for event in doc["Events"]:
-        if not isinstance(event, dict) or not isinstance(event.get("EventId"), str):
-            raise ValueError(f"unexpected event: {event!r}")
-        resources = event.get("Resources") or []
+        resources = (event.get("Resources") or []) if isinstance(event, dict) else []
         # Azure VM names are case-insensitive.
-        if not any(str(r).casefold() == vm_name.casefold() for r in resources):
+        if not isinstance(resources, list) or not any(str(r).casefold() == vm_name.casefold() for r in resources):
             continue
+        if not isinstance(event.get("EventId"), str):
+            raise ValueError(f"unexpected event: {event!r}")
         if event.get("EventStatus") in FINISHED_STATUSES:
             continue
         mine.append(event)
-    return int(doc.get("DocumentIncarnation", 0)), mine
+    incarnation = doc.get("DocumentIncarnation")  # only logged: a bad one must not cost the events
+    return (incarnation if isinstance(incarnation, int) and not isinstance(incarnation, bool) else None), mine
 
 
 class AzureMonitor(PolledMonitor):

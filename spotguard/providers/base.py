@@ -12,7 +12,6 @@ and must not pull in an HTTP client.
 from __future__ import annotations
 
 import importlib
-import json
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -22,7 +21,8 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol, TypedDict, runtime_checkable
 
 from spotguard.errors import TransientError
-from spotguard.notice import Acknowledgement, Notice, utcnow
+from spotguard.jsontext import parse_json
+from spotguard.notice import Acknowledgement, Notice, plausible_time, utcnow
 from spotguard.repeats import Latest
 
 if TYPE_CHECKING:
@@ -121,7 +121,7 @@ def most_urgent_first(notices: list[Notice]) -> list[Notice]:
 def load_json(text: str) -> Any:
     """``text`` as JSON; ValueError saying what the text began with when it is not."""
     try:
-        return json.loads(text)
+        return parse_json(text)
     except ValueError as exc:
         raise ValueError(f"not JSON: {text[:80]!r}") from exc
 
@@ -130,9 +130,10 @@ def parse_http_date(text: str, what: str) -> datetime:
     """An RFC 2822 date (``Mon, 19 Sep 2016 18:29:47 GMT``, or without the weekday) -> UTC datetime."""
     try:
         value = parsedate_to_datetime(text)
-    except (TypeError, ValueError) as exc:
+        value = value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+    except (TypeError, ValueError, OverflowError) as exc:  # OverflowError: a date at the calendar's end
         raise ValueError(f"not a {what}: {text!r}") from exc
-    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+    return plausible_time(value, text)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from spotguard.jsontext import parse_json
 from spotguard.safefile import atomic_file, fsync_dir
 
 logger = logging.getLogger("spotguard.storage")
@@ -79,7 +80,7 @@ class UploadJournal:
         opened: dict[str, OpenUpload] = {}
         for line in lines:
             try:
-                entry = json.loads(line)
+                entry = parse_json(line)
             except ValueError:
                 continue  # a torn last line
             if not isinstance(entry, dict):

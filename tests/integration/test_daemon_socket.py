@@ -172,3 +172,40 @@ def test_save_failed_is_recorded_and_safe_steps_names_what_is_in_the_bucket(vm: 
     assert (failure["step"], failure["reason"], failure["error"]) == (3, "periodic", "write-failed")
     assert failure["bytes_needed"] is None and failure["message"] == "EIO on /nvme"
     assert_alive(vm)
+
+
+def test_numbers_no_one_can_compute_with_and_deep_nesting_get_errors_and_the_next_notice_is_planned(
+    vm: Vm,
+) -> None:
+    """A state of 10**400 bytes announced on a trainer's hello used to be kept, and the next notice's
+    deadline plan raised OverflowError (no route chosen); nesting and 5,000-digit numbers got an
+    "internal" error instead of the protocol's own."""
+    hello = {"rank": 0, "world_size": 1, "pid": os.getpid()}
+    nested = b'{"v":1,"type":"status","x":' + b"[" * 20_000 + b"]" * 20_000 + b"}\n"
+    digits = b'{"v":1,"type":"hello","rank":' + b"7" * 5000 + b',"world_size":1,"pid":1}\n'
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as trainer:  # stays connected through the notice
+        trainer.settimeout(5)
+        trainer.connect(os.fspath(vm.socket))
+        reader = trainer.makefile("rb")
+        refused = [
+            protocol.encode("hello", **hello, state_bytes=10**400),
+            protocol.encode("hello", **hello, state_bytes=2**63),
+            protocol.encode("state-size", bytes=10**30, sharded=False),
+            b'{"v":1,"type":"drill","deadline_s":NaN}\n',
+            b'{"v":1,"type":"drill","deadline_s":Infinity}\n',
+            nested,
+            digits,
+        ]
+        codes = []
+        for line in refused:
+            trainer.sendall(line)
+            codes.append(json.loads(reader.readline())["code"])
+        assert codes == ["bad-field"] * 5 + ["bad-json"] * 2
+        trainer.sendall(protocol.encode("hello", **hello, state_bytes=3 * 2**20))
+        assert json.loads(reader.readline())["type"] == "welcome"
+        request(vm.socket, "drill", deadline_s=60)
+        assert json.loads(reader.readline())["type"] == "checkpoint-now"
+        plan = vm.status()["plan"]
+        assert plan["bytes"] == 3 * 2**20 and plan["size_from"] == "announced"
+    assert_alive(vm)
+    assert "internal error" not in vm.log.read_text()

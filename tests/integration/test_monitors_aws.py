@@ -237,6 +237,33 @@ def test_aws_monitor_garbage_body_is_error_not_notice() -> None:
     run(scenario())
 
 
+def test_aws_a_hostile_answer_on_one_path_hides_no_notice_on_another() -> None:
+    """A rebalance dated at the calendar's end (its deadline overflowed) and a maintenance answer
+    nested 20,000 deep (RecursionError) used to end the whole poll, the spot notice beside them with it."""
+    hostile = {
+        "rebalance": '{"noticeTime": "9999-12-31T23:59:59Z"}',
+        "maintenance/scheduled": "[" * 20_000 + "]" * 20_000,
+        "target-lifecycle-state": "Terminated" * 10,
+    }
+
+    async def scenario() -> None:
+        with emulator("aws") as emu:
+            async with http_session() as session:
+                monitor = AwsMonitor(session, emu.url)
+                emu.trigger(kind="spot", action="terminate")
+                emu.inject(*({"kind": "garbage", "path": path, "body": body} for path, body in hostile.items()))
+                notices = await monitor.check_all()
+                assert [(n.kind, n.raw.get("instance-action", {}).get("action")) for n in notices] == [
+                    (Kind.TERMINATE, "terminate")
+                ]
+                # The same answers with no notice beside them are the monitor's error, not a crash.
+                emu.clear()
+                with pytest.raises(MonitorError, match="aws: reading"):
+                    await monitor.check_all()
+
+    run(scenario())
+
+
 def test_aws_timeouts_5xx_and_dropped_connections_are_errors() -> None:
     async def scenario() -> None:
         with emulator("aws") as emu:

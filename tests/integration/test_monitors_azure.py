@@ -212,3 +212,38 @@ def test_azure_fault_mix_no_notice_before_same_id_after() -> None:
                 assert len({n.event_id for n in notices}) == 1
 
     run(scenario())
+
+
+def test_azure_a_malformed_event_of_another_vm_hides_no_eviction_of_this_one() -> None:
+    """The document lists every VM's events in an availability set: one of another VM's without an
+    EventId, or a DocumentIncarnation past any integer, used to cost this VM its Preempt."""
+
+    async def scenario() -> None:
+        with emulator("azure") as emu:
+            async with http_session() as session:
+                monitor = AzureMonitor(session, emu.url, vm_name="spotguard-vm")
+                emu.trigger(type="Preempt", event_id="F0E1D2C3-0000-4000-8000-000000000002", **{"in": 30})
+                status, body = get(emu.url + EVENTS, {"Metadata": "true"})
+                assert status == 200
+                document = json.loads(body)
+                document["Events"] += [
+                    {"EventType": "Preempt", "Resources": ["other-vm"], "NotBefore": "soon"},
+                    {"EventId": "X", "Resources": "other-vm"},
+                    "not an event",
+                ]
+                hostile = json.dumps(document).replace(
+                    f'"DocumentIncarnation": {document["DocumentIncarnation"]}', '"DocumentIncarnation": 1e999'
+                )
+                assert "1e999" in hostile
+                emu.inject({"kind": "garbage", "path": "scheduledevents", "body": hostile})
+                notice = await monitor.check()
+                assert notice is not None and notice.kind is Kind.TERMINATE
+                assert notice.raw["EventId"] == "F0E1D2C3-0000-4000-8000-000000000002"
+                # This VM's own event malformed is still the monitor's error: it cannot be acted on.
+                document["Events"][0]["NotBefore"] = "soon"
+                emu.clear_faults()
+                emu.inject({"kind": "garbage", "path": "scheduledevents", "body": json.dumps(document)})
+                with pytest.raises(MonitorError, match="NotBefore"):
+                    await monitor.check()
+
+    run(scenario())

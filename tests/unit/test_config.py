@@ -88,6 +88,15 @@ def test_unknown_and_broken_files_are_config_errors(tmp_path: Path) -> None:
         load_config({}, env={}, config_file=broken)
     with pytest.raises(ConfigError, match="cannot read"):
         load_config({}, env={}, config_file=tmp_path / "missing.toml")
+    # An editor's Latin-1 comment, and nesting past the parser's depth: the file named, no traceback.
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes(b'bucket = "s3://b/r"\n# caf\xe9\n')
+    with pytest.raises(ConfigError, match=r"latin1.toml: not UTF-8 text \(byte 25\): save it as UTF-8"):
+        load_config({}, env={}, config_file=latin1)
+    deep = tmp_path / "deep.toml"
+    deep.write_text("a = " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(ConfigError, match=r"deep\.toml: not valid TOML: arrays or tables nested too deeply"):
+        load_config({}, env={}, config_file=deep)
 
 
 def test_cli_exits_2_with_one_line_naming_the_key(tmp_path: Path) -> None:

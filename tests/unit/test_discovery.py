@@ -99,6 +99,30 @@ def test_stale_entries_are_skipped_and_long_dead_ones_pruned(storage: FileStorag
     assert asyncio.run(reader.candidates()) == []
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"address": "127.0.0.1:7149", "heartbeat": ' + b"[" * 20_000 + b"]" * 20_000 + b"}",
+        b'{"address": "127.0.0.1:7149", "heartbeat": 1' + b"0" * 5000 + b"}",
+        b'{"address": "127.0.0.1:7149", "heartbeat": NaN, "sig": ""}',
+    ],
+    ids=["nested", "digits", "nan"],
+)
+def test_a_hostile_entry_hides_no_peer_and_is_pruned_like_garbage(storage: FileStorage, body: bytes) -> None:
+    """One forged object nested 20,000 deep used to raise RecursionError out of the registry's
+    read: no candidate at all for a notice's handoff."""
+    clock = Clock()
+    alive = PeerRegistry(storage, token=TOKEN, networks=NETWORKS, address="127.0.0.1:7141", clock=clock)
+    reader = PeerRegistry(storage, token=TOKEN, networks=NETWORKS, clock=clock)
+    alive.register()
+    put_bytes(storage, f"{PREFIX}/forged.json", body)
+    assert asyncio.run(reader.candidates()) == [("127.0.0.1", 7141)]
+    old = clock.now - (PRUNE_AFTER + 1) * HEARTBEAT
+    os.utime(Path(storage.url.removeprefix("file://")) / PREFIX / "forged.json", (old, old))
+    asyncio.run(reader.candidates())
+    assert f"{PREFIX}/forged.json" not in keys(storage)
+
+
 def test_registry_objects_never_show_up_as_checkpoints(storage: FileStorage, tmp_path: Path) -> None:
     registry = PeerRegistry(storage, token=TOKEN, networks=NETWORKS, address="127.0.0.1:7140")
     registry.register()

@@ -22,6 +22,9 @@ from spotguard.manifest import (
     write_part,
 )
 from spotguard.safefile import SymlinkRefused, atomic_file
+from spotguard.storage.base import put_bytes
+from spotguard.storage.checkpoints import list_remote, restore, upload_checkpoint
+from spotguard.storage.file import FileStorage
 from tests.checkpoints import write_checkpoint
 
 
@@ -199,6 +202,31 @@ def test_malformed_manifests_are_rejected(tmp_path: Path, mutate) -> None:  # ty
     mutate(document)
     with pytest.raises(ManifestError):
         Manifest.from_json(json.dumps(document).encode())
+
+
+@pytest.mark.parametrize(
+    "manifest",
+    [
+        b'{"format": "spotguard/1", "step": ' + b"[" * 20_000 + b"]" * 20_000 + b"}",
+        b'{"format": "spotguard/1", "step": 2' + b"0" * 5000 + b"}",
+        b'{"format": "spotguard/' + b"9" * 5000 + b'"}',
+    ],
+    ids=["nested", "digits", "format-digits"],
+)
+def test_a_hostile_manifest_in_the_bucket_is_skipped_and_the_older_checkpoint_restored(
+    tmp_path: Path, manifest: bytes
+) -> None:
+    """Each of these used to raise out of the bucket's listing (RecursionError, or the ValueError of
+    Python's digit limit): one object ended every listing, restore and resume of the job."""
+    storage = FileStorage(f"file://{tmp_path}/bucket/run1")
+    upload_checkpoint(storage, write_checkpoint(tmp_path / "local", 1, {"w.bin": b"one"}))
+    upload_checkpoint(storage, write_checkpoint(tmp_path / "local", 2, {"w.bin": b"two"}))
+    put_bytes(storage, f"step-000000002/{MANIFEST}", manifest)
+    with pytest.raises(ManifestError):
+        Manifest.from_json(manifest)
+    assert [(info.step, info.status) for info in list_remote(storage)] == [(1, "complete"), (2, "incomplete")]
+    restored = restore(storage, tmp_path / "fresh")
+    assert restored is not None and (restored / "w.bin").read_bytes() == b"one"
 
 
 def test_manifest_for_another_step_is_rejected(tmp_path: Path) -> None:
