@@ -65,7 +65,8 @@ class UploadJournal:
     def done(self, upload_id: str) -> None:
         """Record that an upload was completed or aborted (nothing is left open in the store)."""
         with self._lock:
-            self._open.pop(upload_id, None)
+            if self._open.pop(upload_id, None) is None:
+                return  # never recorded (its line could not be written): nothing to close
             if self._size() >= COMPACT_AT:
                 self._rewrite(list(self._open.values()))  # the lines of finished uploads say nothing more
             else:

@@ -136,6 +136,8 @@ class S3Multipart:
         self._abort_lock = threading.Lock()
         self.abort_retry_interval = ABORT_RETRY_INTERVAL
         self._abort_retry_at = 0.0  # time.monotonic()
+        self._journal_lock = threading.Lock()
+        self._journal_failing = False  # the last upload could not be recorded (its warning logged)
 
     def plan(self, size: int) -> Plan:
         part = self.part_size
@@ -159,13 +161,34 @@ class S3Multipart:
             **({} if md5 else {"ChecksumAlgorithm": "CRC32C", "ChecksumType": "FULL_OBJECT"}),
         )
         upload_id = str(created["UploadId"])
-        if self.journal is not None:
-            try:
-                self.journal.opened(full, upload_id)
-            except OSError:
-                self.abort(full, upload_id)  # an upload nobody could find again after a kill: not opened
-                raise
+        self._record_opened(full, upload_id)
         return upload_id
+
+    def _record_opened(self, full: str, upload_id: str) -> None:
+        """Note the upload in the journal. One that cannot be (the state directory's disk is full: the
+        root disk of a VM that ran for months, not the checkpoint's) is sent all the same: the
+        checkpoint matters more than the record. Unrecorded, an upload a killed daemon leaves open goes
+        with the sweep by age and the bucket's lifecycle rule instead; before, every multipart upload
+        was aborted, the urgent one's included."""
+        if self.journal is None:
+            return
+        try:
+            self.journal.opened(full, upload_id)
+        except OSError as exc:
+            with self._journal_lock:
+                first, self._journal_failing = not self._journal_failing, True
+            if first:  # once until it can be written again, not once per file
+                log.warning(
+                    "s3: cannot record upload %s of %s in %s (%s): uploading it anyway. Free space there;"
+                    " until then, an upload a killed daemon leaves open is only aborted once older than"
+                    " stale_upload_age",
+                    upload_id, full, self.journal.path, exc.strerror or exc,
+                )  # fmt: skip
+            return
+        with self._journal_lock:
+            recovered, self._journal_failing = self._journal_failing, False
+        if recovered:
+            log.info("s3: the upload journal %s is written again", self.journal.path)
 
     def send_part(self, fd: int, full: str, upload_id: str, where: tuple[int, int, int], md5: bool) -> tuple[str, int]:
         """Part ``where`` (number, offset, length) read from ``fd`` and sent with its checksum; its

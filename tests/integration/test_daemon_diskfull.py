@@ -226,3 +226,27 @@ def test_a_save_that_runs_out_of_room_mid_write_leaves_nothing_of_its_step_in_th
     )
     assert verified.returncode == 0, verified.stdout + verified.stderr
     assert "step-000000005: ok" in verified.stdout
+
+
+def test_a_full_state_directory_stops_no_upload(tmpfs: Callable[[int], Path], tmp_path: Path, bucket: str) -> None:
+    """The state directory lives on the root disk, which a VM running for months fills (logs, images,
+    caches), not on the checkpoint disk. The upload journal there could not take a line, and every
+    multipart upload was aborted for it: the urgent checkpoint never reached the bucket."""
+    state = tmpfs(1 * MiB)
+    vm = Vm(tmp_path, "vm", bucket, extra_args=["--provider", "none", "--state-dir", str(state)])
+    vm.start_daemon()
+    try:
+        fill(state, leave=0)  # after the start, whose rewrite of the journal went in
+        guard = connected_guard(vm)
+        try:
+            guard.save(tensors(40, seed=7), 7, reason="urgent")  # its file streamed as a multipart upload
+            guard.save(tensors(20, seed=8), 8)
+        finally:
+            guard.close()
+        wait_for(lambda: complete_steps(bucket) == [7, 8], 60, "steps 7 and 8 committed in the bucket")
+        assert vm.status()["uploads"]["failures"] == []
+    finally:
+        vm.kill_daemon()
+    log = vm.log.read_text()
+    assert log.count("cannot record upload") == 1, log  # once, not once per file
+    assert "Free space there" in log
