@@ -50,6 +50,7 @@ from spotguard.jsontext import parse_json
 from spotguard.peer.networks import PeerNetworks
 from spotguard.peer.tokens import REGISTRY_KEY_LABEL, derive_key
 from spotguard.peer.wire import parse_address
+from spotguard.repeats import RepeatedErrors
 from spotguard.storage.base import ObjectNotFound, Storage, StorageError, put_bytes
 
 logger = logging.getLogger("spotguard.discovery")
@@ -59,6 +60,7 @@ HEARTBEAT = 30.0  # seconds between rewrites of this daemon's entry
 STALE_AFTER = 3  # heartbeat periods without a rewrite before an entry is no candidate
 PRUNE_AFTER = 20  # heartbeat periods without a rewrite before a reader deletes the entry
 MAX_SKEW = 60.0  # seconds a heartbeat may lie in the reader's future (clock skew between VMs)
+WARN_EVERY = 600.0  # seconds between warnings of a write that keeps failing the same way
 MAX_CANDIDATES = 16  # entries asked at most, the freshest
 ENTRY_VERSION = 1
 # Where the source address is looked up for a wildcard listen address: the metadata service's
@@ -177,13 +179,26 @@ class PeerRegistry:
             self.storage.delete([self.key])
 
     async def run(self) -> None:
-        """Keep the entry fresh until cancelled. A failed write is logged and tried again next period:
-        an entry that missed a few heartbeats only stops being a candidate for a while."""
+        """Keep the entry fresh until cancelled. A failed write is tried again next period: an entry
+        that missed a few heartbeats only stops being a candidate for a while. A write that keeps
+        failing (a full disk under the scratch file, a bucket that refuses) is logged when its kind of
+        error first comes or changes and every :data:`WARN_EVERY` seconds after, not at every
+        heartbeat (2,880 lines a day), and once when a write succeeds again."""
+        warnings = RepeatedErrors(WARN_EVERY)
+        failing = False
         while True:
             try:
                 await asyncio.to_thread(self.register)
             except (StorageError, OSError) as exc:
-                logger.warning("peer registry: could not write %s: %s", self.key, exc)
+                failing = True
+                # Its kind, not its text: the text names a fresh scratch file or request every time.
+                if warnings.due("write", f"{type(exc).__name__} {getattr(exc, 'errno', None)}"):
+                    logger.warning("peer registry: could not write %s: %s", self.key, exc)
+            else:
+                if failing:
+                    logger.info("peer registry: %s written again", self.key)
+                    warnings.clear("write")
+                failing = False
             await asyncio.sleep(self.heartbeat)
 
     async def close(self) -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -28,6 +30,7 @@ from spotguard.storage.base import put_bytes
 from spotguard.storage.checkpoints import list_remote, prune_remote, restore, upload_checkpoint
 from spotguard.storage.file import FileStorage
 from tests.checkpoints import write_checkpoint
+from tests.diskspace import fill
 
 TOKEN = b"the-job-s-peer-token-0123456789abcdef"
 NETWORKS = PeerNetworks(parse_networks(DEFAULT_PEER_NETWORKS + LOOPBACK_NETWORKS))
@@ -42,8 +45,10 @@ def signed(storage: FileStorage, key: str, document: dict[str, object]) -> bytes
 class Clock:
     def __init__(self) -> None:
         self.now = 1_700_000_000.0
+        self.reads = 0  # a registry reads it once per write of its entry
 
     def __call__(self) -> float:
+        self.reads += 1
         return self.now
 
 
@@ -166,3 +171,39 @@ def test_peers_bucket_in_the_config(tmp_path: Path) -> None:
         DaemonConfig(bucket="s3://b/run1", peers="bucket", peer_advertise="10.0.0.2:7140")
     with pytest.raises(ConfigError, match="peer_advertise"):
         DaemonConfig(bucket="s3://b/run1", peer_listen="0.0.0.0:7140", peer_advertise="10.0.0.2")
+
+
+def test_a_write_that_keeps_failing_is_logged_once_and_its_recovery_once(
+    tmpfs: Callable[[int], Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A full disk under the entry (here the bucket's) failed every heartbeat and logged a warning at
+    each, every 30 s for as long as the disk stayed full."""
+    disk = tmpfs(256 * 1024)
+    storage = FileStorage(f"file://{disk}/bucket/run1")
+    filler = fill(disk, leave=0)
+    clock = Clock()
+    registry = PeerRegistry(
+        storage, token=TOKEN, networks=NETWORKS, address="127.0.0.1:7141", heartbeat=0.001, clock=clock
+    )
+
+    async def scenario() -> None:
+        task = asyncio.create_task(registry.run())
+        try:
+            await until(lambda: clock.reads >= 50, "fifty failed heartbeats")
+            filler.unlink()
+            await until(lambda: keys(storage) != [], "the entry written once there is room")
+        finally:
+            task.cancel()
+
+    with caplog.at_level(logging.INFO, logger="spotguard.discovery"):
+        asyncio.run(scenario())
+    messages = [record.getMessage() for record in caplog.records]
+    assert len([m for m in messages if "could not write" in m]) == 1, messages
+    assert len([m for m in messages if "written again" in m]) == 1, messages
+
+
+async def until(condition: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.005)
