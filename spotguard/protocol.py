@@ -72,7 +72,7 @@ class ProtocolError(SpotguardError, ValueError):
 
 
 # Required fields and their types, per message type.
-_SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
+REQUIRED_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "hello": {"rank": int, "world_size": int, "pid": int},
     "state-size": {"bytes": int, "sharded": bool},
     "file": {"path": str, "name": str, "size": int, "crc32c": str},
@@ -90,9 +90,12 @@ _SCHEMA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "error": {"code": str, "message": str},
 }
 # Fields that may be absent, and their types when present.
-_OPTIONAL: dict[str, dict[str, type | tuple[type, ...]]] = {
+OPTIONAL_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "drill": {"deadline_s": (int, float)},
-    "hello": {"state_bytes": int, "sharded": bool},
+    "hello": {"checkpoint_dir": str, "state_bytes": int, "sharded": bool},
+    "saved": {"event_id": str},
+    "save-failed": {"bytes_needed": int, "bytes_free": int, "path": str, "event_id": str},
+    "peer-resume": {"fetch": bool},
     "error": {"re": str},  # the type of the request it answers, when that was known
 }
 CLIENT_TYPES = frozenset(
@@ -110,7 +113,7 @@ DAEMON_TYPES = frozenset({"welcome", "checkpoint-now", "ok", "safe-steps", "peer
 
 
 def encode(message_type: str, **fields: Any) -> bytes:
-    if message_type not in _SCHEMA:
+    if message_type not in REQUIRED_FIELDS:
         raise ValueError(f"unknown message type {message_type!r}")
     return json.dumps({"v": VERSION, "type": message_type, **fields}, separators=(",", ":")).encode() + b"\n"
 
@@ -128,7 +131,7 @@ def decode(line: bytes, *, allowed: frozenset[str] | None = None, limit: int = M
     if message.get("v") != VERSION:
         raise ProtocolError("bad-version", f"protocol version {message.get('v')!r} not supported (want {VERSION})")
     message_type = message.get("type")
-    if not isinstance(message_type, str) or message_type not in _SCHEMA:
+    if not isinstance(message_type, str) or message_type not in REQUIRED_FIELDS:
         raise ProtocolError("unknown-type", f"unknown message type {message_type!r}")
     if allowed is not None and message_type not in allowed:
         raise ProtocolError("unknown-type", f"message type {message_type!r} not accepted here")
@@ -150,11 +153,11 @@ def _check_range(message: Mapping[str, Any]) -> None:
 
 
 def _check_fields(message_type: str, message: Mapping[str, Any]) -> None:
-    for name, expected in _SCHEMA[message_type].items():
+    for name, expected in REQUIRED_FIELDS[message_type].items():
         value = message.get(name)
         if value is None or not _is_a(value, expected):
             raise ProtocolError("bad-field", f"{message_type}: field {name!r} missing or not {_type_name(expected)}")
-    for name, expected in _OPTIONAL.get(message_type, {}).items():
+    for name, expected in OPTIONAL_FIELDS.get(message_type, {}).items():
         value = message.get(name)
         if value is not None and not _is_a(value, expected):
             raise ProtocolError("bad-field", f"{message_type}: field {name!r} is not {_type_name(expected)}")

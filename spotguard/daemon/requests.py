@@ -79,6 +79,14 @@ def checkpoint_now(notice: Notice, action: Action) -> Reply:
     }
 
 
+def _resolved(text: str, what: str) -> Path:
+    """``text`` as an absolute path without links, or the protocol's error: a NUL byte is no path."""
+    try:
+        return Path(text).resolve()
+    except (ValueError, RuntimeError):  # a NUL byte; a loop of links
+        raise protocol.ProtocolError("bad-path", f"{what}: {text!r} is not a path") from None
+
+
 class RequestHandler:
     """Answers the daemon's socket messages (``handle``) and forgets a writer that goes (``on_disconnect``);
     ``stopping`` says whether the daemon is shutting down."""
@@ -129,7 +137,7 @@ class RequestHandler:
             "daemon_pid": os.getpid(),
             "peers": self.host.peering.can_resume(),  # the hook asks (peer-resume) before a resume
         }
-        if claimed and Path(claimed).resolve() != self.host.root.resolve():
+        if claimed and _resolved(claimed, "hello: checkpoint_dir") != self.host.root.resolve():
             fields["warning"] = (
                 f"the trainer writes to {claimed} but this daemon uploads from {self.host.root}: "
                 "set the same directory on both sides"
@@ -163,6 +171,8 @@ class RequestHandler:
             resolved = path.resolve(strict=True)
         except (OSError, RuntimeError):
             raise protocol.ProtocolError("bad-path", f"{path} does not exist") from None
+        except ValueError:  # a NUL byte: no path at all
+            raise protocol.ProtocolError("bad-path", f"{str(path)!r} is not a path") from None
         if resolved.parent != self.host.root.resolve() or parse_step_dir(resolved.name) is None:
             raise protocol.ProtocolError("bad-path", f"{path} is not a checkpoint directory inside {self.host.root}")
         return resolved

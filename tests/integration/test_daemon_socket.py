@@ -9,8 +9,11 @@ import socket
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from spotguard import protocol
 from spotguard.control import request
@@ -209,3 +212,62 @@ def test_numbers_no_one_can_compute_with_and_deep_nesting_get_errors_and_the_nex
         assert plan["bytes"] == 3 * 2**20 and plan["size_from"] == "announced"
     assert_alive(vm)
     assert "internal error" not in vm.log.read_text()
+
+
+def request_of(kind: str, root: Path) -> st.SearchStrategy[dict[str, Any]]:
+    """A request of ``kind`` whose fields all have the declared types (it passes ``decode``), with values
+    a trainer should never send: paths outside the root, NUL bytes, negative and huge numbers."""
+    step = root / "step-000000001"
+    paths = st.one_of(
+        st.text(max_size=16),
+        st.sampled_from(
+            [str(root), str(step), f"{step}/w.bin", f"{step}/../..", "/", "\x00", f"{step}\x00", "a" * 5000]
+        ),
+    )
+    names = st.one_of(st.text(max_size=8), st.sampled_from(["w.bin", "../w.bin", "a/b", "\x00", "manifest.json", ""]))
+
+    def value(name: str, kind_of: type | tuple[type, ...]) -> st.SearchStrategy[Any]:
+        kinds = kind_of if isinstance(kind_of, tuple) else (kind_of,)
+        choices: list[st.SearchStrategy[Any]] = []
+        for each in kinds:
+            if each is bool:
+                choices.append(st.booleans())
+            elif each is int:
+                choices.append(st.one_of(st.integers(-(2**63), 2**63 - 1), st.integers(-2, 2)))
+            elif each is float:
+                choices.append(st.floats(allow_nan=False, allow_infinity=False))
+            elif each is dict:
+                choices.append(st.dictionaries(st.text(max_size=4), st.integers(), max_size=2))
+            else:
+                choices.append(paths if name in ("path", "tmp", "checkpoint_dir") else names)
+        return st.one_of(*choices)
+
+    required = {name: value(name, of) for name, of in protocol.REQUIRED_FIELDS[kind].items()}
+    optional = {name: value(name, of) for name, of in protocol.OPTIONAL_FIELDS.get(kind, {}).items()}
+    return st.fixed_dictionaries(required, optional=optional).map(lambda f: {"v": protocol.VERSION, "type": kind, **f})
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_request_of_the_declared_types_gets_the_protocols_answer_never_an_internal_error(
+    vm: Vm, data: st.DataObject
+) -> None:
+    """The daemon's handlers behind ``decode``: a NUL byte in a reported path, or a hello's
+    checkpoint_dir of another type, reached them and came back as "internal" with a traceback logged."""
+    if not (vm.root / "step-000000001").exists():
+        write_checkpoint(vm.root, 1, {"w.bin": b"x"})  # reported paths may then lead somewhere real
+    kinds = st.sampled_from(sorted(protocol.CLIENT_TYPES))
+    batch = data.draw(st.lists(kinds.flatmap(lambda kind: request_of(kind, vm.root)), min_size=1, max_size=4))
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(10)
+        sock.connect(os.fspath(vm.socket))
+        replies = sock.makefile("rb")
+        for message in batch:
+            # A status after each: every request is answered (or not) before it.
+            sock.sendall(json.dumps(message).encode() + b"\n" + protocol.encode("status"))
+            statuses = 1 + (message["type"] == "status")
+            while statuses:
+                reply = json.loads(replies.readline())
+                assert reply.get("code") != "internal", (message, reply)
+                statuses -= reply["type"] == "status"
+    assert "Traceback" not in vm.log.read_text()
