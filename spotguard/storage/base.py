@@ -59,6 +59,7 @@ __all__ = [
     "TransientStorageError",
     "UploadStream",
     "put_bytes",
+    "scratch_dir",
     "read_exactly",
     "retry",
 ]
@@ -242,10 +243,23 @@ def split_bucket_url(url: str, scheme: str) -> tuple[str, str]:
     return parts.netloc, f"{prefix}/" if prefix else ""
 
 
+# Where small objects wait for their upload: memory (/dev/shm), not the root disk's /tmp, which a VM
+# running for months fills; a full one stopped the peer registry's heartbeat.
+_MEMORY_SCRATCH = Path("/dev/shm")
+
+
+def scratch_dir() -> str | None:
+    """A directory for a small object's bytes on their way to a store: ``/dev/shm`` where it can be
+    written, else the system's temporary directory (``None``, as ``tempfile`` takes it)."""
+    if _MEMORY_SCRATCH.is_dir() and os.access(_MEMORY_SCRATCH, os.W_OK | os.X_OK):
+        return str(_MEMORY_SCRATCH)
+    return None
+
+
 def put_bytes(storage: Storage, key: str, data: bytes) -> None:
     """Write a small object holding ``data`` (replacing any at ``key``) through ``put_file``, the one
-    write every backend has: the bytes go through a scratch file (blocking)."""
-    with tempfile.TemporaryDirectory(prefix="spotguard-put-") as scratch:
+    write every backend has: the bytes go through a scratch file (blocking), in memory where it can be."""
+    with tempfile.TemporaryDirectory(prefix="spotguard-put-", dir=scratch_dir()) as scratch:
         local = Path(scratch) / "object"
         local.write_bytes(data)
         storage.put_file(local, key, crc32c=crc32c_of_bytes(data))

@@ -64,6 +64,7 @@ from spotguard.storage.base import (
     Progress,
     Sink,
     StoreDefaults,
+    scratch_dir,
     split_bucket_url,
 )
 from spotguard.storage.errors import ChecksumMismatch, ObjectNotFound, StorageError, TransientStorageError
@@ -362,7 +363,7 @@ class S3Storage(StoreDefaults):
         data = os.urandom(4096)
         crc = crc_of(data)
         full = self._api.key(key)
-        with tempfile.TemporaryDirectory(prefix="spotguard-probe-") as scratch:
+        with tempfile.TemporaryDirectory(prefix="spotguard-probe-", dir=scratch_dir()) as scratch:
             local = Path(scratch) / "probe"
             local.write_bytes(data)
             self._put_multipart(local, full, len(data), crc, None, md5=False)

@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import os
+import tempfile
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -26,7 +27,7 @@ from spotguard.peer.discovery import (
     signing_key,
 )
 from spotguard.peer.networks import DEFAULT_PEER_NETWORKS, LOOPBACK_NETWORKS, PeerNetworks, parse_networks
-from spotguard.storage.base import put_bytes
+from spotguard.storage.base import put_bytes, scratch_dir
 from spotguard.storage.checkpoints import list_remote, prune_remote, restore, upload_checkpoint
 from spotguard.storage.file import FileStorage
 from tests.checkpoints import write_checkpoint
@@ -207,3 +208,20 @@ async def until(condition: Callable[[], bool], what: str, timeout: float = 20.0)
     while not condition():
         assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
         await asyncio.sleep(0.005)
+
+
+def test_the_entry_is_written_while_the_temporary_directory_is_full(
+    tmpfs: Callable[[int], Path], storage: FileStorage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A small object waits for its upload in memory (/dev/shm), not in /tmp on the root disk: a full
+    one stopped every heartbeat, and the node fell out of the registry after 90 s."""
+    if scratch_dir() is None:
+        pytest.skip("no writable /dev/shm here: small objects go through the temporary directory")
+    full = tmpfs(64 * 1024)
+    fill(full, leave=0)
+    monkeypatch.setattr(tempfile, "tempdir", str(full))  # what TMPDIR on a full disk gives
+    registry = PeerRegistry(storage, token=TOKEN, networks=NETWORKS, address="127.0.0.1:7141", clock=Clock())
+    registry.register()
+    assert keys(storage) == [f"{PREFIX}/{Path(registry.key or '').name}"]
+    with pytest.raises(OSError), tempfile.TemporaryFile(buffering=0) as probe:
+        probe.write(b"x")  # the temporary directory really is full
