@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import struct
 from pathlib import Path
+from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from spotguard.control import request
 from spotguard.harness import Vm, wait_for
@@ -270,3 +274,84 @@ def test_node_0_s_share_comes_with_the_job_s_manifest_committed_once_every_node_
         storage.close()
     assert remote == (step_dir / "manifest.json").read_bytes()  # exactly what node 0 would have committed
     wait_for(lambda: replica_area(receiver_vm) == [], 10, "the replica to be deleted once committed")
+
+
+FRAME_KINDS = ["ping", "query", "replica", "join", "done", "commit", "list", "fetch", "data", "bogus"]
+
+
+def peer_frames(url: str) -> st.SearchStrategy[dict[str, Any]]:
+    """Header frames an authenticated peer may send, each field of a type the receiver reads, with
+    values no sender of ours sends. A data frame announces no payload (len 0): its bytes would
+    otherwise be what the next header is read from."""
+    texts = st.one_of(
+        st.text(max_size=12),
+        st.sampled_from(["step-000000009", "step-000000009\n", "w.bin", "../w.bin", "\x00", url, "s3://other/x"]),
+    )
+    numbers = st.one_of(st.integers(-2, 10), st.integers(-(2**70), 2**70))
+    documents = st.one_of(
+        texts,
+        st.sampled_from(["{}", "[" * 5000 + "]" * 5000, '{"format": "spotguard/1", "step": 9, "files": {}}']),
+        st.builds(
+            lambda node, nodes: json.dumps({"node": node, "nodes": nodes, "files": {"w.bin": {"size": 1}}}),
+            numbers,
+            numbers,
+        ),
+    )
+    fields = {
+        "name": texts,
+        "bucket": st.one_of(st.just(url), texts),
+        "id": texts,
+        "bytes": numbers,
+        "size": numbers,
+        "offset": numbers,
+        "manifest": documents,
+        "part": documents,
+        "after": numbers,
+    }
+    return st.builds(
+        lambda kind, chosen: {"t": kind, **chosen, **({"len": 0} if kind == "data" else {})},
+        st.sampled_from(FRAME_KINDS),
+        st.fixed_dictionaries({}, optional=fields),
+    )
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_sequence_of_frames_from_an_authenticated_peer_gets_the_protocols_answers(
+    receiver_vm: Vm, url: str, data: st.DataObject
+) -> None:
+    """A peer that holds the token is not trusted with the receiver's state: whatever header frames it
+    sends, in any order, each gets an answer or the protocol's error and the connection ends; no
+    handler raises something else (a traceback in the log), and the receiver serves the next peer."""
+    frames = data.draw(st.lists(peer_frames(url), min_size=1, max_size=5))
+
+    async def exchange() -> None:
+        client = await PeerClient.connect(*address(receiver_vm), TOKEN.encode())
+        try:
+            for frame in frames:
+                client.channel.write(wire.encode(frame))
+                client.channel.write(wire.encode({"t": "query"}))  # every answer comes before its state
+                await client.channel.drain()
+                while (await client.channel.read_frame(timeout=10))["t"] != "state":
+                    pass
+        except (wire.PeerError, ConnectionError, asyncio.IncompleteReadError):
+            pass  # refused: the connection is over
+        finally:
+            await client.close()
+        # The next peer is served; by its answer the first connection's handler has ended, and what it
+        # raised, if anything, is in the log.
+        following = await PeerClient.connect(*address(receiver_vm), TOKEN.encode())
+        try:
+            assert (await following.query())["t"] == "state"
+        finally:
+            await following.close()
+
+    asyncio.run(exchange())
+    # What the connection opened and did not finish goes with it: its slot and bytes are free again.
+    wait_for(
+        lambda: all(r["state"] != "receiving" for r in receiver_vm.status()["peers"]["replicas"]),
+        10,
+        "the connection's unfinished replica to go",
+    )
+    log = receiver_vm.log.read_text()
+    assert "Traceback" not in log and "Unhandled exception" not in log, log[-3000:]
