@@ -8,6 +8,7 @@ frozen, validated :class:`DaemonConfig`; any bad value raises
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 import string
 import tomllib
@@ -322,7 +323,12 @@ def _as_number(kind: type) -> Callable[[Any], Any]:
     def parse(value: Any) -> Any:
         if isinstance(value, bool):
             raise ValueError(f"{value!r} is not a number")
-        return kind(value)
+        number = kind(value)
+        # float("inf") and float("1e999") parse: a poll interval of infinity left the monitor deaf
+        # after its first look, and no check of "> 0" refuses it.
+        if isinstance(number, float) and not math.isfinite(number):
+            raise ValueError("not a finite number")
+        return number
 
     return parse
 

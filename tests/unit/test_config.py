@@ -77,6 +77,15 @@ def test_stale_upload_age_defaults_to_an_hour_and_must_be_positive() -> None:
         load_config({}, env={"SPOTGUARD_STALE_UPLOAD_AGE": "0"})
 
 
+@pytest.mark.parametrize("text", ["inf", "-inf", "nan", "1e999"])
+def test_a_number_of_seconds_must_be_finite(text: str) -> None:
+    """float() takes these; a poll interval of infinity left the monitor deaf after its first look."""
+    with pytest.raises(ConfigError, match=rf"^SPOTGUARD_POLL_INTERVAL: cannot use '{text}': not a finite number"):
+        load_config({}, env={"SPOTGUARD_POLL_INTERVAL": text})
+    with pytest.raises(ConfigError, match=r"^--shutdown-grace: cannot use .*: not a finite number"):
+        load_config({"shutdown_grace": float(text)}, env={})
+
+
 def test_unknown_and_broken_files_are_config_errors(tmp_path: Path) -> None:
     typo = tmp_path / "typo.toml"
     typo.write_text("pol_interval = 1\n")
