@@ -28,9 +28,11 @@ class RepeatedErrors:
         self._logged[source] = (error, now)
         return True
 
-    def clear(self, source: str) -> None:
-        """``source`` works again: its next error is logged at once."""
-        self._logged.pop(source, None)
+    def clear(self, source: str) -> bool:
+        """``source`` works again: its next error is logged at once. Whether it had failed since it
+        was last cleared (every failure passes through :meth:`due`, which notes it): the caller's cue
+        to say it recovered."""
+        return self._logged.pop(source, None) is not None
 
 
 class Latest(Generic[K, V]):

@@ -110,11 +110,9 @@ class BucketListings:
         self.count = 0
         self._at = -interval  # monotonic time of the last listing
         self._warnings = RepeatedErrors(LIST_WARN_EVERY)
-        self._failing = False
 
     def failed(self, url: str, exc: Exception) -> None:
         error = f"cannot list {url}: {exc}"
-        self._failing = True
         if self._warnings.due("bucket", error):
             logger.warning("%s (will retry)", error)
         else:
@@ -128,9 +126,7 @@ class BucketListings:
         listing = await asyncio.to_thread(list_remote, storage, known=self.manifests)
         self._at = time.monotonic()
         self.count += 1
-        if self._failing:
-            self._failing = False
-            self._warnings.clear("bucket")
+        if self._warnings.clear("bucket"):
             logger.info("%s answers listings again", storage.url)
         return {info.name: info for info in listing if info.status == "complete"}
 

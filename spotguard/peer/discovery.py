@@ -185,20 +185,16 @@ class PeerRegistry:
         error first comes or changes and every :data:`WARN_EVERY` seconds after, not at every
         heartbeat (2,880 lines a day), and once when a write succeeds again."""
         warnings = RepeatedErrors(WARN_EVERY)
-        failing = False
         while True:
             try:
                 await asyncio.to_thread(self.register)
             except (StorageError, OSError) as exc:
-                failing = True
                 # Its kind, not its text: the text names a fresh scratch file or request every time.
                 if warnings.due("write", f"{type(exc).__name__} {getattr(exc, 'errno', None)}"):
                     logger.warning("peer registry: could not write %s: %s", self.key, exc)
             else:
-                if failing:
+                if warnings.clear("write"):
                     logger.info("peer registry: %s written again", self.key)
-                    warnings.clear("write")
-                failing = False
             await asyncio.sleep(self.heartbeat)
 
     async def close(self) -> None:

@@ -95,7 +95,7 @@ def parse_instance_action(text: str, first_seen: datetime) -> Notice:
     action = data.get("action") if isinstance(data, dict) else None
     if not isinstance(action, str) or action not in SPOT_KINDS or not isinstance(data.get("time"), str):
         raise ValueError(f"unexpected instance-action: {text[:120]!r}")
-    kind = SPOT_KINDS[data["action"]]
+    kind = SPOT_KINDS[action]
     announced = parse_iso(data["time"])
     # EC2 fills "time" in for hibernation too, but promises no two-minute warning for it.
     deadline = min(announced, first_seen + UNTIMED_NOTICE_WINDOW) if kind is Kind.HIBERNATE else announced

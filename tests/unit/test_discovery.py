@@ -32,6 +32,7 @@ from spotguard.storage.checkpoints import list_remote, prune_remote, restore, up
 from spotguard.storage.file import FileStorage
 from tests.checkpoints import write_checkpoint
 from tests.diskspace import fill
+from tests.emulators import eventually
 
 TOKEN = b"the-job-s-peer-token-0123456789abcdef"
 NETWORKS = PeerNetworks(parse_networks(DEFAULT_PEER_NETWORKS + LOOPBACK_NETWORKS))
@@ -190,10 +191,10 @@ def test_a_write_that_keeps_failing_is_logged_once_and_its_recovery_once(
     async def scenario() -> None:
         task = asyncio.create_task(registry.run())
         try:
-            await until(lambda: clock.reads >= 50, "fifty failed heartbeats")
+            await eventually(lambda: clock.reads >= 50, timeout=20)  # fifty failed heartbeats
             filler.unlink()
             # The line, not the object: the object is in place before the write returns and is logged.
-            await until(lambda: "written again" in caplog.text, "the entry written again once there is room")
+            await eventually(lambda: "written again" in caplog.text, timeout=20)
         finally:
             task.cancel()
 
@@ -203,13 +204,6 @@ def test_a_write_that_keeps_failing_is_logged_once_and_its_recovery_once(
     messages = [record.getMessage() for record in caplog.records]
     assert len([m for m in messages if "could not write" in m]) == 1, messages
     assert len([m for m in messages if "written again" in m]) == 1, messages
-
-
-async def until(condition: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.005)
 
 
 def test_the_entry_is_written_while_the_temporary_directory_is_full(
