@@ -274,7 +274,8 @@ def test_a_bucket_that_keeps_failing_its_listings_is_logged_once_then_once_when_
     uploader = Uploader(storage, root, scan_interval=0.02, bucket_scan_interval=3600)
 
     async def steps() -> None:
-        await rescans(uploader, 50)
+        # A rescan is counted as it begins: once the 51st has begun, the 50th (and its listing) is done.
+        await rescans(uploader, 51)
         assert storage.bucket_listings >= 50, "the new checkpoint is looked up at every rescan"
         storage.listing_fails = None
         await rescans(uploader, 5, done=lambda: "step-000000001" in uploader.committed)
