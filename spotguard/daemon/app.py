@@ -97,7 +97,7 @@ class Daemon:
         # The one event stream: every service emits on it; the daemon's own handlers subscribe first
         # (a commit is acknowledged before metrics and webhook hear of it), observers in attach().
         self.bus = EventBus()
-        self.events = EventLog(config.state_dir, self.root)
+        self.events = EventLog(config.state_dir, self.root, spare_dir=config.socket.parent)
         self.notices = NoticeBook(self.events, grace=config.notice_grace, bus=self.bus)
         self.bus.subscribe(NoticeMoved, self._notice_moved)
         self._notices_changed = asyncio.Event()  # wakes the task that ends notices on time

@@ -42,27 +42,48 @@ class EventLog:
     One file per checkpoint root (named by a hash of the resolved root, which the file also
     records): every daemon on a host shares ``state_dir``, and a notice is only ever replayed to
     a daemon restarted for the same root, never to another job's daemon next to it.
+
+    ``state_dir`` is on the root disk, the disk a VM running for months fills. While it cannot be
+    written, the log goes to ``spare_dir`` (the daemon's runtime directory, in memory: it outlives
+    a restart of the daemon, not a reboot) and back to ``state_dir`` at the first write that takes.
+    Each write is numbered, and a start reads the newer of the two.
     """
 
-    def __init__(self, state_dir: Path, root: Path) -> None:
+    def __init__(self, state_dir: Path, root: Path, spare_dir: Path | None = None) -> None:
         self.root = str(root.resolve())
         self.path = self.path_for(state_dir, root)
+        self.spare = None if spare_dir is None else self.path_for(spare_dir, root)
+        if self.spare is not None and self.spare.absolute() == self.path.absolute():
+            self.spare = None
         self.events: dict[str, dict[str, Any]] = {}
         self._writes = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spotguard-events")
         self._lock = threading.Lock()
         self._latest: bytes | None = None  # the newest log not yet handed to the writer
-        try:
-            loaded = parse_json(self.path.read_bytes())
-            if not isinstance(loaded, dict) or loaded.get("root") != self.root:
-                raise ValueError(f"it is not the event log of {self.root}")
-            events = loaded.get("events")
+        self._number = 0  # of the newest write, counted on from the log read at start
+        self._in_spare = False  # the newest write went to the spare file
+        newest: dict[str, Any] | None = None
+        for path in (self.path, self.spare):
+            loaded = None if path is None else self._read(path)
+            if loaded is not None and (newest is None or _write_number(loaded) > _write_number(newest)):
+                newest = loaded
+        if newest is not None:
+            self._number = _write_number(newest)
+            events = newest.get("events")
             if isinstance(events, dict):
                 self.events = {k: v for k, v in events.items() if isinstance(v, dict) and "notice" in v}
-        except FileNotFoundError:
-            pass
-        except (OSError, ValueError) as exc:
-            logger.warning("ignoring unreadable %s: %s", self.path, exc)
         self._forget_old()
+
+    def _read(self, path: Path) -> dict[str, Any] | None:
+        try:
+            loaded = parse_json(path.read_bytes())
+            if not isinstance(loaded, dict) or loaded.get("root") != self.root:
+                raise ValueError(f"it is not the event log of {self.root}")
+            return loaded
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            logger.warning("ignoring unreadable %s: %s", path, exc)
+            return None
 
     @staticmethod
     def path_for(state_dir: Path, root: Path) -> Path:
@@ -95,8 +116,9 @@ class EventLog:
         there (tens of ms, seconds on a sick disk) would delay every trainer's news. Writes keep
         their order, and one still queued is replaced by the newer log rather than written twice.
         """
-        data = json.dumps({"root": self.root, "events": self.events}, indent=1).encode()
         with self._lock:
+            self._number += 1
+            data = json.dumps({"root": self.root, "write": self._number, "events": self.events}, indent=1).encode()
             queued = self._latest is not None
             self._latest = data
         if not queued:
@@ -108,11 +130,38 @@ class EventLog:
         if data is None:
             return
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with atomic_file(self.path) as out:
-                out.write(data)
-        except OSError as exc:  # losing this only risks acting twice after a restart
-            logger.warning("cannot write %s: %s", self.path, exc)
+            _write(self.path, data)
+        except OSError as exc:
+            self._write_spare(data, exc)
+            return
+        if self._in_spare and self.spare is not None:
+            self._in_spare = False
+            logger.info("event log written to %s again", self.path)
+            with contextlib.suppress(OSError):
+                self.spare.unlink(missing_ok=True)
+
+    def _write_spare(self, data: bytes, error: OSError) -> None:
+        """The state directory refused the log (a full root disk, most often): keep it in the spare
+        file, so that a restarted daemon still does not act twice on what this one handled."""
+        if self.spare is None:
+            logger.warning("cannot write %s: %s; a restarted daemon may act on its notices again", self.path, error)
+            return
+        try:
+            _write(self.spare, data)
+        except OSError as spare_error:
+            logger.warning(
+                "cannot write %s (%s) nor %s (%s); a restarted daemon may act on its notices again",
+                self.path,
+                error,
+                self.spare,
+                spare_error,
+            )
+            return
+        if not self._in_spare:
+            self._in_spare = True
+            logger.warning(
+                "cannot write %s: %s; the event log is kept in %s until it can", self.path, error, self.spare
+            )
 
     def flush(self) -> None:
         """Wait until everything recorded so far is on disk."""
@@ -126,6 +175,18 @@ class EventLog:
         for entry in self.events.values():
             with contextlib.suppress(ValueError):
                 yield Notice.from_dict(entry["notice"]), entry
+
+
+def _write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_file(path) as out:
+        out.write(data)
+
+
+def _write_number(log: dict[str, Any]) -> int:
+    """Which of two logs was written last; a log written before writes were numbered counts 0."""
+    number = log.get("write")
+    return number if isinstance(number, int) and not isinstance(number, bool) else 0
 
 
 class NoticeBook:

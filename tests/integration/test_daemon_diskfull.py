@@ -250,3 +250,32 @@ def test_a_full_state_directory_stops_no_upload(tmpfs: Callable[[int], Path], tm
     log = vm.log.read_text()
     assert log.count("cannot record upload") == 1, log  # once, not once per file
     assert "Free space there" in log
+
+
+def test_a_notice_handled_while_the_state_directory_is_full_is_not_acted_on_again_after_a_restart(
+    tmpfs: Callable[[int], Path], tmp_path: Path, bucket: str
+) -> None:
+    """The event log of handled notices lives in the state directory too. While it could not be written,
+    a daemon restarted for the same VM took a drill it had already checkpointed for as never seen."""
+    state = tmpfs(1 * MiB)
+    vm = Vm(tmp_path, "vm", bucket, extra_args=["--provider", "none", "--state-dir", str(state)])
+    vm.start_daemon()
+    try:
+        fill(state, leave=0)
+        guard = connected_guard(vm)
+        try:
+            drill = request(vm.socket, "drill", deadline_s=120)
+            wait_for(lambda: guard.should_checkpoint(3), 10, "the drill to reach the hook")
+            guard.save(tensors(2, seed=3), 3, reason="urgent")
+        finally:
+            guard.close()
+        wait_for(lambda: (vm.status()["pending"] or {}).get("state") == "held", 60, "the drill held once step 3 is in")
+        vm.stop_daemon()
+        vm.start_daemon()
+        pending = vm.status()["pending"]
+        assert pending is not None and pending["event_id"] == drill["event_id"] and pending["state"] == "held"
+    finally:
+        vm.kill_daemon()
+    log = vm.log.read_text()
+    assert log.count("the event log is kept in") == 1, log  # once, not once per write
+    assert "may act on its notices again" not in log

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 from spotguard.daemon.events import NoticeMoved
 from spotguard.daemon.notices import EventLog, NoticeBook, NoticeState
 from spotguard.notice import Action, Kind, Notice, utcnow
+from tests.diskspace import fill
 
 
 class Clock:
@@ -171,3 +173,54 @@ def test_a_running_daemon_forgets_notices_a_day_past_their_deadline_at_its_next_
     log.flush()
     assert old.event_id not in log
     assert list(json.loads(log.path.read_bytes())["events"]) == ["none-drill-new"]
+
+
+def test_a_full_state_directory_keeps_the_log_in_the_spare_until_it_takes_writes_again(
+    tmpfs: Callable[[int], Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The state directory is on the root disk, which a VM running for months fills. The log used to be
+    lost then, and a daemon restarted in that state acted on its notices again."""
+    state, spare, root = tmpfs(64 * 1024), tmp_path / "run", tmp_path / "root"
+    filler = fill(state, leave=0)
+    clock = Clock()
+    caplog.set_level(logging.INFO, logger="spotguard.daemon")
+    log = EventLog(state, root, spare_dir=spare)
+    handled = notice(clock, 100, identity="handled")
+    log.record(handled, action="stop", saved_step=4)
+    log.record(handled, action="stop", saved_step=4, state="held")
+    log.flush()
+    assert not log.path.exists() and log.spare is not None and log.spare.exists()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and str(log.spare) in warnings[0], warnings  # once for the outage
+
+    # A daemon restarted while the disk is still full reads the spare: the notice stays handled.
+    restarted = EventLog(state, root, spare_dir=spare)
+    assert restarted.events[handled.event_id]["state"] == "held"
+    restarted.close()
+
+    # Room again: the next write goes to the state directory, and the spare goes.
+    filler.unlink()
+    later = notice(clock, 200, identity="later")
+    log.record(later, action="checkpoint")
+    log.close()
+    assert log.path.exists() and not log.spare.exists()
+    assert set(json.loads(log.path.read_text())["events"]) == {handled.event_id, later.event_id}
+    assert any("written to" in r.getMessage() and "again" in r.getMessage() for r in caplog.records)
+
+
+def test_a_start_reads_the_newer_of_the_state_directory_and_the_spare(tmp_path: Path) -> None:
+    """A spare left behind (the daemon was killed before its next write reached the state directory)
+    must not win over a newer log there, nor an older log there over a newer spare."""
+    state, spare, root = tmp_path / "state", tmp_path / "run", tmp_path / "root"
+    clock = Clock()
+    log = EventLog(state, root, spare_dir=spare)
+    log.record(notice(clock, 100, identity="first"), action="stop")
+    log.close()
+    assert log.spare is not None
+    older = json.loads(log.path.read_text())
+    newer = dict(older, write=older["write"] + 1, events={})
+    log.spare.parent.mkdir(parents=True)
+    log.spare.write_text(json.dumps(newer))
+    assert EventLog(state, root, spare_dir=spare).events == {}
+    log.spare.write_text(json.dumps(dict(older, write=older["write"] - 1, events={})))
+    assert EventLog(state, root, spare_dir=spare).events.keys() == older["events"].keys()
