@@ -50,12 +50,14 @@ class UploadFailures:
     def succeeded(self, name: str) -> None:
         self.forget(name)
 
-    def forget(self, name: str) -> None:
-        """``name`` is not to be retried: committed, its directory gone, its save failed, or the store
-        refuses it. Its backoff and streak go with it; a backoff left behind would keep the uploader's
-        wait at zero (a spin), and a streak would keep the failing-streak alert up for the daemon's life."""
-        self.not_before.pop(name, None)
-        self.in_a_row.pop(name, None)
+    def forget(self, *names: str) -> None:
+        """``names`` are not to be retried: committed, their directory gone, their save failed, or the
+        store refuses them. Their backoff and streak go with them; a backoff left behind would keep the
+        uploader's wait at zero (a spin), and a streak would keep the failing-streak alert up for the
+        daemon's life."""
+        for name in names:
+            self.not_before.pop(name, None)
+            self.in_a_row.pop(name, None)
 
     def forget_refused(self, names: Iterable[str]) -> None:
         """``names`` left the disk: one written again under such a name is tried afresh."""

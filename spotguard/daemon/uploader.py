@@ -172,7 +172,6 @@ class Uploader:
         )
         self.failures = self._failures.recent
         self.refused = self._failures.refused  # checkpoints not retried until a restart
-        self._failed_in_a_row = self._failures.in_a_row  # per checkpoint, until it is committed
         self._queued: dict[str, _Job] = {}
         self._urgent: set[str] = set()
         self._wake = asyncio.Event()
@@ -311,10 +310,11 @@ class Uploader:
     async def _list_bucket(self, local: list[CheckpointInfo]) -> None:
         assert self.storage is not None
         storage = self.storage
+        before = set(self.committed)
         remote = await self.listings.complete(storage)
-        self.committed = set(remote)
-        for name in self.committed & set(self._failed_in_a_row):  # committed by another writer meanwhile
-            self._failures.forget(name)
+        # Plus what was committed while it ran: a listing taken before a commit would have it sent again.
+        self.committed = set(remote) | (self.committed - before)
+        self._failures.forget(*self.committed)  # those committed by another writer meanwhile fail no more
         for info in local:
             theirs = remote[info.name].manifest if info.name in remote else None
             if info.manifest is not None and theirs is not None and info.name not in self.conflicts:
@@ -419,9 +419,6 @@ class Uploader:
             return
         except CommitLost as exc:
             self._conflict(job.name, str(exc))
-            self._failures.forget(job.name)
-            self._progress.pop(job.name, None)
-            self._urgent.discard(job.name)
             return
         except (StorageError, OSError) as exc:
             racing = job.name in self._urgent and self._deadline is not None
@@ -450,10 +447,13 @@ class Uploader:
 
     def _conflict(self, name: str, why: str) -> None:
         """Another writer shares the prefix and committed its own checkpoint under ``name``: ours is
-        never sent (nor retried); local retention treats it like an uploaded one."""
+        never sent (nor retried, nor counted as failing); local retention treats it like an uploaded one."""
         logger.warning("not committing %s: %s", name, why)
         self.conflicts.add(name)
         self._ahead.manifest_seen.pop(name, None)
+        self._failures.forget(name)
+        self._progress.pop(name, None)
+        self._urgent.discard(name)
 
     async def _committed(self, name: str, manifest: Manifest, elapsed: float) -> None:
         assert self.storage is not None

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import shutil
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -285,3 +286,53 @@ def test_a_bucket_that_keeps_failing_its_listings_is_logged_once_then_once_when_
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "cannot list" in r.getMessage()]
     assert len(warnings) == 1 and "503 Slow Down" in warnings[0].getMessage()
     assert caplog.text.count("answers listings again") == 1
+
+
+class HeldListingStorage(CountingStorage):
+    """A listing of the whole bucket taken when ``hold`` is armed is answered only once ``release``
+    is set: a listing that was slow while a commit went in."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.hold = threading.Event()
+        self.held = threading.Event()
+        self.release = threading.Event()
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        items = list(super().list(prefix))  # what the bucket holds now
+        if not prefix and self.hold.is_set():
+            self.hold.clear()
+            self.held.set()
+            assert self.release.wait(20), "the test never released the listing"
+        return iter(items)
+
+
+def test_a_listing_taken_before_a_commit_does_not_make_the_uploader_send_that_checkpoint_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The daemon's shutdown lists the bucket while the trainer's urgent checkpoint uploads. The listing,
+    taken before the commit and answered after it, replaced what the uploader knew was committed: the
+    checkpoint was queued and sent again (its files probed, its manifest found there) at every
+    shutdown that followed a save, and at every due listing that overlapped a commit."""
+    (tmp_path / "bucket").mkdir()
+    storage = HeldListingStorage((tmp_path / "bucket").as_uri())
+    root = tmp_path / "nvme"
+    root.mkdir()
+    uploader = Uploader(storage, root, scan_interval=3600, bucket_scan_interval=3600)
+
+    async def steps() -> None:
+        await rescans(uploader, 1, done=uploader.idle.is_set)
+        storage.hold.set()
+        step_dir = write_checkpoint(root, 1, {"w.pt": b"one" * 1000})
+        drain = asyncio.create_task(uploader.drain(timeout=20))  # as the daemon's shutdown does
+        assert await asyncio.to_thread(storage.held.wait, 20), "the shutdown's listing never began"
+        uploader.submit(step_dir, urgent=True)  # the trainer's save, answered meanwhile
+        await rescans(uploader, 0, done=lambda: "step-000000001" in uploader.committed)
+        storage.release.set()
+        assert await drain
+
+    with caplog.at_level(logging.INFO, logger="spotguard.uploader"):
+        run_with(uploader, steps)
+    assert caplog.text.count("uploading step-000000001") == 1, caplog.text
+    assert storage.commits == 1
+    assert "step-000000001" in uploader.committed

@@ -45,7 +45,7 @@ def test_the_wait_doubles_per_failure_up_to_the_cap_and_urgent_uploads_keep_the_
     uploader, _ = uploader_for(tmp_path)
     # A bucket down for days: thousands of failures in a row still wait the cap (no float overflow).
     for failed, ceiling in [(1, 0.05), (2, 0.1), (3, 0.2), (4, 0.2), (30, 0.2), (5000, 0.2)]:
-        uploader._failed_in_a_row["step-000000001"] = failed
+        uploader._failures.in_a_row["step-000000001"] = failed
         waits = [uploader.retry_delay("step-000000001") for _ in range(50)]
         assert all(ceiling / 2 <= w <= ceiling for w in waits), (failed, waits)
         assert len(set(waits)) > 1  # jittered
@@ -106,7 +106,7 @@ def test_the_failing_streak_is_a_metric(tmp_path: Path) -> None:
     registry = CollectorRegistry()
     DaemonMetrics(registry).attach(daemon)
     assert registry.get_sample_value("spotguard_upload_failing_streak") == 0
-    daemon.uploader._failed_in_a_row.update({"step-000000001": 2, "step-000000002": 6})
+    daemon.uploader._failures.in_a_row.update({"step-000000001": 2, "step-000000002": 6})
     assert registry.get_sample_value("spotguard_upload_failing_streak") == 6
 
 
