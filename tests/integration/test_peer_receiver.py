@@ -7,6 +7,7 @@ import json
 import os
 import socket
 import struct
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -315,6 +316,34 @@ def peer_frames(url: str) -> st.SearchStrategy[dict[str, Any]]:
     )
 
 
+async def answered(client: PeerClient, sealed: bytearray) -> None:
+    """Send one sealed frame and wait until the receiver took it: every answer comes before the state
+    that a query after it gets. Raises what a refusal raises."""
+    client.channel.write_sealed(sealed)
+    client.channel.write(wire.encode({"t": "query"}))
+    await client.channel.drain()
+    while (await client.channel.read_frame(timeout=10))["t"] != "state":
+        pass
+
+
+async def as_a_peer(vm: Vm, send: Callable[[PeerClient], Awaitable[None]]) -> None:
+    """``send`` on an authenticated connection to ``vm``'s receiver, until it is done or refused; then
+    the next peer must be served. By its answer the first connection's handler has ended, and what it
+    raised, if anything, is in the log."""
+    client = await PeerClient.connect(*address(vm), TOKEN.encode())
+    try:
+        await send(client)
+    except (wire.PeerError, ConnectionError, asyncio.IncompleteReadError):
+        pass  # refused: the connection is over
+    finally:
+        await client.close()
+    following = await PeerClient.connect(*address(vm), TOKEN.encode())
+    try:
+        assert (await following.query())["t"] == "state"
+    finally:
+        await following.close()
+
+
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_any_sequence_of_frames_from_an_authenticated_peer_gets_the_protocols_answers(
@@ -325,33 +354,74 @@ def test_any_sequence_of_frames_from_an_authenticated_peer_gets_the_protocols_an
     handler raises something else (a traceback in the log), and the receiver serves the next peer."""
     frames = data.draw(st.lists(peer_frames(url), min_size=1, max_size=5))
 
-    async def exchange() -> None:
-        client = await PeerClient.connect(*address(receiver_vm), TOKEN.encode())
-        try:
-            for frame in frames:
-                client.channel.write(wire.encode(frame))
-                client.channel.write(wire.encode({"t": "query"}))  # every answer comes before its state
-                await client.channel.drain()
-                while (await client.channel.read_frame(timeout=10))["t"] != "state":
-                    pass
-        except (wire.PeerError, ConnectionError, asyncio.IncompleteReadError):
-            pass  # refused: the connection is over
-        finally:
-            await client.close()
-        # The next peer is served; by its answer the first connection's handler has ended, and what it
-        # raised, if anything, is in the log.
-        following = await PeerClient.connect(*address(receiver_vm), TOKEN.encode())
-        try:
-            assert (await following.query())["t"] == "state"
-        finally:
-            await following.close()
+    async def send(client: PeerClient) -> None:
+        for frame in frames:
+            await answered(client, client.channel.seal(wire.encode(frame)))
 
-    asyncio.run(exchange())
+    asyncio.run(as_a_peer(receiver_vm, send))
     # What the connection opened and did not finish goes with it: its slot and bytes are free again.
     wait_for(
         lambda: all(r["state"] != "receiving" for r in receiver_vm.status()["peers"]["replicas"]),
         10,
         "the connection's unfinished replica to go",
     )
+    log = receiver_vm.log.read_text()
+    assert "Traceback" not in log and "Unhandled exception" not in log, log[-3000:]
+
+
+SMALL = 4096  # the largest payload an example sends: its bytes are what its header announces
+
+
+def data_frames() -> st.SearchStrategy[tuple[dict[str, Any], bytes]]:
+    """Data frames of a replica, each with its payload: names that try to leave the replica or are not
+    canonical, ranges inside and outside their file, sizes that change from frame to frame. A frame
+    announcing a payload it cannot carry (a length out of bounds) has none: it is refused before any
+    payload would be read."""
+    names = st.one_of(
+        st.sampled_from(["w.bin", "d/w.bin", "../w.bin", "/tmp/w.bin", "d/../../w.bin", "./w.bin", "a\x00b", ""]),
+        st.sampled_from(["manifest.json", "d//w.bin", "w.bin/", "x" * 300, "d/" * 60 + "w.bin", "w\nbin"]),
+        st.text(max_size=8),
+    )
+    small = st.integers(0, SMALL)
+    odd = st.sampled_from([-1, wire.MAX_DATA + 1, 2**63, 2**70])
+
+    def frame(name: str, size: int, offset: int, length: int, fill: int) -> tuple[dict[str, Any], bytes]:
+        header = {"t": "data", "name": name, "size": size, "offset": offset, "len": length}
+        return header, bytes([fill]) * length if 0 <= length <= SMALL else b""
+
+    number = st.one_of(small, odd)
+    return st.builds(frame, names, number, number, number, st.integers(0, 255))
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_data_frames_with_any_payload_stay_in_their_replica_and_get_the_protocols_answers(
+    receiver_vm: Vm, url: str, data: st.DataObject
+) -> None:
+    """The data frames after a replica is opened carry payload the receiver writes to disk: whatever
+    their names, ranges and order, each is written inside its replica or refused with the protocol's
+    error, no handler raises something else, a commit of what was sent with a wrong checksum commits
+    nothing, and what the connection held goes with it."""
+    step = data.draw(st.integers(500, 999), label="step")
+    name = f"step-{step:09d}"
+    frames = data.draw(st.lists(data_frames(), min_size=1, max_size=6), label="frames")
+    commit = data.draw(st.booleans(), label="commit")
+
+    async def send(client: PeerClient) -> None:
+        await client.open_replica(name, url)
+        for header, payload in frames:
+            await answered(client, client.channel.seal(wire.encode(header), payload))
+        if commit:  # a manifest of the names sent, whose checksums cannot match
+            files = {h["name"]: {"size": h["size"], "crc32c": "AAAAAA=="} for h, _ in frames}
+            manifest = {"format": "spotguard/1", "step": step, "files": files}
+            client.channel.write(wire.encode({"t": "commit", "manifest": json.dumps(manifest)}))
+            await client.channel.drain()
+            await client.channel.read_frame(timeout=10)
+
+    asyncio.run(as_a_peer(receiver_vm, send))
+    wait_for(lambda: replica_area(receiver_vm) == [], 10, "the connection's replica to go")
+    assert not [key for key in bucket_keys(url) if key.startswith(name + "/")]
+    escaped = [p for p in receiver_vm.dir.parent.rglob("*") if p.is_file() and p.name in ("w.bin", "b")]
+    assert escaped == [], "a data frame's file outside its replica"
     log = receiver_vm.log.read_text()
     assert "Traceback" not in log and "Unhandled exception" not in log, log[-3000:]
