@@ -7,6 +7,8 @@ ok, what to do. The exit status is 1 when any check FAILs, else 0. Checks, in or
 * **metadata**: the notice source answers (AWS: an IMDSv2 token can be had; a token PUT that
   times out while a plain GET answers is the container hop-limit trap: hop limit 2);
 * **socket directory** and **daemon**: where trainers connect, and whether a daemon answers there;
+* **state directory**: the daemon's event log and upload journal can be written there (it is on
+  the root disk, which a VM running for months fills), and how much room is left;
 * **checkpoint root**: exists, free space for a few checkpoints, write + fsync speed;
 * **bucket**: credentials, then put / stat / list / delete of a probe object
   ``<prefix>/.spotguard-doctor-<random>`` through the same storage backend the daemon uses;
@@ -101,6 +103,7 @@ def run_doctor(
     _check_metadata(config, findings, report)
     _check_socket(config, report)
     _check_peer_token(config, report)
+    _check_state_dir(config, report)
     _check_checkpoint_root(config, findings, report, checkpoint_gb, write_probe_bytes)
     _check_bucket(config, findings, report, upload_probe_bytes, open_storage)
     _estimate(findings, report, checkpoint_gb)
@@ -234,6 +237,42 @@ def _check_peer_token(config: DaemonConfig, report: Callable[[Check], None]) -> 
         report(Check(WARN, "peer token", f"weak: {weakness}", fix))
     else:
         report(Check(OK, "peer token", f"{len(token)} bytes, no weakness found"))
+
+
+#: Below this the state directory's disk is reported as nearly full: the event log and the upload
+#: journal take kilobytes, but a disk this close to full is one log rotation away from none.
+STATE_DIR_LOW = 64 * MiB
+
+
+def _check_state_dir(config: DaemonConfig, report: Callable[[Check], None]) -> None:
+    """What the daemon keeps across restarts (handled notices, open multipart uploads) can be written.
+    Without it the daemon runs on: the event log goes to the socket's directory, uploads go unrecorded."""
+    state = config.state_dir.absolute()
+    meanwhile = f"meanwhile the daemon keeps its event log in {config.socket.parent} and sends uploads unrecorded"
+    existing = next((p for p in (state, *state.parents) if p.exists()), Path("/"))
+    if existing != state:
+        if os.access(existing, os.W_OK | os.X_OK):
+            report(Check(OK, "state directory", f"{state} does not exist yet (the daemon creates it)"))
+        else:
+            found = f"{state} cannot be created: {existing} is not writable"
+            report(Check(WARN, "state directory", found, f"create it, owned by the daemon's user; {meanwhile}"))
+        return
+    try:
+        with tempfile.NamedTemporaryFile(prefix=".spotguard-doctor-", dir=state) as probe:
+            probe.write(b"\0" * 4096)
+            probe.flush()
+            os.fsync(probe.fileno())
+    except OSError as exc:
+        fix = f"free space on its disk (df {state}) or fix its owner/mode; {meanwhile}"
+        report(Check(WARN, "state directory", f"cannot write in {state}: {exc}", fix))
+        return
+    free = shutil.disk_usage(state).free
+    if free < STATE_DIR_LOW:
+        found = f"{state}: writable, only {free / MiB:.0f} MiB free on its disk"
+        fix = f"free space on it (df {state}): logs, images and caches fill a root disk over months"
+        report(Check(WARN, "state directory", found, fix))
+        return
+    report(Check(OK, "state directory", f"{state}: writable, {free / GB:.1f} GB free"))
 
 
 def _check_checkpoint_root(

@@ -6,6 +6,7 @@ import contextlib
 import http.client
 import io
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from threading import Thread
@@ -20,6 +21,7 @@ from spotguard.doctor import run_doctor
 from spotguard.emulate.common import RunningEmulator
 from spotguard.emulate.registry import start_emulator
 from spotguard.harness import Vm
+from tests.diskspace import fill
 from tests.servers import FAKE_AWS_ENV, S3Server, moto_s3
 
 MiB = 1024 * 1024
@@ -292,3 +294,28 @@ def test_doctor_says_which_checksum_mode_uploads_will_use(
         assert ("-> see the checksum check" in output) == bool(code), output  # not blamed on a permission
         assert exit_code == code, output
         assert [key for key in probe_objects(server) if key.startswith(f"checksum-{checksum}/")] == []
+
+
+def test_doctor_reports_a_state_directory_on_a_disk_that_is_full_or_nearly(
+    tmpfs: Callable[[int], Path], tmp_path: Path
+) -> None:
+    """The state directory is on the root disk, the one a VM running for months fills; the daemon runs
+    on when it cannot write there, but what it keeps across restarts is then in memory only."""
+    (tmp_path / "nvme").mkdir()
+    config = DaemonConfig(provider="none", socket=tmp_path / "run" / "s.sock", checkpoint_dir=tmp_path / "nvme")
+    _, output = doctor(replace(config, state_dir=tmp_path / "state"))
+    assert line(output, "state directory").startswith("ok    state directory:") and "does not exist yet" in output
+    (tmp_path / "state").mkdir()
+    _, output = doctor(replace(config, state_dir=tmp_path / "state"))
+    assert line(output, "state directory").startswith(f"ok    state directory: {tmp_path / 'state'}: writable")
+
+    small = tmpfs(1 * MiB)
+    _, output = doctor(replace(config, state_dir=small))
+    assert line(output, "state directory").startswith("warn") and "MiB free on its disk" in output
+    assert list(small.iterdir()) == []  # the probe is gone
+    fill(small, leave=0)
+    code, output = doctor(replace(config, state_dir=small))
+    found = line(output, "state directory")
+    assert found.startswith("warn") and "No space left on device" in found, output
+    assert f"keeps its event log in {tmp_path / 'run'}" in output
+    assert code == 0  # the daemon runs on: a warning, not a failure
