@@ -163,6 +163,10 @@ class PeerReceiver:
             logger.warning("peer %s: too slow (its handshake, a record, or idle); closing the connection", who)
         except (OSError, asyncio.IncompleteReadError) as exc:
             logger.warning("peer %s: connection lost: %s", who, exc)
+        except Exception as exc:  # a bug of ours: this connection ends with an answer, the port goes on
+            logger.exception("peer %s: internal error", who)
+            await self._drop_unfinished(session)
+            self._refuse(writer, channel, who, wire.PeerError("internal", f"internal error ({type(exc).__name__})"))
         finally:
             if channel is not None:
                 self._connections -= 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import socket
 import struct
@@ -22,8 +23,10 @@ from spotguard.peer import noise, wire
 from spotguard.peer.channel import PROLOGUE
 from spotguard.peer.client import PeerClient, choose_peer
 from spotguard.peer.flows import send_committed
+from spotguard.peer.receiver import PeerReceiver
 from spotguard.peer.replicas import AREA
 from spotguard.storage.checkpoints import list_remote
+from spotguard.storage.file import FileStorage
 from spotguard.storage.s3 import S3Storage
 from tests.checkpoints import write_checkpoint
 from tests.peers import TOKEN, address, bucket_keys, replica_area
@@ -425,3 +428,46 @@ def test_data_frames_with_any_payload_stay_in_their_replica_and_get_the_protocol
     assert escaped == [], "a data frame's file outside its replica"
     log = receiver_vm.log.read_text()
     assert "Traceback" not in log and "Unhandled exception" not in log, log[-3000:]
+
+
+def test_a_request_that_fails_inside_the_receiver_is_answered_internal_and_the_port_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bug in one request's handler ended its connection without a word to the peer, its traceback
+    only in the event loop's log. Now the peer hears ``internal``, the receiver logs the traceback, the
+    connection's unfinished replica goes, and the next peer is served."""
+    (tmp_path / "bucket").mkdir()
+    url = (tmp_path / "bucket").as_uri()
+
+    async def broken(*_: object) -> None:
+        raise KeyError("a bug")
+
+    async def scenario() -> str:
+        receiver = PeerReceiver(tmp_path / "peer", FileStorage(url), token=TOKEN.encode(), host="127.0.0.1", port=0)
+        receiver.handlers["broken"] = broken
+        where = wire.parse_address(await receiver.start())
+        try:
+            client = await PeerClient.connect(*where, TOKEN.encode())
+            try:
+                await client.open_replica("step-000000003", url)
+                client.channel.write(wire.encode({"t": "broken"}))
+                await client.channel.drain()
+                with pytest.raises(wire.PeerError) as refused:
+                    await client.channel.read_frame(timeout=10)
+            finally:
+                await client.close()
+            following = await PeerClient.connect(*where, TOKEN.encode())
+            try:
+                assert (await following.query())["t"] == "state"
+            finally:
+                await following.close()
+            return refused.value.code
+        finally:
+            await receiver.close()
+
+    with caplog.at_level(logging.INFO):
+        assert asyncio.run(scenario()) == "internal"
+    failures = [r for r in caplog.records if r.name == "spotguard.peers" and r.exc_info is not None]
+    assert len(failures) == 1 and "internal error" in failures[0].getMessage()
+    assert not [r for r in caplog.records if r.name == "asyncio" and r.levelno >= logging.ERROR]
+    assert not list((tmp_path / "peer").rglob("step-000000003")), "the unfinished replica is left behind"
