@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import errno
 import logging
 import os
@@ -474,7 +475,10 @@ if __name__ == "__main__":
     for number in _NOTICE_SIGNALS:
         signal.signal(number, signal.SIG_IGN)  # one pending since the start (blocked) is dropped here
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _NOTICE_SIGNALS)
-    _serve(socket.socket(fileno=int(sys.argv[1])), beside=sys.argv[2:] == [_BESIDE])
+    # The daemon may go (stopped, killed) while this worker starts or answers: its end of the pair is
+    # closed, and this worker has nobody left to serve. Not an error of the worker's: no traceback.
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        _serve(socket.socket(fileno=int(sys.argv[1])), beside=sys.argv[2:] == [_BESIDE])
 
 
 __all__ = [

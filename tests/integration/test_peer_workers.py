@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import struct
+import subprocess
 import sys
 import termios
 import threading
@@ -286,6 +287,18 @@ def test_a_worker_signalled_while_it_starts_still_starts_and_serves() -> None:
         assert signalled_while_starting  # the signals did come before it was ready
     finally:
         pool.close()
+
+
+def test_a_worker_whose_daemon_went_while_it_started_leaves_quietly() -> None:
+    """A daemon stopped or killed just after a replica warmed its workers closes their pairs while their
+    interpreters start: each worker died of a BrokenPipeError, its traceback in the daemon's log."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    command = [sys.executable, "-m", "spotguard.peer.workers", str(theirs.fileno())]
+    process = subprocess.Popen(command, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    theirs.close()
+    ours.close()  # before the worker's interpreter is up: its "ready" finds nobody
+    _, errors = process.communicate(timeout=30)
+    assert process.returncode == 0 and errors == b"", errors.decode()
 
 
 def test_a_worker_that_cannot_start_leaves_frames_in_process_for_a_while_then_one_starts(
