@@ -47,6 +47,7 @@ __all__ = [
     "Capability",
     "ChecksumMismatch",
     "ChecksumProbe",
+    "connections_needed",
     "ObjectExists",
     "ObjectInfo",
     "ObjectNotFound",
@@ -246,6 +247,14 @@ def split_bucket_url(url: str, scheme: str) -> tuple[str, str]:
 # Where small objects wait for their upload: memory (/dev/shm), not the root disk's /tmp, which a VM
 # running for months fills; a full one stopped the peer registry's heartbeat.
 _MEMORY_SCRATCH = Path("/dev/shm")
+
+
+def connections_needed(max_concurrency: int) -> int:
+    """The HTTP connections a store instance keeps for a budget of ``max_concurrency`` streams: one per
+    stream, one for the file-level request (create, complete, compose, verify) of each file in flight
+    (the uploader sends at most as many files at once), and a few for listings, the peer registry and
+    the rate probe."""
+    return max(10, 2 * max_concurrency + 4)
 
 
 def scratch_dir() -> str | None:

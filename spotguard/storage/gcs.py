@@ -67,6 +67,7 @@ from spotguard.storage.base import (
     RecentKeys,
     Sink,
     StoreDefaults,
+    connections_needed,
     read_exactly,
     split_bucket_url,
 )
@@ -225,10 +226,10 @@ def make_client(project: str | None, max_concurrency: int) -> Any:
         client = gcs.Client(project=project or "spotguard-emulator", credentials=AnonymousCredentials())
     else:
         client = gcs.Client(project=project)
-    # requests' pool keeps 10 connections per host: more parallel parts than
-    # that would queue for a socket, so size it to our concurrency.
+    # requests' pool keeps 10 connections per host; a connection over the pool's size is made for one
+    # request and dropped after it (a new handshake and slow start for the next): size it to our load.
     adapter = requests.adapters.HTTPAdapter(
-        pool_connections=4, pool_maxsize=max(10, max_concurrency + 4), max_retries=0
+        pool_connections=4, pool_maxsize=connections_needed(max_concurrency), max_retries=0
     )
     session = client._http
     session.mount("https://", adapter)
@@ -624,7 +625,9 @@ class GcsStorage(StoreDefaults):
             return
 
         def one(name: str) -> None:
-            with contextlib.suppress(gexc.NotFound):  # also when a retried delete already won
+            # In the instance's budget: files completing together each delete their parts, and pools of
+            # max_concurrency each would overflow the connection pool (connections made and dropped).
+            with self._streams, contextlib.suppress(gexc.NotFound):  # also when a retried delete already won
                 self.bucket.delete_blob(name, retry=self._retry_now(), timeout=self.timeout)
 
         with cf.ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(names))) as pool:

@@ -21,6 +21,7 @@ from spotguard.storage.base import (
     ObjectNotFound,
     StorageError,
     TransientStorageError,
+    connections_needed,
     retry,
 )
 
@@ -108,9 +109,9 @@ def client_config(
     max_concurrency: int, retry_mode: str, max_attempts: int, connect_timeout: float, read_timeout: float
 ) -> Config:
     return Config(
-        # botocore's pool defaults to 10 connections: more parts in flight than that
-        # silently queue for a connection, so the pool must cover our concurrency.
-        max_pool_connections=max(10, max_concurrency + 4),
+        # botocore's pool defaults to 10 connections; a connection over the pool's size is made for one
+        # request and dropped after it (a new handshake and slow start for the next): size it to our load.
+        max_pool_connections=connections_needed(max_concurrency),
         retries={"mode": retry_mode, "total_max_attempts": max_attempts},
         connect_timeout=connect_timeout,
         read_timeout=read_timeout,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import logging
 import os
 import random
 import subprocess
@@ -19,7 +20,9 @@ import requests
 
 from spotguard.safefile import SymlinkRefused
 from spotguard.storage.base import ChecksumMismatch, ObjectNotFound, Storage, StorageError, TransientStorageError
+from spotguard.storage.checkpoints import upload_checkpoint, verify_remote
 from spotguard.storage.gcs import PARTS_DIR, GcsStorage, gcs_crc_to_hex, part_plan
+from tests.checkpoints import write_checkpoint
 from tests.faultproxy import FaultProxy
 from tests.servers import GcsServer, gcs_emulator
 
@@ -78,6 +81,24 @@ def test_gcs_connection_pool_covers_concurrency(url: str) -> None:
     storage = GcsStorage(url, max_concurrency=32)
     adapter = storage.client._http.get_adapter("http://127.0.0.1/")
     assert adapter._pool_maxsize >= 32
+
+
+def test_files_composed_together_stay_within_the_connection_pool(
+    url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each composed file deleted its parts with a pool of max_concurrency threads of its own; files
+    finishing together (a checkpoint of several) made more connections than the pool keeps, each made
+    for one request and dropped after it: a new handshake and slow start for the next, and one urllib3
+    warning each. Deletes now take the instance's budget, and the pool covers it and a file-level
+    request per file in flight."""
+    files = {f"f{i:02d}.bin": random.Random(i).randbytes(2 * MiB) for i in range(12)}
+    step_dir = write_checkpoint(tmp_path / "nvme", 1, files)
+    storage = GcsStorage(url, max_concurrency=8, parallel_threshold=512 * 1024, part_size=256 * 1024)
+    with caplog.at_level(logging.WARNING, logger="urllib3"):
+        upload_checkpoint(storage, step_dir, concurrency=8)
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("urllib3")] == []
+    assert verify_remote(storage, "step-000000001") == []
+    assert not [name for name in all_names(storage) if PARTS_DIR in name]  # every part deleted
 
 
 def test_gcs_round_trip_small_files_and_40mib_resumable(url: str, tmp_path: Path) -> None:
