@@ -299,7 +299,7 @@ class GcsStorage(StoreDefaults):
         self._owns_client = client is None
         self._client = client
         self._client_lock = threading.Lock()
-        # One budget of upload streams for the whole instance, shared by every file in flight.
+        # One budget of requests for the whole instance, parts and their deletes, shared by every file in flight.
         self._streams = threading.BoundedSemaphore(max_concurrency)
         self._deadline: float | None = None
         self._created = dt.datetime.now(dt.UTC)
@@ -625,8 +625,6 @@ class GcsStorage(StoreDefaults):
             return
 
         def one(name: str) -> None:
-            # In the instance's budget: files completing together each delete their parts, and pools of
-            # max_concurrency each would overflow the connection pool (connections made and dropped).
             with self._streams, contextlib.suppress(gexc.NotFound):  # also when a retried delete already won
                 self.bucket.delete_blob(name, retry=self._retry_now(), timeout=self.timeout)
 
