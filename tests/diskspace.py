@@ -49,3 +49,9 @@ def fill(path: Path, leave: int, name: str = "filler") -> Path:
         os.close(fd)
     assert shutil.disk_usage(path).free <= leave
     return filler
+
+
+def make_read_only(path: Path) -> None:
+    """Remount the tmpfs at ``path`` read-only, as the kernel does a root filesystem after an I/O error
+    (ext4's ``errors=remount-ro``); it is still unmounted at teardown."""
+    subprocess.run(["mount", "-o", "remount,ro", str(path)], check=True, capture_output=True)

@@ -450,7 +450,11 @@ async def _prepare_store(storage: Storage, config: DaemonConfig) -> None:
     if Capability.STALE_SWEEP not in storage.capabilities:
         return
     # Exactly the uploads a killed predecessor opened, however young: they are ours to abort.
-    journal = UploadJournal(UploadJournal.path_for(config.state_dir, storage.url, config.checkpoint_dir.absolute()))
+    root = config.checkpoint_dir.absolute()
+    journal = UploadJournal(
+        UploadJournal.path_for(config.state_dir, storage.url, root),
+        spare=UploadJournal.path_for(config.socket.parent, storage.url, root),  # while state_dir refuses writes
+    )
     aborted = await asyncio.to_thread(storage.keep_journal, journal)
     if aborted:
         logger.info("aborted %d multipart upload(s) an earlier run of this daemon left open", aborted)

@@ -16,15 +16,22 @@ runs for months, two lines per file uploaded: once the file has grown past :data
 next ``done`` rewrites it with only the uploads still open instead of taking a line. A torn last
 line (a kill mid-append) is ignored: its upload is at most one whose id never reached the disk, which
 the sweep by age still removes.
+
+The state directory is on the root disk, which a VM running for months fills (or remounts read-only
+after an I/O error). While it cannot be written, lines go to a spare file (the daemon's runtime
+directory, in memory: it outlives a restart of the daemon, not a reboot); a start reads both, and a
+rewrite that takes in the state directory removes the spare.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,10 +52,12 @@ class OpenUpload:
 class UploadJournal:
     """Append-only record of this daemon's open multipart uploads (thread-safe: uploads run in threads)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, spare: Path | None = None) -> None:
         self.path = path
+        self.spare = spare if spare is not None and spare.absolute() != path.absolute() else None
         self._lock = threading.Lock()
         self._open: dict[str, OpenUpload] = {}  # by upload id: recorded open here and not yet done
+        self._in_spare = False  # the state directory refused the last write: lines go to the spare
 
     @classmethod
     def path_for(cls, state_dir: Path, bucket_url: str, root: Path) -> Path:
@@ -68,29 +77,23 @@ class UploadJournal:
             if self._open.pop(upload_id, None) is None:
                 return  # never recorded (its line could not be written): nothing to close
             if self._size() >= COMPACT_AT:
-                self._rewrite(list(self._open.values()))  # the lines of finished uploads say nothing more
-            else:
-                self._append({"done": upload_id})
+                with contextlib.suppress(OSError):  # then a line, where one can be written
+                    self._rewrite(list(self._open.values()))  # the lines of finished uploads say nothing more
+                    return
+            self._append({"done": upload_id})
 
     def unfinished(self) -> list[OpenUpload]:
-        """Uploads opened and not done, oldest first."""
-        try:
-            lines = self.path.read_bytes().splitlines()
-        except FileNotFoundError:
-            return []
+        """Uploads opened and not done, oldest first: in the state directory's file and the spare's."""
         opened: dict[str, OpenUpload] = {}
-        for line in lines:
-            try:
-                entry = parse_json(line)
-            except ValueError:
-                continue  # a torn last line
-            if not isinstance(entry, dict):
-                continue
-            if isinstance(entry.get("open"), str) and isinstance(entry.get("key"), str):
-                opened[entry["open"]] = OpenUpload(entry["key"], entry["open"])
-            elif isinstance(entry.get("done"), str):
-                opened.pop(entry["done"], None)
-        return list(opened.values())
+        done: set[str] = set()
+        for path in (self.path, self.spare):
+            for entry in [] if path is None else _entries(path):
+                upload_id, key, finished = entry.get("open"), entry.get("key"), entry.get("done")
+                if isinstance(upload_id, str) and isinstance(key, str):
+                    opened[upload_id] = OpenUpload(key, upload_id)
+                elif isinstance(finished, str):
+                    done.add(finished)
+        return [upload for upload_id, upload in opened.items() if upload_id not in done]
 
     def keep_only(self, still_open: list[OpenUpload]) -> None:
         """Rewrite the journal with just ``still_open`` (after the start-up aborts)."""
@@ -98,28 +101,71 @@ class UploadJournal:
             self._rewrite(still_open)
 
     def _size(self) -> int:
+        """Of the file written to now: a spare written for weeks is compacted too."""
         try:
-            return self.path.stat().st_size
+            return (self.spare if self._in_spare and self.spare is not None else self.path).stat().st_size
         except FileNotFoundError:
             return 0
 
     def _rewrite(self, still_open: list[OpenUpload]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_file(self.path) as out:
-            for upload in still_open:
-                out.write(json.dumps({"open": upload.upload_id, "key": upload.key}).encode() + b"\n")
-        fsync_dir(self.path.parent)
+        data = b"".join(json.dumps({"open": u.upload_id, "key": u.key}).encode() + b"\n" for u in still_open)
+        if self._write(_replace, data) and self.spare is not None:  # all of it is in the state directory
+            with contextlib.suppress(OSError):
+                self.spare.unlink(missing_ok=True)
         self._open = {upload.upload_id: upload for upload in still_open}
 
     def _append(self, entry: dict[str, str]) -> None:
-        line = json.dumps(entry, separators=(",", ":")).encode() + b"\n"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        created = not self.path.exists()
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._write(_append_line, json.dumps(entry, separators=(",", ":")).encode() + b"\n")
+
+    def _write(self, write: Callable[[Path, bytes], None], data: bytes) -> bool:
+        """``write`` to the state directory's file (True), else to the spare (False); raises if neither
+        takes it."""
         try:
-            os.write(fd, line)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        if created:
-            fsync_dir(self.path.parent)  # the file's name is durable too
+            write(self.path, data)
+        except OSError as exc:
+            if self.spare is None:
+                raise
+            write(self.spare, data)
+            if not self._in_spare:
+                self._in_spare = True
+                logger.warning("cannot write %s (%s): recording uploads in %s until it can", self.path, exc, self.spare)
+            return False
+        if self._in_spare:
+            self._in_spare = False
+            logger.info("the upload journal %s is written again", self.path)
+        return True
+
+
+def _entries(path: Path) -> list[dict[str, object]]:
+    """The journal lines of ``path`` that are JSON objects; a torn last line is skipped."""
+    try:
+        lines = path.read_bytes().splitlines()
+    except FileNotFoundError:
+        return []
+    entries = []
+    for line in lines:
+        with contextlib.suppress(ValueError):
+            entry = parse_json(line)
+            if isinstance(entry, dict):
+                entries.append(entry)
+    return entries
+
+
+def _replace(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_file(path) as out:
+        out.write(data)
+    fsync_dir(path.parent)
+
+
+def _append_line(path: Path, line: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    created = not path.exists()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, line)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if created:
+        fsync_dir(path.parent)  # the file's name is durable too

@@ -165,8 +165,8 @@ class S3Multipart:
         return upload_id
 
     def _record_opened(self, full: str, upload_id: str) -> None:
-        """Note the upload in the journal. One that cannot be (the state directory's disk is full: the
-        root disk of a VM that ran for months, not the checkpoint's) is sent all the same: the
+        """Note the upload in the journal. One that cannot be (neither the state directory, on the root
+        disk of a VM that ran for months, nor the journal's spare takes a line) is sent all the same: the
         checkpoint matters more than the record. Unrecorded, an upload a killed daemon leaves open goes
         with the sweep by age and the bucket's lifecycle rule instead; before, every multipart upload
         was aborted, the urgent one's included."""
@@ -250,7 +250,12 @@ class S3Multipart:
         were aborted; those that could not be stay recorded for the next start."""
         unfinished = journal.unfinished()
         still_open = [upload for upload in unfinished if not self.abort(upload.key, upload.upload_id)]
-        journal.keep_only(still_open)
+        try:
+            journal.keep_only(still_open)
+        except OSError as exc:  # a read-only root disk must not keep the daemon from starting
+            log.warning(
+                "s3: cannot rewrite the upload journal %s: %s; lines are added as they can be", journal.path, exc
+            )
         self.journal = journal
         return len(unfinished) - len(still_open)
 

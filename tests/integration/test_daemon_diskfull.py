@@ -26,7 +26,7 @@ from spotguard.control import request
 from spotguard.harness import Vm, wait_for
 from spotguard.manifest import step_dir_name
 from spotguard.storage import open_storage
-from tests.diskspace import fill
+from tests.diskspace import fill, make_read_only
 from tests.integration.test_daemon_buckets import complete_steps, connected_guard
 from tests.integration.test_metrics_webhook import Receiver, scrape, value
 from tests.servers import S3Server, moto_s3, point_at
@@ -233,7 +233,10 @@ def test_a_full_state_directory_stops_no_upload(tmpfs: Callable[[int], Path], tm
     caches), not on the checkpoint disk. The upload journal there could not take a line, and every
     multipart upload was aborted for it: the urgent checkpoint never reached the bucket."""
     state = tmpfs(1 * MiB)
+    # The socket (whose directory holds the journal's spare) on the same full disk: no line is written.
     vm = Vm(tmp_path, "vm", bucket, extra_args=["--provider", "none", "--state-dir", str(state)])
+    vm.socket = state / "spotguard.sock"
+    vm.extra_args += ["--socket", str(vm.socket)]
     vm.start_daemon()
     try:
         fill(state, leave=0)  # after the start, whose rewrite of the journal went in
@@ -252,24 +255,27 @@ def test_a_full_state_directory_stops_no_upload(tmpfs: Callable[[int], Path], tm
     assert "Free space there" in log
 
 
-def test_a_notice_handled_while_the_state_directory_is_full_is_not_acted_on_again_after_a_restart(
+def test_a_read_only_state_directory_stops_neither_the_daemon_nor_the_memory_of_a_handled_notice(
     tmpfs: Callable[[int], Path], tmp_path: Path, bucket: str
 ) -> None:
-    """The event log of handled notices lives in the state directory too. While it could not be written,
-    a daemon restarted for the same VM took a drill it had already checkpointed for as never seen."""
+    """The kernel remounts a root filesystem read-only after an I/O error. The daemon then exited at every
+    start (the upload journal's rewrite raised): no notice was watched for. And the event log of handled
+    notices, in the state directory too, was lost: a daemon restarted for the same VM took a drill it had
+    already checkpointed for as never seen. Both now go to the runtime directory meanwhile."""
     state = tmpfs(1 * MiB)
+    make_read_only(state)
     vm = Vm(tmp_path, "vm", bucket, extra_args=["--provider", "none", "--state-dir", str(state)])
     vm.start_daemon()
     try:
-        fill(state, leave=0)
         guard = connected_guard(vm)
         try:
             drill = request(vm.socket, "drill", deadline_s=120)
             wait_for(lambda: guard.should_checkpoint(3), 10, "the drill to reach the hook")
-            guard.save(tensors(2, seed=3), 3, reason="urgent")
+            guard.save(tensors(40, seed=3), 3, reason="urgent")  # its file streamed as a multipart upload
         finally:
             guard.close()
-        wait_for(lambda: (vm.status()["pending"] or {}).get("state") == "held", 60, "the drill held once step 3 is in")
+        wait_for(lambda: complete_steps(bucket) == [3], 60, "step 3 committed in the bucket")
+        wait_for(lambda: (vm.status()["pending"] or {}).get("state") == "held", 10, "the drill held")
         vm.stop_daemon()
         vm.start_daemon()
         pending = vm.status()["pending"]
@@ -278,4 +284,5 @@ def test_a_notice_handled_while_the_state_directory_is_full_is_not_acted_on_agai
         vm.kill_daemon()
     log = vm.log.read_text()
     assert log.count("the event log is kept in") == 1, log  # once, not once per write
-    assert "may act on its notices again" not in log
+    assert log.count("recording uploads in") == 2, log  # once per daemon: each starts by rewriting it
+    assert "cannot record upload" not in log and "may act on its notices again" not in log

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ import pytest
 from spotguard.harness import wait_for
 from spotguard.storage.journal import COMPACT_AT, OpenUpload, UploadJournal
 from spotguard.storage.s3 import S3Storage, parse_s3_url
+from tests.diskspace import make_read_only
 from tests.servers import S3Server
 
 MiB = 1 << 20
@@ -37,11 +39,11 @@ import os, sys, threading
 from pathlib import Path
 from spotguard.storage.journal import UploadJournal
 from spotguard.storage.s3 import S3Storage
-url, journal, local = sys.argv[1:4]
+url, journal, local, key, spare = sys.argv[1:6]
 storage = S3Storage(url, part_size=5 * 1024 * 1024, max_concurrency=2)
-storage.keep_journal(UploadJournal(Path(journal)))
+storage.keep_journal(UploadJournal(Path(journal), spare=Path(spare) if spare else None))
 fd = os.open(local, os.O_RDONLY)
-stream = storage.begin_stream(sys.argv[4], os.fstat(fd).st_size, fd)
+stream = storage.begin_stream(key, os.fstat(fd).st_size, fd)
 stream.add(0, 5 * 1024 * 1024)
 threading.Event().wait()
 """
@@ -72,7 +74,7 @@ def test_a_daemon_restarted_within_a_second_of_its_upload_aborts_exactly_that_up
         for round_ in range(ROUNDS):
             key = f"{prefix}{KEY}.{round_}"
             predecessor = subprocess.Popen(
-                [sys.executable, "-c", PREDECESSOR, url, str(journal_path), str(local), f"{KEY}.{round_}"], env=env
+                [sys.executable, "-c", PREDECESSOR, url, str(journal_path), str(local), f"{KEY}.{round_}", ""], env=env
             )
             try:
                 [upload] = wait_for(
@@ -188,3 +190,62 @@ def test_an_upload_whose_abort_failed_is_aborted_once_the_store_answers_again(
             os.close(fd)
             storage.close()
             client.close()
+
+
+def test_a_read_only_state_directory_keeps_the_journal_in_the_spare_for_the_restart(
+    url: str, server: S3Server, tmp_path: Path, tmpfs: Callable[[int], Path]
+) -> None:
+    """The kernel remounts a root filesystem read-only after an I/O error. The journal's rewrite at start
+    then raised, and the daemon exited at every start: no notice was watched for. Now its lines go to the
+    spare (the daemon's runtime directory), where a restart finds the upload a killed daemon left open."""
+    bucket, prefix = parse_s3_url(url)
+    client = boto3.client("s3", endpoint_url=server.endpoint_url)
+    local = tmp_path / "model.pt"
+    local.write_bytes(os.urandom(12 * MiB))
+    state = tmpfs(1 * MiB)
+    make_read_only(state)
+    journal_path = UploadJournal.path_for(state, url, tmp_path / "ckpt")
+    spare = UploadJournal.path_for(tmp_path / "run", url, tmp_path / "ckpt")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd()), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-c", PREDECESSOR, url, str(journal_path), str(local), KEY, str(spare)]
+    predecessor = subprocess.Popen(command, env=env)
+    try:
+        [upload] = wait_for(
+            lambda: [u for u in open_uploads(client, bucket, prefix + KEY) if parts_sent(client, bucket, u)],
+            30,
+            "the predecessor's upload to be open with a part sent",
+        )
+    finally:
+        predecessor.send_signal(signal.SIGKILL)
+        predecessor.wait()
+    assert not journal_path.exists() and upload["UploadId"] in spare.read_text()
+    restarted = S3Storage(url)
+    try:
+        assert restarted.keep_journal(UploadJournal(journal_path, spare=spare)) == 1
+    finally:
+        restarted.close()
+        client.close()
+    assert open_uploads(boto3.client("s3", endpoint_url=server.endpoint_url), bucket, prefix + KEY) == []
+
+
+def test_a_spare_written_for_weeks_is_compacted_and_goes_once_the_state_directory_takes_writes(
+    tmp_path: Path, tmpfs: Callable[[int], Path]
+) -> None:
+    state = tmpfs(1 * MiB)
+    make_read_only(state)
+    journal = UploadJournal(state / "uploads.jsonl", spare=tmp_path / "run" / "uploads.jsonl")
+    assert journal.spare is not None
+    journal.keep_only([OpenUpload("step-000000001/left.bin", "upload-left")])
+    largest = 0
+    for number in range(2000):
+        journal.opened(f"step-{number:09d}/weights.bin", f"upload-{number}")
+        journal.done(f"upload-{number}")
+        largest = max(largest, journal.spare.stat().st_size)
+    assert largest < COMPACT_AT + 1024 and not journal.path.exists()
+    journal.opened("step-000002001/open.bin", "upload-open")
+    subprocess.run(["mount", "-o", "remount,rw", str(state)], check=True)
+    journal.done("upload-left")  # a line in the state directory; the spare still holds the open upload
+    assert [u.upload_id for u in UploadJournal(journal.path, spare=journal.spare).unfinished()] == ["upload-open"]
+    journal.keep_only(journal.unfinished())  # as a start does: all of it in the state directory
+    assert not journal.spare.exists()
+    assert [u.upload_id for u in UploadJournal(journal.path).unfinished()] == ["upload-open"]
