@@ -246,9 +246,9 @@ STATE_DIR_LOW = 64 * MiB
 
 def _check_state_dir(config: DaemonConfig, report: Callable[[Check], None]) -> None:
     """What the daemon keeps across restarts (handled notices, open multipart uploads) can be written.
-    Without it the daemon runs on: the event log goes to the socket's directory, uploads go unrecorded."""
+    Without it the daemon runs on: its event log and upload journal go to the socket's directory."""
     state = config.state_dir.absolute()
-    meanwhile = f"meanwhile the daemon keeps its event log in {config.socket.parent} and sends uploads unrecorded"
+    meanwhile = f"meanwhile the daemon keeps its event log and upload journal in {config.socket.parent}"
     existing = next((p for p in (state, *state.parents) if p.exists()), Path("/"))
     if existing != state:
         if os.access(existing, os.W_OK | os.X_OK):

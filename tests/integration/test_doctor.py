@@ -317,5 +317,5 @@ def test_doctor_reports_a_state_directory_on_a_disk_that_is_full_or_nearly(
     code, output = doctor(replace(config, state_dir=small))
     found = line(output, "state directory")
     assert found.startswith("warn") and "No space left on device" in found, output
-    assert f"keeps its event log in {tmp_path / 'run'}" in output
+    assert f"keeps its event log and upload journal in {tmp_path / 'run'}" in output
     assert code == 0  # the daemon runs on: a warning, not a failure
