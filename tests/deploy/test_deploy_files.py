@@ -160,6 +160,8 @@ def test_spotguard_unit_has_the_settings_the_design_relies_on() -> None:
     # Long enough for AWS's 120 s notice window.
     assert int(s["TimeoutStopSec"][0]) >= 120
     assert s["RuntimeDirectory"] == ["spotguard"] and s["RuntimeDirectoryMode"] == ["0750"]
+    # The event log's and journal's spares live there while the state directory refuses writes.
+    assert s["RuntimeDirectoryPreserve"] == ["restart"]
     assert "spotguard" in s["StateDirectory"][0].split()
     assert s["ProtectSystem"] == ["strict"] and s["CapabilityBoundingSet"] == [""]
     families = set(s["RestrictAddressFamilies"][0].split())
