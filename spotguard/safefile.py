@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
 
@@ -123,3 +124,58 @@ def atomic_file(path: Path, cancel: threading.Event | None = None) -> Iterator[C
 def is_temporary(name: str) -> bool:
     """Whether a file name is one :func:`atomic_file` writes before its rename."""
     return TMP_MARK in name
+
+
+def replace_file(path: Path, data: bytes) -> None:
+    """``path`` holds ``data`` durably (:func:`atomic_file`, then its directory's entry), its directory
+    made if need be."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_file(path) as out:
+        out.write(data)
+    fsync_dir(path.parent)
+
+
+class SpareFile:
+    """A file of the daemon's state directory that goes to ``spare`` while that directory refuses writes.
+
+    The state directory is on the root disk, the one a VM running for months fills, or the kernel
+    remounts read-only after an I/O error. The spare is in the daemon's runtime directory (in memory: it
+    outlives a restart of the daemon, not a reboot). ``what`` names the file in the one warning logged
+    per outage and the one line logged when the state directory takes writes again.
+    """
+
+    def __init__(self, path: Path, spare: Path | None, what: str, log: logging.Logger) -> None:
+        self.path = path
+        self.spare = spare if spare is not None and spare.absolute() != path.absolute() else None
+        self.what = what
+        self._log = log
+        self.in_spare = False  # the state directory refused the last write
+
+    def places(self) -> list[Path]:
+        """Where the file may be: the state directory's, then the spare."""
+        return [self.path] if self.spare is None else [self.path, self.spare]
+
+    def current(self) -> Path:
+        """Where the last write went."""
+        return self.spare if self.in_spare and self.spare is not None else self.path
+
+    def write(self, write: Callable[[Path, bytes], None], data: bytes, *, whole: bool) -> None:
+        """``write(place, data)`` in the state directory, else in the spare; raises if neither takes it.
+        ``whole``: ``data`` is all of the file, so once it is in the state directory the spare goes."""
+        try:
+            write(self.path, data)
+        except OSError as exc:
+            if self.spare is None:
+                raise
+            write(self.spare, data)
+            if not self.in_spare:
+                self.in_spare = True
+                what, spare = self.what, self.spare
+                self._log.warning("cannot write %s (%s): %s is kept in %s until it can", self.path, exc, what, spare)
+            return
+        if self.in_spare:
+            self.in_spare = False
+            self._log.info("%s is written to %s again", self.what, self.path)
+        if whole and self.spare is not None:
+            with contextlib.suppress(OSError):
+                self.spare.unlink(missing_ok=True)

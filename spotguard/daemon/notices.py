@@ -31,7 +31,7 @@ from spotguard.daemon.events import EventBus, NoticeMoved
 from spotguard.daemon.lifecycle import NoticeState, TrackedNotice
 from spotguard.jsontext import parse_json
 from spotguard.notice import Action, Notice, utcnow
-from spotguard.safefile import atomic_file
+from spotguard.safefile import SpareFile, replace_file
 
 logger = logging.getLogger("spotguard.daemon")
 
@@ -51,19 +51,17 @@ class EventLog:
 
     def __init__(self, state_dir: Path, root: Path, spare_dir: Path | None = None) -> None:
         self.root = str(root.resolve())
-        self.path = self.path_for(state_dir, root)
-        self.spare = None if spare_dir is None else self.path_for(spare_dir, root)
-        if self.spare is not None and self.spare.absolute() == self.path.absolute():
-            self.spare = None
+        spare = None if spare_dir is None else self.path_for(spare_dir, root)
+        self.file = SpareFile(self.path_for(state_dir, root), spare, "the event log", logger)
+        self.path, self.spare = self.file.path, self.file.spare
         self.events: dict[str, dict[str, Any]] = {}
         self._writes = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spotguard-events")
         self._lock = threading.Lock()
         self._latest: bytes | None = None  # the newest log not yet handed to the writer
         self._number = 0  # of the newest write, counted on from the log read at start
-        self._in_spare = False  # the newest write went to the spare file
         newest: dict[str, Any] | None = None
-        for path in (self.path, self.spare):
-            loaded = None if path is None else self._read(path)
+        for path in self.file.places():
+            loaded = self._read(path)
             if loaded is not None and (newest is None or _write_number(loaded) > _write_number(newest)):
                 newest = loaded
         if newest is not None:
@@ -130,38 +128,10 @@ class EventLog:
         if data is None:
             return
         try:
-            _write(self.path, data)
+            self.file.write(replace_file, data, whole=True)
         except OSError as exc:
-            self._write_spare(data, exc)
-            return
-        if self._in_spare and self.spare is not None:
-            self._in_spare = False
-            logger.info("event log written to %s again", self.path)
-            with contextlib.suppress(OSError):
-                self.spare.unlink(missing_ok=True)
-
-    def _write_spare(self, data: bytes, error: OSError) -> None:
-        """The state directory refused the log (a full root disk, most often): keep it in the spare
-        file, so that a restarted daemon still does not act twice on what this one handled."""
-        if self.spare is None:
-            logger.warning("cannot write %s: %s; a restarted daemon may act on its notices again", self.path, error)
-            return
-        try:
-            _write(self.spare, data)
-        except OSError as spare_error:
-            logger.warning(
-                "cannot write %s (%s) nor %s (%s); a restarted daemon may act on its notices again",
-                self.path,
-                error,
-                self.spare,
-                spare_error,
-            )
-            return
-        if not self._in_spare:
-            self._in_spare = True
-            logger.warning(
-                "cannot write %s: %s; the event log is kept in %s until it can", self.path, error, self.spare
-            )
+            why = "a restarted daemon may act on its notices again"
+            logger.warning("cannot write %s nor its spare: %s; %s", self.path, exc, why)
 
     def flush(self) -> None:
         """Wait until everything recorded so far is on disk."""
@@ -175,12 +145,6 @@ class EventLog:
         for entry in self.events.values():
             with contextlib.suppress(ValueError):
                 yield Notice.from_dict(entry["notice"]), entry
-
-
-def _write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_file(path) as out:
-        out.write(data)
 
 
 def _write_number(log: dict[str, Any]) -> int:

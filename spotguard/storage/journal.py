@@ -31,12 +31,11 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from spotguard.jsontext import parse_json
-from spotguard.safefile import atomic_file, fsync_dir
+from spotguard.safefile import SpareFile, fsync_dir, replace_file
 
 logger = logging.getLogger("spotguard.storage")
 
@@ -53,11 +52,10 @@ class UploadJournal:
     """Append-only record of this daemon's open multipart uploads (thread-safe: uploads run in threads)."""
 
     def __init__(self, path: Path, spare: Path | None = None) -> None:
-        self.path = path
-        self.spare = spare if spare is not None and spare.absolute() != path.absolute() else None
+        self.file = SpareFile(path, spare, "the upload journal", logger)
+        self.path, self.spare = path, self.file.spare
         self._lock = threading.Lock()
         self._open: dict[str, OpenUpload] = {}  # by upload id: recorded open here and not yet done
-        self._in_spare = False  # the state directory refused the last write: lines go to the spare
 
     @classmethod
     def path_for(cls, state_dir: Path, bucket_url: str, root: Path) -> Path:
@@ -86,8 +84,8 @@ class UploadJournal:
         """Uploads opened and not done, oldest first: in the state directory's file and the spare's."""
         opened: dict[str, OpenUpload] = {}
         done: set[str] = set()
-        for path in (self.path, self.spare):
-            for entry in [] if path is None else _entries(path):
+        for path in self.file.places():
+            for entry in _entries(path):
                 upload_id, key, finished = entry.get("open"), entry.get("key"), entry.get("done")
                 if isinstance(upload_id, str) and isinstance(key, str):
                     opened[upload_id] = OpenUpload(key, upload_id)
@@ -103,37 +101,17 @@ class UploadJournal:
     def _size(self) -> int:
         """Of the file written to now: a spare written for weeks is compacted too."""
         try:
-            return (self.spare if self._in_spare and self.spare is not None else self.path).stat().st_size
+            return self.file.current().stat().st_size
         except FileNotFoundError:
             return 0
 
     def _rewrite(self, still_open: list[OpenUpload]) -> None:
         data = b"".join(json.dumps({"open": u.upload_id, "key": u.key}).encode() + b"\n" for u in still_open)
-        if self._write(_replace, data) and self.spare is not None:  # all of it is in the state directory
-            with contextlib.suppress(OSError):
-                self.spare.unlink(missing_ok=True)
+        self.file.write(replace_file, data, whole=True)
         self._open = {upload.upload_id: upload for upload in still_open}
 
     def _append(self, entry: dict[str, str]) -> None:
-        self._write(_append_line, json.dumps(entry, separators=(",", ":")).encode() + b"\n")
-
-    def _write(self, write: Callable[[Path, bytes], None], data: bytes) -> bool:
-        """``write`` to the state directory's file (True), else to the spare (False); raises if neither
-        takes it."""
-        try:
-            write(self.path, data)
-        except OSError as exc:
-            if self.spare is None:
-                raise
-            write(self.spare, data)
-            if not self._in_spare:
-                self._in_spare = True
-                logger.warning("cannot write %s (%s): recording uploads in %s until it can", self.path, exc, self.spare)
-            return False
-        if self._in_spare:
-            self._in_spare = False
-            logger.info("the upload journal %s is written again", self.path)
-        return True
+        self.file.write(_append_line, json.dumps(entry, separators=(",", ":")).encode() + b"\n", whole=False)
 
 
 def _entries(path: Path) -> list[dict[str, object]]:
@@ -149,13 +127,6 @@ def _entries(path: Path) -> list[dict[str, object]]:
             if isinstance(entry, dict):
                 entries.append(entry)
     return entries
-
-
-def _replace(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_file(path) as out:
-        out.write(data)
-    fsync_dir(path.parent)
 
 
 def _append_line(path: Path, line: bytes) -> None:

@@ -284,5 +284,5 @@ def test_a_read_only_state_directory_stops_neither_the_daemon_nor_the_memory_of_
         vm.kill_daemon()
     log = vm.log.read_text()
     assert log.count("the event log is kept in") == 1, log  # once, not once per write
-    assert log.count("recording uploads in") == 2, log  # once per daemon: each starts by rewriting it
+    assert log.count("the upload journal is kept in") == 2, log  # once per daemon: each starts by rewriting it
     assert "cannot record upload" not in log and "may act on its notices again" not in log
