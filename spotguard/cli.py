@@ -10,13 +10,14 @@ import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 from spotguard import protocol
 from spotguard.config import ConfigError, DaemonConfig, load_config
 from spotguard.control import CommandError, daemon_socket, request
 from spotguard.localstore import scan_local
 from spotguard.manifest import MANIFEST, CheckpointInfo, load_manifest_or_none, parse_step_dir, verify_dir
+from spotguard.oneline import OneLineFormatter, one_line
 from spotguard.providers import registry as providers
 from spotguard.storage.schemes import scheme_of
 from spotguard.version import __version__
@@ -25,6 +26,12 @@ if TYPE_CHECKING:
     from spotguard.storage.base import Storage
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+
+def _say(text: str, file: TextIO | None = None) -> None:
+    """Print a line that may hold text from outside (a trainer's report, a bucket's or a metadata
+    service's answer): on one line, no terminal controls (spotguard/oneline.py)."""
+    print(one_line(text), file=file or sys.stdout)
 
 
 # --- locations: a local directory or a bucket URL ---------------------------------------------
@@ -140,11 +147,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         "poll_interval", "state_dir", "peer_listen", "peers", "peer_advertise", "peer_token_file", "peer_networks",
     )  # fmt: skip
     config = _config_from(args, run_only)
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    # One line per record whatever a trainer, a bucket or a metadata service puts in its text: the
+    # journal takes each line of stderr as an entry of the daemon's own (spotguard/oneline.py).
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(OneLineFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=config.log_level.upper(), handlers=[handler])
     try:
         return asyncio.run(build_and_run(config))
     except RuntimeError as exc:  # e.g. another daemon on the socket
@@ -168,42 +175,42 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(reply, indent=1))
         return EXIT_OK
-    print(f"spotguard {reply['version']} pid {reply['pid']}, provider {reply['provider']}")
-    print(f"checkpoints: {reply['checkpoint_dir']} -> {reply['uploads']['bucket'] or '(no bucket)'}")
-    print(f"trainers connected: {len(reply['trainers'])}")
-    print("notice: " + _notice_line(reply["pending"]))
+    _say(f"spotguard {reply['version']} pid {reply['pid']}, provider {reply['provider']}")
+    _say(f"checkpoints: {reply['checkpoint_dir']} -> {reply['uploads']['bucket'] or '(no bucket)'}")
+    _say(f"trainers connected: {len(reply['trainers'])}")
+    _say("notice: " + _notice_line(reply["pending"]))
     if reply.get("plan"):
-        print("deadline plan: " + _plan_line(reply["plan"]))
+        _say("deadline plan: " + _plan_line(reply["plan"]))
     peers = reply.get("peers")
     if peers:
         found = " (found in the bucket)" if peers.get("discovery") else ""
-        print(f"peers: listening on {peers.get('listen') or '-'}; sending to {', '.join(peers['peers']) or '-'}{found}")
+        _say(f"peers: listening on {peers.get('listen') or '-'}; sending to {', '.join(peers['peers']) or '-'}{found}")
         for replica in peers.get("replicas", []):
-            print(
+            _say(
                 f"  replica {replica['name']} from {replica['sender']}: {replica['state']} ({_human(replica['bytes'])})"
             )
         handoff = peers.get("handoff")
         if handoff and handoff["state"] != "idle":
-            print(
+            _say(
                 f"  handoff of {handoff['name']} to {handoff['peer']}: {handoff['state']} "
                 f"({_human(handoff['bytes_sent'])} sent)"
             )
     if reply["last_notice"]:
-        print("last notice: " + ", ".join(f"{k}={v}" for k, v in reply["last_notice"].items()))
+        _say("last notice: " + ", ".join(f"{k}={v}" for k, v in reply["last_notice"].items()))
     for stalled in reply.get("stalled", []):
-        print(f"STALLED: {stalled['message']}")
+        _say(f"STALLED: {stalled['message']}")
     uploads = reply["uploads"]
     if uploads["current"]:
-        print(_upload_line(uploads["current"]))
+        _say(_upload_line(uploads["current"]))
     if uploads["last_committed"]:
         last = uploads["last_committed"]
-        print(f"last committed in bucket: {last['name']} at {last['at']} ({last['seconds']} s)")
+        _say(f"last committed in bucket: {last['name']} at {last['at']} ({last['seconds']} s)")
     for failure in uploads["failures"]:
-        print(f"upload failure: {failure['name']}: {failure['error']}")
+        _say(f"upload failure: {failure['name']}: {failure['error']}")
     for failure in reply.get("save_failures", []):
-        print(f"save failed: step {failure['step']} ({failure['reason']}, {failure['error']}): {failure['message']}")
+        _say(f"save failed: step {failure['step']} ({failure['reason']}, {failure['error']}): {failure['message']}")
     for name, error in reply["monitor_errors"].items():
-        print(f"monitor {name}: {error}")
+        _say(f"monitor {name}: {error}")
     return EXIT_OK
 
 
@@ -270,11 +277,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(json.dumps(results, indent=1))
     else:
         for result in results:
-            print(f"{result['name']}: {_VERIFY_WORDS[result['status']]}")
+            _say(f"{result['name']}: {_VERIFY_WORDS[result['status']]}")
             for problem in result["problems"]:
-                print(f"  {problem}")
+                _say(f"  {problem}")
     if failed:
-        print(f"{failed} of {len(names)} checkpoint(s) failed verification", file=sys.stderr)
+        _say(f"{failed} of {len(names)} checkpoint(s) failed verification", file=sys.stderr)
     return EXIT_FAILURE if failed else EXIT_OK
 
 
@@ -319,7 +326,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
             Path(args.dest),
             step=args.step,
             progress=progress,
-            log=lambda line: print(line, file=sys.stderr),
+            log=lambda line: _say(line, file=sys.stderr),
             candidates=listing,
         )
         progress.finish()
@@ -502,10 +509,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return func(args)
     except ConfigError as exc:
-        print(f"spotguard: config: {exc}", file=sys.stderr)
+        _say(f"spotguard: config: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except (CommandError, protocol.ProtocolError) as exc:
-        print(f"spotguard: {exc}", file=sys.stderr)
+        _say(f"spotguard: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     except KeyboardInterrupt:
         return EXIT_FAILURE
@@ -513,6 +520,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         from spotguard.storage.base import StorageError
 
         if isinstance(exc, StorageError | OSError | ValueError):
-            print(f"spotguard: {exc}", file=sys.stderr)
+            _say(f"spotguard: {exc}", file=sys.stderr)
             return EXIT_FAILURE
         raise

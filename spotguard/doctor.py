@@ -39,6 +39,7 @@ from typing import Any, TextIO
 
 from spotguard.config import DaemonConfig
 from spotguard.crc32c import crc32c_of_file
+from spotguard.oneline import one_line
 from spotguard.providers import registry as providers
 from spotguard.providers.detect import DMI_ROOT, dmi_evidence
 from spotguard.storage.base import Capability, ChecksumProbe, Storage
@@ -58,8 +59,9 @@ class Check:
     fix: str = ""
 
     def line(self) -> str:
-        text = f"{self.status:<4}  {self.name}: {self.found}"
-        return f"{text}\n      -> {self.fix}" if self.fix and self.status != OK else text
+        # What was found may hold a metadata service's or a bucket's answer: one line each, no controls.
+        text = one_line(f"{self.status:<4}  {self.name}: {self.found}")
+        return f"{text}\n      -> {one_line(self.fix)}" if self.fix and self.status != OK else text
 
 
 @dataclass

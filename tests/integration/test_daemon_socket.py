@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import socket
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from spotguard import protocol
+from spotguard.cli import main
 from spotguard.control import request
 from spotguard.harness import Vm, wait_for
 from tests.checkpoints import write_checkpoint
@@ -177,6 +179,38 @@ def test_save_failed_is_recorded_and_safe_steps_names_what_is_in_the_bucket(vm: 
     assert_alive(vm)
 
 
+FORGED = "\n2026-11-27 12:00:00,000 CRITICAL spotguard.daemon: forged by a trainer"
+# What may not reach the log or a terminal from a trainer's words (spotguard/oneline.py).
+CONTROLS = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+RECORD = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) [\w.]+: ")
+
+
+def assert_one_line_records(log: str) -> None:
+    """Every line of the daemon's log is a record of its own, free of control characters."""
+    for line in log.splitlines():
+        assert RECORD.match(line) and not CONTROLS.search(line), line
+
+
+def test_a_trainers_words_reach_the_log_and_status_on_one_line(vm: Vm, capsys: pytest.CaptureFixture[str]) -> None:
+    """A failed save's reason, error and message are a trainer's own words. A newline in them started a
+    line of its own in the daemon's log (the journal keeps each as an entry of the daemon's), so a
+    trainer could forge a record; an escape sequence reached whoever read the log or ran status."""
+    words = {"reason": "urgent" + FORGED, "error": "\x1b[2J\x1b[31m", "message": "disk\u202egone\r" + FORGED}
+    exchange(vm.socket, protocol.encode("save-failed", step=7, **words))
+    wait_for(lambda: "checkpoint at step 7 failed" in vm.log.read_text(), 10, "the failure to be logged")
+    log = vm.log.read_text()
+    assert_one_line_records(log)
+    [line] = [line for line in log.splitlines() if "checkpoint at step 7 failed" in line]
+    assert line.count("\\n2026-11-27 12:00:00,000 CRITICAL spotguard.daemon: forged") == 2
+    assert "\\x1b[2J" in line and "disk\\u202egone\\r" in line
+    assert main(["status", "--socket", str(vm.socket)]) == 0
+    shown = capsys.readouterr().out
+    [failed] = [line for line in shown.splitlines() if line.startswith("save failed: step 7")]
+    assert not CONTROLS.search(shown) and failed.count("forged by a trainer") == 2
+    assert not any(line.startswith("2026-11-27") for line in shown.splitlines())
+    assert_alive(vm)
+
+
 def test_numbers_no_one_can_compute_with_and_deep_nesting_get_errors_and_the_next_notice_is_planned(
     vm: Vm,
 ) -> None:
@@ -270,4 +304,6 @@ def test_any_request_of_the_declared_types_gets_the_protocols_answer_never_an_in
                 reply = json.loads(replies.readline())
                 assert reply.get("code") != "internal", (message, reply)
                 statuses -= reply["type"] == "status"
-    assert "Traceback" not in vm.log.read_text()
+    log = vm.log.read_text()
+    assert "Traceback" not in log
+    assert_one_line_records(log)
