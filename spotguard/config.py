@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from spotguard import protocol
 from spotguard.errors import ConfigError
 from spotguard.jsontext import parse_json
 from spotguard.notice import Action
@@ -49,6 +50,19 @@ _POSITIVE_SECONDS = (
     "poll_interval", "http_timeout", "drill_deadline", "scan_interval", "bucket_scan_interval", "shutdown_grace",
     "forecast_interval", "incomplete_grace", "stall_min_seconds", "upload_retry_max", "stale_upload_age",
 )  # fmt: skip
+# The most any of those (and notice_grace, peer_io_timeout) may be: a month. A longer one is a setting
+# that never fires, and past about 1e9 s the times computed from it overflow: notice_grace = 1e308 once
+# stopped the daemon at start (OverflowError). Some are bounded closer by what they mean (below).
+_MAX_SECONDS = 30 * 86400.0
+_MAX_SECONDS_OF = {
+    # GCP's and Azure's notices give 30 s: a monitor that looks less often can miss one whole.
+    "poll_interval": (30.0, "a GCP or Azure notice gives 30 s; a monitor that looks less often can miss one"),
+    # A metadata request that answers later than this is no answer within a notice's window.
+    "http_timeout": (30.0, "a metadata request is an answer within a notice's window, not later"),
+    "drill_deadline": (protocol.MAX_DRILL_SECONDS, "the longest deadline a drill may give"),
+    # TCP_USER_TIMEOUT takes milliseconds in a C int; an hour of silence is a peer gone.
+    "peer_io_timeout": (3600.0, "a peer silent this long is gone"),
+}
 # Counts that must be at least one.
 _AT_LEAST_ONE = ("keep_local", "keep_remote", "max_connections", "upload_concurrency", "upload_alert_after")
 
@@ -158,10 +172,19 @@ class DaemonConfig:
         for name in _POSITIVE_SECONDS:
             if not getattr(self, name) > 0:
                 raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")
+        for name in (*_POSITIVE_SECONDS, "notice_grace", "peer_io_timeout"):
+            most, why = _MAX_SECONDS_OF.get(name, (_MAX_SECONDS, "longer is a setting that never fires"))
+            if getattr(self, name) > most:
+                raise ConfigError(name, f"must be at most {most:.0f} s ({why}), got {getattr(self, name)}")
         if not 0 < self.stall_fraction <= 1:
             raise ConfigError("stall_fraction", f"must be in (0, 1], got {self.stall_fraction}")
         if not self.notice_grace >= 0:
             raise ConfigError("notice_grace", f"must be >= 0, got {self.notice_grace}")
+        for name in ("allowed_uids", "allowed_gids", "trainer_uids"):
+            # (uid_t)-1 is no user: chown's "leave it" and setuid's error, never a peer's credential.
+            wrong = [each for each in getattr(self, name) if not 0 <= each < 2**32 - 1]
+            if wrong:
+                raise ConfigError(name, f"{wrong[0]} is not a uid or gid (0 to 4294967294)")
         for name in _AT_LEAST_ONE:
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
@@ -333,6 +356,16 @@ def _as_number(kind: type) -> Callable[[Any], Any]:
     return parse
 
 
+def _as_path(value: Any) -> Path:
+    text = str(value)
+    # An empty path is the working directory (/ under systemd): the checkpoint root would be the whole disk.
+    if not text.strip():
+        raise ValueError("an empty path; name a directory or file")
+    if "\x00" in text:
+        raise ValueError("a path with a NUL byte")
+    return Path(text).expanduser()
+
+
 def _as_optional_str(value: Any) -> str | None:
     text = str(value).strip()
     return text or None
@@ -348,8 +381,8 @@ def _as_optional_int(value: Any) -> int | None:
 _PARSERS: dict[str, Callable[[Any], Any]] = {
     "str": str,
     "str | None": _as_optional_str,
-    "Path": lambda v: Path(str(v)).expanduser(),
-    "Path | None": lambda v: Path(str(v)).expanduser() if str(v).strip() else None,
+    "Path": _as_path,
+    "Path | None": lambda v: _as_path(v) if str(v).strip() else None,
     "float": _as_number(float),
     "int": _as_number(int),
     "int | None": _as_optional_int,

@@ -55,6 +55,7 @@ from spotguard.jsontext import parse_json
 
 VERSION = 1
 MAX_MESSAGE_BYTES = 64 * 1024
+MAX_DRILL_SECONDS = 3600.0  # the longest deadline a drill may give (a drill request's or drill_deadline)
 PEER_RESUME_TIMEOUT = 600.0  # seconds the daemon spends at most asking peers and fetching from one
 # Every integer field fits a C long long: sizes, offsets and steps go on to os.pwrite, struct and float
 # arithmetic, where a bigger one raises OverflowError far from the socket. A state of 10**400 bytes

@@ -326,8 +326,10 @@ class RequestHandler:
         if self._stopping():
             raise protocol.ProtocolError("stopping", "the daemon is shutting down")
         seconds = float(message.get("deadline_s") or self.host.config.drill_deadline)
-        if not 0 < seconds <= 3600:
-            raise protocol.ProtocolError("bad-field", "drill: deadline_s must be in (0, 3600]")
+        if not 0 < seconds <= protocol.MAX_DRILL_SECONDS:
+            raise protocol.ProtocolError(
+                "bad-field", f"drill: deadline_s must be in (0, {protocol.MAX_DRILL_SECONDS:.0f}]"
+            )
         notice = Notice.in_seconds(
             self.host.provider, Kind.DRILL, seconds, identity=uuid.uuid4().hex, raw={"drill": True}
         )

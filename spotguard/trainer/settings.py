@@ -46,7 +46,8 @@ class TrainerSettings:
         bucket = bucket if bucket is not None else (env.get(BUCKET_ENV) or None)
         if bucket is not None:
             check_bucket_url(bucket, key="bucket")
-        sock = socket if socket is not None else env.get(SOCKET_ENV, str(DEFAULT_SOCKET))
+        # An empty variable is an unset one, as for the other two (Path('') would be the working directory).
+        sock = socket if socket is not None else (env.get(SOCKET_ENV) or str(DEFAULT_SOCKET))
         return cls(
             checkpoint_dir=Path(root).expanduser().absolute() if root else None,
             bucket=bucket,

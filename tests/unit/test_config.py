@@ -86,6 +86,67 @@ def test_a_number_of_seconds_must_be_finite(text: str) -> None:
         load_config({"shutdown_grace": float(text)}, env={})
 
 
+@pytest.mark.parametrize(
+    ("key", "text", "says"),
+    [
+        ("notice_grace", "1e308", "must be at most 2592000 s (longer is a setting that never fires)"),
+        ("incomplete_grace", "1e308", "must be at most 2592000 s"),
+        ("shutdown_grace", "1e12", "must be at most 2592000 s"),
+        ("poll_interval", "31", "must be at most 30 s (a GCP or Azure notice gives 30 s"),
+        ("http_timeout", "60", "must be at most 30 s"),
+        ("drill_deadline", "3601", "must be at most 3600 s (the longest deadline a drill may give)"),
+        ("peer_io_timeout", "7200", "must be at most 3600 s (a peer silent this long is gone)"),
+    ],
+)
+def test_a_number_of_seconds_has_a_ceiling(key: str, text: str, says: str) -> None:
+    """notice_grace = 1e308 passed every check and stopped the daemon at start (OverflowError); a
+    drill_deadline over an hour made every drill fail; a poll interval of a minute misses 30 s notices."""
+    with pytest.raises(ConfigError) as info:
+        load_config({}, env={f"SPOTGUARD_{key.upper()}": text})
+    assert str(info.value).startswith(f"{key}: {says}")
+
+
+def test_the_ceilings_themselves_are_allowed() -> None:
+    config = load_config(
+        {}, env={"SPOTGUARD_POLL_INTERVAL": "30", "SPOTGUARD_DRILL_DEADLINE": "3600", "SPOTGUARD_NOTICE_GRACE": "0"}
+    )
+    assert (config.poll_interval, config.drill_deadline, config.notice_grace) == (30.0, 3600.0, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        ({"SPOTGUARD_CHECKPOINT_DIR": ""}, "SPOTGUARD_CHECKPOINT_DIR: cannot use '': an empty path"),
+        ({"SPOTGUARD_SOCKET": "  "}, "SPOTGUARD_SOCKET: cannot use '  ': an empty path"),
+        ({"SPOTGUARD_STATE_DIR": "/var/\x00lib"}, "SPOTGUARD_STATE_DIR: cannot use '/var/\\x00lib': a path with a NUL"),
+        ({"SPOTGUARD_ALLOWED_UIDS": "0 -1"}, "allowed_uids: -1 is not a uid or gid (0 to 4294967294)"),
+        ({"SPOTGUARD_TRAINER_UIDS": "4294967295"}, "trainer_uids: 4294967295 is not a uid or gid"),
+    ],
+)
+def test_paths_and_ids_that_name_nothing_are_refused(env: dict[str, str], says: str) -> None:
+    """An empty checkpoint_dir was the working directory: under systemd, the root of the disk."""
+    with pytest.raises(ConfigError) as info:
+        load_config({}, env=env)
+    assert str(info.value).startswith(says)
+
+
+def test_a_daemon_with_a_setting_past_its_ceiling_exits_2_in_one_line(tmp_path: Path) -> None:
+    """It started, then ended at its first notice-book arithmetic with a traceback (exit 1)."""
+    config = tmp_path / "spotguard.toml"
+    config.write_text(f'provider = "none"\nnotice_grace = 1e308\nstate_dir = "{tmp_path / "state"}"\n')
+    result = subprocess.run(
+        [sys.executable, "-m", "spotguard", "run", "--config", str(config), "--socket", str(tmp_path / "s")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "spotguard: config: notice_grace: must be at most 2592000 s (longer is a setting that never fires), got 1e+308"
+    ]
+
+
 def test_unknown_and_broken_files_are_config_errors(tmp_path: Path) -> None:
     typo = tmp_path / "typo.toml"
     typo.write_text("pol_interval = 1\n")
@@ -134,6 +195,9 @@ def test_trainer_settings_argument_beats_environment() -> None:
     assert (explicit.checkpoint_dir, explicit.bucket, explicit.socket) == (Path("/arg"), "s3://a/b", Path("/arg.sock"))
     with pytest.raises(ConfigError, match="bucket"):
         trainer_settings(None, "http://nope", None, env={})
+    # Empty variables are unset ones: a socket of "" was the working directory.
+    empty = trainer_settings(None, None, None, env=dict.fromkeys(env, ""))
+    assert (empty.checkpoint_dir, empty.bucket, empty.socket) == (None, None, Path("/run/spotguard/spotguard.sock"))
 
 
 def test_checksum_setting_from_file_env_and_flag_and_into_the_s3_options(tmp_path: Path) -> None:
