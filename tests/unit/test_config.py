@@ -134,17 +134,9 @@ def test_a_daemon_with_a_setting_past_its_ceiling_exits_2_in_one_line(tmp_path: 
     """It started, then ended at its first notice-book arithmetic with a traceback (exit 1)."""
     config = tmp_path / "spotguard.toml"
     config.write_text(f'provider = "none"\nnotice_grace = 1e308\nstate_dir = "{tmp_path / "state"}"\n')
-    result = subprocess.run(
-        [sys.executable, "-m", "spotguard", "run", "--config", str(config), "--socket", str(tmp_path / "s")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
+    assert run_refused("--config", str(config), "--socket", str(tmp_path / "s")) == (
         "spotguard: config: notice_grace: must be at most 2592000 s (longer is a setting that never fires), got 1e+308"
-    ]
+    )
 
 
 def test_unknown_and_broken_files_are_config_errors(tmp_path: Path) -> None:
@@ -169,18 +161,20 @@ def test_unknown_and_broken_files_are_config_errors(tmp_path: Path) -> None:
         load_config({}, env={}, config_file=deep)
 
 
-def test_cli_exits_2_with_one_line_naming_the_key(tmp_path: Path) -> None:
+def run_refused(*args: str) -> str:
+    """``spotguard run ARGS``, which must exit 2 with one line on stderr: that line."""
     result = subprocess.run(
-        [sys.executable, "-m", "spotguard", "run", "--poll-interval", "soon", "--socket", str(tmp_path / "s")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
+        [sys.executable, "-m", "spotguard", "run", *args], capture_output=True, text=True, timeout=60, check=False
     )
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
+    assert result.returncode == 2, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    return line
+
+
+def test_cli_exits_2_with_one_line_naming_the_key(tmp_path: Path) -> None:
+    assert run_refused("--poll-interval", "soon", "--socket", str(tmp_path / "s")) == (
         "spotguard: config: --poll-interval: cannot use 'soon': could not convert string to float: 'soon'"
-    ]
+    )
 
 
 def test_trainer_settings_argument_beats_environment() -> None:
