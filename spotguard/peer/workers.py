@@ -477,8 +477,8 @@ if __name__ == "__main__":
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _NOTICE_SIGNALS)
     # The daemon may go (stopped, killed) while this worker starts or answers: its end of the pair is
     # closed, and this worker has nobody left to serve. Not an error of the worker's: no traceback.
-    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-        _serve(socket.socket(fileno=int(sys.argv[1])), beside=sys.argv[2:] == [_BESIDE])
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError), socket.socket(fileno=int(sys.argv[1])) as pair:
+        _serve(pair, beside=sys.argv[2:] == [_BESIDE])
 
 
 __all__ = [

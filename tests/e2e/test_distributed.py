@@ -83,6 +83,8 @@ def _run_ranks(
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+        if procs[0].stdout is not None:
+            procs[0].stdout.close()
     if codes != [0] * world:
         tails = []
         for rank, log in enumerate(logs):

@@ -19,16 +19,16 @@ STEPS_PER_EPOCH = SAMPLES // BATCH
 
 
 def run_events(command: list[str], on_event: Callable[[dict], None] | None = None) -> list[dict]:
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    seen = []
-    for line in proc.stdout:
-        if line.startswith("{"):
-            event = json.loads(line)
-            seen.append(event)
-            if on_event:
-                on_event(event)
-    assert proc.wait(timeout=120) == 0
+    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as proc:
+        assert proc.stdout is not None
+        seen = []
+        for line in proc.stdout:
+            if line.startswith("{"):
+                event = json.loads(line)
+                seen.append(event)
+                if on_event:
+                    on_event(event)
+        assert proc.wait(timeout=120) == 0
     return seen
 
 

@@ -66,16 +66,16 @@ def resume_on_a_fresh_vm(
 
 
 def run_events(command: list[str], on_event: Callable[[subprocess.Popen[str], dict], None] | None = None) -> list[dict]:
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=REPO)
-    assert proc.stdout is not None
-    seen = []
-    for line in proc.stdout:
-        if line.startswith('{"event"'):  # the Trainer prints its metrics dict on stdout too
-            event = json.loads(line)
-            seen.append(event)
-            if on_event:
-                on_event(proc, event)
-    assert proc.wait(timeout=120) == 0
+    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=REPO) as proc:
+        assert proc.stdout is not None
+        seen = []
+        for line in proc.stdout:
+            if line.startswith('{"event"'):  # the Trainer prints its metrics dict on stdout too
+                event = json.loads(line)
+                seen.append(event)
+                if on_event:
+                    on_event(proc, event)
+        assert proc.wait(timeout=120) == 0
     return seen
 
 
