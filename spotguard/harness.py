@@ -132,6 +132,32 @@ def trainer_command(
     return command
 
 
+def collect_events(
+    proc: subprocess.Popen[str],
+    on_event: Callable[[dict[str, Any]], None] | None = None,
+    *,
+    marker: str = "{",
+    timeout: float = 120.0,
+) -> list[dict[str, Any]]:
+    """The JSON events a trainer process prints on its stdout (the lines that start with ``marker``:
+    libraries talk there too), each handed to ``on_event`` as it comes. The process must exit 0
+    within ``timeout`` once its stdout ends; its pipe is closed either way."""
+    seen = []
+    with proc:
+        if proc.stdout is None:
+            raise ValueError("the trainer's stdout is not a pipe")
+        for line in proc.stdout:
+            if line.startswith(marker):
+                event = json.loads(line)
+                seen.append(event)
+                if on_event:
+                    on_event(event)
+        code = proc.wait(timeout=timeout)
+    if code != 0:
+        raise AssertionError(f"the trainer exited with {code}")
+    return seen
+
+
 def events(stream: IO[str]) -> Iterator[dict[str, Any]]:
     for line in stream:
         try:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -12,24 +11,14 @@ import pytest
 
 from spotguard.control import request
 from spotguard.demo import BATCH, SAMPLES
-from spotguard.harness import Vm, compare_final, trainer_command, wait_for
+from spotguard.harness import Vm, collect_events, compare_final, trainer_command, wait_for
 
 STEPS = 30  # 12 steps per epoch: the run crosses two epoch boundaries
 STEPS_PER_EPOCH = SAMPLES // BATCH
 
 
 def run_events(command: list[str], on_event: Callable[[dict], None] | None = None) -> list[dict]:
-    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as proc:
-        assert proc.stdout is not None
-        seen = []
-        for line in proc.stdout:
-            if line.startswith("{"):
-                event = json.loads(line)
-                seen.append(event)
-                if on_event:
-                    on_event(event)
-        assert proc.wait(timeout=120) == 0
-    return seen
+    return collect_events(subprocess.Popen(command, stdout=subprocess.PIPE, text=True), on_event)
 
 
 @pytest.fixture(scope="module")

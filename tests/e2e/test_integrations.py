@@ -5,7 +5,6 @@ run ends. Plus what ``resume_path()`` must skip and HF's ``get_last_checkpoint``
 
 from __future__ import annotations
 
-import json
 import shutil
 import signal
 import subprocess
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from spotguard.control import request
-from spotguard.harness import Vm, bucket_status, compare_final, wait_for
+from spotguard.harness import Vm, bucket_status, collect_events, compare_final, wait_for
 from spotguard.localstore import CheckpointWriter, scan_local
 from spotguard.manifest import load_manifest, verify_dir
 from tests.diskspace import fill
@@ -66,17 +65,9 @@ def resume_on_a_fresh_vm(
 
 
 def run_events(command: list[str], on_event: Callable[[subprocess.Popen[str], dict], None] | None = None) -> list[dict]:
-    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=REPO) as proc:
-        assert proc.stdout is not None
-        seen = []
-        for line in proc.stdout:
-            if line.startswith('{"event"'):  # the Trainer prints its metrics dict on stdout too
-                event = json.loads(line)
-                seen.append(event)
-                if on_event:
-                    on_event(proc, event)
-        assert proc.wait(timeout=120) == 0
-    return seen
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=REPO)
+    # The Trainer prints its metrics dict on stdout too: only our events count.
+    return collect_events(proc, (lambda event: on_event(proc, event)) if on_event else None, marker='{"event"')
 
 
 @pytest.mark.slow

@@ -13,7 +13,6 @@ Needs root (to run processes as other uids); skipped otherwise.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -27,7 +26,7 @@ from typing import Any
 import pytest
 
 from spotguard.control import request
-from spotguard.harness import compare_final, trainer_command, wait_for
+from spotguard.harness import collect_events, compare_final, trainer_command, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGMAP_TOML = REPO / "kubernetes" / "base" / "spotguard.toml"
@@ -137,17 +136,7 @@ def as_trainer(
 
 
 def trainer_events(command: list[str], home: Path, on_event: Callable[[dict[str, Any]], None] | None = None) -> list:
-    proc = as_trainer(command, home, stdout=subprocess.PIPE)
-    assert proc.stdout is not None
-    seen = []
-    for line in proc.stdout:
-        if line.startswith("{"):
-            event = json.loads(line)
-            seen.append(event)
-            if on_event:
-                on_event(event)
-    assert proc.wait(timeout=180) == 0
-    return seen
+    return collect_events(as_trainer(command, home, stdout=subprocess.PIPE), on_event, timeout=180)
 
 
 def status_as_trainer(node: Node, home: Path, *, own_pid_namespace: bool = False) -> subprocess.CompletedProcess[str]:
