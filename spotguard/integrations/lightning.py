@@ -100,22 +100,28 @@ def _save_checkpoint(trainer: pl.Trainer, path: Path) -> None:
 
 
 def _warn_if_sampler_wrapped(loaders: Any) -> None:
-    """Warn where Lightning's ``use_distributed_sampler`` wrapped a loader's sampler in its
-    ``DistributedSamplerWrapper``: the wrapper saves no place and draws the wrapped sampler's order
-    afresh, so a resumed run sees other batches than an uninterrupted one."""
+    """Warn where the training loader's sampler is a distributed one that saves no place in the epoch:
+    what Lightning's ``use_distributed_sampler`` (its default) puts there. With torchdata 0.11 that is
+    its ``DistributedSamplerWrapper``, with torchdata 0.10 torch's own ``DistributedSampler``; in both
+    a drilled mid-epoch resume ended with other parameters than an uninterrupted run."""
+    from torch.utils.data.distributed import DistributedSampler
+
     if isinstance(loaders, dict):
         loaders = list(loaders.values())
     for loader in loaders if isinstance(loaders, list | tuple) else [loaders]:
         # Lightning rebuilds the loader around a batch sampler, whose sampler is the one it chose.
         samplers = (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None))
-        if any(type(sampler).__name__ == "DistributedSamplerWrapper" for sampler in samplers):
-            logger.warning(
-                "spotguard: Lightning wrapped the training loader's sampler in its DistributedSamplerWrapper, "
-                "which keeps no place in the epoch: a resumed run will not see the batches an uninterrupted "
-                "one sees. Return a ResumableDistributedSampler (spotguard.trainer.samplers) from "
-                "train_dataloader() and pass Trainer(use_distributed_sampler=False)"
-            )
-            return
+        for sampler in samplers:
+            if isinstance(sampler, DistributedSampler) and not callable(getattr(sampler, "state_dict", None)):
+                logger.warning(
+                    "spotguard: the training loader's sampler is a %s, which keeps no place in the epoch "
+                    "(Lightning puts one there with use_distributed_sampler=True, its default): a resumed run "
+                    "will not see the batches an uninterrupted one sees. Return a ResumableDistributedSampler "
+                    "(spotguard.trainer.samplers) from train_dataloader() and pass "
+                    "Trainer(use_distributed_sampler=False)",
+                    type(sampler).__name__,
+                )
+                return
 
 
 def _live(model: Any, optimizers: list[Any]) -> dict[str, Any]:

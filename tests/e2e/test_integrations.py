@@ -5,6 +5,8 @@ run ends. Plus what ``resume_path()`` must skip and HF's ``get_last_checkpoint``
 
 from __future__ import annotations
 
+import logging
+import re
 import shutil
 import signal
 import subprocess
@@ -172,9 +174,10 @@ def test_lightning_ddp_periodic_saves_on_rank_0s_full_disk_are_skipped_on_every_
 @pytest.mark.slow
 def test_lightning_wrapping_the_loaders_sampler_under_ddp_is_warned_about(tmp_path: Path) -> None:
     """The single-process recipe (a RandomSampler with its own generator) under DDP with Lightning's
-    default ``use_distributed_sampler``: Lightning wraps the sampler in one that keeps no place, so a
-    resume is not exact (a drilled mid-epoch resume ended with other parameters): the callback says so,
-    once, and what to use instead."""
+    default ``use_distributed_sampler``: Lightning puts a sampler there that keeps no place (its wrapper
+    with torchdata 0.11, torch's DistributedSampler with 0.10: with 0.10 nothing was said), so a resume
+    is not exact (a drilled mid-epoch resume ended with other parameters with either): the callback says
+    so, once, and what to use instead."""
     pytest.importorskip("lightning")
     command = trainer_command("lightning", tmp_path / "nvme", tmp_path / "none.sock", devices=2)
     done = subprocess.run(
@@ -182,8 +185,11 @@ def test_lightning_wrapping_the_loaders_sampler_under_ddp_is_warned_about(tmp_pa
         capture_output=True, text=True, timeout=300, cwd=REPO, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    warned = [line for line in done.stderr.splitlines() if "DistributedSamplerWrapper" in line]
-    assert len(warned) == 1 and "ResumableDistributedSampler" in warned[0], done.stderr[-3000:]
+    # Lightning's choice depends on torchdata's version: its wrapper with 0.11, torch's sampler with 0.10.
+    warned = [line for line in done.stderr.splitlines() if "keeps no place in the epoch" in line]
+    assert len(warned) == 1, done.stderr[-3000:]
+    assert re.search(r"sampler is a (DistributedSamplerWrapper|DistributedSampler), ", warned[0]), warned[0]
+    assert "Return a ResumableDistributedSampler" in warned[0] and "use_distributed_sampler=False" in warned[0]
 
 
 TORCHRUN_TWO = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
@@ -565,6 +571,37 @@ def test_lightning_callback_restores_rng_states_right_before_the_first_resumed_b
     torch.rand(1)
     cb.on_train_batch_start(None, None, None, 1)  # only once
     assert not torch.equal(torch.rand(4), expected)
+
+
+def test_only_a_distributed_sampler_that_keeps_no_place_is_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    """Both samplers Lightning puts in a DDP loader (its wrapper, torch's own) are warned about; the
+    recommended one (it saves its place) and a single process's RandomSampler are not."""
+    pytest.importorskip("lightning")
+    import torch
+    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+    from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+    from torch.utils.data.distributed import DistributedSampler
+
+    from spotguard.integrations.lightning import _warn_if_sampler_wrapped
+    from spotguard.trainer.samplers import ResumableDistributedSampler
+
+    dataset = TensorDataset(torch.arange(8.0))
+    samplers = {
+        "DistributedSamplerWrapper": DistributedSamplerWrapper(RandomSampler(dataset), num_replicas=2, rank=0),
+        "DistributedSampler": DistributedSampler(dataset, num_replicas=2, rank=0),
+        "ResumableDistributedSampler": ResumableDistributedSampler(dataset, num_replicas=2, rank=0),
+        "RandomSampler": RandomSampler(dataset),
+    }
+    warned = []
+    for name, sampler in samplers.items():
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="spotguard.integrations"):
+            _warn_if_sampler_wrapped({"train": DataLoader(dataset, batch_size=2, sampler=sampler)})
+        if caplog.records:
+            [record] = caplog.records
+            assert f"sampler is a {name}, which keeps no place" in record.getMessage()
+            warned.append(name)
+    assert warned == ["DistributedSamplerWrapper", "DistributedSampler"]
 
 
 @pytest.mark.parametrize(
