@@ -466,6 +466,13 @@ async def _prepare_store(storage: Storage, config: DaemonConfig) -> None:
         logger.info("aborted %d unfinished multipart upload(s) left by an earlier run", aborted)
 
 
+def _hangup_ignored() -> None:
+    logger.warning(
+        "SIGHUP: the configuration is read at start only, and this daemon keeps running; restart it to apply "
+        "a change (systemctl restart spotguard: uploads left open are finished or aborted by the next start)"
+    )
+
+
 async def build_and_run(config: DaemonConfig) -> int:
     """Build the real parts from ``config`` and run until SIGTERM/SIGINT."""
     from spotguard.storage import open_storage
@@ -496,6 +503,9 @@ async def build_and_run(config: DaemonConfig) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, daemon.request_stop)
+    # SIGHUP's default ends the process at once, its uploads unfinished, where tools and admins send it
+    # to mean "reload". The configuration is read at start only: say so, and keep watching.
+    loop.add_signal_handler(signal.SIGHUP, _hangup_ignored)
     try:
         return await daemon.serve_until_stopped()
     finally:

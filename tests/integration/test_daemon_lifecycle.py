@@ -90,6 +90,17 @@ def test_sigterm_drains_uploads_and_exits_zero(vm_factory: Callable[..., Vm], bu
     assert committed(bucket) == [1, 2, 3]
 
 
+def test_sighup_is_logged_and_the_daemon_keeps_serving(vm: Vm) -> None:
+    """SIGHUP's default action ended the daemon at once (exit 129), uploads unfinished and the socket
+    left behind; tools and admins send it to mean "reload"."""
+    assert vm.process is not None
+    vm.process.send_signal(signal.SIGHUP)
+    wait_for(lambda: "SIGHUP: the configuration is read at start only" in vm.log.read_text(), 10, "the SIGHUP line")
+    assert vm.process.poll() is None
+    reply = request(vm.socket, "drill", deadline_s=30)
+    assert reply["type"] == "ok" and vm.status()["pending"]["kind"] == "drill"
+
+
 def test_trainer_without_daemon_saves_on_sigterm_and_resumes(tmp_path: Path) -> None:
     script = """
 import sys, torch, json
