@@ -60,15 +60,25 @@ class EventLog:
         self._latest: bytes | None = None  # the newest log not yet handed to the writer
         self._number = 0  # of the newest write, counted on from the log read at start
         newest: dict[str, Any] | None = None
+        newest_path = self.path
         for path in self.file.places():
             loaded = self._read(path)
             if loaded is not None and (newest is None or _write_number(loaded) > _write_number(newest)):
-                newest = loaded
+                newest, newest_path = loaded, path
         if newest is not None:
             self._number = _write_number(newest)
             events = newest.get("events")
-            if isinstance(events, dict):
-                self.events = {k: v for k, v in events.items() if isinstance(v, dict) and "notice" in v}
+            for event_id, entry in events.items() if isinstance(events, dict) else ():
+                why = _unusable(entry)
+                if why is None:
+                    self.events[event_id] = entry
+                else:
+                    logger.warning(
+                        "%s: ignoring the entry of %r (%s); a notice still posted is handled as a new one",
+                        newest_path,
+                        event_id,
+                        why,
+                    )
         self._forget_old()
 
     def _read(self, path: Path) -> dict[str, Any] | None:
@@ -145,6 +155,21 @@ class EventLog:
         for entry in self.events.values():
             with contextlib.suppress(ValueError):
                 yield Notice.from_dict(entry["notice"]), entry
+
+
+def _unusable(entry: Any) -> str | None:
+    """Why an entry of the event log cannot be restored, or None. An entry with an action this version
+    does not know (written by a newer one, and the fleet rolled back) stopped every start of the daemon
+    with ValueError, and so did one edited by hand; kept unreadable, it would also make its notice
+    "seen" for good."""
+    if not isinstance(entry, dict) or "notice" not in entry:
+        return "not a notice's entry"
+    try:
+        Notice.from_dict(entry["notice"])
+        Action(entry.get("action", str(Action.IGNORE)))
+    except (ValueError, TypeError) as exc:
+        return str(exc)
+    return None
 
 
 def _write_number(log: dict[str, Any]) -> int:

@@ -178,10 +178,13 @@ class ReplicaStore:
             replica = None
             try:
                 meta = parse_json((entry / _META).read_bytes())
-                replica = Replica(entry.name, meta["name"], meta["bucket"], meta["sender"], entry)
-                replica.state = ReplicaState(meta["state"])
+                name, bucket, sender, state = meta["name"], meta["bucket"], meta["sender"], meta["state"]
+                if not all(isinstance(field, str) for field in (name, bucket, sender, state)):
+                    raise TypeError("a replica's record holds a field that is not text")  # edited, or bit rot
+                replica = Replica(entry.name, name, bucket, sender, entry)
+                replica.state = ReplicaState(state)
             except (OSError, ValueError, KeyError, TypeError):
-                pass
+                replica = None
             if (
                 replica is not None
                 and replica.state is ReplicaState.VERIFIED
@@ -196,7 +199,10 @@ class ReplicaStore:
                 found.append(replica)
                 continue
             logger.warning("removing %s: a replica never verified before a restart", entry)
-            shutil.rmtree(entry, ignore_errors=True)
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)  # a stray file or link: rmtree would leave it there
         return found
 
     async def create(self, name: str, bucket: str, who: str, announced: int | None = None) -> Replica:

@@ -184,9 +184,13 @@ def test_a_restarted_receiver_commits_verified_replicas_and_drops_unfinished_one
     # What a receiver killed mid-upload leaves: one replica verified (manifest written), one still arriving.
     verified = write_checkpoint(area / "step-000000011-aaaa", 11, {"w.bin": os.urandom(MiB)})
     unfinished = write_checkpoint(area / "step-000000012-bbbb", 12, {"w.bin": os.urandom(MiB)})
-    for step_dir, state in ((verified, "verified"), (unfinished, "receiving")):
-        meta = {"name": step_dir.name, "bucket": url, "sender": "127.0.0.1:1", "state": state}
+    # And what no daemon writes: a record edited by hand (a name that is no text), a stray file.
+    edited = write_checkpoint(area / "step-000000013-cccc", 13, {"w.bin": os.urandom(MiB)})
+    for step_dir, state in ((verified, "verified"), (unfinished, "receiving"), (edited, "verified")):
+        name = step_dir.name if step_dir is not edited else 13
+        meta = {"name": name, "bucket": url, "sender": "127.0.0.1:1", "state": state}
         (step_dir.parent / "replica.json").write_text(json.dumps(meta))
+    (area / "stray.txt").write_text("not a replica")
     vm.start_daemon(env={"SPOTGUARD_PEER_TOKEN": TOKEN})
     try:
         storage = S3Storage(url)
@@ -198,7 +202,7 @@ def test_a_restarted_receiver_commits_verified_replicas_and_drops_unfinished_one
             storage.close()
         assert committed == ["step-000000011"]
         wait_for(lambda: replica_area(vm) == [], 10, "the replica area to be empty")
-        assert not any(key.startswith("step-000000012") for key in bucket_keys(url))
+        assert not any(key.startswith(("step-000000012", "step-000000013")) for key in bucket_keys(url))
     finally:
         vm.kill_daemon()
 

@@ -143,6 +143,31 @@ def test_event_logs_are_one_file_per_root_and_ignore_another_roots_file(tmp_path
     assert EventLog(state, tmp_path / "b").events == {}
 
 
+def test_an_entry_this_version_cannot_read_is_ignored_and_its_notice_handled_anew(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An action written by a newer spotguard (a fleet rolled back), or an entry edited by hand, stopped
+    every start of the daemon with ValueError: 'drain' is not a valid Action."""
+    clock = Clock()
+    log = EventLog(tmp_path / "state", tmp_path / "root")
+    good, newer, edited = (notice(clock, 100, Kind.DRILL, name) for name in ("good", "newer", "edited"))
+    log.record(good, action="stop")
+    log.record(newer, action="stop")
+    log.record(edited, action="stop")
+    log.close()
+    document = json.loads(log.path.read_text())
+    document["events"][newer.event_id]["action"] = "drain"
+    document["events"][edited.event_id]["notice"] = 5
+    document["events"]["junk"] = [1, 2]
+    log.path.write_text(json.dumps(document))
+    with caplog.at_level(logging.WARNING):
+        after = book(tmp_path, clock)
+    assert [t.event_id for t in after.restore()] == [good.event_id]
+    assert not after.seen(newer.event_id) and not after.seen(edited.event_id)  # handled when still posted
+    ignored = [r.getMessage() for r in caplog.records if "ignoring the entry of" in r.getMessage()]
+    assert len(ignored) == 3 and "'drain' is not a valid Action" in ignored[0] and str(log.path) in ignored[0]
+
+
 def test_recording_does_not_wait_for_the_disk_and_writes_keep_their_order(tmp_path: Path) -> None:
     """The daemon records a notice on its event loop just before telling the trainers: no fsync there."""
     import threading
