@@ -63,6 +63,7 @@ _MAX_SECONDS_OF = {
     # TCP_USER_TIMEOUT takes milliseconds in a C int; an hour of silence is a peer gone.
     "peer_io_timeout": (3600.0, "a peer silent this long is gone"),
 }
+_MAX_SOCKET_PATH = 107  # bytes of a Unix socket's path (Linux: sun_path is 108, NUL included)
 # Counts that must be at least one.
 _AT_LEAST_ONE = ("keep_local", "keep_remote", "max_connections", "upload_concurrency", "upload_alert_after")
 
@@ -161,6 +162,12 @@ class DaemonConfig:
                 raise ConfigError("metadata_url", f"{self.metadata_url!r} is not scheme://host[:port]")
         if self.bucket is not None:
             check_bucket_url(self.bucket, key="bucket")
+        # Past the limit the daemon stopped with only "AF_UNIX path too long", naming neither setting nor limit.
+        socket_bytes = len(os.fsencode(self.socket))
+        if socket_bytes > _MAX_SOCKET_PATH:
+            raise ConfigError(
+                "socket", f"{str(self.socket)!r} is {socket_bytes} bytes; a Unix socket's path holds at most 107"
+            )
         if self.checksum not in CHECKSUM_MODES:
             raise ConfigError("checksum", f"{self.checksum!r} is not one of {', '.join(CHECKSUM_MODES)}")
         store = scheme_of(self.bucket or "")

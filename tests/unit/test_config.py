@@ -121,6 +121,7 @@ def test_the_ceilings_themselves_are_allowed() -> None:
         ({"SPOTGUARD_STATE_DIR": "/var/\x00lib"}, "SPOTGUARD_STATE_DIR: cannot use '/var/\\x00lib': a path with a NUL"),
         ({"SPOTGUARD_ALLOWED_UIDS": "0 -1"}, "allowed_uids: -1 is not a uid or gid (0 to 4294967294)"),
         ({"SPOTGUARD_TRAINER_UIDS": "4294967295"}, "trainer_uids: 4294967295 is not a uid or gid"),
+        ({"SPOTGUARD_SOCKET": "/run/" + "d" * 100 + "/s.sock"}, "socket: '/run/ddd"),
     ],
 )
 def test_paths_and_ids_that_name_nothing_are_refused(env: dict[str, str], says: str) -> None:
@@ -128,6 +129,15 @@ def test_paths_and_ids_that_name_nothing_are_refused(env: dict[str, str], says: 
     with pytest.raises(ConfigError) as info:
         load_config({}, env=env)
     assert str(info.value).startswith(says)
+
+
+def test_a_socket_path_longer_than_a_unix_socket_takes_is_refused(tmp_path: Path) -> None:
+    """The daemon stopped with "spotguard: AF_UNIX path too long", naming neither the setting nor the limit."""
+    path = tmp_path / ("d" * (107 - len(str(tmp_path)))) / "s.sock"
+    refused = run_refused("--socket", str(path))
+    assert refused.endswith(f"is {len(str(path))} bytes; a Unix socket's path holds at most 107")
+    at_the_limit = "/" + "d" * 106
+    assert load_config({}, env={"SPOTGUARD_SOCKET": at_the_limit}).socket == Path(at_the_limit)
 
 
 def test_a_daemon_with_a_setting_past_its_ceiling_exits_2_in_one_line(tmp_path: Path) -> None:
