@@ -50,10 +50,11 @@ _POSITIVE_SECONDS = (
     "poll_interval", "http_timeout", "drill_deadline", "scan_interval", "bucket_scan_interval", "shutdown_grace",
     "forecast_interval", "incomplete_grace", "stall_min_seconds", "upload_retry_max", "stale_upload_age",
 )  # fmt: skip
-# The most any of those (and notice_grace, peer_io_timeout) may be: a month. A longer one is a setting
-# that never fires, and past about 1e9 s the times computed from it overflow: notice_grace = 1e308 once
-# stopped the daemon at start (OverflowError). Some are bounded closer by what they mean (below).
-_MAX_SECONDS = 30 * 86400.0
+# The most any of those (and notice_grace, peer_io_timeout) may be: a century, which is how "never" is
+# written (stale_upload_age of 20 years: never abort another node's upload). Past it the times computed
+# from a setting overflow: notice_grace = 1e308 once stopped the daemon at start (OverflowError), and
+# threading's waits end at about 292 years. Some are bounded closer by what they mean (below).
+_MAX_SECONDS = 100 * 365 * 86400.0
 _MAX_SECONDS_OF = {
     # GCP's and Azure's notices give 30 s: a monitor that looks less often can miss one whole.
     "poll_interval": (30.0, "a GCP or Azure notice gives 30 s; a monitor that looks less often can miss one"),
@@ -180,7 +181,7 @@ class DaemonConfig:
             if not getattr(self, name) > 0:
                 raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")
         for name in (*_POSITIVE_SECONDS, "notice_grace", "peer_io_timeout"):
-            most, why = _MAX_SECONDS_OF.get(name, (_MAX_SECONDS, "longer is a setting that never fires"))
+            most, why = _MAX_SECONDS_OF.get(name, (_MAX_SECONDS, "a century; longer overflows the times computed"))
             if getattr(self, name) > most:
                 raise ConfigError(name, f"must be at most {most:.0f} s ({why}), got {getattr(self, name)}")
         if not 0 < self.stall_fraction <= 1:

@@ -89,9 +89,9 @@ def test_a_number_of_seconds_must_be_finite(text: str) -> None:
 @pytest.mark.parametrize(
     ("key", "text", "says"),
     [
-        ("notice_grace", "1e308", "must be at most 2592000 s (longer is a setting that never fires)"),
-        ("incomplete_grace", "1e308", "must be at most 2592000 s"),
-        ("shutdown_grace", "1e12", "must be at most 2592000 s"),
+        ("notice_grace", "1e308", "must be at most 3153600000 s (a century; longer overflows the times computed)"),
+        ("incomplete_grace", "1e308", "must be at most 3153600000 s"),
+        ("shutdown_grace", "1e12", "must be at most 3153600000 s"),
         ("poll_interval", "31", "must be at most 30 s (a GCP or Azure notice gives 30 s"),
         ("http_timeout", "60", "must be at most 30 s"),
         ("drill_deadline", "3601", "must be at most 3600 s (the longest deadline a drill may give)"),
@@ -145,7 +145,8 @@ def test_a_daemon_with_a_setting_past_its_ceiling_exits_2_in_one_line(tmp_path: 
     config = tmp_path / "spotguard.toml"
     config.write_text(f'provider = "none"\nnotice_grace = 1e308\nstate_dir = "{tmp_path / "state"}"\n')
     assert run_refused("--config", str(config), "--socket", str(tmp_path / "s")) == (
-        "spotguard: config: notice_grace: must be at most 2592000 s (longer is a setting that never fires), got 1e+308"
+        "spotguard: config: notice_grace: must be at most 3153600000 s "
+        "(a century; longer overflows the times computed), got 1e+308"
     )
 
 
