@@ -16,10 +16,11 @@ Control API, common to all providers::
     GET    /_emulator/state                    provider-specific snapshot
 
 Fault kinds: ``status`` (answer ``status``, default 500), ``garbage`` (200 with a junk body, or with
-``body``: a hostile answer that looks almost right),
-``drop`` (close the connection without an answer), ``latency`` (wait ``seconds`` first; combines
-with the others), plus provider-specific ones (GCP ``no_flavor``). ``count`` limits how many
-requests a fault hits (``null`` = until removed); ``path`` limits it to paths containing that text.
+``body``: a hostile answer that looks almost right), ``drop`` (close the connection without an
+answer), ``flood`` (200, then 16 MiB of body without a length, as a proxy gone wrong streams),
+``latency`` (wait ``seconds`` first; combines with the others), plus provider-specific ones (GCP
+``no_flavor``). ``count`` limits how many requests a fault hits (``null`` = until removed); ``path``
+limits it to paths containing that text.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 CONTROL_PREFIX = "/_emulator/"
 GARBAGE_BODY = b"\x00\xff<html>not what you asked for{"
+FLOOD_BYTES = 16 << 20  # a flood fault's body: far past what a monitor reads (spotguard.providers.base.MAX_ANSWER)
 MAX_RECORDED_REQUESTS = 2000
 # The control API is on loopback: an http_proxy in the environment must not take it elsewhere.
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -49,7 +51,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 @dataclass
 class Fault:
-    kind: str  # status | garbage | drop | latency | no_flavor (GCP)
+    kind: str  # status | garbage | drop | flood | latency | no_flavor (GCP)
     count: int | None = None  # requests left to hit; None = until cleared
     status: int = 500
     seconds: float = 0.0
@@ -59,7 +61,7 @@ class Fault:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Fault:
         kind = str(data["kind"])
-        if kind not in ("status", "garbage", "drop", "latency", "no_flavor"):
+        if kind not in ("status", "garbage", "drop", "flood", "latency", "no_flavor"):
             raise ValueError(f"unknown fault kind {kind!r}")
         count = data.get("count")
         return cls(
@@ -197,6 +199,15 @@ class Emulator:
             # Answered at once (no long-poll), with the headers a real answer has: only the body is wrong.
             body = GARBAGE_BODY if fault.body is None else fault.body.encode()
             return web.Response(status=200, body=body, headers=self.answer_headers())
+        if fault.kind == "flood":
+            response = web.StreamResponse(status=200, headers=self.answer_headers())
+            await response.prepare(request)
+            chunk = b"x" * (64 * 1024)
+            with contextlib.suppress(ConnectionError):  # the client stops reading, as it should
+                for _ in range(FLOOD_BYTES // len(chunk)):
+                    await response.write(chunk)
+                await response.write_eof()
+            return response
         if fault.kind == "drop":
             if request.transport is not None:
                 request.transport.abort()

@@ -366,9 +366,13 @@ class AwsMonitor(PolledMonitor):
             async with self._session.request(
                 method, self._base + path, headers=headers, timeout=self._timeout, allow_redirects=False
             ) as response:
-                return response.status, await response.read()
+                return response.status, await base.read_answer(response, f"aws: {doing}")
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise MonitorError(f"aws: {doing}") from exc
+            error = base.unanswered(f"aws: {doing}", exc, self._timeout_s)
+            if method == "PUT" and isinstance(exc, TimeoutError):
+                # The commonest cause by far, and one that lasts: the doctor tells it from a dead IMDS.
+                error = MonitorError(f"{error} (if a plain GET answers, {HOP_LIMIT_FIX}; `spotguard doctor` tells)")
+            raise error from exc
 
 
 def complete_lifecycle_action(region: str, hook: str, instance_id: str, group: str | None) -> str:

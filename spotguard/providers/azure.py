@@ -171,6 +171,7 @@ class AzureMonitor(PolledMonitor):
         headers = {"Metadata": "true"}
         if data is not None:
             headers["Content-Type"] = "application/json"
+        doing = f"azure: {'posting' if method == 'POST' else 'reading'} {what}"
         try:
             async with self._session.request(
                 method,
@@ -182,9 +183,9 @@ class AzureMonitor(PolledMonitor):
                 allow_redirects=False,
             ) as response:
                 status = response.status
-                body = await response.read()
+                body = await base.read_answer(response, doing)
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise MonitorError(f"azure: {'posting' if method == 'POST' else 'reading'} {what}") from exc
+            raise base.unanswered(doing, exc, self._timeout_s) from exc
         try:
             return status, body.decode("utf-8")
         except UnicodeDecodeError as exc:

@@ -118,6 +118,32 @@ def most_urgent_first(notices: list[Notice]) -> list[Notice]:
     return sorted(notices, key=lambda n: (not n.is_hard, n.deadline))
 
 
+# Bytes a metadata answer may hold: the services answer in bytes to kilobytes. A proxy in the way (an
+# IMDS proxy on a Kubernetes node, a broken middlebox) that streams without end could otherwise fill the
+# daemon's memory within one http_timeout, and every byte would then go through the JSON parser.
+MAX_ANSWER = 1 << 20
+
+
+async def read_answer(response: aiohttp.ClientResponse, doing: str) -> bytes:
+    """The body of a metadata answer, or :class:`MonitorError` past :data:`MAX_ANSWER` bytes."""
+    too_long = f"{doing}: an answer of more than {MAX_ANSWER} bytes, which no metadata service sends"
+    if response.content_length is not None and response.content_length > MAX_ANSWER:
+        raise MonitorError(too_long)
+    body = bytearray()
+    async for chunk in response.content.iter_chunked(64 * 1024):
+        body += chunk
+        if len(body) > MAX_ANSWER:
+            raise MonitorError(too_long)
+    return bytes(body)
+
+
+def unanswered(doing: str, exc: BaseException, timeout: float) -> MonitorError:
+    """A request that got no answer, saying why: "aws: reading spot/instance-action" alone did not tell
+    a timeout (a route, a hop limit) from a refused or reset connection."""
+    why = f"no answer within {timeout:g} s" if isinstance(exc, TimeoutError) else (str(exc) or type(exc).__name__)
+    return MonitorError(f"{doing}: {why}")
+
+
 def load_json(text: str) -> Any:
     """``text`` as JSON; ValueError saying what the text began with when it is not."""
     try:

@@ -203,9 +203,13 @@ class GcpMonitor(PolledMonitor):
                     raise MonitorError(
                         f"gcp: reading instance/: answer without {FLAVOR}: Google (not the metadata server)"
                     )
-                return response.status, await response.read(), response.headers.get("ETag")
+                return (
+                    response.status,
+                    await base.read_answer(response, "gcp: reading instance/"),
+                    response.headers.get("ETag"),
+                )
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise MonitorError("gcp: reading instance/") from exc
+            raise base.unanswered("gcp: reading instance/", exc, timeout) from exc
 
 
 # --- the doctor's probe and the provider ----------------------------------------------------------

@@ -30,6 +30,7 @@ from spotguard.emulate.common import RunningEmulator
 from spotguard.emulate.gcp import GcpEmulator
 from spotguard.emulate.registry import start_emulator
 from spotguard.harness import Vm, wait_for
+from spotguard.providers.base import MAX_ANSWER
 from spotguard.storage.checkpoints import list_remote
 from spotguard.storage.file import FileStorage
 from spotguard.trainer.notices import NoticeFlags
@@ -59,34 +60,47 @@ class ProviderCase:
     faults: tuple[FaultCase, ...]  # once the monitor has read the service (before and after the notice)
 
 
-AWS_UNANSWERED = r"^aws: (reading [\w/-]+|getting an IMDSv2 token)$"  # timeout or dropped connection
-GCP_UNANSWERED = r"^gcp: reading instance/$"
-AZURE_UNANSWERED = r"^azure: reading [\w/]+$"
+# A request that got no answer says why: how long it waited, or what the connection did. A token PUT
+# that timed out also names the hop limit, the commonest cause in a container.
+WAITED = rf"no answer within {HTTP_TIMEOUT:g} s"
+DROPPED = rf"(?!{WAITED})\S.*"  # the connection's own error, e.g. "Server disconnected"
+AWS_TIMED_OUT = (
+    rf"^aws: (reading [\w/-]+: {WAITED}|getting an IMDSv2 token: {WAITED} \(if a plain GET answers, "
+    r"the token's reply is dropped one hop short: .*--http-put-response-hop-limit 2.*`spotguard doctor` tells\))$"
+)
+AWS_DROPPED = rf"^aws: (reading [\w/-]+|getting an IMDSv2 token): {DROPPED}$"
+GCP_TIMED_OUT, GCP_DROPPED = rf"^gcp: reading instance/: {WAITED}$", rf"^gcp: reading instance/: {DROPPED}$"
+# A proxy gone wrong that streams without end: the monitor stops at MAX_ANSWER bytes and says so.
+FLOODED = rf": an answer of more than {MAX_ANSWER} bytes, which no metadata service sends$"
+AZURE_TIMED_OUT, AZURE_DROPPED = rf"^azure: reading [\w/]+: {WAITED}$", rf"^azure: reading [\w/]+: {DROPPED}$"
 
 AWS_FAULTS = (
-    FaultCase({"kind": "latency", "seconds": LATENCY}, AWS_UNANSWERED),
+    FaultCase({"kind": "latency", "seconds": LATENCY}, AWS_TIMED_OUT),
     FaultCase({"kind": "status", "status": 500}, r"HTTP 500"),
     # Garbage on the token PUT (no token yet) or on a GET.
     FaultCase({"kind": "garbage"}, r"not UTF-8|not a token"),
-    FaultCase({"kind": "drop"}, AWS_UNANSWERED),
+    FaultCase({"kind": "drop"}, AWS_DROPPED),
+    FaultCase({"kind": "flood"}, FLOODED),
     # 401 on every GET and on the token PUT: the monitor renews its token and still gets 401.
     FaultCase({"kind": "status", "status": 401}, r"IMDSv2 token: HTTP 401"),
 )
 GCP_FAULTS = (
     FaultCase({"kind": "status", "status": 500}, r"HTTP 500"),
     FaultCase({"kind": "garbage"}, r"not UTF-8"),
-    FaultCase({"kind": "drop"}, GCP_UNANSWERED),
+    FaultCase({"kind": "drop"}, GCP_DROPPED),
+    FaultCase({"kind": "flood"}, FLOODED),
     FaultCase({"kind": "no_flavor"}, r"Metadata-Flavor"),
     # Persistent 503: retried (1 s apart) max_retries times, then an error.
     FaultCase({"kind": "status", "status": 503}, r"HTTP 503"),
 )
 # A long-poll is timed out only after timeout + long_poll_timeout (60 s): latency shows as an error
 # only on plain reads, i.e. before the first good answer. So GCP's latency case runs from the start.
-GCP_LATENCY = FaultCase({"kind": "latency", "seconds": LATENCY}, GCP_UNANSWERED)
+GCP_LATENCY = FaultCase({"kind": "latency", "seconds": LATENCY}, GCP_TIMED_OUT)
 AZURE_FAULTS = (
-    FaultCase({"kind": "latency", "seconds": LATENCY}, AZURE_UNANSWERED),
+    FaultCase({"kind": "latency", "seconds": LATENCY}, AZURE_TIMED_OUT),
     FaultCase({"kind": "status", "status": 500}, r"HTTP 500"),
-    FaultCase({"kind": "drop"}, AZURE_UNANSWERED),
+    FaultCase({"kind": "drop"}, AZURE_DROPPED),
+    FaultCase({"kind": "flood"}, FLOODED),
     FaultCase({"kind": "garbage"}, r"not UTF-8"),
     FaultCase({"kind": "status", "status": 503}, r"HTTP 503"),
 )
