@@ -28,7 +28,7 @@ from spotguard.daemon.events import (
     PlanChanged,
     UploadCommitted,
 )
-from spotguard.daemon.notices import EventLog, NoticeBook, TrackedNotice
+from spotguard.daemon.notices import EventLog, NoticeBook, TrackedNotice, clock_checked
 from spotguard.daemon.notify import SystemdNotifier, watchdog_loop
 from spotguard.daemon.peering import Peering
 from spotguard.daemon.plan import Planner, probe_upload
@@ -178,6 +178,7 @@ class Daemon:
         self.acknowledgements.remember(notice)
         if self.notices.seen(notice.event_id):
             return False
+        notice = clock_checked(notice)
         action = self.action_for(notice)
         if action is Action.IGNORE:
             self.notices.ignore(notice)

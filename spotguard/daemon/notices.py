@@ -17,6 +17,7 @@ the event log so that a restarted daemon picks each notice up where it was.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -157,6 +158,35 @@ class EventLog:
                 yield Notice.from_dict(entry["notice"]), entry
 
 
+# A hard notice first seen more than this long after its own deadline, on a VM that still runs, says
+# the VM's clock runs ahead of the cloud's (an NTP that never synced, a drift over months): a spot
+# interruption's "time" 200 s behind the clock was taken as a notice long over, and training went on
+# until the VM was gone. It is acted on as an untimed one is (AWS hibernation, an Auto Scaling
+# Terminated state): the window below from when it was seen.
+CLOCK_AHEAD_AFTER = 10.0
+UNTIMED_WINDOW = 30.0
+
+
+def clock_checked(notice: Notice, now: datetime | None = None) -> Notice:
+    """``notice``, or, a hard one whose deadline lies more than :data:`CLOCK_AHEAD_AFTER` seconds behind
+    this VM's clock, the same notice with :data:`UNTIMED_WINDOW` seconds from ``now`` (logged)."""
+    now = now or utcnow()
+    behind = -notice.seconds_left(now)
+    if not notice.is_hard or behind <= CLOCK_AHEAD_AFTER:
+        return notice
+    logger.warning(
+        "%s %s notice %s: its deadline %s is %.0f s behind this VM's clock, yet the VM runs: the clock is "
+        "likely ahead of the cloud's (check chronyd or NTP); acting as if %.0f s were left",
+        notice.provider,
+        notice.kind,
+        notice.event_id,
+        notice.deadline.isoformat(),
+        behind,
+        UNTIMED_WINDOW,
+    )
+    return dataclasses.replace(notice, deadline=now + timedelta(seconds=UNTIMED_WINDOW))
+
+
 def _unusable(entry: Any) -> str | None:
     """Why an entry of the event log cannot be restored, or None. An entry with an action this version
     does not know (written by a newer one, and the fleet rolled back) stopped every start of the daemon
@@ -291,4 +321,12 @@ def _fields(fields: dict[str, Any]) -> str:
     return ", ".join(f"{k} {v}" for k, v in fields.items())
 
 
-__all__ = ["EventLog", "NoticeBook", "NoticeState", "TrackedNotice"]
+__all__ = [
+    "CLOCK_AHEAD_AFTER",
+    "UNTIMED_WINDOW",
+    "EventLog",
+    "NoticeBook",
+    "NoticeState",
+    "TrackedNotice",
+    "clock_checked",
+]

@@ -537,6 +537,26 @@ def test_aws_completes_the_asg_lifecycle_hook_only_after_the_bucket_commit(
         vm.kill_daemon()
 
 
+def test_an_interruption_behind_the_vms_clock_is_acted_on_with_a_short_window(
+    vm_factory: Callable[..., Vm],
+    emulators: Callable[..., RunningEmulator],
+    guards: Callable[[Vm], RecordingGuard],
+) -> None:
+    """A VM whose clock runs 5 minutes ahead of EC2's sees a spot interruption's "time" 200 s in its
+    past: the daemon took it for a notice long over ("the VM outlived its deadline"), told nobody,
+    and training went on until the VM was gone."""
+    emu = emulators("aws")
+    vm = vm_factory("clock-ahead", env=DAEMON_ENV, extra_args=daemon_args("aws", emu))
+    guard = guards(vm)
+    emu.trigger(kind="spot", action="terminate", **{"in": -200})
+    wait_for(lambda: guard.should_checkpoint(1), WAIT, "the daemon to tell the trainer")
+    assert guard.stop_requested
+    notice = assert_alive(vm)["pending"]
+    assert notice["kind"] == "terminate" and notice.get("state", "pending") == "pending"
+    assert 15 < notice["seconds_left"] <= 30  # the untimed window from when it was seen, not -200 s
+    assert re.search(r"its deadline \S+ is 20\d s behind this VM's clock, yet the VM runs", vm.log.read_text())
+
+
 def test_aws_without_a_lifecycle_hook_never_calls_auto_scaling(
     tmp_path: Path, emulators: Callable[..., RunningEmulator], guards: Callable[[Vm], RecordingGuard]
 ) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from spotguard.daemon.events import NoticeMoved
-from spotguard.daemon.notices import EventLog, NoticeBook, NoticeState
+from spotguard.daemon.notices import CLOCK_AHEAD_AFTER, UNTIMED_WINDOW, EventLog, NoticeBook, NoticeState, clock_checked
 from spotguard.notice import Action, Kind, Notice, utcnow
 from tests.diskspace import fill
 
@@ -166,6 +166,17 @@ def test_an_entry_this_version_cannot_read_is_ignored_and_its_notice_handled_ane
     assert not after.seen(newer.event_id) and not after.seen(edited.event_id)  # handled when still posted
     ignored = [r.getMessage() for r in caplog.records if "ignoring the entry of" in r.getMessage()]
     assert len(ignored) == 3 and "'drain' is not a valid Action" in ignored[0] and str(log.path) in ignored[0]
+
+
+def test_a_hard_notice_behind_the_clock_gets_the_untimed_window_and_others_keep_their_deadline() -> None:
+    clock = Clock()
+    behind = notice(clock, -200, Kind.TERMINATE, "behind")
+    checked = clock_checked(behind, clock.now)
+    assert checked.deadline == clock.now + timedelta(seconds=UNTIMED_WINDOW)
+    assert (checked.event_id, checked.kind, checked.provider) == (behind.event_id, behind.kind, behind.provider)
+    late_poll = notice(clock, -CLOCK_AHEAD_AFTER, Kind.TERMINATE, "late")  # a slow poll, not a wrong clock
+    old_rebalance = notice(clock, -3600, Kind.REBALANCE, "old")  # soft: long over, as it says
+    assert clock_checked(late_poll, clock.now) is late_poll and clock_checked(old_rebalance, clock.now) is old_rebalance
 
 
 def test_recording_does_not_wait_for_the_disk_and_writes_keep_their_order(tmp_path: Path) -> None:
