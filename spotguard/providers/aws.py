@@ -5,7 +5,7 @@ Four paths are read on every poll, concurrently:
 ===========================================  ======================  ==========================
 path (under ``/latest/meta-data/``)           kind                    deadline
 ===========================================  ======================  ==========================
-``spot/instance-action``                     terminate/stop (hard)   the announced ``time``
+``spot/instance-action``                     terminate/stop (hard)   ``time``, first seen + 120 s at most
                                              hibernate (hard)        first seen + 30 s (see below)
 ``autoscaling/target-lifecycle-state``       terminate (hard)        first seen + 30 s (see below)
 ``events/maintenance/scheduled``             maintenance (soft)      the event's ``NotBefore``
@@ -97,8 +97,11 @@ def parse_instance_action(text: str, first_seen: datetime) -> Notice:
         raise ValueError(f"unexpected instance-action: {text[:120]!r}")
     kind = SPOT_KINDS[action]
     announced = parse_iso(data["time"])
-    # EC2 fills "time" in for hibernation too, but promises no two-minute warning for it.
-    deadline = min(announced, first_seen + UNTIMED_NOTICE_WINDOW) if kind is Kind.HIBERNATE else announced
+    # EC2 fills "time" in for hibernation too, but promises no two-minute warning for it. For the
+    # others it is two minutes after the notice: a "time" further than that from when the notice was
+    # first seen says this VM's clock is behind EC2's, and the plan must not count on the difference.
+    window = UNTIMED_NOTICE_WINDOW if kind is Kind.HIBERNATE else timedelta(seconds=NOTICE_WINDOW)
+    deadline = min(announced, first_seen + window)
     event_id = event_id_for("aws", kind, f"{data['action']}@{data['time']}")
     return Notice(provider="aws", kind=kind, deadline=deadline, event_id=event_id, raw={"instance-action": data})
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -68,16 +68,38 @@ def test_aws_monitor_is_a_monitor_and_sees_nothing_before_a_notice() -> None:
 @pytest.mark.parametrize(("action", "kind"), [("terminate", Kind.TERMINATE), ("stop", Kind.STOP)])
 def test_aws_spot_notice_has_announced_deadline_and_stable_id(action: str, kind: Kind) -> None:
     async def scenario() -> None:
+        clock = FakeClock()
         with emulator("aws") as emu:
             async with http_session() as session:
-                monitor = AwsMonitor(session, emu.url)
-                emu.trigger(kind="spot", action=action, time="2030-01-02T03:04:05Z")
+                monitor = AwsMonitor(session, emu.url, clock=clock)
+                announced = clock() + timedelta(seconds=90)
+                emu.trigger(kind="spot", action=action, time=announced.strftime("%Y-%m-%dT%H:%M:%SZ"))
                 notices = [await monitor.check() for _ in range(3)]
                 assert all(n is not None and n.kind is kind for n in notices)
                 assert {n.event_id for n in notices if n} == {notices[0].event_id if notices[0] else ""}
                 assert notices[0] is not None
-                assert notices[0].deadline == datetime(2030, 1, 2, 3, 4, 5, tzinfo=UTC)
+                assert notices[0].deadline == announced.replace(microsecond=0)
                 assert notices[0].is_hard
+
+    run(scenario())
+
+
+def test_aws_spot_time_past_two_minutes_from_first_seen_is_capped_there() -> None:
+    """EC2 announces the action two minutes ahead: a "time" years away says this VM's clock is behind
+    EC2's, and a plan counting on it would choose a route that cannot make the real deadline."""
+
+    async def scenario() -> None:
+        clock = FakeClock()
+        with emulator("aws") as emu:
+            async with http_session() as session:
+                monitor = AwsMonitor(session, emu.url, clock=clock)
+                emu.trigger(kind="spot", action="terminate", time="2030-01-02T03:04:05Z")
+                first = await monitor.check()
+                clock.advance(7)
+                second = await monitor.check()
+                assert first is not None and second is not None
+                assert first.deadline == second.deadline == datetime(2026, 11, 22, 4, 2, tzinfo=UTC)
+                assert first.event_id == second.event_id
 
     run(scenario())
 
