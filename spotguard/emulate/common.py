@@ -18,7 +18,8 @@ Control API, common to all providers::
 Fault kinds: ``status`` (answer ``status``, default 500), ``garbage`` (200 with a junk body, or with
 ``body``: a hostile answer that looks almost right), ``drop`` (close the connection without an
 answer), ``flood`` (200, then 16 MiB of body without a length, as a proxy gone wrong streams),
-``latency`` (wait ``seconds`` first; combines with the others), plus provider-specific ones (GCP
+``latency`` (wait ``seconds`` first; combines with the others), ``skew`` (answer as usual, with a
+``Date`` header ``seconds`` behind this host's clock; combines too), plus provider-specific ones (GCP
 ``no_flavor``). ``count`` limits how many requests a fault hits (``null`` = until removed); ``path``
 limits it to paths containing that text.
 """
@@ -33,6 +34,8 @@ import threading
 import urllib.request
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from email.utils import format_datetime
 from typing import Any, ClassVar
 
 from aiohttp import web
@@ -51,7 +54,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 @dataclass
 class Fault:
-    kind: str  # status | garbage | drop | flood | latency | no_flavor (GCP)
+    kind: str  # status | garbage | drop | flood | latency | skew | no_flavor (GCP)
     count: int | None = None  # requests left to hit; None = until cleared
     status: int = 500
     seconds: float = 0.0
@@ -61,7 +64,7 @@ class Fault:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Fault:
         kind = str(data["kind"])
-        if kind not in ("status", "garbage", "drop", "flood", "latency", "no_flavor"):
+        if kind not in ("status", "garbage", "drop", "flood", "latency", "skew", "no_flavor"):
             raise ValueError(f"unknown fault kind {kind!r}")
         count = data.get("count")
         return cls(
@@ -185,12 +188,19 @@ class Emulator:
             if fault.kind == "latency":
                 fault.consume()
                 await asyncio.sleep(fault.seconds)
+        skews = [f for f in active if f.kind == "skew"]
+        for fault in skews:
+            fault.consume()
         for fault in active:
-            if fault.kind == "latency":
+            if fault.kind in ("latency", "skew"):
                 continue
             fault.consume()
             return await self.apply_fault(fault, request, handler)
-        return await handler(request)
+        response = await handler(request)
+        if skews:  # aiohttp writes a Date header of its own only where none was set
+            behind = datetime.now(UTC) - timedelta(seconds=skews[0].seconds)
+            response.headers["Date"] = format_datetime(behind, usegmt=True)
+        return response
 
     async def apply_fault(self, fault: Fault, request: web.Request, handler: Handler) -> web.StreamResponse:
         if fault.kind == "status":

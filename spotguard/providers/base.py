@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypedDict, runtime_checkable
 from spotguard.errors import TransientError
 from spotguard.jsontext import parse_json
 from spotguard.notice import Acknowledgement, Notice, plausible_time, utcnow
-from spotguard.repeats import Latest
+from spotguard.repeats import Latest, RepeatedErrors
 
 if TYPE_CHECKING:
     import aiohttp
@@ -124,8 +124,39 @@ def most_urgent_first(notices: list[Notice]) -> list[Notice]:
 MAX_ANSWER = 1 << 20
 
 
+# An answer's Date header further than this from this VM's clock: the cloud's deadlines are read against
+# a clock that disagrees with the cloud's (spotguard.daemon.notices.clock_checked catches the worst case
+# at notice time; this says so before any notice comes). Once an hour while it lasts.
+CLOCK_SKEW_WARN = 30.0
+_CLOCK_WARNINGS = RepeatedErrors(every=3600.0)
+
+
+def note_clock(source: str, date_header: str | None, now: datetime | None = None) -> float | None:
+    """Seconds this VM's clock is ahead of the metadata service's (negative: behind), read from an
+    answer's ``Date`` header (None without one); warned about while past :data:`CLOCK_SKEW_WARN`."""
+    if not date_header:
+        return None
+    try:
+        skew = ((now or utcnow()) - parse_http_date(date_header, "Date header")).total_seconds()
+    except ValueError:
+        return None
+    if abs(skew) <= CLOCK_SKEW_WARN:
+        _CLOCK_WARNINGS.clear(source)
+    elif _CLOCK_WARNINGS.due(source, "skewed"):
+        logger.warning(
+            "%s: this VM's clock is %.0f s %s the metadata service's (its answers' Date header), and the "
+            "cloud's deadlines are read against it: check chronyd or NTP",
+            source,
+            abs(skew),
+            "ahead of" if skew > 0 else "behind",
+        )
+    return skew
+
+
 async def read_answer(response: aiohttp.ClientResponse, doing: str) -> bytes:
-    """The body of a metadata answer, or :class:`MonitorError` past :data:`MAX_ANSWER` bytes."""
+    """The body of a metadata answer, or :class:`MonitorError` past :data:`MAX_ANSWER` bytes. ``doing``
+    starts with the provider's name (``"aws: reading ..."``): its clock is compared with the answer's."""
+    note_clock(doing.partition(":")[0], response.headers.get("Date"))
     too_long = f"{doing}: an answer of more than {MAX_ANSWER} bytes, which no metadata service sends"
     if response.content_length is not None and response.content_length > MAX_ANSWER:
         raise MonitorError(too_long)

@@ -537,6 +537,31 @@ def test_aws_completes_the_asg_lifecycle_hook_only_after_the_bucket_commit(
         vm.kill_daemon()
 
 
+# GCP answers the same way (one read_answer for the three), but holds its long-poll up to a minute
+# between answers: its repeated polls are not waited for here.
+@pytest.mark.parametrize("provider", ["aws", "azure"])
+def test_a_vm_clock_far_from_the_metadata_services_is_warned_about_before_any_notice(
+    provider: str, vm_factory: Callable[..., Vm], emulators: Callable[..., RunningEmulator]
+) -> None:
+    """A VM clock minutes off the cloud's made the daemon take a spot interruption for one long over;
+    the metadata services' Date header tells it before any notice comes."""
+    case = CASES[provider]
+    emu = emulators(provider)
+    vm = vm_factory(f"skew-{provider}", env=DAEMON_ENV, extra_args=daemon_args(provider, emu))
+    wait_for(lambda: polls(emu, case.polled_path) >= 2, WAIT, "two polls")
+
+    def warned() -> list[str]:
+        return [line for line in vm.log.read_text().splitlines() if "(its answers' Date header)" in line]
+
+    assert warned() == []  # the emulator's clock is this host's
+    emu.inject({"kind": "skew", "seconds": 200})
+    [line] = wait_for(warned, WAIT, "the clock warning")
+    assert re.search(rf"{provider}: this VM's clock is (199|200|201) s ahead of the metadata service's", line), line
+    seen = polls(emu, case.polled_path)
+    wait_for(lambda: polls(emu, case.polled_path) >= seen + 3, WAIT, "three more polls")
+    assert len(warned()) == 1  # once an hour while it lasts, not at every poll
+
+
 def test_an_interruption_behind_the_vms_clock_is_acted_on_with_a_short_window(
     vm_factory: Callable[..., Vm],
     emulators: Callable[..., RunningEmulator],

@@ -142,3 +142,12 @@ def test_azure_events_for_this_vm_only() -> None:
     assert {kind_for(t) for t in ("Reboot", "Redeploy", "Freeze", "SomethingNew")} == {Kind.MAINTENANCE}
     with pytest.raises(ValueError):
         events_for_vm('{"Events": "none"}', "train-0")
+
+
+def test_the_clock_is_read_against_the_date_header_and_a_garbled_or_absent_one_is_no_reading() -> None:
+    from spotguard.providers.base import note_clock
+
+    date = "Sun, 22 Nov 2026 04:00:00 GMT"
+    assert note_clock("test-clock", date, datetime(2026, 11, 22, 4, 3, 20, tzinfo=UTC)) == 200  # ahead
+    assert note_clock("test-clock", date, datetime(2026, 11, 22, 3, 59, 50, tzinfo=UTC)) == -10  # behind
+    assert note_clock("test-clock", None) is None and note_clock("test-clock", "yesterday") is None
