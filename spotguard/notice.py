@@ -27,6 +27,12 @@ class Kind(StrEnum):
 #: Kinds that stop training by default. Soft kinds (rebalance, maintenance) only
 #: trigger an early, non-stopping checkpoint unless the daemon's policy says otherwise.
 HARD_KINDS = frozenset({Kind.TERMINATE, Kind.STOP, Kind.HIBERNATE, Kind.DRILL, Kind.SIGTERM})
+# The window a hard notice gets when it names no usable deadline: AWS hibernation and an Auto Scaling
+# `Terminated` state promise no warning time, and a deadline already behind this VM's clock says the
+# clock is wrong (spotguard.daemon.notices.clock_checked). A deadline of "now" would leave the urgent
+# upload no retry budget at all, yet the VM still runs its shutdown for a while; this window (GCP's
+# preemption notice) is the budget they get.
+UNTIMED_NOTICE_WINDOW = timedelta(seconds=30)
 
 
 class Action(StrEnum):

@@ -31,7 +31,7 @@ from typing import Any
 from spotguard.daemon.events import EventBus, NoticeMoved
 from spotguard.daemon.lifecycle import NoticeState, TrackedNotice
 from spotguard.jsontext import parse_json
-from spotguard.notice import Action, Notice, utcnow
+from spotguard.notice import UNTIMED_NOTICE_WINDOW, Action, Notice, utcnow
 from spotguard.safefile import SpareFile, replace_file
 
 logger = logging.getLogger("spotguard.daemon")
@@ -162,14 +162,13 @@ class EventLog:
 # the VM's clock runs ahead of the cloud's (an NTP that never synced, a drift over months): a spot
 # interruption's "time" 200 s behind the clock was taken as a notice long over, and training went on
 # until the VM was gone. It is acted on as an untimed one is (AWS hibernation, an Auto Scaling
-# Terminated state): the window below from when it was seen.
+# Terminated state): UNTIMED_NOTICE_WINDOW from when it was seen.
 CLOCK_AHEAD_AFTER = 10.0
-UNTIMED_WINDOW = 30.0
 
 
 def clock_checked(notice: Notice, now: datetime | None = None) -> Notice:
     """``notice``, or, a hard one whose deadline lies more than :data:`CLOCK_AHEAD_AFTER` seconds behind
-    this VM's clock, the same notice with :data:`UNTIMED_WINDOW` seconds from ``now`` (logged)."""
+    this VM's clock, the same notice with :data:`~spotguard.notice.UNTIMED_NOTICE_WINDOW` from ``now`` (logged)."""
     now = now or utcnow()
     behind = -notice.seconds_left(now)
     if not notice.is_hard or behind <= CLOCK_AHEAD_AFTER:
@@ -182,9 +181,9 @@ def clock_checked(notice: Notice, now: datetime | None = None) -> Notice:
         notice.event_id,
         notice.deadline.isoformat(),
         behind,
-        UNTIMED_WINDOW,
+        UNTIMED_NOTICE_WINDOW.total_seconds(),
     )
-    return dataclasses.replace(notice, deadline=now + timedelta(seconds=UNTIMED_WINDOW))
+    return dataclasses.replace(notice, deadline=now + UNTIMED_NOTICE_WINDOW)
 
 
 def _unusable(entry: Any) -> str | None:
@@ -323,7 +322,6 @@ def _fields(fields: dict[str, Any]) -> str:
 
 __all__ = [
     "CLOCK_AHEAD_AFTER",
-    "UNTIMED_WINDOW",
     "EventLog",
     "NoticeBook",
     "NoticeState",

@@ -45,7 +45,7 @@ from typing import Any, Unpack
 
 import aiohttp
 
-from spotguard.notice import Acknowledgement, Kind, Notice, event_id_for, parse_iso
+from spotguard.notice import UNTIMED_NOTICE_WINDOW, Acknowledgement, Kind, Notice, event_id_for, parse_iso
 from spotguard.providers import base
 from spotguard.providers.base import Monitor, MonitorError, MonitorSettings, PolledMonitor, Polling
 
@@ -65,11 +65,6 @@ NOTICE_WINDOW = 120.0  # a spot interruption's two-minute warning
 # A rebalance recommendation has no deadline of its own; the interruption that may follow it still
 # comes with a two-minute notice, so two minutes from the recommendation is the earliest it can bite.
 REBALANCE_HORIZON = timedelta(seconds=120)
-# Hibernation and an Auto Scaling `Terminated` target state promise no warning time (EC2 may start
-# hibernating at once; without a lifecycle hook Auto Scaling goes straight to shutdown). A deadline
-# of "now" would leave the urgent upload no retry budget at all, yet the VM still runs its shutdown
-# for a while; this window (GCP's preemption notice) is the budget they get.
-UNTIMED_NOTICE_WINDOW = timedelta(seconds=30)
 SPOT_KINDS = {"terminate": Kind.TERMINATE, "stop": Kind.STOP, "hibernate": Kind.HIBERNATE}
 FINISHED_MAINTENANCE = ("completed", "canceled", "cancelled")
 

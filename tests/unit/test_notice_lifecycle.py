@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from spotguard.daemon.events import NoticeMoved
-from spotguard.daemon.notices import CLOCK_AHEAD_AFTER, UNTIMED_WINDOW, EventLog, NoticeBook, NoticeState, clock_checked
-from spotguard.notice import Action, Kind, Notice, utcnow
+from spotguard.daemon.notices import CLOCK_AHEAD_AFTER, EventLog, NoticeBook, NoticeState, clock_checked
+from spotguard.notice import UNTIMED_NOTICE_WINDOW, Action, Kind, Notice, utcnow
 from tests.diskspace import fill
 
 
@@ -172,7 +172,7 @@ def test_a_hard_notice_behind_the_clock_gets_the_untimed_window_and_others_keep_
     clock = Clock()
     behind = notice(clock, -200, Kind.TERMINATE, "behind")
     checked = clock_checked(behind, clock.now)
-    assert checked.deadline == clock.now + timedelta(seconds=UNTIMED_WINDOW)
+    assert checked.deadline == clock.now + UNTIMED_NOTICE_WINDOW
     assert (checked.event_id, checked.kind, checked.provider) == (behind.event_id, behind.kind, behind.provider)
     late_poll = notice(clock, -CLOCK_AHEAD_AFTER, Kind.TERMINATE, "late")  # a slow poll, not a wrong clock
     old_rebalance = notice(clock, -3600, Kind.REBALANCE, "old")  # soft: long over, as it says
