@@ -84,39 +84,31 @@ def test_aws_spot_notice_has_announced_deadline_and_stable_id(action: str, kind:
     run(scenario())
 
 
-def test_aws_spot_time_past_two_minutes_from_first_seen_is_capped_there() -> None:
-    """EC2 announces the action two minutes ahead: a "time" years away says this VM's clock is behind
-    EC2's, and a plan counting on it would choose a route that cannot make the real deadline."""
-
+@pytest.mark.parametrize(
+    ("action", "kind", "deadline"),
+    [
+        # EC2 promises hibernation no warning time: the untimed window from when it was first seen.
+        ("hibernate", Kind.HIBERNATE, datetime(2026, 11, 22, 4, 0, 30, tzinfo=UTC)),
+        # EC2 announces the others two minutes ahead: a "time" years away says this VM's clock is behind
+        # EC2's, and a plan counting on it would choose a route that cannot make the real deadline.
+        ("terminate", Kind.TERMINATE, datetime(2026, 11, 22, 4, 2, tzinfo=UTC)),
+    ],
+)
+def test_aws_spot_deadline_far_off_is_bounded_from_first_seen_and_does_not_drift(
+    action: str, kind: Kind, deadline: datetime
+) -> None:
     async def scenario() -> None:
         clock = FakeClock()
         with emulator("aws") as emu:
             async with http_session() as session:
                 monitor = AwsMonitor(session, emu.url, clock=clock)
-                emu.trigger(kind="spot", action="terminate", time="2030-01-02T03:04:05Z")
+                emu.trigger(kind="spot", action=action, time="2099-01-01T00:00:00Z")
                 first = await monitor.check()
                 clock.advance(7)
                 second = await monitor.check()
                 assert first is not None and second is not None
-                assert first.deadline == second.deadline == datetime(2026, 11, 22, 4, 2, tzinfo=UTC)
-                assert first.event_id == second.event_id
-
-    run(scenario())
-
-
-def test_aws_hibernate_deadline_is_first_seen_plus_the_window_and_does_not_drift() -> None:
-    async def scenario() -> None:
-        clock = FakeClock()
-        with emulator("aws") as emu:
-            async with http_session() as session:
-                monitor = AwsMonitor(session, emu.url, clock=clock)
-                emu.trigger(kind="spot", action="hibernate", time="2099-01-01T00:00:00Z")
-                first = await monitor.check()
-                clock.advance(7)
-                second = await monitor.check()
-                assert first is not None and second is not None
-                assert first.kind is Kind.HIBERNATE
-                assert first.deadline == second.deadline == datetime(2026, 11, 22, 4, 0, 30, tzinfo=UTC)
+                assert first.kind is kind
+                assert first.deadline == second.deadline == deadline
                 assert first.event_id == second.event_id
 
     run(scenario())
