@@ -1,22 +1,24 @@
 """A daemon's life in fast-forward: does anything it holds grow with the number of checkpoints?
 
 A daemon runs for months on a training VM. One real daemon (``spotguard run``, its own process,
-provider ``aws`` against the IMDS emulator, an S3 bucket in moto, its peer receiver on 127.0.0.1)
-goes through ``--cycles`` cycles of what it sees in that time, sped up. Every cycle: a periodic
-``Guard.save`` of a small state, waited for until it is committed in the bucket (so retention
-prunes, locally and in the bucket), a status request and a Prometheus scrape. Every
-``--handoff-every`` cycles: a replica handed to its peer receiver by another daemon (this
-process) and committed by it. Every ``--reconnect-every`` cycles: the trainer closes its Guard
-and connects again. Every ``--rebalance-every`` cycles: a new rebalance recommendation (a soft
-notice). ``--fault-rate``: that share of the daemon's requests to the bucket fails (a 503, a 500,
-a reset connection or a stalled answer, in turn: the tests' fault proxy in front of moto), so that
-the paths of failed and retried uploads run thousands of times too.
+provider ``aws`` against the IMDS emulator, an S3 bucket in moto or, with ``--store gs``, a GCS
+bucket in gcp-storage-emulator, its peer receiver on 127.0.0.1) goes through ``--cycles`` cycles of
+what it sees in that time, sped up. Every cycle: a periodic ``Guard.save`` of a small state, waited
+for until it is committed in the bucket (so retention prunes, locally and in the bucket), a status
+request and a Prometheus scrape. Every ``--handoff-every`` cycles: a replica handed to its peer
+receiver by another daemon (this process) and committed by it. Every ``--reconnect-every`` cycles:
+the trainer closes its Guard and connects again. Every ``--rebalance-every`` cycles: a new rebalance
+recommendation (a soft notice). ``--fault-rate``: that share of the daemon's requests to the bucket
+fails (a 503, a 500, a reset connection or a stalled answer, in turn: the tests' fault proxy in
+front of the store), so that the paths of failed and retried uploads run thousands of times too.
 
 Every ``--sample-every`` cycles the daemon's resident memory, open file descriptors, threads and
-worker processes are read from ``/proc``; the report gives their first and last samples and the
-growth per 1,000 cycles over the second half of the run (least squares), after the warm-up in the
-first half (caches, pools, the allocator's arenas). Growth that stays above zero there is what a
-fleet would pay per month.
+worker processes are read from ``/proc``; so is what it keeps on disk (files and bytes in its state
+directory and its checkpoint directory) and in the bucket (objects and bytes: checkpoints, markers,
+the peer registry, whatever the daemon writes there; and multipart uploads left open). The report
+gives their first and last samples and the growth per 1,000 cycles over the second half of the run
+(least squares), after the warm-up in the first half (caches, pools, the allocator's arenas).
+Growth that stays above zero there is what a fleet would pay per month.
 
     python bench/soak.py --cycles 2000
 """
@@ -26,26 +28,32 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
+import logging
 import os
 import statistics
 import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from common import _free_port, moto_process
 from peer_rescue import TOKEN
 
 from spotguard import Guard
+from spotguard.daemon.heap import TRIM_INTERVAL
 from spotguard.emulate.common import RunningEmulator
 from spotguard.emulate.registry import start_emulator
 from spotguard.harness import Vm, wait_for, worker_pids
 from spotguard.peer.client import PeerClient
 from spotguard.peer.flows import send_committed
 from spotguard.peer.wire import parse_address
+from spotguard.storage.gcs import PARTS_DIR
 from spotguard.trainer.writer import CheckpointWriter
 
 STATE_MIB = 4
@@ -59,17 +67,107 @@ class Sample:
     fds: int
     threads: int
     workers: int
+    state_files: int
+    state_kib: int
+    local_files: int
+    local_kib: int
+    bucket_objects: int
+    bucket_kib: int
+    bucket_uploads: int
 
 
-def sample(pid: int, cycle: int) -> Sample:
+def footprint(root: Path) -> tuple[int, int]:
+    """Files under ``root`` and their bytes in KiB (a file that goes while it is counted is skipped)."""
+    files = size = 0
+    for path in root.rglob("*"):
+        with contextlib.suppress(FileNotFoundError):
+            if path.is_file():
+                files += 1
+                size += path.stat().st_size
+    return files, size // 1024
+
+
+def s3_footprint(client: Any, bucket: str) -> tuple[int, int, int]:
+    """Objects in ``bucket`` (every prefix), their bytes in KiB, and multipart uploads left open (a
+    store bills their parts, and no listing of objects shows them)."""
+    objects = size = 0
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        for item in page.get("Contents", []):
+            objects += 1
+            size += item["Size"]
+    uploads = sum(
+        len(page.get("Uploads", [])) for page in client.get_paginator("list_multipart_uploads").paginate(Bucket=bucket)
+    )
+    return objects, size // 1024, uploads
+
+
+def gcs_footprint(client: Any, bucket: str) -> tuple[int, int, int]:
+    """Objects in ``bucket``, their bytes in KiB, and the parts of composite uploads among them (a
+    GCS upload's parts are objects of their own until the composed object replaces them)."""
+    blobs = list(client.list_blobs(bucket))
+    parts = sum(f"/{PARTS_DIR}/" in f"/{blob.name}" for blob in blobs)
+    return len(blobs), sum(blob.size or 0 for blob in blobs) // 1024, parts
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """The store the daemon uploads to: its location, what the daemon needs to reach it (through the
+    fault proxy, if any), and a look at everything in it (this process's own, directly)."""
+
+    url: str
+    daemon_env: dict[str, str]
+    footprint: Callable[[], tuple[int, int, int]]
+
+
+def open_bucket(store: str, fault_rate: float, stack: contextlib.ExitStack) -> Bucket:
+    from tests.faultproxy import FaultProxy
+
+    if store == "s3":
+        moto = stack.enter_context(moto_process())
+        endpoint, name = moto.endpoint_url, moto.bucket
+        s3 = moto.client()
+        stack.callback(s3.close)
+        footprint = functools.partial(s3_footprint, s3, name)
+    else:
+        from google.auth.credentials import AnonymousCredentials
+        from google.cloud import storage as gcs
+
+        from tests.servers import gcs_emulator
+
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)
+        server = stack.enter_context(gcs_emulator())
+        endpoint, name = server.endpoint_url, server.bucket
+        client = gcs.Client(
+            project=server.project, credentials=AnonymousCredentials(), client_options={"api_endpoint": endpoint}
+        )
+        footprint = functools.partial(gcs_footprint, client, name)
+    if fault_rate:
+        flavor = "s3" if store == "s3" else "gcs"
+        proxy = FaultProxy(endpoint, fault_rate=fault_rate, stall_seconds=2.0, flavor=flavor)
+        endpoint = stack.enter_context(proxy).url
+    env = {"AWS_ENDPOINT_URL_S3": endpoint} if store == "s3" else {"STORAGE_EMULATOR_HOST": endpoint}
+    return Bucket(f"{store}://{name}/ckpt", env, footprint)
+
+
+def sample(pid: int, cycle: int, vm: Vm, bucket: Bucket) -> Sample:
     status = Path(f"/proc/{pid}/status").read_text().splitlines()
     fields = dict(line.split(":", 1) for line in status if ":" in line)
+    state_files, state_kib = footprint(vm.dir / "state")
+    local_files, local_kib = footprint(vm.root)
+    bucket_objects, bucket_kib, bucket_uploads = bucket.footprint()
     return Sample(
         cycle=cycle,
         rss_kib=int(fields["VmRSS"].split()[0]),
         fds=len(os.listdir(f"/proc/{pid}/fd")),
         threads=int(fields["Threads"]),
         workers=len(worker_pids(pid)),
+        state_files=state_files,
+        state_kib=state_kib,
+        local_files=local_files,
+        local_kib=local_kib,
+        bucket_objects=bucket_objects,
+        bucket_kib=bucket_kib,
+        bucket_uploads=bucket_uploads,
     )
 
 
@@ -107,22 +205,27 @@ def main() -> int:
     cli.add_argument("--handoff-every", type=int, default=10)
     cli.add_argument("--reconnect-every", type=int, default=50)
     cli.add_argument("--rebalance-every", type=int, default=100)
+    cli.add_argument(
+        "--idle-seconds",
+        type=float,
+        default=TRIM_INTERVAL + 10,
+        help="the daemon's idle time (once no notice is pending) before the last sample",
+    )
+    cli.add_argument("--store", choices=("s3", "gs"), default="s3", help="moto, or gcp-storage-emulator")
     cli.add_argument("--fault-rate", type=float, default=0.0)
+    cli.add_argument(
+        "--state-mib", type=int, default=STATE_MIB, help="the periodic state's size (from 16 MiB, multipart uploads)"
+    )
     args = cli.parse_args()
     torch.set_num_threads(1)
-    state = {"weight": torch.randn(STATE_MIB * 2**20 // 4), "step": torch.zeros(1)}
+    state = {"weight": torch.randn(args.state_mib * 2**20 // 4), "step": torch.zeros(1)}
     with contextlib.ExitStack() as stack:
         return soak(args, state, stack)
 
 
 def soak(args: argparse.Namespace, state: dict[str, torch.Tensor], stack: contextlib.ExitStack) -> int:
     scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="spotguard-soak-")))
-    moto = stack.enter_context(moto_process())
-    if args.fault_rate:
-        from tests.faultproxy import FaultProxy
-
-        proxy = stack.enter_context(FaultProxy(moto.endpoint_url, fault_rate=args.fault_rate, stall_seconds=2.0))
-        os.environ["AWS_ENDPOINT_URL_S3"] = proxy.url  # the daemon's; this process's own calls go direct
+    bucket = open_bucket(args.store, args.fault_rate, stack)
     emulator = stack.enter_context(start_emulator("aws"))
     config = scratch / "spotguard.toml"
     metrics_port = _free_port()
@@ -130,7 +233,7 @@ def soak(args: argparse.Namespace, state: dict[str, torch.Tensor], stack: contex
     vm = Vm(
         scratch,
         "vm",
-        moto.url("ckpt"),
+        bucket.url,
         extra_args=[
             "--config", str(config),
             "--provider", "aws",
@@ -139,19 +242,43 @@ def soak(args: argparse.Namespace, state: dict[str, torch.Tensor], stack: contex
             "--peer-listen", "127.0.0.1:0",
         ],
     )  # fmt: skip
-    vm.start_daemon(env={"SPOTGUARD_PEER_TOKEN": TOKEN})
+    vm.start_daemon(env={"SPOTGUARD_PEER_TOKEN": TOKEN, **bucket.daemon_env})
     stack.callback(vm.stop_daemon)
     started = time.monotonic()
-    samples = run_cycles(args, state, vm, emulator, metrics_port, scratch)
+    samples = run_cycles(args, state, vm, emulator, metrics_port, scratch, bucket)
+    spent = time.monotonic() - started
+    idle = idle_sample(vm, bucket, args.cycles, args.idle_seconds)
     vm.stop_daemon()
     first, last = samples[0], samples[-1]
-    print(f"\n{args.cycles} cycles in {time.monotonic() - started:.0f} s; growth per 1,000 cycles, second half:")
-    for field, unit in (("rss_kib", "KiB"), ("fds", ""), ("threads", ""), ("workers", "")):
+    print(f"\n{args.cycles} cycles in {spent:.0f} s; growth per 1,000 cycles, second half:")
+    fields = [("rss_kib", "KiB"), ("fds", ""), ("threads", ""), ("workers", "")]
+    fields += [("state_files", ""), ("state_kib", "KiB"), ("local_files", ""), ("local_kib", "KiB")]
+    fields += [("bucket_objects", ""), ("bucket_kib", "KiB"), ("bucket_uploads", "")]
+    for field, unit in fields:
         print(
-            f"  {field:8s} {getattr(first, field):8d} -> {getattr(last, field):8d}"
+            f"  {field:14s} {getattr(first, field):8d} -> {getattr(last, field):8d}"
             f"   {slope_per_1000(samples, field):+9.1f} {unit}"
         )
+    print(
+        f"after {args.idle_seconds:.0f} s idle: rss {idle.rss_kib / 1024:.1f} MiB, fds {idle.fds}, threads"
+        f" {idle.threads}, workers {idle.workers}, bucket {idle.bucket_objects} objects, {idle.bucket_uploads} open"
+    )
     return 1 if report_errors(vm.log) else 0
+
+
+def idle_sample(vm: Vm, bucket: Bucket, cycle: int, seconds: float) -> Sample:
+    """A sample after ``seconds`` with nothing to do, once no notice is pending and nothing is being
+    uploaded, as a daemon spends most of its months: the cycles come back to back, so the daemon's
+    idle work (heap trims, retiring idle workers) seldom runs during them."""
+    assert vm.process is not None
+
+    def idle() -> bool:
+        status = vm.status()
+        return status["pending"] is None and status["uploads"]["current"] is None and not status["uploads"]["queued"]
+
+    wait_for(idle, 300, "the last notice to be over and the uploads to end")
+    time.sleep(seconds)  # the idle time itself is what is measured
+    return sample(vm.process.pid, cycle, vm, bucket)
 
 
 def run_cycles(
@@ -161,6 +288,7 @@ def run_cycles(
     emulator: RunningEmulator,
     metrics_port: int,
     scratch: Path,
+    bucket: Bucket,
 ) -> list[Sample]:
     assert vm.process is not None
     pid = vm.process.pid
@@ -184,10 +312,13 @@ def run_cycles(
             if cycle % args.rebalance_every == 0:
                 emulator.trigger(kind="rebalance")
             if cycle % args.sample_every == 0:
-                samples.append(latest := sample(pid, cycle))
+                samples.append(latest := sample(pid, cycle, vm, bucket))
                 print(
                     f"cycle {cycle:6d} {time.monotonic() - started:7.1f} s  rss {latest.rss_kib / 1024:7.1f} MiB"
-                    f"  fds {latest.fds:4d}  threads {latest.threads:3d}  workers {latest.workers}",
+                    f"  fds {latest.fds:4d}  threads {latest.threads:3d}  workers {latest.workers}"
+                    f"  state {latest.state_files}/{latest.state_kib} KiB"
+                    f"  local {latest.local_files}/{latest.local_kib} KiB"
+                    f"  bucket {latest.bucket_objects}/{latest.bucket_kib} KiB, {latest.bucket_uploads} open",
                     flush=True,
                 )
     finally:
