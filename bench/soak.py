@@ -309,7 +309,7 @@ def run_cycles(
             if cycle % args.reconnect_every == 0:
                 guard.close()
                 guard = Guard(checkpoint_dir=vm.root, socket=vm.socket, handle_sigterm=False)
-            if cycle % args.rebalance_every == 0:
+            if cycle % args.rebalance_every == 0 and cycle < args.cycles:  # none unseen at the idle sample
                 emulator.trigger(kind="rebalance")
             if cycle % args.sample_every == 0:
                 samples.append(latest := sample(pid, cycle, vm, bucket))
