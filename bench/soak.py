@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -149,7 +150,9 @@ def open_bucket(store: str, fault_rate: float, stack: contextlib.ExitStack) -> B
     return Bucket(f"{store}://{name}/ckpt", env, footprint)
 
 
-def sample(pid: int, cycle: int, vm: Vm, bucket: Bucket) -> Sample:
+def sample(vm: Vm, bucket: Bucket, cycle: int) -> Sample:
+    assert vm.process is not None
+    pid = vm.process.pid
     status = Path(f"/proc/{pid}/status").read_text().splitlines()
     fields = dict(line.split(":", 1) for line in status if ":" in line)
     state_files, state_kib = footprint(vm.dir / "state")
@@ -251,13 +254,10 @@ def soak(args: argparse.Namespace, state: dict[str, torch.Tensor], stack: contex
     vm.stop_daemon()
     first, last = samples[0], samples[-1]
     print(f"\n{args.cycles} cycles in {spent:.0f} s; growth per 1,000 cycles, second half:")
-    fields = [("rss_kib", "KiB"), ("fds", ""), ("threads", ""), ("workers", "")]
-    fields += [("state_files", ""), ("state_kib", "KiB"), ("local_files", ""), ("local_kib", "KiB")]
-    fields += [("bucket_objects", ""), ("bucket_kib", "KiB"), ("bucket_uploads", "")]
-    for field, unit in fields:
+    for field in [f.name for f in dataclasses.fields(Sample) if f.name != "cycle"]:
         print(
             f"  {field:14s} {getattr(first, field):8d} -> {getattr(last, field):8d}"
-            f"   {slope_per_1000(samples, field):+9.1f} {unit}"
+            f"   {slope_per_1000(samples, field):+9.1f} {'KiB' if field.endswith('_kib') else ''}"
         )
     print(
         f"after {args.idle_seconds:.0f} s idle: rss {idle.rss_kib / 1024:.1f} MiB, fds {idle.fds}, threads"
@@ -270,7 +270,6 @@ def idle_sample(vm: Vm, bucket: Bucket, cycle: int, seconds: float) -> Sample:
     """A sample after ``seconds`` with nothing to do, once no notice is pending and nothing is being
     uploaded, as a daemon spends most of its months: the cycles come back to back, so the daemon's
     idle work (heap trims, retiring idle workers) seldom runs during them."""
-    assert vm.process is not None
 
     def idle() -> bool:
         status = vm.status()
@@ -278,7 +277,7 @@ def idle_sample(vm: Vm, bucket: Bucket, cycle: int, seconds: float) -> Sample:
 
     wait_for(idle, 300, "the last notice to be over and the uploads to end")
     time.sleep(seconds)  # the idle time itself is what is measured
-    return sample(vm.process.pid, cycle, vm, bucket)
+    return sample(vm, bucket, cycle)
 
 
 def run_cycles(
@@ -290,8 +289,6 @@ def run_cycles(
     scratch: Path,
     bucket: Bucket,
 ) -> list[Sample]:
-    assert vm.process is not None
-    pid = vm.process.pid
     where = parse_address(vm.status()["peers"]["listen"])
     guard = Guard(checkpoint_dir=vm.root, socket=vm.socket, handle_sigterm=False)
     samples: list[Sample] = []
@@ -312,7 +309,7 @@ def run_cycles(
             if cycle % args.rebalance_every == 0 and cycle < args.cycles:  # none unseen at the idle sample
                 emulator.trigger(kind="rebalance")
             if cycle % args.sample_every == 0:
-                samples.append(latest := sample(pid, cycle, vm, bucket))
+                samples.append(latest := sample(vm, bucket, cycle))
                 print(
                     f"cycle {cycle:6d} {time.monotonic() - started:7.1f} s  rss {latest.rss_kib / 1024:7.1f} MiB"
                     f"  fds {latest.fds:4d}  threads {latest.threads:3d}  workers {latest.workers}"
