@@ -8,7 +8,9 @@ not the relay's, not this parent's. Engines:
 
 - ``spotguard``: ``S3Storage`` with the daemon's defaults (16 MiB parts, 16 streams), called the
   way the uploader calls it (``upload_files``: files in parallel, one budget of streams, per-part
-  CRC32C combined and checked against the manifest's, HeadObject after each file);
+  CRC32C combined and checked against the manifest's, HeadObject after each file), in a process
+  that allocates from one heap, as the daemon's does (``spotguard.daemon.heap.use_one_heap``);
+- ``spotguard-heaps`` (only when named): the same with glibc's default, a heap per thread;
 - ``boto3``: ``upload_file`` with its defaults, file after file (what a user would write);
 - ``crt`` (when ``awscrt`` is installed): the AWS CRT S3 client (``awscrt.s3.S3Client``) with TLS
   off, files in parallel, 16 MiB parts, at most as many connections as spotguard's streams, the
@@ -53,7 +55,9 @@ def _measure(upload: Callable[[], None]) -> dict[str, float]:
     upload()
     wall, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
     user, system = after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime
-    return {"wall": wall, "cpu": user + system, "user": user, "system": system}
+    # The process's own peak (``ru_maxrss`` would count the parent's, from before the exec).
+    peak_mib = int(Path("/proc/self/status").read_text().split("VmHWM:")[1].split()[0]) / 1024
+    return {"wall": wall, "cpu": user + system, "user": user, "system": system, "peak_mib": peak_mib}
 
 
 # -- the engines, each run in a subprocess of its own (``worker``) ------------------------------
@@ -143,8 +147,12 @@ def worker(engine: str, endpoint: str, bucket: str, prefix: str, folder: str, fi
     if engine != "crt":
         # What the default install has: with awscrt importable, botocore signs with it instead.
         sys.modules["awscrt"] = None  # type: ignore[assignment]
+    if engine == "spotguard":
+        from spotguard.daemon import heap
+
+        heap.use_one_heap()
     files = json.loads(Path(files_json).read_text())
-    run = {"spotguard": _spotguard, "boto3": _boto3, "crt": _crt}[engine]
+    run = {"spotguard": _spotguard, "spotguard-heaps": _spotguard, "boto3": _boto3, "crt": _crt}[engine]
     print(json.dumps(run(endpoint, bucket, prefix, Path(folder), files)), flush=True)
 
 
@@ -212,8 +220,8 @@ def main() -> None:
                     samples[engine].append(sample)
                     moto.empty(prefix)
                     print(
-                        f"run {run} {engine:<9} {sample['wall']:6.2f} s  {nbytes / sample['wall'] / 1e6:6.0f} MB/s"
-                        f"  {sample['cpu'] / (nbytes / GiB):5.2f} CPU-s/GiB",
+                        f"run {run} {engine:<15} {sample['wall']:6.2f} s  {nbytes / sample['wall'] / 1e6:6.0f} MB/s"
+                        f"  {sample['cpu'] / (nbytes / GiB):5.2f} CPU-s/GiB  peak {sample['peak_mib']:4.0f} MiB",
                         flush=True,
                     )
 
@@ -222,13 +230,14 @@ def main() -> None:
     if args.per_connection_mb_s:
         link_name = f"relay capped at {args.per_connection_mb_s:g} MB/s per connection"
     print(f"\n{args.files} files, {gib:.2f} GiB, moto on 127.0.0.1, {link_name}, medians of {args.runs} runs")
-    print("| engine | median s | MB/s | CPU-s per GiB (min-max) |")
-    print("|---|---:|---:|---:|")
+    print("| engine | median s | MB/s | CPU-s per GiB (min-max) | peak resident MiB |")
+    print("|---|---:|---:|---:|---:|")
     for engine, runs in samples.items():
         wall = median([r["wall"] for r in runs])
         cpu = [r["cpu"] / gib for r in runs]
         spread = f"{min(cpu):.2f}-{max(cpu):.2f}"
-        print(f"| {engine} | {wall:.2f} | {nbytes / wall / 1e6:.0f} | {median(cpu):.2f} ({spread}) |")
+        peak = median([r["peak_mib"] for r in runs])
+        print(f"| {engine} | {wall:.2f} | {nbytes / wall / 1e6:.0f} | {median(cpu):.2f} ({spread}) | {peak:.0f} |")
     if skipped:
         print(f"not run: {', '.join(skipped)} (awscrt is not installed)")
     name = args.name or ("s3_cpu_capped" if args.per_connection_mb_s else "s3_cpu_loopback")

@@ -12,8 +12,9 @@ recommendation (a soft notice). ``--fault-rate``: that share of the daemon's req
 fails (a 503, a 500, a reset connection or a stalled answer, in turn: the tests' fault proxy in
 front of the store), so that the paths of failed and retried uploads run thousands of times too.
 
-Every ``--sample-every`` cycles the daemon's resident memory, open file descriptors, threads and
-worker processes are read from ``/proc``; so is what it keeps on disk (files and bytes in its state
+Every ``--sample-every`` cycles the daemon's resident memory, open file descriptors, threads, the
+heaps its threads allocate from apart from the main one (spotguard/daemon/heap.py) and worker
+processes are read from ``/proc``; so is what it keeps on disk (files and bytes in its state
 directory and its checkpoint directory) and in the bucket (objects and bytes: checkpoints, markers,
 the peer registry, whatever the daemon writes there; and multipart uploads left open). The report
 gives their first and last samples and the growth per 1,000 cycles over the second half of the run
@@ -50,7 +51,7 @@ from spotguard import Guard
 from spotguard.daemon.heap import TRIM_INTERVAL
 from spotguard.emulate.common import RunningEmulator
 from spotguard.emulate.registry import start_emulator
-from spotguard.harness import Vm, wait_for, worker_pids
+from spotguard.harness import Vm, thread_heaps, wait_for, worker_pids
 from spotguard.peer.client import PeerClient
 from spotguard.peer.flows import send_committed
 from spotguard.peer.wire import parse_address
@@ -67,6 +68,7 @@ class Sample:
     rss_kib: int
     fds: int
     threads: int
+    thread_heaps: int
     workers: int
     state_files: int
     state_kib: int
@@ -163,6 +165,7 @@ def sample(vm: Vm, bucket: Bucket, cycle: int) -> Sample:
         rss_kib=int(fields["VmRSS"].split()[0]),
         fds=len(os.listdir(f"/proc/{pid}/fd")),
         threads=int(fields["Threads"]),
+        thread_heaps=thread_heaps(pid),
         workers=len(worker_pids(pid)),
         state_files=state_files,
         state_kib=state_kib,
@@ -219,6 +222,12 @@ def main() -> int:
     cli.add_argument(
         "--state-mib", type=int, default=STATE_MIB, help="the periodic state's size (from 16 MiB, multipart uploads)"
     )
+    cli.add_argument(
+        "--urgent-mib",
+        type=int,
+        default=0,
+        help="after the cycles, an urgent save of this many MiB (uploaded the race's way) before the idle sample",
+    )
     args = cli.parse_args()
     torch.set_num_threads(1)
     state = {"weight": torch.randn(args.state_mib * 2**20 // 4), "step": torch.zeros(1)}
@@ -250,6 +259,8 @@ def soak(args: argparse.Namespace, state: dict[str, torch.Tensor], stack: contex
     started = time.monotonic()
     samples = run_cycles(args, state, vm, emulator, metrics_port, scratch, bucket)
     spent = time.monotonic() - started
+    if args.urgent_mib:
+        urgent_save(vm, bucket, args.urgent_mib, step=2 * args.cycles + 2)
     idle = idle_sample(vm, bucket, args.cycles, args.idle_seconds)
     vm.stop_daemon()
     first, last = samples[0], samples[-1]
@@ -261,9 +272,25 @@ def soak(args: argparse.Namespace, state: dict[str, torch.Tensor], stack: contex
         )
     print(
         f"after {args.idle_seconds:.0f} s idle: rss {idle.rss_kib / 1024:.1f} MiB, fds {idle.fds}, threads"
-        f" {idle.threads}, workers {idle.workers}, bucket {idle.bucket_objects} objects, {idle.bucket_uploads} open"
+        f" {idle.threads} (heaps of their own {idle.thread_heaps}), workers {idle.workers},"
+        f" bucket {idle.bucket_objects} objects, {idle.bucket_uploads} open"
     )
     return 1 if report_errors(vm.log) else 0
+
+
+def urgent_save(vm: Vm, bucket: Bucket, mib: int, step: int) -> None:
+    """An urgent checkpoint of ``mib`` MiB in eight tensors, waited for until it is in the bucket: the
+    daemon uploads it the race's way, every stream at once, from threads it may not have used before."""
+    state = {f"w{i}": torch.randn(mib * 2**20 // 32) for i in range(8)}
+    guard = Guard(checkpoint_dir=vm.root, socket=vm.socket, handle_sigterm=False)
+    try:
+        wait_for(guard.client.connected.is_set, 10, "the hook to connect to the daemon")
+        guard.save(state, step, reason="urgent")
+        wait_for(lambda: committed(vm) >= step, 600, f"the urgent step {step} to be committed in the bucket")
+    finally:
+        guard.close()
+    after = sample(vm, bucket, step)
+    print(f"urgent save of {mib} MiB committed: rss {after.rss_kib / 1024:.1f} MiB, {after.thread_heaps} thread heaps")
 
 
 def idle_sample(vm: Vm, bucket: Bucket, cycle: int, seconds: float) -> Sample:
@@ -312,7 +339,8 @@ def run_cycles(
                 samples.append(latest := sample(vm, bucket, cycle))
                 print(
                     f"cycle {cycle:6d} {time.monotonic() - started:7.1f} s  rss {latest.rss_kib / 1024:7.1f} MiB"
-                    f"  fds {latest.fds:4d}  threads {latest.threads:3d}  workers {latest.workers}"
+                    f"  fds {latest.fds:4d}  threads {latest.threads:3d} ({latest.thread_heaps} heaps)"
+                    f"  workers {latest.workers}"
                     f"  state {latest.state_files}/{latest.state_kib} KiB"
                     f"  local {latest.local_files}/{latest.local_kib} KiB"
                     f"  bucket {latest.bucket_objects}/{latest.bucket_kib} KiB, {latest.bucket_uploads} open",

@@ -141,6 +141,7 @@ def _config_from(args: argparse.Namespace, extra: tuple[str, ...] = ()) -> Daemo
 def cmd_run(args: argparse.Namespace) -> int:
     import asyncio
 
+    from spotguard.daemon import heap
     from spotguard.daemon.app import build_and_run
 
     run_only = (
@@ -152,6 +153,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(OneLineFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=config.log_level.upper(), handlers=[handler])
+    heap.use_one_heap()  # before any thread: what an idle trim gives back (spotguard/daemon/heap.py)
     try:
         return asyncio.run(build_and_run(config))
     except RuntimeError as exc:  # e.g. another daemon on the socket

@@ -91,6 +91,30 @@ def worker_pids(pid: int) -> list[int]:
     return found
 
 
+# glibc reserves a thread's heap as this many bytes aligned to as many (HEAP_MAX_SIZE, 64-bit).
+_THREAD_HEAP_BYTES = 64 << 20
+
+
+def thread_heaps(pid: int) -> int:
+    """How many heaps of their own ``pid``'s threads allocate from (glibc's arenas other than the main
+    heap; spotguard/daemon/heap.py): each is an anonymous mapping at a multiple of 64 MiB, read-write
+    where it is in use, the rest of its 64 MiB reserved, inaccessible."""
+    anonymous: dict[int, tuple[int, str]] = {}  # start: (end, mode)
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) == 5:  # no path: anonymous
+            start, end = (int(edge, 16) for edge in fields[0].split("-"))
+            anonymous[start] = (end, fields[1])
+    count = 0
+    for start, (end, mode) in anonymous.items():
+        if mode != "rw-p" or start % _THREAD_HEAP_BYTES:
+            continue
+        rest = anonymous.get(end)
+        whole = end - start == _THREAD_HEAP_BYTES
+        count += whole or (rest is not None and rest == (start + _THREAD_HEAP_BYTES, "---p"))
+    return count
+
+
 def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:
     deadline = time.monotonic() + timeout
     while True:

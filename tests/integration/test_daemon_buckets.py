@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from spotguard import Guard
-from spotguard.harness import Vm, wait_for
+from spotguard.harness import Vm, thread_heaps, wait_for
 from spotguard.manifest import load_manifest
 from spotguard.storage import open_storage
 from spotguard.storage.checkpoints import list_remote
@@ -176,6 +176,8 @@ def test_urgent_checkpoint_reaches_bucket_lists_restores_and_resumes_bit_identic
     timeout = 180 if tensor_bytes > 8 * MiB else 60
     wait_for(lambda: remote(bucket).get(42) == "complete", timeout, "step 42 complete in the bucket")
     assert store.unfinished_uploads(prefix) == []
+    # The upload's threads took no heaps of their own, whose free tops no trim gives back (daemon/heap.py).
+    assert vm.process is not None and thread_heaps(vm.process.pid) == 0
 
     listing = cli("list", bucket, "--json")
     assert listing.returncode == 0, listing.stderr
