@@ -13,8 +13,9 @@ Nothing else crosses: the worker's answer is a CRC32C or an error.
 
 An idle daemon keeps no workers. They start (a Python process each, ~0.1 s) when they will be
 needed: at a notice routed to a peer, when a replica opens or a fetch connects, and on a big frame
-that finds none free (it goes the in-process way meanwhile); up to one per core and
-:data:`MAX_WORKERS`; one that dies is replaced. One idle for :data:`RETIRE_IDLE_AFTER` ends: a
+that finds none free (it goes the in-process way meanwhile); up to one per core the daemon may keep
+busy (its affinity, capped by its cgroup's CPU quota: spotguard/cpus.py) and :data:`MAX_WORKERS`;
+one that dies is replaced. One idle for :data:`RETIRE_IDLE_AFTER` ends: a
 daemon runs for months between the rare minutes that need its workers, and each holds an interpreter
 (35 MiB resident) and up to 18 MiB of frame buffers; the next notice warms the pool again. One that
 cannot start (a fork refused under memory pressure, a full process table) sends frames the
@@ -45,6 +46,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from spotguard.cpus import usable_cores
 from spotguard.errors import SpotguardError
 from spotguard.peer import noise, wire
 from spotguard.peer.channel import BATCH_RECORDS, FULL_RECORD, open_payload, seal_batches, seal_frame, sealed_size
@@ -340,7 +342,7 @@ def pool() -> WorkerPool:
     global _POOL  # one per process, made on first use
     with _POOL_LOCK:
         if _POOL is None or _POOL[0] != os.getpid():
-            cores = len(os.sched_getaffinity(0))
+            cores = usable_cores()  # a container's CPU limit counts, not only its cpuset
             _POOL = (os.getpid(), WorkerPool(min(MAX_WORKERS, cores), beside=cores > BESIDE_FROM_CORES))
         return _POOL[1]
 
