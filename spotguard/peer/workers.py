@@ -259,10 +259,17 @@ class WorkerPool:
             self.frames += 1
 
     def status(self) -> dict[str, int]:
-        """Workers running (or starting), those idle and those busy with a frame, and the data frames
-        they carried, for the daemon's status."""
+        """Workers running (or starting), the most that may run (``bound``: the cores the daemon may
+        keep busy, at most :data:`MAX_WORKERS`), those idle and those busy with a frame, and the data
+        frames they carried, for the daemon's status."""
         with self._lock:
-            return {"workers": self._count, "idle": len(self._idle), "busy": self._busy, "frames": self.frames}
+            return {
+                "workers": self._count,
+                "bound": self.size,
+                "idle": len(self._idle),
+                "busy": self._busy,
+                "frames": self.frames,
+            }
 
     def lost(self, worker: Worker) -> None:
         """A worker taken for a job died."""

@@ -26,7 +26,7 @@ with open(sys.argv[1], "w") as procs:
 from spotguard.cpus import cpu_quota
 from spotguard.peer import workers
 pool = workers.pool()
-print(json.dumps({"quota": cpu_quota(), "size": pool.size, "beside": pool.beside}))
+print(json.dumps({"quota": cpu_quota(), "size": pool.status()["bound"], "beside": pool.beside}))
 """
 
 

@@ -114,7 +114,7 @@ def test_a_warmed_pool_has_its_workers_ready_before_a_frame_and_they_end_with_it
         wait_for(lambda: pool.status()["idle"] == 2, 30, "two workers ready")
         taken = [pool.take(), pool.take()]
         assert all(worker is not None for worker in taken)
-        assert pool.take() is None and pool.status() == {"workers": 2, "idle": 0, "busy": 2, "frames": 0}
+        assert pool.take() is None and pool.status() == {"workers": 2, "bound": 2, "idle": 0, "busy": 2, "frames": 0}
         for worker in taken:
             assert worker is not None
             worker.release()
@@ -137,7 +137,7 @@ def test_idle_workers_end_after_a_while_and_a_busy_one_does_not() -> None:
         other.release()  # idle from now on (and the pool's retiring thread woken to see the new bound)
         # The idle one ends; the one busy with a job (longer than the idle time) does not.
         wait_for(lambda: pool.status()["workers"] == 1, 30, "the idle worker to end")
-        assert pool.status() == {"workers": 1, "idle": 0, "busy": 1, "frames": 0}
+        assert pool.status() == {"workers": 1, "bound": 2, "idle": 0, "busy": 1, "frames": 0}
         assert busy.process.poll() is None
         idle_from = time.monotonic()
         busy.release()
@@ -187,7 +187,7 @@ def test_a_worker_that_died_before_or_while_it_had_a_job_is_reported_as_ended() 
             with pytest.raises(workers.WorkerLost, match="ended during a frame"):
                 call.result(timeout=10)
         stopped.process.wait()
-        assert pool.status() == {"workers": 0, "idle": 0, "busy": 0, "frames": 0}  # both counted as lost
+        assert pool.status() == {"workers": 0, "bound": 2, "idle": 0, "busy": 0, "frames": 0}  # both counted as lost
     finally:
         pool.close()
 
@@ -580,7 +580,7 @@ def test_a_caller_cancelled_mid_job_leaves_its_worker_to_finish_and_serve_on(dir
         started = time.monotonic()
         asyncio.run(cancel_mid_job())
         assert time.monotonic() - started < 20  # not the job's 60 s deadline
-        assert direct_pool.status() == {"workers": 1, "idle": 1, "busy": 0, "frames": 0}
+        assert direct_pool.status() == {"workers": 1, "bound": 1, "idle": 1, "busy": 0, "frames": 0}
         again = direct_pool.take()
         assert again is worker and worker.process.poll() is None
         assert asyncio.run(worker.call({"t": "drop"}, [])) is None  # it serves jobs
