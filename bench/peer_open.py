@@ -30,8 +30,17 @@ from common import machine, median, process_cpu, write_results
 
 from spotguard.crc32c import crc32c_combine, crc32c_hex_to_int, crc32c_of_bytes
 from spotguard.peer import noise
-from spotguard.peer.channel import BATCH_RECORDS, MAX_PLAINTEXT, open_payload, records_of, seal_frame, sealed_size
+from spotguard.peer.channel import (
+    BATCH_RECORDS,
+    FULL_RECORD,
+    MAX_PLAINTEXT,
+    open_payload,
+    records_of,
+    seal_frame,
+    sealed_size,
+)
 from spotguard.peer.files import write_at
+from spotguard.peer.sockio import HandedSocket
 from spotguard.peer.wire import SEND_CHUNK
 
 KEY = bytes(range(32))
@@ -82,24 +91,26 @@ def landing_by(piece: int) -> Land:
 def one_run(connection: socket.socket, land: Land, frames: int, target: Path, crc: int) -> tuple[float, float]:
     """Seconds and this process's CPU seconds to receive and land ``frames`` frames in ``target``
     (each one's CRC32C checked against the sender's ``crc``)."""
-    batches = (bytearray(BATCH_RECORDS * (2 + noise.MAX_MESSAGE)), bytearray(BATCH_RECORDS * (2 + noise.MAX_MESSAGE)))
+    batches = (bytearray(BATCH_RECORDS * FULL_RECORD), bytearray(BATCH_RECORDS * FULL_RECORD))
     payload = memoryview(bytearray(SEND_CHUNK))
+    handed = HandedSocket(connection.fileno())  # a worker's receive loop, on a duplicate of the socket
 
     def receive(chunk: memoryview) -> None:
-        while chunk:
-            got = connection.recv_into(chunk)
-            if not got:
-                raise EOFError("the sender ended")
-            chunk = chunk[got:]
+        handed.recv_exactly(chunk, 60.0)
 
     target.unlink(missing_ok=True)
     connection.sendall(b"g")
     cpu, started = process_cpu(), time.perf_counter()
-    for frame in range(frames):
-        cipher = noise.CipherState(KEY)  # the sender's frame is sealed with nonces from 0 each time
-        landed = land(cipher, batches, receive, payload, target, frame * SEND_CHUNK)
-        if landed != crc or cipher.n != records_of(SEND_CHUNK):
-            raise RuntimeError(f"frame {frame}: CRC32C {landed:08x} after {cipher.n} records, the sender's {crc:08x}")
+    try:
+        for frame in range(frames):
+            cipher = noise.CipherState(KEY)  # the sender's frame is sealed with nonces from 0 each time
+            landed = land(cipher, batches, receive, payload, target, frame * SEND_CHUNK)
+            if landed != crc or cipher.n != records_of(SEND_CHUNK):
+                raise RuntimeError(
+                    f"frame {frame}: CRC32C {landed:08x} after {cipher.n} records, the sender's {crc:08x}"
+                )
+    finally:
+        handed.close()
     seconds, cpu = time.perf_counter() - started, process_cpu() - cpu
     target.unlink()
     return seconds, cpu

@@ -62,9 +62,7 @@ def _group_dir(mounts: list[str], fstype: str, controller: str | None, path: str
         root, mount_point = parts[3], Path(parts[4])
         if path == root:
             return mount_point, mount_point
-        if root == "/":
-            return mount_point / path.lstrip("/"), mount_point
-        if path.startswith(root.rstrip("/") + "/"):
+        if path.startswith(root.rstrip("/") + "/"):  # below the mounted part ("/": the whole hierarchy)
             return mount_point / path[len(root) :].lstrip("/"), mount_point
         # A cgroup namespace shows the process's own cgroup as "/" and mounts it as the root.
         return mount_point / path.lstrip("/"), mount_point

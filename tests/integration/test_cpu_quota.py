@@ -46,8 +46,8 @@ def _limited_cgroup(quota_us: int, period_us: int) -> tuple[Path, Path]:
     except OSError as exc:
         pytest.skip(f"cannot make a cgroup here: {exc}")
     try:
-        for name, value in limits.items():
-            (group / name).write_text(value)
+        for setting, value in limits.items():
+            (group / setting).write_text(value)
     except BaseException:
         group.rmdir()
         raise
