@@ -4,7 +4,9 @@ of a checkpoint file, against ``sendfile`` of the same bytes, each to a process 
 - plain: ``socket.sendfile`` of the file (the plain copy's sender in bench/peer_channel.py);
 - read: each frame read into its records' places (``preadv``), sealed there in place, sent (the
   daemon's in-process way);
-- mapped: each frame sealed from the file's pages through a read-only mapping, sent (a worker's way).
+- mapped: each frame sealed from the file's pages through a read-only mapping, each batch of records
+  sent as soon as it is sealed (a worker's way);
+- whole: the same, but the whole frame sealed before any of it is sent (``--beside`` has no such row).
 
 ``--beside`` sends a frame's sealed batches from a second thread while the next is sealed, as
 workers do on more than 8 cores. The file is in the page cache (written just before, as an urgent
@@ -31,7 +33,7 @@ from pathlib import Path
 from common import machine, median, process_cpu, write_results
 
 from spotguard.peer import noise
-from spotguard.peer.channel import seal_batches, sealed_size
+from spotguard.peer.channel import seal_batches, seal_frame, sealed_size
 from spotguard.peer.wire import SEND_CHUNK
 
 HEADER = b'{"t":"data","path":"model.pt","offset":0}'
@@ -44,13 +46,18 @@ def discard(connection: socket.socket, theirs: socket.socket) -> None:
         pass
 
 
-def send_sealed(mapped: bool, beside: concurrent.futures.Executor | None) -> Callable[[socket.socket, int, int], None]:
+def send_sealed(
+    mapped: bool, beside: concurrent.futures.Executor | None, *, whole: bool = False
+) -> Callable[[socket.socket, int, int], None]:
     def send(connection: socket.socket, fd: int, size: int) -> None:
         cipher = noise.CipherState(os.urandom(32))
         out = bytearray(sealed_size(len(HEADER), SEND_CHUNK))
         frame = memoryview(out)
         for offset in range(0, size, SEND_CHUNK):
             length = min(SEND_CHUNK, size - offset)
+            if whole:
+                connection.sendall(seal_frame(cipher, HEADER, fd, offset, length, out=out, mapped=mapped))
+                continue
             going: concurrent.futures.Future[None] | None = None
             sent = 0
             for sealed in seal_batches(cipher, HEADER, fd, offset, length, out=out, mapped=mapped):
@@ -106,6 +113,8 @@ def main() -> int:
                 file.write(os.urandom(SEND_CHUNK))
         fd = os.open(path, os.O_RDONLY)
         methods = {"plain": send_plain, "read": send_sealed(False, beside), "mapped": send_sealed(True, beside)}
+        if beside is None:
+            methods["whole"] = send_sealed(True, None, whole=True)
         samples: dict[str, list[tuple[float, float]]] = {name: [] for name in methods}
         try:
             for send in methods.values():
