@@ -15,7 +15,10 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from spotguard.storage.base import Storage
 
 
 class Vm:
@@ -116,27 +119,47 @@ def thread_heaps(pid: int) -> int:
 
 
 def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:
+    """Poll ``condition`` until it returns something true (which is returned) or ``timeout`` s pass.
+
+    It is called every ``interval`` s, but never spends more than half the time in it: a condition as
+    slow as a bucket listing is called again after as long as the last call took, not at once."""
     deadline = time.monotonic() + timeout
     while True:
+        called = time.monotonic()
         value = condition()
         if value:
             return value
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
+        time.sleep(max(interval, now - called))
+
+
+_last_bucket: tuple[tuple[str, str], Storage] | None = None
+
+
+def bucket_storage(bucket: str) -> Storage:
+    """A storage client for ``bucket``, kept for the next call with the same bucket and endpoint: the
+    tests poll buckets, and a new boto3 or GCS client costs about 0.1 CPU-s each time. For one thread:
+    a call for another bucket closes the kept client."""
+    from spotguard.storage import open_storage
+
+    global _last_bucket
+    endpoints = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "STORAGE_EMULATOR_HOST")
+    key = (bucket, " ".join(os.environ.get(name, "") for name in endpoints))
+    if _last_bucket is None or _last_bucket[0] != key:
+        if _last_bucket is not None:
+            _last_bucket[1].close()
+        _last_bucket = (key, open_storage(bucket))
+    return _last_bucket[1]
 
 
 def bucket_status(bucket: str, name: str) -> str | None:
     """The status of checkpoint ``name`` in ``bucket`` as a resume sees it (``complete`` once every
     node's share and the manifest are there); None while the bucket has none of it."""
-    from spotguard.storage import open_storage
     from spotguard.storage.checkpoints import list_remote
 
-    storage = open_storage(bucket)
-    try:
-        return next((info.status for info in list_remote(storage) if info.name == name), None)
-    finally:
-        storage.close()
+    return next((info.status for info in list_remote(bucket_storage(bucket)) if info.name == name), None)
 
 
 def trainer_command(

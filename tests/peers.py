@@ -9,10 +9,9 @@ from pathlib import Path
 import pytest
 
 from spotguard.daemon.plan import PROBE_PREFIX
-from spotguard.harness import Vm
+from spotguard.harness import Vm, bucket_storage
 from spotguard.peer import wire
 from spotguard.peer.replicas import AREA
-from spotguard.storage.s3 import S3Storage
 from tests.pacedrelay import PacedRelay
 from tests.servers import moto_s3, point_at
 
@@ -55,11 +54,7 @@ def address(vm: Vm) -> tuple[str, int]:
 
 def bucket_keys(url: str) -> list[str]:
     """Every key under the S3 ``url`` but the daemons' rate probes."""
-    storage = S3Storage(url)
-    try:
-        return sorted(o.key for o in storage.list() if not o.key.startswith(PROBE_PREFIX))
-    finally:
-        storage.close()
+    return sorted(o.key for o in bucket_storage(url).list() if not o.key.startswith(PROBE_PREFIX))
 
 
 def replica_area(vm: Vm) -> list[str]:
