@@ -401,7 +401,7 @@ class _Jobs:
         """Send each sealed batch of :attr:`frame` as soon as it is sealed, before the next is: the
         socket's copy reads it while it is still in the cache, and the receiver opens the frame's first
         batches while its last ones are sealed (the whole frame sealed first cost one flow a tenth of
-        its rate: BENCHMARKS.md)."""
+        its rate; at four flows on two cores it was 6 % ahead, within the noise: BENCHMARKS.md)."""
         frame = memoryview(self.frame)
         sent = 0
         for sealed in batches:
