@@ -119,20 +119,17 @@ def thread_heaps(pid: int) -> int:
 
 
 def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:
-    """Poll ``condition`` until it returns something true (which is returned) or ``timeout`` s pass.
-
-    It is called every ``interval`` s, but never spends more than half the time in it: a condition as
-    slow as a bucket listing is called again after as long as the last call took, not at once."""
+    """Poll ``condition`` every ``interval`` s until it returns something true (which is returned) or
+    ``timeout`` s pass. A poll is a synchronisation point (a test may act at once on what it saw), so
+    the wait after a slow call is not stretched: make a slow condition cheap instead (bucket_storage)."""
     deadline = time.monotonic() + timeout
     while True:
-        called = time.monotonic()
         value = condition()
         if value:
             return value
-        now = time.monotonic()
-        if now > deadline:
+        if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(max(interval, now - called))
+        time.sleep(interval)
 
 
 _last_bucket: tuple[tuple[str, str], Storage] | None = None

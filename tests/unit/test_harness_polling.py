@@ -1,4 +1,4 @@
-"""The harness's polling: a slow condition is not called back to back, and a bucket's client is kept."""
+"""The harness's polling: a condition is called every interval, and a bucket's client is kept."""
 
 from __future__ import annotations
 
@@ -9,21 +9,6 @@ from pathlib import Path
 import pytest
 
 from spotguard.harness import bucket_storage, wait_for
-
-
-def test_a_slow_condition_waits_as_long_as_it_took_before_it_is_called_again() -> None:
-    calls: list[tuple[float, float]] = []  # (started, ended) of each call
-
-    def slow() -> bool:
-        started = time.monotonic()
-        time.sleep(0.05)
-        calls.append((started, time.monotonic()))
-        return len(calls) == 4
-
-    assert wait_for(slow, 10, "the fourth call") is True
-    assert len(calls) == 4
-    for (started, ended), (following, _) in itertools.pairwise(calls):
-        assert following - ended >= ended - started, calls
 
 
 def test_a_quick_condition_is_called_every_interval_and_a_timeout_names_what_was_awaited() -> None:
