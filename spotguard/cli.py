@@ -145,7 +145,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from spotguard.daemon.app import build_and_run
 
     run_only = (
-        "poll_interval", "state_dir", "peer_listen", "peers", "peer_advertise", "peer_token_file", "peer_networks",
+        "poll_interval", "state_dir", "peer_listen", "peers", "peer_advertise", "peer_token_file",
+        "peer_token_previous_file", "peer_networks",
     )  # fmt: skip
     config = _config_from(args, run_only)
     # One line per record whatever a trainer, a bucket or a metadata service puts in its text: the
@@ -373,9 +374,23 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_peer_token(args: argparse.Namespace) -> int:
-    from spotguard.peer.tokens import new_token
+    if args.with_previous and args.from_secret is None:
+        raise ConfigError("--with-previous", "reads a secret's previous version: give --from-secret too")
+    if args.from_secret is None:
+        from spotguard.peer.tokens import new_token
 
-    print(new_token())  # 32 random bytes, hex: SPOTGUARD_PEER_TOKEN or peer_token_file (docs/security.md)
+        print(new_token())  # 32 random bytes, hex: SPOTGUARD_PEER_TOKEN or peer_token_file (docs/security.md)
+        return 0
+    from spotguard.secretstore import SecretStoreError, read_secret
+
+    try:
+        current, previous = read_secret(args.from_secret, previous=args.with_previous)
+    except SecretStoreError as exc:
+        print(f"spotguard peer-token: {exc}", file=sys.stderr)
+        return 1
+    print(current.strip())
+    if args.with_previous:
+        print((previous or "").strip())  # an empty line: no previous version to accept
     return 0
 
 
@@ -418,6 +433,11 @@ def _add_run(sub: Any) -> None:
         "address, or this host's own address when it listens on a wildcard",
     )
     run.add_argument("--peer-token-file", help="file holding the job's peer token (else $SPOTGUARD_PEER_TOKEN)")
+    run.add_argument(
+        "--peer-token-previous-file",
+        help="while the job's token is rotated: file holding the token it replaces, still accepted (else "
+        "$SPOTGUARD_PEER_TOKEN_PREVIOUS)",
+    )
     run.add_argument(
         "--peer-networks",
         help="CIDR[,CIDR...] peers found in the bucket may be dialled on (default: 10/8, 172.16/12, 192.168/16, "
@@ -490,6 +510,17 @@ def _add_tools(sub: Any) -> None:
     doctor.set_defaults(func=cmd_doctor)
 
     token = sub.add_parser("peer-token", help="print a fresh peer token for a job (32 random bytes, hex)")
+    token.add_argument(
+        "--from-secret",
+        metavar="NAME",
+        help="print the job's token held in the cloud's secret store instead: a Secrets Manager ARN or a Secret "
+        "Manager projects/P/secrets/N (a VM's bootstrap)",
+    )
+    token.add_argument(
+        "--with-previous",
+        action="store_true",
+        help="with --from-secret: a second line, the secret's previous version (empty if none): a rotation",
+    )
     token.set_defaults(func=cmd_peer_token)
 
 

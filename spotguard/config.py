@@ -135,6 +135,9 @@ class DaemonConfig:
     # None = peer_listen when its host is not a wildcard, else this host's own address
     peer_advertise: str | None = None
     peer_token_file: Path | None = None
+    # During a token rotation: the token being replaced, still accepted (SPOTGUARD_PEER_TOKEN_PREVIOUS
+    # or this file's contents; docs/security.md). None = only the job's token.
+    peer_token_previous_file: Path | None = None
     peer_max_replica_bytes: int = 1 << 40  # the most one replica may hold
     peer_max_replicas: int = 2  # replicas held at once (each until it is committed in the bucket)
     # CIDRs the peers found in the bucket may be dialled on (spotguard/peer/networks.py); link-local and

@@ -226,19 +226,24 @@ def _check_peer_token(config: DaemonConfig, report: Callable[[Check], None]) -> 
     if not (config.peer_listen or config.peers):
         return
     from spotguard.peer.tokens import token_weakness
-    from spotguard.peer.wire import load_token
+    from spotguard.peer.wire import load_job_token
 
     fix = "make one with `spotguard peer-token` and give every VM of the job the same (docs/security.md)"
     try:
-        token = load_token(os.environ, config.peer_token_file)
+        token = load_job_token(os.environ, config.peer_token_file, config.peer_token_previous_file)
     except ValueError as exc:
+        if "previous" in str(exc):
+            fix = "set it to the token the fleet ran with before the rotation, or unset it once no VM uses that one"
         report(Check(FAIL, "peer token", str(exc), fix))
         return
-    weakness = token_weakness(token)
+    weakness = token_weakness(token.current)
     if weakness is not None:
         report(Check(WARN, "peer token", f"weak: {weakness}", fix))
     else:
-        report(Check(OK, "peer token", f"{len(token)} bytes, no weakness found"))
+        report(Check(OK, "peer token", f"{len(token.current)} bytes, no weakness found"))
+    if len(token.accepted) > 1:
+        found = "the previous token is accepted too (a rotation under way)"
+        report(Check(WARN, "peer token", found, "remove it once every VM of the job has the new token"))
 
 
 #: Below this the state directory's disk is reported as nearly full: the event log and the upload

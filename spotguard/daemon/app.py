@@ -42,8 +42,8 @@ from spotguard.notice import Action, Notice, utcnow
 from spotguard.peer.discovery import PeerRegistry
 from spotguard.peer.handoff import Handoff
 from spotguard.peer.receiver import PeerReceiver
-from spotguard.peer.tokens import token_weakness
-from spotguard.peer.wire import load_token
+from spotguard.peer.tokens import JobToken, token_weakness
+from spotguard.peer.wire import load_job_token
 from spotguard.providers.base import Acknowledgements, Monitor, MonitorError
 from spotguard.repeats import RepeatedErrors
 from spotguard.storage.base import Capability, Storage, StorageError
@@ -85,7 +85,7 @@ class Daemon:
         monitors: Sequence[Monitor] = (),
         storage: Storage | None = None,
         notifier: SystemdNotifier | None = None,
-        peer_token: bytes | None = None,
+        peer_token: JobToken | None = None,
     ) -> None:
         self.config = config
         self.notifier = notifier or SystemdNotifier({})
@@ -486,11 +486,16 @@ async def build_and_run(config: DaemonConfig) -> int:
     peer_token = None
     if config.peer_listen or config.peers:
         try:
-            peer_token = load_token(os.environ, config.peer_token_file)
+            peer_token = load_job_token(os.environ, config.peer_token_file, config.peer_token_previous_file)
         except ValueError as exc:
             raise ConfigError("peer_token", str(exc)) from None
-        if (weakness := token_weakness(peer_token)) is not None:
+        if (weakness := token_weakness(peer_token.current)) is not None:
             logger.warning("peers: the job's peer token is weak (%s); make one with `spotguard peer-token`", weakness)
+        if len(peer_token.accepted) > 1:
+            logger.warning(
+                "peers: the previous peer token is accepted too while the job's token is rotated; remove it "
+                "once every VM of the job has the new one (docs/security.md)"
+            )
     provider, monitors, session = await _build_monitors(config)
     daemon = Daemon(
         config,

@@ -24,6 +24,7 @@ from spotguard.peer.fetch import attach as attach_peer_fetch
 from spotguard.peer.handoff import Handoff, HandoffState
 from spotguard.peer.receiver import PeerReceiver, ReceiverLimits
 from spotguard.peer.replicas import AREA as PEER_AREA
+from spotguard.peer.tokens import JobToken
 from spotguard.peer.wire import parse_address
 from spotguard.storage.base import Storage, StorageError
 from spotguard.storage.checkpoints import list_remote
@@ -40,7 +41,7 @@ class Peering:
         *,
         storage: Storage | None,
         root: Path,
-        token: bytes | None,
+        token: JobToken | None,
         submit: Callable[[Path], None],
     ) -> None:
         self.config = config

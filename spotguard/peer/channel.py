@@ -29,6 +29,7 @@ from typing import Any, Protocol
 from spotguard.jsontext import parse_json
 from spotguard.peer import noise, wire
 from spotguard.peer.sockio import HandedSocket, run_handed
+from spotguard.peer.tokens import JobToken, PeerToken
 
 
 class Worker(Protocol):
@@ -617,16 +618,20 @@ def refusal(code: str, message: str) -> bytes:
 
 
 async def accept(
-    stream: wire.ReadsInto, writer: asyncio.StreamWriter, psk: bytes, *, io_timeout: float = IO_TIMEOUT
+    stream: wire.ReadsInto,
+    writer: asyncio.StreamWriter,
+    psk: bytes,
+    *,
+    previous_psk: bytes | None = None,
+    io_timeout: float = IO_TIMEOUT,
 ) -> Channel:
     """The receiver's side: greeting, ``-> psk, e``, ``<- e, ee``, and the initiator's first record.
-    The caller bounds it in time (:data:`HANDSHAKE_TIMEOUT`)."""
+    During a token rotation ``previous_psk`` is accepted too: the first message authenticates under
+    one psk only (its tag), so trying each costs a failed tag check, not a round trip. The caller
+    bounds it in time (:data:`HANDSHAKE_TIMEOUT`)."""
     writer.write(GREETING)
-    handshake = noise.HandshakeState(initiator=False, psk=psk, prologue=PROLOGUE)
-    try:
-        handshake.read_message(await _read_message(stream, initiator=False))
-    except noise.NoiseError:
-        raise wire.PeerError("auth", "authentication failed") from None
+    first = await _read_message(stream, initiator=False)
+    handshake = _responder_for(first, psk, previous_psk)
     message = handshake.write_message()
     writer.write(_LENGTH.pack(len(message)) + message)
     sending, receiving = handshake.split()
@@ -640,6 +645,20 @@ async def accept(
             raise wire.PeerError("auth", "authentication failed (its first record does not decrypt)") from None
         raise
     return channel
+
+
+def _responder_for(first: bytes, psk: bytes, previous_psk: bytes | None) -> noise.HandshakeState:
+    """The responder's handshake whose psk authenticates the initiator's first message."""
+    for candidate in (psk, previous_psk):
+        if candidate is None:
+            continue
+        handshake = noise.HandshakeState(initiator=False, psk=candidate, prologue=PROLOGUE)
+        try:
+            handshake.read_message(first)
+        except noise.NoiseError:
+            continue
+        return handshake
+    raise wire.PeerError("auth", "authentication failed")
 
 
 async def _check_greeting(stream: wire.ReadsInto, writer: asyncio.StreamWriter) -> None:
@@ -683,9 +702,45 @@ async def initiate(
 
 
 async def open_channel(
-    host: str, port: int, token: bytes, *, timeout: float = HANDSHAKE_TIMEOUT, io_timeout: float = IO_TIMEOUT
+    host: str, port: int, token: PeerToken, *, timeout: float = HANDSHAKE_TIMEOUT, io_timeout: float = IO_TIMEOUT
 ) -> Channel:
-    """Connect to a receiver and run the handshake, all within ``timeout`` seconds."""
+    """Connect to a receiver and run the handshake, each attempt within ``timeout`` seconds. During a
+    token rotation a receiver that refuses the current token is asked again with the previous one,
+    and that receiver is asked with the previous one first from then on (:data:`_PREVIOUS_AT`)."""
+    job_token = JobToken.of(token)
+    tokens = job_token.accepted
+    where = f"{host}:{port}"
+    if len(tokens) > 1 and _PREVIOUS_AT.get(where) == job_token.current:
+        tokens = tokens[::-1]
+    for attempt, secret in enumerate(tokens):
+        try:
+            channel = await _handshake_with(host, port, secret, timeout=timeout, io_timeout=io_timeout)
+        except wire.PeerError as exc:
+            if exc.code != "auth" or attempt == len(tokens) - 1:
+                raise
+            continue
+        _remember(where, job_token, used_previous=secret != job_token.current)
+        return channel
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+#: Receivers that took only the previous token during a rotation (``host:port`` -> the current token
+#: then), so that a handoff's further flows do not each knock with the new token first. Bounded.
+_PREVIOUS_AT: dict[str, bytes] = {}
+_PREVIOUS_AT_MAX = 256
+
+
+def _remember(where: str, token: JobToken, *, used_previous: bool) -> None:
+    if token.previous is None:
+        return
+    _PREVIOUS_AT.pop(where, None)
+    if used_previous:
+        _PREVIOUS_AT[where] = token.current
+        while len(_PREVIOUS_AT) > _PREVIOUS_AT_MAX:
+            del _PREVIOUS_AT[next(iter(_PREVIOUS_AT))]
+
+
+async def _handshake_with(host: str, port: int, token: bytes, *, timeout: float, io_timeout: float) -> Channel:
     psk = await asyncio.to_thread(noise.derive_psk, token)
     loop = asyncio.get_running_loop()
     async with asyncio.timeout(timeout):

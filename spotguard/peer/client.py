@@ -14,6 +14,7 @@ from typing import Any, BinaryIO
 from spotguard.manifest import MANIFEST, PART_PREFIX, ManifestError, node_holdings
 from spotguard.peer import wire, workers
 from spotguard.peer.channel import HANDSHAKE_TIMEOUT, IO_TIMEOUT, Channel, open_channel, sealed_size
+from spotguard.peer.tokens import PeerToken
 
 logger = logging.getLogger("spotguard.peers")
 
@@ -52,7 +53,13 @@ class PeerClient:
 
     @classmethod
     async def connect(
-        cls, host: str, port: int, token: bytes, *, timeout: float = HANDSHAKE_TIMEOUT, io_timeout: float = IO_TIMEOUT
+        cls,
+        host: str,
+        port: int,
+        token: PeerToken,
+        *,
+        timeout: float = HANDSHAKE_TIMEOUT,
+        io_timeout: float = IO_TIMEOUT,
     ) -> PeerClient:
         channel = await open_channel(host, port, token, timeout=timeout, io_timeout=io_timeout)
         # Enough in the socket's buffer that the next chunk is read and sealed while this one goes out,
@@ -154,7 +161,7 @@ class PeerClient:
 
 async def choose_peer(
     addresses: list[tuple[str, int]],
-    token: bytes,
+    token: PeerToken,
     bucket: str,
     *,
     timeout: float = _CHOOSE_TIMEOUT,
@@ -185,7 +192,7 @@ async def choose_peer(
 
 
 async def _ask(
-    host: str, port: int, token: bytes, bucket: str, *, timeout: float, io_timeout: float
+    host: str, port: int, token: PeerToken, bucket: str, *, timeout: float, io_timeout: float
 ) -> PeerClient | None:
     """A connection to ``host:port`` if that peer may be chosen; else None (and it is closed)."""
     client: PeerClient | None = None

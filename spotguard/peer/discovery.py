@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 from spotguard.jsontext import parse_json
 from spotguard.peer.networks import PeerNetworks
-from spotguard.peer.tokens import REGISTRY_KEY_LABEL, derive_key
+from spotguard.peer.tokens import REGISTRY_KEY_LABEL, JobToken, PeerToken, derive_key
 from spotguard.peer.wire import parse_address
 from spotguard.repeats import RepeatedErrors
 from spotguard.storage.base import ObjectNotFound, Storage, StorageError, put_bytes
@@ -136,7 +136,7 @@ class PeerRegistry:
         self,
         storage: Storage,
         *,
-        token: bytes,
+        token: PeerToken,
         networks: PeerNetworks,
         address: str | None = None,
         heartbeat: float = HEARTBEAT,
@@ -150,7 +150,10 @@ class PeerRegistry:
         self.networks = networks
         self.max_candidates = max_candidates
         self.clock = clock
-        self._signing_key = signing_key(token)  # never logged, never in status
+        # Never logged, never in status. Entries are signed with the current token's key; during a
+        # rotation those signed with the previous token's are believed too.
+        self._signing_keys = [signing_key(secret) for secret in JobToken.of(token).accepted]
+        self._signing_key = self._signing_keys[0]
         self._reported: dict[str, str] = {}  # entry key -> why it was refused, as last logged
         self.last_seen: list[str] = []  # the candidates of the last look, for status
         if address is not None:
@@ -239,8 +242,12 @@ class PeerRegistry:
         return None
 
     def signed(self, entry: PeerEntry) -> bool:
-        expected = entry_signature(self._signing_key, self.storage.url, entry.key, entry.address, entry.heartbeat)
-        return hmac.compare_digest(expected, entry.signature)
+        return any(
+            hmac.compare_digest(
+                entry_signature(key, self.storage.url, entry.key, entry.address, entry.heartbeat), entry.signature
+            )
+            for key in self._signing_keys
+        )
 
     def _dialable(self, entries: list[PeerEntry]) -> list[tuple[str, int]]:
         """The first ``max_candidates`` entries whose address may be dialled, resolved (blocking)."""

@@ -61,6 +61,7 @@ from spotguard.peer.files import (
 from spotguard.peer.flows import MAX_FLOWS, cut
 from spotguard.peer.receiver import PeerReceiver
 from spotguard.peer.replicas import Replica, ReplicaState
+from spotguard.peer.tokens import PeerToken
 from spotguard.safefile import atomic_file, fsync_dir, open_nofollow
 from spotguard.space import free_bytes
 
@@ -360,7 +361,7 @@ def _commit(step_dir: Path, manifest_text: str, target: Path) -> Path:
 
 async def resume_from_peers(
     addresses: list[tuple[str, int]],
-    token: bytes,
+    token: PeerToken,
     bucket: str,
     root: Path,
     after: int,
@@ -425,7 +426,9 @@ async def _ask_all(
     return [offer for task in done if not task.cancelled() and task.exception() is None for offer in task.result()]
 
 
-async def _ask_one(host: str, port: int, *, token: bytes, bucket: str, after: int, io_timeout: float) -> list[Offer]:
+async def _ask_one(
+    host: str, port: int, *, token: PeerToken, bucket: str, after: int, io_timeout: float
+) -> list[Offer]:
     """What one peer offers; nothing if it cannot be reached or asked within :data:`PROBE_TIMEOUT`."""
     try:
         async with asyncio.timeout(PROBE_TIMEOUT):

@@ -31,6 +31,7 @@ from spotguard.manifest import load_manifest
 from spotguard.peer import wire, workers
 from spotguard.peer.channel import IO_TIMEOUT
 from spotguard.peer.client import PeerClient
+from spotguard.peer.tokens import PeerToken
 from spotguard.safefile import open_nofollow
 
 logger = logging.getLogger("spotguard.handoff")
@@ -357,7 +358,7 @@ class Flows:
 
 
 async def open_flows(
-    client: PeerClient, name: str, bucket: str, token: bytes, *, io_timeout: float = IO_TIMEOUT, max_flows: int
+    client: PeerClient, name: str, bucket: str, token: PeerToken, *, io_timeout: float = IO_TIMEOUT, max_flows: int
 ) -> Flows:
     """A replica of ``name`` opened on ``client``, and its :class:`Flows` (more connect to the same
     peer with ``token``)."""
@@ -371,7 +372,7 @@ async def open_flows(
 
 
 async def send_committed(
-    client: PeerClient, step_dir: Path, bucket: str, token: bytes, *, flows: int
+    client: PeerClient, step_dir: Path, bucket: str, token: PeerToken, *, flows: int
 ) -> dict[str, Any]:
     """A whole locally committed checkpoint to ``client``'s peer over ``flows`` connections at once
     (resends, benchmarks); the peer's answer to the commit."""

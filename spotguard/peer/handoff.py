@@ -36,6 +36,7 @@ from spotguard.peer import wire, workers
 from spotguard.peer.channel import IO_TIMEOUT
 from spotguard.peer.client import PeerClient, choose_peer
 from spotguard.peer.flows import KEEPALIVE, MAX_FLOWS, Flows, Piece, Source, open_flows
+from spotguard.peer.tokens import PeerToken
 from spotguard.safefile import is_unlinked, open_nofollow
 
 logger = logging.getLogger("spotguard.handoff")
@@ -74,7 +75,7 @@ class Handoff:
     def __init__(
         self,
         candidates: Candidates,
-        token: bytes,
+        token: PeerToken,
         bucket: str,
         *,
         io_timeout: float = IO_TIMEOUT,

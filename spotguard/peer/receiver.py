@@ -37,6 +37,7 @@ from spotguard.peer.admission import Admission, ReplicaLimits
 from spotguard.peer.channel import HANDSHAKE_TIMEOUT, IO_TIMEOUT, Channel, accept, refusal, tune_socket
 from spotguard.peer.files import Extents, check_range, data_header, make_parent, make_room, write_range
 from spotguard.peer.replicas import Replica, ReplicaState, ReplicaStore
+from spotguard.peer.tokens import JobToken, PeerToken
 from spotguard.storage.base import Storage
 
 logger = logging.getLogger("spotguard.peers")
@@ -86,7 +87,7 @@ class PeerReceiver:
         area: Path,
         storage: Storage | None,
         *,
-        token: bytes,
+        token: PeerToken,
         host: str,
         port: int,
         busy: Callable[[], bool] = lambda: False,
@@ -94,7 +95,7 @@ class PeerReceiver:
     ) -> None:
         self.area = area
         self.storage = storage
-        self._token = token  # never logged, never sent
+        self._token = JobToken.of(token)  # never logged, never sent
         self.host = host
         self.port = port
         self.busy = busy
@@ -105,6 +106,7 @@ class PeerReceiver:
         self.address: str | None = None
         self._server: asyncio.Server | None = None
         self._psk = b""  # from the token, at start
+        self._previous_psk: bytes | None = None  # from the token it replaces, during a rotation
         self._connections = 0  # authenticated
         self._pending: dict[asyncio.StreamWriter, str] = {}  # in their handshake, oldest first: source address
         self._writers: set[asyncio.StreamWriter] = set()  # open connections, closed with the receiver
@@ -120,7 +122,9 @@ class PeerReceiver:
     async def start(self) -> str:
         """Resume what a restart left in the area, then listen; returns ``host:port`` (the real port)."""
         await self.store.resume()
-        self._psk = await asyncio.to_thread(noise.derive_psk, self._token)
+        self._psk = await asyncio.to_thread(noise.derive_psk, self._token.current)
+        if len(accepted := self._token.accepted) > 1:
+            self._previous_psk = await asyncio.to_thread(noise.derive_psk, accepted[1])
         self._server = await wire.start_server(self._serve, self.host, self.port)
         port = self._server.sockets[0].getsockname()[1]
         self.address = f"{self.host}:{port}"
@@ -195,7 +199,9 @@ class PeerReceiver:
         self._pending[writer] = source
         try:
             async with asyncio.timeout(self.limits.handshake_timeout):
-                return await accept(stream, writer, self._psk, io_timeout=self.limits.io_timeout)
+                return await accept(
+                    stream, writer, self._psk, previous_psk=self._previous_psk, io_timeout=self.limits.io_timeout
+                )
         finally:
             self._pending.pop(writer, None)
 

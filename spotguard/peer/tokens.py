@@ -17,6 +17,12 @@ heuristic is deliberately simple:
 
 It cannot tell a guessable phrase of many characters from a random one: a token from
 ``spotguard peer-token`` (or ``openssl rand -hex 32``) is the advice either way.
+
+**Rotation.** While a fleet moves to a new token, a daemon may also hold the one it replaces
+(``SPOTGUARD_PEER_TOKEN_PREVIOUS`` or ``peer_token_previous_file``): a :class:`JobToken`. It signs
+and opens connections with the new token; it accepts connections and registry entries made with
+either, and where a peer refuses the new token it connects again with the previous one. So a
+rolling restart keeps every pair of VMs peers, old and new alike (docs/security.md).
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+from dataclasses import dataclass
+from typing import TypeAlias
 
 STRONG_TOKEN_BYTES = 32
 MIN_DISTINCT = 10
@@ -31,6 +39,32 @@ MIN_DISTINCT = 10
 # Never used for anything else.
 REGISTRY_KEY_LABEL = b"spotguard peer registry entry signing v1"
 _SALT = b"spotguard-peer-token-kdf"
+
+
+@dataclass(frozen=True, repr=False)
+class JobToken:
+    """The job's token (``current``) and, while the fleet is rotated to it, the one it replaces."""
+
+    current: bytes
+    previous: bytes | None = None
+
+    @classmethod
+    def of(cls, token: PeerToken) -> JobToken:
+        return token if isinstance(token, JobToken) else cls(token)
+
+    @property
+    def accepted(self) -> tuple[bytes, ...]:
+        """Every token a peer may prove, the current one first."""
+        if self.previous is None or self.previous == self.current:
+            return (self.current,)
+        return (self.current, self.previous)
+
+    def __repr__(self) -> str:
+        return f"JobToken(<{len(self.accepted)} hidden>)"  # never the secret, not even in a traceback
+
+
+#: What the peer tier's functions take: the job's token, or a :class:`JobToken` during a rotation.
+PeerToken: TypeAlias = "bytes | JobToken"
 
 
 def new_token() -> str:
@@ -64,4 +98,13 @@ def token_weakness(token: bytes) -> str | None:
     return None
 
 
-__all__ = ["MIN_DISTINCT", "REGISTRY_KEY_LABEL", "STRONG_TOKEN_BYTES", "derive_key", "new_token", "token_weakness"]
+__all__ = [
+    "MIN_DISTINCT",
+    "REGISTRY_KEY_LABEL",
+    "STRONG_TOKEN_BYTES",
+    "JobToken",
+    "PeerToken",
+    "derive_key",
+    "new_token",
+    "token_weakness",
+]

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 from spotguard.errors import SpotguardError
 from spotguard.jsontext import parse_json
+from spotguard.peer.tokens import JobToken
 
 VERSION = 2
 MAX_HEADER_BEFORE_AUTH = 1024
@@ -42,6 +43,7 @@ SEND_CHUNK = MAX_DATA
 _SCRATCH = 4096
 MIN_TOKEN_BYTES = 16
 TOKEN_ENV = "SPOTGUARD_PEER_TOKEN"
+PREVIOUS_TOKEN_ENV = "SPOTGUARD_PEER_TOKEN_PREVIOUS"  # during a rotation: docs/security.md
 _LENGTH = struct.Struct(">I")
 
 
@@ -272,19 +274,35 @@ async def start_server(
 def load_token(env: Mapping[str, str], token_file: Path | None) -> bytes:
     """The job's shared peer token: ``SPOTGUARD_PEER_TOKEN``, else the contents of ``token_file``
     (surrounding whitespace removed). Raises ``ValueError`` naming the source, never the value."""
-    source = TOKEN_ENV
-    text = env.get(TOKEN_ENV, "")
+    token = _read_token(env, TOKEN_ENV, token_file, "peer token")
+    if token is None:
+        raise ValueError(f"peers need the job's shared token: set {TOKEN_ENV} or peer_token_file")
+    return token
+
+
+def load_job_token(env: Mapping[str, str], token_file: Path | None, previous_file: Path | None) -> JobToken:
+    """The job's token (:func:`load_token`) and, during a rotation, the one it replaces:
+    ``SPOTGUARD_PEER_TOKEN_PREVIOUS``, else the contents of ``previous_file``; none if both are
+    unset or empty (the usual case). Raises ``ValueError`` naming the source, never the value."""
+    current = load_token(env, token_file)
+    previous = _read_token(env, PREVIOUS_TOKEN_ENV, previous_file, "previous peer token")
+    return JobToken(current, previous)
+
+
+def _read_token(env: Mapping[str, str], variable: str, token_file: Path | None, what: str) -> bytes | None:
+    source = variable
+    text = env.get(variable, "")
     if not text and token_file is not None:
         source = str(token_file)
         try:
             text = token_file.read_text()
         except OSError as exc:
-            raise ValueError(f"cannot read the peer token file {token_file}: {exc.strerror}") from None
+            raise ValueError(f"cannot read the {what} file {token_file}: {exc.strerror}") from None
     token = text.strip().encode()
     if not token:
-        raise ValueError(f"peers need the job's shared token: set {TOKEN_ENV} or peer_token_file")
+        return None
     if len(token) < MIN_TOKEN_BYTES:
-        raise ValueError(f"the peer token from {source} is shorter than {MIN_TOKEN_BYTES} bytes")
+        raise ValueError(f"the {what} from {source} is shorter than {MIN_TOKEN_BYTES} bytes")
     return token
 
 
@@ -306,6 +324,7 @@ __all__ = [
     "MAX_DATA",
     "MAX_HEADER",
     "MAX_HEADER_BEFORE_AUTH",
+    "PREVIOUS_TOKEN_ENV",
     "SEND_CHUNK",
     "TOKEN_ENV",
     "VERSION",
@@ -317,6 +336,7 @@ __all__ = [
     "error_frame",
     "expect",
     "field",
+    "load_job_token",
     "load_token",
     "parse_address",
     "read_frame",

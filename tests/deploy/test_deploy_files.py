@@ -476,9 +476,14 @@ STUBS = {
 fi
 """,
     "venv-pip": "",
-    # The peer token read from the cloud's secret store.
-    "venv-python": 'echo "${STUB_PEER_TOKEN:-a-peer-token-from-the-secret-store}"\n',
-    "venv-spotguard": 'if [[ $1 == restore ]]; then exit "${STUB_RESTORE_RC:-0}"; fi\n',
+    "venv-python": "",
+    # The peer token read from the cloud's secret store (spotguard peer-token --from-secret).
+    "venv-spotguard": """if [[ $1 == restore ]]; then exit "${STUB_RESTORE_RC:-0}"; fi
+if [[ $1 == peer-token ]]; then
+    [[ -z ${STUB_PEER_TOKEN_FAILS:-} ]] || exit 1
+    echo "${STUB_PEER_TOKEN:-a-peer-token-from-the-secret-store}"
+fi
+""",
 }
 
 
@@ -529,6 +534,7 @@ def bootstrap_values(cloud: str) -> dict[str, str]:
         "extra_config": 'on_rebalance = "stop"\nkeep_local = 3',
         "peer_port": "",
         "peer_secret": "",
+        "peer_previous": "",
         "spotguard_unit": (SYSTEMD / "spotguard.service").read_text().rstrip("\n"),
         "trainer_unit": (SYSTEMD / "example-trainer.service").read_text().rstrip("\n"),
     }
@@ -655,7 +661,7 @@ def test_bootstrap_with_peers_writes_the_token_root_only_and_the_peer_config(boo
     result = bootstrap.run()
     assert result.returncode == 0, result.stderr
     root = bootstrap.root
-    assert f"python - {cloud} {secret}" in bootstrap.calls  # the secret store read through the venv's SDK
+    assert f"spotguard peer-token --from-secret {secret}" in bootstrap.calls  # read through the venv's SDK
     token = root / "etc/spotguard/peer-token"
     assert token.read_text() == "a-peer-token-from-the-secret-store\n"
     assert stat.S_IMODE(token.stat().st_mode) == 0o600 and token.stat().st_uid == 0
@@ -672,6 +678,29 @@ def test_bootstrap_with_peers_writes_the_token_root_only_and_the_peer_config(boo
     loaded = load_config(env={}, config_file=config_path)
     assert loaded.peer_discovery and loaded.peer_listen == "0.0.0.0:7140"
 
+    assert not (root / "etc/spotguard/peer-token-previous").exists() and "peer_token_previous_file" not in config
+    assert "peer-token-previous" not in credential
+
+    # A rotation: the secret's previous version is read as well, into a second root-only credential.
+    bootstrap.script.write_text(
+        render(AWS_TEMPLATE if cloud == "aws" else GCP_TEMPLATE, {**values, "peer_previous": "previous"})
+    )
+    result = bootstrap.run(STUB_PEER_TOKEN="the-new-token-0123456789\nthe-old-token-0123456789")
+    assert result.returncode == 0, result.stderr
+    assert f"spotguard peer-token --from-secret {secret} --with-previous" in bootstrap.calls
+    previous = root / "etc/spotguard/peer-token-previous"
+    assert token.read_text() == "the-new-token-0123456789\n"
+    assert previous.read_text() == "the-old-token-0123456789\n"
+    assert stat.S_IMODE(previous.stat().st_mode) == 0o600 and previous.stat().st_uid == 0
+    credential = (root / "etc/systemd/system/spotguard.service.d/peer-token.conf").read_text()
+    assert "LoadCredential=peer-token-previous:/etc/spotguard/peer-token-previous" in credential
+    loaded = load_config(env={}, config_file=config_path)
+    assert loaded.peer_token_previous_file == Path("/run/credentials/spotguard.service/peer-token-previous")
+    assert not list((root / "etc/spotguard").glob("*.read")), "the secrets' scratch file is removed"
+    # No previous version in the store (a secret never rotated): the second file goes.
+    assert bootstrap.run(STUB_PEER_TOKEN="the-new-token-0123456789").returncode == 0
+    assert not previous.exists() and "peer_token_previous_file" not in tomllib.loads(config_path.read_text())
+
     # Turned off again (GCP reruns the script on every boot): the token and the credential go.
     bootstrap.script.write_text(render(AWS_TEMPLATE if cloud == "aws" else GCP_TEMPLATE, bootstrap.values))
     assert bootstrap.run().returncode == 0
@@ -680,10 +709,9 @@ def test_bootstrap_with_peers_writes_the_token_root_only_and_the_peer_config(boo
 
 
 def test_bootstrap_fails_loudly_when_the_peer_token_cannot_be_read(bootstrap: Bootstrap) -> None:
-    (bootstrap.stubs / "venv-python").write_text(STUB + "exit 1\n")
     values = {**bootstrap.values, "peer_port": "7140", "peer_secret": "projects/p/secrets/peer-token"}
     bootstrap.script.write_text(render(GCP_TEMPLATE, values))
-    result = bootstrap.run()
+    result = bootstrap.run(STUB_PEER_TOKEN_FAILS="1")
     assert result.returncode != 0
     assert not (bootstrap.root / "etc/spotguard/peer-token").exists()
     assert not any(c.startswith("systemctl") for c in bootstrap.calls)

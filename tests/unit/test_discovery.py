@@ -221,3 +221,27 @@ def test_the_entry_is_written_while_the_temporary_directory_is_full(
     assert keys(storage) == [f"{PREFIX}/{Path(registry.key or '').name}"]
     with pytest.raises(OSError), tempfile.TemporaryFile(buffering=0) as probe:
         probe.write(b"x")  # the temporary directory really is full
+
+
+def test_during_a_rotation_entries_signed_with_either_token_are_believed(storage: FileStorage) -> None:
+    from spotguard.peer.tokens import JobToken
+
+    new = b"the-job-s-new-peer-token-0123456789abcdef"
+    clock = Clock()
+    not_restarted = PeerRegistry(storage, token=TOKEN, networks=NETWORKS, address="127.0.0.1:7141", clock=clock)
+    restarted = PeerRegistry(
+        storage, token=JobToken(new, previous=TOKEN), networks=NETWORKS, address="127.0.0.1:7142", clock=clock
+    )
+    rotated = PeerRegistry(storage, token=new, networks=NETWORKS, address="127.0.0.1:7143", clock=clock)
+    for registry in (not_restarted, restarted, rotated):
+        registry.register()
+    # The rotating daemon believes both; it signs with the new token, which the old one cannot check.
+    assert sorted(asyncio.run(restarted.candidates())) == [("127.0.0.1", 7141), ("127.0.0.1", 7143)]
+    assert asyncio.run(not_restarted.candidates()) == []
+    assert asyncio.run(rotated.candidates()) == [("127.0.0.1", 7142)]
+    # A stranger's token is none of them.
+    stranger = PeerRegistry(
+        storage, token=JobToken(b"another-job-s-token-0123456789abcdef", previous=b"and-its-old-one-0123456789abc"),
+        networks=NETWORKS, clock=clock,
+    )  # fmt: skip
+    assert asyncio.run(stranger.candidates()) == []

@@ -107,3 +107,35 @@ def test_a_fetch_that_breaks_the_rules_leaves_nothing_in_the_checkpoint_root(tmp
     assert asyncio.run(attempt(data("w.bin", b"abc"))) == "closed"  # no end frame
     assert asyncio.run(attempt(data("w.bin", b"abx"), wire.encode({"t": "end"}))) == "mismatch"
     assert list(tmp_path.iterdir()) == [] and not (tmp_path / STAGING).exists()
+
+
+def test_a_previous_token_comes_from_its_own_variable_or_file_and_is_optional(tmp_path: Path) -> None:
+    current = {wire.TOKEN_ENV: "the-new-token-of-the-job-0123456789"}
+    alone = wire.load_job_token(current, None, None)
+    assert alone.accepted == (b"the-new-token-of-the-job-0123456789",) and alone.previous is None
+    previous_file = tmp_path / "previous"
+    previous_file.write_text("the-old-token-of-the-job-0123456789\n")
+    rotating = wire.load_job_token(current, None, previous_file)
+    assert rotating.accepted == (b"the-new-token-of-the-job-0123456789", b"the-old-token-of-the-job-0123456789")
+    from_env = wire.load_job_token({**current, wire.PREVIOUS_TOKEN_ENV: "old-from-the-env-0123456789"}, None, None)
+    assert from_env.previous == b"old-from-the-env-0123456789"
+    # The same token twice is no rotation: one to try, one to accept.
+    same = wire.load_job_token({**current, wire.PREVIOUS_TOKEN_ENV: current[wire.TOKEN_ENV]}, None, None)
+    assert len(same.accepted) == 1
+    # Secrets stay out of reprs (a traceback's locals) and errors.
+    assert "the-new-token" not in repr(rotating) and "the-old-token" not in repr(rotating)
+    with pytest.raises(ValueError, match="previous peer token from SPOTGUARD_PEER_TOKEN_PREVIOUS is shorter") as short:
+        wire.load_job_token({**current, wire.PREVIOUS_TOKEN_ENV: "old-and-short"}, None, None)
+    assert "old-and-short" not in str(short.value)
+    with pytest.raises(ValueError, match="cannot read the previous peer token file"):
+        wire.load_job_token(current, None, tmp_path / "missing")
+    with pytest.raises(ValueError, match="SPOTGUARD_PEER_TOKEN or peer_token_file"):  # a previous one alone is none
+        wire.load_job_token({wire.PREVIOUS_TOKEN_ENV: "the-old-token-of-the-job-0123456789"}, None, None)
+
+
+def test_the_previous_token_file_is_a_setting_of_run(tmp_path: Path) -> None:
+    toml = tmp_path / "spotguard.toml"
+    toml.write_text('bucket = "s3://b/run"\npeer_listen = "0.0.0.0:7140"\npeer_token_previous_file = "/etc/sg/old"\n')
+    assert load_config({}, env={}, config_file=toml).peer_token_previous_file == Path("/etc/sg/old")
+    env = {"SPOTGUARD_BUCKET": "s3://b/r", "SPOTGUARD_PEER_TOKEN_PREVIOUS_FILE": "/run/old"}
+    assert load_config({}, env=env).peer_token_previous_file == Path("/run/old")

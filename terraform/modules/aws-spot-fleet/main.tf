@@ -21,9 +21,11 @@ locals {
     trainer_user     = var.trainer_user
     trainer_command  = var.trainer_command
     trainer_env      = join("\n", [for k, v in var.trainer_environment : "${k}=${v}"])
-    # The peer tier (empty: off): the port, and the secret the bootstrap reads the token from.
-    peer_port   = var.enable_peers ? tostring(var.peer_port) : ""
-    peer_secret = var.enable_peers ? coalesce(var.peer_token_secret_arn, "-") : ""
+    # The peer tier (empty: off): the port, the secret the bootstrap reads the token from, and
+    # whether it reads the secret's previous version too (a rotation: docs/security.md).
+    peer_port     = var.enable_peers ? tostring(var.peer_port) : ""
+    peer_secret   = var.enable_peers ? coalesce(var.peer_token_secret_arn, "-") : ""
+    peer_previous = var.enable_peers && var.peer_token_accept_previous ? "previous" : ""
     # spotguard completes the termination lifecycle hook below once the checkpoint is in the bucket.
     extra_config = join("\n", compact(["asg_lifecycle_hook = \"${local.lifecycle_hook}\"", var.extra_config]))
     # The units are the repository's own files, so the fleet runs exactly what was verified.

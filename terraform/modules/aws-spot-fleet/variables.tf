@@ -284,3 +284,9 @@ variable "peer_token_kms_key_arn" {
   type        = string
   default     = null
 }
+
+variable "peer_token_accept_previous" {
+  description = "While the job's peer token is rotated: each daemon also accepts the Secrets Manager secret's AWSPREVIOUS version (read at boot), so VMs started before and after the rotation stay peers. Leave false after a rotation forced by a compromise, and set it back to false (or retire the old version) once every VM has booted with the new token. docs/security.md, Rotating."
+  type        = bool
+  default     = false
+}

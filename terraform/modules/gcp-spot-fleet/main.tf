@@ -18,9 +18,11 @@ locals {
     trainer_command  = var.trainer_command
     trainer_env      = join("\n", [for k, v in var.trainer_environment : "${k}=${v}"])
     extra_config     = var.extra_config
-    # The peer tier (empty: off): the port, and the secret the startup script reads the token from.
-    peer_port   = var.enable_peers ? tostring(var.peer_port) : ""
-    peer_secret = var.enable_peers ? coalesce(var.peer_token_secret, "-") : ""
+    # The peer tier (empty: off): the port, the secret the startup script reads the token from, and
+    # whether it reads the secret's previous version too (a rotation: docs/security.md).
+    peer_port     = var.enable_peers ? tostring(var.peer_port) : ""
+    peer_secret   = var.enable_peers ? coalesce(var.peer_token_secret, "-") : ""
+    peer_previous = var.enable_peers && var.peer_token_accept_previous ? "previous" : ""
     # The units are the repository's own files, so the fleet runs exactly what was verified.
     spotguard_unit = chomp(file("${path.module}/../../../systemd/spotguard.service"))
     trainer_unit   = chomp(file("${path.module}/../../../systemd/example-trainer.service"))

@@ -283,3 +283,9 @@ variable "peer_token_secret" {
     error_message = "peer_token_secret must be projects/PROJECT/secrets/NAME."
   }
 }
+
+variable "peer_token_accept_previous" {
+  description = "While the job's peer token is rotated: each daemon also accepts the Secret Manager secret's version before the latest, while it is enabled (read at boot), so VMs started before and after the rotation stay peers. Leave false after a rotation forced by a compromise, and set it back to false (or retire the old version) once every VM has booted with the new token. docs/security.md, Rotating."
+  type        = bool
+  default     = false
+}
