@@ -25,7 +25,7 @@ from spotguard.peer.handoff import Handoff, HandoffState
 from spotguard.peer.receiver import PeerReceiver, ReceiverLimits
 from spotguard.peer.replicas import AREA as PEER_AREA
 from spotguard.peer.tokens import JobToken
-from spotguard.peer.wire import parse_address
+from spotguard.peer.wire import parse_address, token_fingerprint
 from spotguard.storage.base import Storage, StorageError
 from spotguard.storage.checkpoints import list_remote
 
@@ -175,11 +175,16 @@ class Peering:
             return None
         receiver = self.receiver.status() if self.receiver is not None else {"listen": None}
         listed = [f"{host}:{port}" for host, port in self.config.peer_addresses()]
+        accepted = [token_fingerprint(token) for token in self._token.accepted] if self._token is not None else []
         return {
             "peers": self.registry.last_seen if self.registry is not None else listed,
             "discovery": None if self.registry is None else self.registry.status(),
             **receiver,
             "handoff": None if self.handoff is None else self.handoff.status(),
+            # Which token this daemon uses, and accepts besides it during a rotation: fingerprints that
+            # tell tokens apart across the fleet (every VM rotated?) and say nothing to rebuild one.
+            "token": next(iter(accepted), None),
+            "previous_token": accepted[1] if len(accepted) > 1 else None,
         }
 
     async def stop_registry(self) -> None:

@@ -76,6 +76,8 @@ def test_a_daemon_given_the_previous_token_takes_handoffs_made_with_either_and_n
         assert asyncio.run(refused_code(where, JobToken(STRANGER, previous=b"its-own-old-token-0123456789"))) == "auth"
         assert committed(url, 2) == ["step-000000007", "step-000000008"]
         assert vm.status()["peers"]["refused"] == 3
+        status = vm.status()["peers"]
+        assert (status["token"], status["previous_token"]) == (wire.token_fingerprint(NEW), wire.token_fingerprint(OLD))
         wait_for(lambda: replica_area(vm) == [], 10, "the replicas to be deleted once committed")
     log = vm.log.read_text()
     assert "the previous peer token is accepted too" in log
@@ -91,6 +93,8 @@ def test_a_rotated_sender_hands_over_to_a_daemon_not_yet_restarted_knocking_once
         assert asyncio.run(hand_over(where, step_dir, url, rotated, flows=3)) == "verified"
         # The new token was refused once; the handoff's other flows went with the old one at once.
         assert vm.status()["peers"]["refused"] == 1
+        status = vm.status()["peers"]
+        assert (status["token"], status["previous_token"]) == (wire.token_fingerprint(OLD), None)
         assert committed(url, 1) == ["step-000000009"]
         # Once the fleet is rotated and the previous token dropped, this daemon is no peer of it.
         assert asyncio.run(refused_code(where, NEW)) == "auth"
