@@ -5,11 +5,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from spotguard.control import request
 from spotguard.daemon.plan import PROBE_PREFIX
-from spotguard.harness import Vm, bucket_storage
+from spotguard.harness import Vm, bucket_storage, wait_for
 from spotguard.peer import wire
 from spotguard.peer.replicas import AREA
 from tests.pacedrelay import PacedRelay
@@ -45,6 +47,24 @@ def peer_behind_a_slow_bucket(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
             yield url, vm_b
         finally:
             vm_b.kill_daemon()
+
+
+def drill_routed_to_peer(vm: Vm, deadline_s: float) -> None:
+    """A drill on ``vm``, once it has measured its bucket, and its plan routing to the peer."""
+    wait_for(lambda: vm.status()["upload_rate_bytes_s"], 30, f"{vm.dir.name}'s upload-rate probe")
+    request(vm.socket, "drill", deadline_s=deadline_s)
+    wait_for(lambda: vm.status()["plan"]["route"] == "peer", 10, f"{vm.dir.name}'s plan to route to the peer")
+
+
+def handoff_ended(vm: Vm, timeout: float) -> dict[str, Any]:
+    """``vm``'s handoff once it is handed or failed: its status."""
+    return dict(
+        wait_for(
+            lambda: (h := vm.status()["peers"]["handoff"])["state"] in ("handed", "failed") and h,
+            timeout,
+            f"{vm.dir.name} to hand its checkpoint over",
+        )
+    )
 
 
 def address(vm: Vm) -> tuple[str, int]:

@@ -90,6 +90,13 @@ class ProgressiveWriter:
         self.writer.commit()
         self.client.send("saved", path=str(self.step_dir), step=self.writer.step, reason="urgent")
 
+    def write_whole(self) -> None:
+        """The whole save at once: begun, written, its file reported, committed."""
+        self.begin()
+        self.write_until(self.size)
+        self.finish_file()
+        self.commit()
+
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)

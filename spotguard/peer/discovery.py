@@ -20,7 +20,10 @@ Nothing in an entry is trusted as written (docs/security.md):
   (spotguard/peer/tokens.py, a label of its own), of the canonical JSON (sorted keys, no spaces) of
   ``{"v": 1, "bucket": <the bucket URL with its prefix>, "key": <the entry's object key>,
   "address": ..., "heartbeat": ...}``. An entry without a valid signature (written without the token,
-  or moved to another job's prefix or another key) is ignored;
+  or moved to another job's prefix or another key) is ignored. During a token rotation a daemon
+  holding the previous token as well signs ``"sig"`` with the previous token's key and adds
+  ``"sig_next"`` under the new one's, so that daemons not yet restarted (which check ``"sig"`` with
+  the old token) and those already rotated (either field, either of their tokens) all believe it;
 * a heartbeat more than :data:`MAX_SKEW` seconds in the future is refused (it would never go stale
   and would always sort first);
 * at most :data:`MAX_CANDIDATES` entries are candidates, the freshest;
@@ -75,6 +78,7 @@ class PeerEntry:
     address: str
     heartbeat: float
     signature: str = ""
+    next_signature: str = ""  # during a rotation: under the new token's key ("sig" under the previous)
 
 
 def signing_key(token: bytes) -> bytes:
@@ -150,10 +154,8 @@ class PeerRegistry:
         self.networks = networks
         self.max_candidates = max_candidates
         self.clock = clock
-        # Never logged, never in status. Entries are signed with the current token's key; during a
-        # rotation those signed with the previous token's are believed too.
+        # Never logged, never in status: the current token's key, then (a rotation) the previous one's.
         self._signing_keys = [signing_key(secret) for secret in JobToken.of(token).accepted]
-        self._signing_key = self._signing_keys[0]
         self._reported: dict[str, str] = {}  # entry key -> why it was refused, as last logged
         self.last_seen: list[str] = []  # the candidates of the last look, for status
         if address is not None:
@@ -172,8 +174,11 @@ class PeerRegistry:
         if self.key is None or self.address is None:
             return
         heartbeat = self.clock()
-        sig = entry_signature(self._signing_key, self.storage.url, self.key, self.address, heartbeat)
-        entry = {"address": self.address, "heartbeat": heartbeat, "sig": sig}
+        url, key, address = self.storage.url, self.key, self.address
+        signatures = [entry_signature(signing, url, key, address, heartbeat) for signing in self._signing_keys]
+        entry: dict[str, object] = {"address": self.address, "heartbeat": heartbeat, "sig": signatures[-1]}
+        if len(signatures) > 1:  # a rotation: "sig" for the daemons not yet restarted, this for the others
+            entry["sig_next"] = signatures[0]
         put_bytes(self.storage, self.key, json.dumps(entry).encode())
 
     def unregister(self) -> None:
@@ -242,12 +247,12 @@ class PeerRegistry:
         return None
 
     def signed(self, entry: PeerEntry) -> bool:
-        return any(
-            hmac.compare_digest(
-                entry_signature(key, self.storage.url, entry.key, entry.address, entry.heartbeat), entry.signature
-            )
-            for key in self._signing_keys
-        )
+        given = [sig for sig in (entry.signature, entry.next_signature) if sig]
+        for key in self._signing_keys:
+            expected = entry_signature(key, self.storage.url, entry.key, entry.address, entry.heartbeat)
+            if any(hmac.compare_digest(expected, sig) for sig in given):
+                return True
+        return False
 
     def _dialable(self, entries: list[PeerEntry]) -> list[tuple[str, int]]:
         """The first ``max_candidates`` entries whose address may be dialled, resolved (blocking)."""
@@ -301,7 +306,8 @@ class PeerRegistry:
     def _entry(self, key: str) -> PeerEntry | None:
         try:
             document = parse_json(self.storage.read_bytes(key))
-            return PeerEntry(key, str(document["address"]), float(document["heartbeat"]), str(document.get("sig", "")))
+            address, heartbeat = str(document["address"]), float(document["heartbeat"])
+            return PeerEntry(key, address, heartbeat, str(document.get("sig", "")), str(document.get("sig_next", "")))
         except ObjectNotFound:
             return None  # removed between the listing and the read: a clean shutdown
         except (ValueError, KeyError, TypeError, AttributeError) as exc:

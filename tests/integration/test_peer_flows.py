@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from spotguard.control import request
 from spotguard.harness import Vm, wait_for
 from spotguard.manifest import load_manifest
 from spotguard.peer import wire
@@ -25,7 +24,7 @@ from spotguard.storage.checkpoints import list_remote
 from spotguard.storage.s3 import S3Storage
 from tests.checkpoints import write_checkpoint
 from tests.pacedrelay import PacedRelay
-from tests.peers import TOKEN, address, receiving_daemon
+from tests.peers import TOKEN, address, drill_routed_to_peer, handoff_ended, receiving_daemon
 from tests.servers import moto_s3, point_at
 from tests.streaming import ProgressiveWriter
 
@@ -200,18 +199,9 @@ def test_a_daemon_routed_to_its_peer_opens_the_flows_its_deadline_needs(
             vm_a.start_daemon()
             writer = ProgressiveWriter(vm_a.root, 5, vm_a.socket, size=size, chunk=4 * MiB)
             try:
-                wait_for(lambda: vm_a.status()["upload_rate_bytes_s"], 30, "A's upload-rate probe")
-                request(vm_a.socket, "drill", deadline_s=8.0)
-                wait_for(lambda: vm_a.status()["plan"]["route"] == "peer", 10, "A's plan to route to the peer")
-                writer.begin()
-                writer.write_until(size)
-                writer.finish_file()
-                writer.commit()
-                handed = wait_for(
-                    lambda: (h := vm_a.status()["peers"]["handoff"])["state"] in ("handed", "failed") and h,
-                    60,
-                    "A to hand its checkpoint to B",
-                )
+                drill_routed_to_peer(vm_a, deadline_s=8.0)
+                writer.write_whole()
+                handed = handoff_ended(vm_a, 60)
             finally:
                 writer.close()
                 vm_a.kill_daemon()

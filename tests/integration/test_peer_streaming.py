@@ -17,7 +17,7 @@ import pytest
 from spotguard.control import request
 from spotguard.harness import Vm, wait_for
 from tests.checkpoints import write_checkpoint
-from tests.peers import peer_behind_a_slow_bucket
+from tests.peers import handoff_ended, peer_behind_a_slow_bucket
 from tests.streaming import MiB, ProgressiveWriter
 
 SIZE = 6 * MiB + 5
@@ -65,11 +65,7 @@ def test_ranges_reach_the_peer_before_the_file_is_finished(vms: tuple[Vm, Vm], r
         writer.write_until(writer.size)
         writer.finish_file()
         writer.commit()
-        handed = wait_for(
-            lambda: (h := vm_a.status()["peers"]["handoff"])["state"] in ("handed", "failed") and h,
-            DEADLINE,
-            "A to hand its checkpoint to B",
-        )
+        handed = handoff_ended(vm_a, DEADLINE)
     finally:
         writer.close()
     assert handed["state"] == "handed", handed  # B checked the file against the manifest

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from spotguard.config import DaemonConfig
-from spotguard.control import request
 from spotguard.doctor import run_doctor
 from spotguard.harness import Vm, wait_for
 from spotguard.peer import channel, wire
@@ -21,7 +20,16 @@ from spotguard.peer.tokens import JobToken, PeerToken
 from spotguard.storage.checkpoints import list_remote
 from spotguard.storage.s3 import S3Storage
 from tests.checkpoints import write_checkpoint
-from tests.peers import TOKEN, address, bucket_keys, peer_behind_a_slow_bucket, receiving_daemon, replica_area
+from tests.peers import (
+    TOKEN,
+    address,
+    bucket_keys,
+    drill_routed_to_peer,
+    handoff_ended,
+    peer_behind_a_slow_bucket,
+    receiving_daemon,
+    replica_area,
+)
 from tests.streaming import ProgressiveWriter
 
 MiB = 1 << 20
@@ -133,18 +141,9 @@ def test_a_restarted_daemon_given_both_tokens_hands_its_urgent_checkpoint_to_one
         vm_a.start_daemon(env={"SPOTGUARD_PEER_TOKEN": NEW.decode(), "SPOTGUARD_PEER_TOKEN_PREVIOUS": OLD.decode()})
         writer = ProgressiveWriter(vm_a.root, 5, vm_a.socket, size=3 * MiB, chunk=MiB)
         try:
-            wait_for(lambda: vm_a.status()["upload_rate_bytes_s"], 30, "A's upload-rate probe")
-            request(vm_a.socket, "drill", deadline_s=8.0)
-            wait_for(lambda: vm_a.status()["plan"]["route"] == "peer", 10, "A's plan to route to the peer")
-            writer.begin()
-            writer.write_until(writer.size)
-            writer.finish_file()
-            writer.commit()
-            handed = wait_for(
-                lambda: (h := vm_a.status()["peers"]["handoff"])["state"] in ("handed", "failed") and h,
-                8.0,
-                "A to hand its checkpoint to B",
-            )
+            drill_routed_to_peer(vm_a, deadline_s=8.0)
+            writer.write_whole()
+            handed = handoff_ended(vm_a, 8.0)
         finally:
             writer.close()
             vm_a.kill_daemon()

@@ -235,10 +235,20 @@ def test_during_a_rotation_entries_signed_with_either_token_are_believed(storage
     rotated = PeerRegistry(storage, token=new, networks=NETWORKS, address="127.0.0.1:7143", clock=clock)
     for registry in (not_restarted, restarted, rotated):
         registry.register()
-    # The rotating daemon believes both; it signs with the new token, which the old one cannot check.
+    # The rotating daemon believes both, and signs its entry for both: "sig" under the old token (what
+    # a daemon not yet restarted checks), "sig_next" under the new one. Old and new only never meet.
     assert sorted(asyncio.run(restarted.candidates())) == [("127.0.0.1", 7141), ("127.0.0.1", 7143)]
-    assert asyncio.run(not_restarted.candidates()) == []
+    assert asyncio.run(not_restarted.candidates()) == [("127.0.0.1", 7142)]
     assert asyncio.run(rotated.candidates()) == [("127.0.0.1", 7142)]
+    entry = json.loads(storage.read_bytes(str(restarted.key)))
+    assert set(entry) == {"address", "heartbeat", "sig", "sig_next"} and entry["sig"] != entry["sig_next"]
+    plain = json.loads(storage.read_bytes(str(rotated.key)))
+    assert set(plain) == {"address", "heartbeat", "sig"}  # no rotation, no second signature
+    # A second signature moved onto another entry's key proves nothing there.
+    forged = {**plain, "sig": "0" * 64, "sig_next": entry["sig_next"]}
+    put_bytes(storage, str(rotated.key), json.dumps(forged).encode())
+    assert asyncio.run(not_restarted.candidates()) == [("127.0.0.1", 7142)]
+    assert sorted(asyncio.run(restarted.candidates())) == [("127.0.0.1", 7141)]
     # A stranger's token is none of them.
     stranger = PeerRegistry(
         storage, token=JobToken(b"another-job-s-token-0123456789abcdef", previous=b"and-its-old-one-0123456789abc"),
