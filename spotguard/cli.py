@@ -388,9 +388,9 @@ def cmd_peer_token(args: argparse.Namespace) -> int:
     except SecretStoreError as exc:
         print(f"spotguard peer-token: {exc}", file=sys.stderr)
         return 1
-    print(current.strip())
+    print(current)
     if args.with_previous:
-        print((previous or "").strip())  # an empty line: no previous version to accept
+        print(previous or "")  # an empty line: no previous version to accept
     return 0
 
 

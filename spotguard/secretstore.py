@@ -27,15 +27,26 @@ class SecretStoreError(FatalError):
 
 
 def read_secret(name: str, *, previous: bool = False) -> tuple[str, str | None]:
-    """(current, previous or None) of the secret ``name``; :class:`SecretStoreError` if it cannot be read."""
+    """(current, previous or None) of the secret ``name``, surrounding whitespace removed;
+    :class:`SecretStoreError` if it cannot be read, or if a value spans lines (a bootstrap reads one
+    token per line: ``openssl rand -base64 64`` wraps its output, ``-hex 32`` does not)."""
     if match := _AWS_ARN.match(name):
-        return _read_aws(name, match.group(1), previous=previous)
-    if _GCP_NAME.match(name):
-        return read_gcp(name, previous=previous)
-    raise SecretStoreError(
-        f"{name!r} is neither a Secrets Manager ARN (arn:aws:secretsmanager:REGION:ACCOUNT:secret:NAME) "
-        "nor a Secret Manager name (projects/PROJECT/secrets/NAME)"
-    )
+        values = _read_aws(name, match.group(1), previous=previous)
+    elif _GCP_NAME.match(name):
+        values = read_gcp(name, previous=previous)
+    else:
+        raise SecretStoreError(
+            f"{name!r} is neither a Secrets Manager ARN (arn:aws:secretsmanager:REGION:ACCOUNT:secret:NAME) "
+            "nor a Secret Manager name (projects/PROJECT/secrets/NAME)"
+        )
+    current, before = values[0].strip(), None if values[1] is None else values[1].strip()
+    for which, value in (("current", current), ("previous", before)):
+        if value is not None and "\n" in value:
+            raise SecretStoreError(
+                f"the {which} value of {name} spans several lines: store the token on one line "
+                "(`spotguard peer-token` or `openssl rand -hex 32`)"
+            )
+    return current, before
 
 
 def _read_aws(arn: str, region: str, *, previous: bool) -> tuple[str, str | None]:

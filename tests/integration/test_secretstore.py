@@ -52,6 +52,11 @@ def test_the_token_and_during_a_rotation_the_previous_one_come_from_secrets_mana
     missing = peer_token(server, "--from-secret", arn.rsplit(":", 1)[0] + ":not-there-AbCdEf")
     assert missing.returncode == 1 and "cannot read arn:aws:secretsmanager" in missing.stderr
     assert missing.stdout == ""
+    # A value over two lines would read as a token and a previous one: refused, saying how to fix it.
+    client.put_secret_value(SecretId=arn, SecretString="first-half-of-a-wrapped-token\nsecond-half-0123456789\n")
+    wrapped = peer_token(server, "--from-secret", arn)
+    assert wrapped.returncode == 1 and "the current value of arn:" in wrapped.stderr
+    assert "spans several lines" in wrapped.stderr and wrapped.stdout == "" and "half" not in wrapped.stderr
     wrong = peer_token(server, "--from-secret", "peer-token")
     assert wrong.returncode == 1 and "neither a Secrets Manager ARN" in wrong.stderr
     needs_secret = peer_token(server, "--with-previous")
