@@ -225,23 +225,27 @@ def _check_peer_token(config: DaemonConfig, report: Callable[[Check], None]) -> 
     """With the peer tier on: a token can be read, and it is not weak (spotguard/peer/tokens.py)."""
     if not (config.peer_listen or config.peers):
         return
-    from spotguard.peer.tokens import token_weakness
-    from spotguard.peer.wire import load_job_token
+    from spotguard.peer.tokens import JobToken, token_weakness
+    from spotguard.peer.wire import load_previous_token, load_token
 
     fix = "make one with `spotguard peer-token` and give every VM of the job the same (docs/security.md)"
     try:
-        token = load_job_token(os.environ, config.peer_token_file, config.peer_token_previous_file)
+        current = load_token(os.environ, config.peer_token_file)
     except ValueError as exc:
-        if "previous" in str(exc):
-            fix = "set it to the token the fleet ran with before the rotation, or unset it once no VM uses that one"
         report(Check(FAIL, "peer token", str(exc), fix))
+        return
+    try:
+        token = JobToken(current, load_previous_token(os.environ, config.peer_token_previous_file))
+    except ValueError as exc:
+        unset = "set it to the token the fleet ran with before the rotation, or unset it once no VM uses that one"
+        report(Check(FAIL, "peer token", str(exc), unset))
         return
     weakness = token_weakness(token.current)
     if weakness is not None:
         report(Check(WARN, "peer token", f"weak: {weakness}", fix))
     else:
         report(Check(OK, "peer token", f"{len(token.current)} bytes, no weakness found"))
-    if len(token.accepted) > 1:
+    if token.previous is not None:
         found = "the previous token is accepted too (a rotation under way)"
         report(Check(WARN, "peer token", found, "remove it once every VM of the job has the new token"))
 

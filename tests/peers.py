@@ -16,6 +16,7 @@ from spotguard.peer import wire
 from spotguard.peer.replicas import AREA
 from tests.pacedrelay import PacedRelay
 from tests.servers import moto_s3, point_at
+from tests.streaming import ProgressiveWriter
 
 TOKEN = "a-shared-secret-of-the-job-0123456789"
 
@@ -65,6 +66,19 @@ def handoff_ended(vm: Vm, timeout: float) -> dict[str, Any]:
             f"{vm.dir.name} to hand its checkpoint over",
         )
     )
+
+
+def urgent_handoff(vm: Vm, *, size: int, chunk: int, timeout: float) -> tuple[dict[str, Any], str]:
+    """A drill on ``vm`` routed to the peer, then an urgent save of one ``size``-byte file written
+    through its socket ``chunk`` bytes at a time: the handoff's status once it ended, and the step's
+    directory name."""
+    writer = ProgressiveWriter(vm.root, 5, vm.socket, size=size, chunk=chunk)
+    try:
+        drill_routed_to_peer(vm, deadline_s=8.0)
+        writer.write_whole()
+        return handoff_ended(vm, timeout), writer.step_dir.name
+    finally:
+        writer.close()
 
 
 def address(vm: Vm) -> tuple[str, int]:

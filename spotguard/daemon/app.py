@@ -491,7 +491,7 @@ async def build_and_run(config: DaemonConfig) -> int:
             raise ConfigError("peer_token", str(exc)) from None
         if (weakness := token_weakness(peer_token.current)) is not None:
             logger.warning("peers: the job's peer token is weak (%s); make one with `spotguard peer-token`", weakness)
-        if len(peer_token.accepted) > 1:
+        if peer_token.previous is not None:
             logger.warning(
                 "peers: the previous peer token is accepted too while the job's token is rotated; remove it "
                 "once every VM of the job has the new one (docs/security.md)"

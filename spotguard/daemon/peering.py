@@ -175,7 +175,7 @@ class Peering:
             return None
         receiver = self.receiver.status() if self.receiver is not None else {"listen": None}
         listed = [f"{host}:{port}" for host, port in self.config.peer_addresses()]
-        accepted = [token_fingerprint(token) for token in self._token.accepted] if self._token is not None else []
+        token, previous = (None, None) if self._token is None else (self._token.current, self._token.previous)
         return {
             "peers": self.registry.last_seen if self.registry is not None else listed,
             "discovery": None if self.registry is None else self.registry.status(),
@@ -183,8 +183,8 @@ class Peering:
             "handoff": None if self.handoff is None else self.handoff.status(),
             # Which token this daemon uses, and accepts besides it during a rotation: fingerprints that
             # tell tokens apart across the fleet (every VM rotated?) and say nothing to rebuild one.
-            "token": next(iter(accepted), None),
-            "previous_token": accepted[1] if len(accepted) > 1 else None,
+            "token": None if token is None else token_fingerprint(token),
+            "previous_token": None if previous is None else token_fingerprint(previous),
         }
 
     async def stop_registry(self) -> None:

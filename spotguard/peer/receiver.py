@@ -123,8 +123,8 @@ class PeerReceiver:
         """Resume what a restart left in the area, then listen; returns ``host:port`` (the real port)."""
         await self.store.resume()
         self._psk = await asyncio.to_thread(noise.derive_psk, self._token.current)
-        if len(accepted := self._token.accepted) > 1:
-            self._previous_psk = await asyncio.to_thread(noise.derive_psk, accepted[1])
+        if self._token.previous is not None:
+            self._previous_psk = await asyncio.to_thread(noise.derive_psk, self._token.previous)
         self._server = await wire.start_server(self._serve, self.host, self.port)
         port = self._server.sockets[0].getsockname()[1]
         self.address = f"{self.host}:{port}"

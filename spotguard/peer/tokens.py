@@ -19,10 +19,10 @@ It cannot tell a guessable phrase of many characters from a random one: a token 
 ``spotguard peer-token`` (or ``openssl rand -hex 32``) is the advice either way.
 
 **Rotation.** While a fleet moves to a new token, a daemon may also hold the one it replaces
-(``SPOTGUARD_PEER_TOKEN_PREVIOUS`` or ``peer_token_previous_file``): a :class:`JobToken`. It signs
-and opens connections with the new token; it accepts connections and registry entries made with
-either, and where a peer refuses the new token it connects again with the previous one. So a
-rolling restart keeps every pair of VMs peers, old and new alike (docs/security.md).
+(``SPOTGUARD_PEER_TOKEN_PREVIOUS`` or ``peer_token_previous_file``): a :class:`JobToken`. It opens
+connections with the new token, and where a peer refuses it connects again with the previous one;
+it accepts connections and registry entries made with either, and signs its own entry under both.
+So a rolling restart keeps every pair of VMs peers, old and new alike (docs/security.md).
 """
 
 from __future__ import annotations
@@ -43,10 +43,15 @@ _SALT = b"spotguard-peer-token-kdf"
 
 @dataclass(frozen=True, repr=False)
 class JobToken:
-    """The job's token (``current``) and, while the fleet is rotated to it, the one it replaces."""
+    """The job's token (``current``) and, while the fleet is rotated to it, the one it replaces
+    (``previous``: None when there is no rotation, the same token given twice included)."""
 
     current: bytes
     previous: bytes | None = None
+
+    def __post_init__(self) -> None:
+        if self.previous == self.current:
+            object.__setattr__(self, "previous", None)
 
     @classmethod
     def of(cls, token: PeerToken) -> JobToken:
@@ -55,9 +60,7 @@ class JobToken:
     @property
     def accepted(self) -> tuple[bytes, ...]:
         """Every token a peer may prove, the current one first."""
-        if self.previous is None or self.previous == self.current:
-            return (self.current,)
-        return (self.current, self.previous)
+        return (self.current,) if self.previous is None else (self.current, self.previous)
 
     def __repr__(self) -> str:
         return f"JobToken(<{len(self.accepted)} hidden>)"  # never the secret, not even in a traceback

@@ -284,9 +284,13 @@ def load_job_token(env: Mapping[str, str], token_file: Path | None, previous_fil
     """The job's token (:func:`load_token`) and, during a rotation, the one it replaces:
     ``SPOTGUARD_PEER_TOKEN_PREVIOUS``, else the contents of ``previous_file``; none if both are
     unset or empty (the usual case). Raises ``ValueError`` naming the source, never the value."""
-    current = load_token(env, token_file)
-    previous = _read_token(env, PREVIOUS_TOKEN_ENV, previous_file, "previous peer token")
-    return JobToken(current, previous)
+    return JobToken(load_token(env, token_file), load_previous_token(env, previous_file))
+
+
+def load_previous_token(env: Mapping[str, str], previous_file: Path | None) -> bytes | None:
+    """The token a rotation replaces: ``SPOTGUARD_PEER_TOKEN_PREVIOUS``, else the contents of
+    ``previous_file``; None if both are unset or empty. ``ValueError`` as :func:`load_token`."""
+    return _read_token(env, PREVIOUS_TOKEN_ENV, previous_file, "previous peer token")
 
 
 def _read_token(env: Mapping[str, str], variable: str, token_file: Path | None, what: str) -> bytes | None:
@@ -337,6 +341,7 @@ __all__ = [
     "expect",
     "field",
     "load_job_token",
+    "load_previous_token",
     "load_token",
     "parse_address",
     "read_frame",

@@ -24,9 +24,8 @@ from spotguard.storage.checkpoints import list_remote
 from spotguard.storage.s3 import S3Storage
 from tests.checkpoints import write_checkpoint
 from tests.pacedrelay import PacedRelay
-from tests.peers import TOKEN, address, drill_routed_to_peer, handoff_ended, receiving_daemon
+from tests.peers import TOKEN, address, receiving_daemon, urgent_handoff
 from tests.servers import moto_s3, point_at
-from tests.streaming import ProgressiveWriter
 
 MiB = 1 << 20
 
@@ -197,13 +196,9 @@ def test_a_daemon_routed_to_its_peer_opens_the_flows_its_deadline_needs(
             vm_a = Vm(tmp_path, "vm-a", url, extra_args=["--provider", "none", *peers])
             write_checkpoint(vm_a.root, 1, {"state.bin": bytes(size)})  # the plan's size
             vm_a.start_daemon()
-            writer = ProgressiveWriter(vm_a.root, 5, vm_a.socket, size=size, chunk=4 * MiB)
             try:
-                drill_routed_to_peer(vm_a, deadline_s=8.0)
-                writer.write_whole()
-                handed = handoff_ended(vm_a, 60)
+                handed, _ = urgent_handoff(vm_a, size=size, chunk=4 * MiB, timeout=60)
             finally:
-                writer.close()
                 vm_a.kill_daemon()
     assert handed["state"] == "handed", handed
     assert handed["flows"] >= 2, handed

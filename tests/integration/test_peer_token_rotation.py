@@ -24,13 +24,11 @@ from tests.peers import (
     TOKEN,
     address,
     bucket_keys,
-    drill_routed_to_peer,
-    handoff_ended,
     peer_behind_a_slow_bucket,
     receiving_daemon,
     replica_area,
+    urgent_handoff,
 )
-from tests.streaming import ProgressiveWriter
 
 MiB = 1 << 20
 OLD = TOKEN.encode()  # the token the fleet ran with
@@ -139,17 +137,13 @@ def test_a_restarted_daemon_given_both_tokens_hands_its_urgent_checkpoint_to_one
         # A's last checkpoint says how big the next one is: 16 s at 1 MB/s, more than the deadline.
         write_checkpoint(vm_a.root, 1, {"state.bin": bytes(16 * MiB)})
         vm_a.start_daemon(env={"SPOTGUARD_PEER_TOKEN": NEW.decode(), "SPOTGUARD_PEER_TOKEN_PREVIOUS": OLD.decode()})
-        writer = ProgressiveWriter(vm_a.root, 5, vm_a.socket, size=3 * MiB, chunk=MiB)
         try:
-            drill_routed_to_peer(vm_a, deadline_s=8.0)
-            writer.write_whole()
-            handed = handoff_ended(vm_a, 8.0)
+            handed, name = urgent_handoff(vm_a, size=3 * MiB, chunk=MiB, timeout=8.0)
         finally:
-            writer.close()
             vm_a.kill_daemon()
         assert handed["state"] == "handed", handed
-        assert handed["name"] == writer.step_dir.name
+        assert handed["name"] == name
         [replica] = wait_for(lambda: vm_b.status()["peers"]["replicas"], 10, "B's replica")
-        assert replica["name"] == writer.step_dir.name
+        assert replica["name"] == name
     assert "the previous peer token is accepted too" in vm_a.log.read_text()
     assert NEW.decode() not in vm_a.log.read_text() and OLD.decode() not in vm_b.log.read_text()
