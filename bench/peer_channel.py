@@ -36,7 +36,7 @@ from peer_rescue import make_checkpoint, peer_receiver, plain_copy, timed_handof
 from spotguard.harness import Vm
 from spotguard.manifest import load_manifest
 from spotguard.peer import workers
-from spotguard.peer.channel import MAX_PLAINTEXT
+from spotguard.peer.records import MAX_PLAINTEXT
 from spotguard.peer.wire import parse_address
 
 

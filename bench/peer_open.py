@@ -30,7 +30,8 @@ from common import machine, median, process_cpu, write_results
 
 from spotguard.crc32c import crc32c_combine, crc32c_hex_to_int, crc32c_of_bytes
 from spotguard.peer import noise
-from spotguard.peer.channel import (
+from spotguard.peer.files import write_at
+from spotguard.peer.records import (
     BATCH_RECORDS,
     FULL_RECORD,
     MAX_PLAINTEXT,
@@ -39,7 +40,6 @@ from spotguard.peer.channel import (
     seal_frame,
     sealed_size,
 )
-from spotguard.peer.files import write_at
 from spotguard.peer.sockio import HandedSocket
 from spotguard.peer.wire import SEND_CHUNK
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from common import machine, median, process_cpu, write_results
 
 from spotguard.peer import noise
-from spotguard.peer.channel import seal_batches, seal_frame, sealed_size
+from spotguard.peer.records import seal_batches, seal_frame, sealed_size
 from spotguard.peer.wire import SEND_CHUNK
 
 HEADER = b'{"t":"data","path":"model.pt","offset":0}'

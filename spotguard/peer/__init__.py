@@ -6,7 +6,10 @@ nothing from ``spotguard.config`` nor ``spotguard.daemon``.
 
 - :mod:`~spotguard.peer.wire`: frames, the token, the receiving end of a connection.
 - :mod:`~spotguard.peer.noise`: the Noise NNpsk0 handshake and ciphers.
-- :mod:`~spotguard.peer.channel`: the protected channel (docs/peer-protocol.md): handshake, records, deadlines.
+- :mod:`~spotguard.peer.handshake`: a connection's start (docs/peer-protocol.md): greeting, handshake.
+- :mod:`~spotguard.peer.records`: the records every byte goes in after it: layout, sealing, opening.
+- :mod:`~spotguard.peer.channel`: the protected byte stream of records, with its deadlines.
+- :mod:`~spotguard.peer.workers`, :mod:`~spotguard.peer.sockio`: a data frame's bytes carried by a worker process.
 - :mod:`~spotguard.peer.files`: received ranges written and checked against a manifest (both sides).
 - :mod:`~spotguard.peer.replicas`: a receiver's replicas, their lifecycle and their commit in the bucket.
 - :mod:`~spotguard.peer.receiver`: the listening side's connection protocol.

@@ -13,7 +13,9 @@ from typing import Any, BinaryIO
 
 from spotguard.manifest import MANIFEST, PART_PREFIX, ManifestError, node_holdings
 from spotguard.peer import wire, workers
-from spotguard.peer.channel import HANDSHAKE_TIMEOUT, IO_TIMEOUT, Channel, open_channel, sealed_size
+from spotguard.peer.channel import IO_TIMEOUT, Channel
+from spotguard.peer.handshake import HANDSHAKE_TIMEOUT, open_channel
+from spotguard.peer.records import sealed_size
 from spotguard.peer.tokens import PeerToken
 
 logger = logging.getLogger("spotguard.peers")

@@ -34,8 +34,9 @@ from typing import Any
 from spotguard.manifest import parse_step_dir
 from spotguard.peer import noise, wire, workers
 from spotguard.peer.admission import Admission, ReplicaLimits
-from spotguard.peer.channel import HANDSHAKE_TIMEOUT, IO_TIMEOUT, Channel, accept, refusal, tune_socket
+from spotguard.peer.channel import IO_TIMEOUT, Channel, tune_socket
 from spotguard.peer.files import Extents, check_range, data_header, make_parent, make_room, write_range
+from spotguard.peer.handshake import HANDSHAKE_TIMEOUT, accept, refusal
 from spotguard.peer.replicas import Replica, ReplicaState, ReplicaStore
 from spotguard.peer.tokens import JobToken, PeerToken
 from spotguard.storage.base import Storage

@@ -49,8 +49,8 @@ from typing import Any
 from spotguard.cpus import usable_cores
 from spotguard.errors import SpotguardError
 from spotguard.peer import noise, wire
-from spotguard.peer.channel import BATCH_RECORDS, FULL_RECORD, open_payload, seal_batches, sealed_size
 from spotguard.peer.files import write_at
+from spotguard.peer.records import BATCH_RECORDS, FULL_RECORD, open_payload, seal_batches, sealed_size
 from spotguard.peer.sockio import HandedSocket
 
 logger = logging.getLogger("spotguard.peers")

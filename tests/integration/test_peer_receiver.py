@@ -20,9 +20,9 @@ from spotguard.control import request
 from spotguard.harness import Vm, wait_for
 from spotguard.manifest import load_manifest
 from spotguard.peer import noise, wire
-from spotguard.peer.channel import PROLOGUE
 from spotguard.peer.client import PeerClient, choose_peer
 from spotguard.peer.flows import send_committed
+from spotguard.peer.handshake import PROLOGUE
 from spotguard.peer.receiver import PeerReceiver
 from spotguard.peer.replicas import AREA
 from spotguard.storage.checkpoints import list_remote

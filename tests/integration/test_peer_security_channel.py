@@ -16,9 +16,9 @@ import pytest
 
 from spotguard.harness import Vm, wait_for
 from spotguard.peer import wire
-from spotguard.peer.channel import PROTOCOL
 from spotguard.peer.client import PeerClient
 from spotguard.peer.flows import send_committed
+from spotguard.peer.handshake import PROTOCOL
 from spotguard.peer.receiver import HANDSHAKE_POOL, HANDSHAKES_PER_SOURCE
 from tests.checkpoints import write_checkpoint
 from tests.peers import TOKEN as PEER_TOKEN

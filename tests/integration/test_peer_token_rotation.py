@@ -13,7 +13,7 @@ import pytest
 from spotguard.config import DaemonConfig
 from spotguard.doctor import run_doctor
 from spotguard.harness import Vm, wait_for
-from spotguard.peer import channel, wire
+from spotguard.peer import handshake, wire
 from spotguard.peer.client import PeerClient
 from spotguard.peer.flows import send_committed
 from spotguard.peer.tokens import JobToken, PeerToken
@@ -39,7 +39,7 @@ STRANGER = b"another-job-s-token-0123456789abcdef"
 @pytest.fixture(autouse=True)
 def no_remembered_receivers(monkeypatch: pytest.MonkeyPatch) -> None:
     """Which receivers took only the previous token is remembered per process: start each test afresh."""
-    monkeypatch.setattr(channel, "_PREVIOUS_AT", {})
+    monkeypatch.setattr(handshake, "_PREVIOUS_AT", {})
 
 
 async def hand_over(where: tuple[str, int], step_dir: Path, url: str, token: PeerToken, flows: int) -> str:

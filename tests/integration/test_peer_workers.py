@@ -29,18 +29,11 @@ import pytest
 
 from spotguard.harness import Vm, wait_for, worker_pids
 from spotguard.peer import noise, wire, workers
-from spotguard.peer.channel import (
-    BATCH_RECORDS,
-    FULL_RECORD,
-    MAX_PLAINTEXT,
-    Channel,
-    records_of,
-    seal_frame,
-    sealed_size,
-)
+from spotguard.peer.channel import Channel
 from spotguard.peer.client import PeerClient
 from spotguard.peer.fetch import fetch_replica, list_replicas
 from spotguard.peer.flows import send_committed
+from spotguard.peer.records import BATCH_RECORDS, FULL_RECORD, MAX_PLAINTEXT, records_of, seal_frame, sealed_size
 from tests.checkpoints import write_checkpoint
 from tests.peers import TOKEN as PEER_TOKEN
 from tests.peers import address, bucket_keys, receiving_daemon, replica_area

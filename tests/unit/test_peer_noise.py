@@ -7,7 +7,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from spotguard.peer import noise, wire
-from spotguard.peer.channel import PROLOGUE
+from spotguard.peer.handshake import PROLOGUE
 
 PSK = bytes(range(1, 33))
 

@@ -19,11 +19,11 @@ from typing import Any, cast
 import pytest
 
 from spotguard.peer import noise, wire
-from spotguard.peer.channel import (
+from spotguard.peer.channel import Channel
+from spotguard.peer.records import (
     BATCH_RECORDS,
     FULL_RECORD,
     MAX_PLAINTEXT,
-    Channel,
     open_payload,
     seal_batches,
     seal_frame,

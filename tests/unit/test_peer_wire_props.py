@@ -13,8 +13,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from spotguard.peer import noise, wire
-from spotguard.peer.channel import PROLOGUE, Channel, accept, initiate
+from spotguard.peer.channel import Channel
 from spotguard.peer.files import check_range, data_header
+from spotguard.peer.handshake import PROLOGUE, accept, initiate
 
 PSK = bytes(range(32))
 

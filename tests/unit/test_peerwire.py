@@ -70,9 +70,9 @@ def test_a_fetch_that_breaks_the_rules_leaves_nothing_in_the_checkpoint_root(tmp
 
     from spotguard.crc32c import crc32c_of_bytes
     from spotguard.manifest import FileEntry, Manifest
-    from spotguard.peer.channel import accept
     from spotguard.peer.client import PeerClient
     from spotguard.peer.fetch import STAGING, fetch_replica
+    from spotguard.peer.handshake import accept
     from spotguard.peer.noise import derive_psk
 
     token = b"t" * 16

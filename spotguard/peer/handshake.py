@@ -1,0 +1,212 @@
+"""The start of a spotguard-peer/2 connection (docs/peer-protocol.md, sections 2 and 3).
+
+The receiver greets first, in clear (a frame a spotguard-peer/1 daemon reads as a version error);
+then the Noise NNpsk0 handshake on a psk derived from the job's token (spotguard/peer/noise.py),
+each message as a 2-byte length and the message; then the initiator's first record, which proves to
+the receiver that it holds the key. What comes after is a :class:`~spotguard.peer.channel.Channel`.
+
+:func:`accept` is the receiver's side, :func:`open_channel` the initiator's (connect, handshake, and
+during a token rotation the previous token where a receiver refuses the current one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+
+from spotguard.jsontext import parse_json
+from spotguard.peer import noise, wire
+from spotguard.peer.channel import IO_TIMEOUT, Channel, tune_socket
+from spotguard.peer.records import LENGTH
+from spotguard.peer.tokens import JobToken, PeerToken
+
+PROTOCOL = "spotguard-peer/2"
+PROLOGUE = PROTOCOL.encode()  # bound into the handshake: another version's handshake cannot succeed
+V2_NOTICE = f"peer speaks {PROTOCOL}; this daemon speaks spotguard-peer/1 — upgrade it"
+# The receiver's first bytes: a frame a spotguard-peer/1 daemon reads as an error, with this message.
+GREETING = wire.encode(
+    {
+        "t": "error",
+        "code": "version",
+        "proto": PROTOCOL,
+        "message": V2_NOTICE,
+    }
+)
+V1_REFUSAL = f"peer speaks spotguard-peer/1; this daemon needs /2 — upgrade the peer's spotguard to {PROTOCOL}"
+HANDSHAKE_TIMEOUT = 5.0  # seconds from accept to the first record of an authenticated connection
+MAX_HANDSHAKE_MESSAGE = 1024
+_REFUSAL = LENGTH.pack(0)  # a handshake "message" of length 0: a clear-text error frame follows
+
+
+async def _read_message(stream: wire.Reads, *, initiator: bool) -> bytes:
+    """A handshake message. The initiator takes a refusal (length 0) and raises the error frame that
+    follows it; to the receiver, a message too short for ``e`` and a tag fails authentication."""
+    try:
+        (length,) = LENGTH.unpack(await stream.readexactly(LENGTH.size))
+        if length == 0 and initiator:
+            await wire.read_frame(stream, wire.MAX_HEADER_BEFORE_AUTH)  # raises its error
+            raise wire.PeerError("bad-frame", "a refusal without an error frame")
+        if length > MAX_HANDSHAKE_MESSAGE:
+            raise wire.PeerError("too-large", f"a handshake message of {length} bytes")
+        if length < noise.DHLEN + noise.TAGLEN:
+            raise wire.PeerError("auth", f"authentication failed (a handshake message of {length} bytes)")
+        return await stream.readexactly(length)
+    except asyncio.IncompleteReadError:
+        raise wire.PeerError("closed", "the connection closed during the handshake") from None
+
+
+def refusal(code: str, message: str) -> bytes:
+    """What the receiver sends, in clear, to a connection that fails its handshake."""
+    return _REFUSAL + wire.error_frame(code, message)
+
+
+async def accept(
+    stream: wire.ReadsInto,
+    writer: asyncio.StreamWriter,
+    psk: bytes,
+    *,
+    previous_psk: bytes | None = None,
+    io_timeout: float = IO_TIMEOUT,
+) -> Channel:
+    """The receiver's side: greeting, ``-> psk, e``, ``<- e, ee``, and the initiator's first record.
+    During a token rotation ``previous_psk`` is accepted too: the first message authenticates under
+    one psk only (its tag), so trying each costs a failed tag check, not a round trip. The caller
+    bounds it in time (:data:`HANDSHAKE_TIMEOUT`)."""
+    writer.write(GREETING)
+    first = await _read_message(stream, initiator=False)
+    handshake = _responder_for(first, psk, previous_psk)
+    message = handshake.write_message()
+    writer.write(LENGTH.pack(len(message)) + message)
+    sending, receiving = handshake.split()
+    channel = Channel(stream, writer, sending, receiving, io_timeout=io_timeout)
+    try:
+        await channel.fill()
+        if isinstance(stream, wire.FrameStream):
+            stream.direct_min = 1
+    except wire.PeerError as exc:
+        if exc.code == "bad-record":
+            raise wire.PeerError("auth", "authentication failed (its first record does not decrypt)") from None
+        raise
+    return channel
+
+
+def _responder_for(first: bytes, psk: bytes, previous_psk: bytes | None) -> noise.HandshakeState:
+    """The responder's handshake whose psk authenticates the initiator's first message."""
+    for candidate in (psk, previous_psk):
+        if candidate is None:
+            continue
+        handshake = noise.HandshakeState(initiator=False, psk=candidate, prologue=PROLOGUE)
+        try:
+            handshake.read_message(first)
+        except noise.NoiseError:
+            continue
+        return handshake
+    raise wire.PeerError("auth", "authentication failed")
+
+
+async def _check_greeting(stream: wire.ReadsInto, writer: asyncio.StreamWriter) -> None:
+    try:
+        (length,) = struct.unpack(">I", await stream.readexactly(4))
+        if length > wire.MAX_HEADER_BEFORE_AUTH:
+            raise wire.PeerError("version", "the peer does not speak spotguard-peer (no greeting)")
+        greeting = parse_json(await stream.readexactly(length))
+    except asyncio.IncompleteReadError:
+        raise wire.PeerError("closed", "the connection closed before the peer's greeting") from None
+    except ValueError:
+        raise wire.PeerError("version", "the peer does not speak spotguard-peer (no greeting)") from None
+    if isinstance(greeting, dict) and greeting.get("t") == "challenge":  # a spotguard-peer/1 receiver
+        writer.write(wire.error_frame("version", V2_NOTICE))
+        raise wire.PeerError("version", V1_REFUSAL)
+    if not isinstance(greeting, dict) or greeting.get("proto") != PROTOCOL:
+        proto = greeting.get("proto") if isinstance(greeting, dict) else None
+        raise wire.PeerError("version", f"peer speaks {proto or 'something else'}; this daemon needs {PROTOCOL}")
+
+
+async def initiate(
+    stream: wire.ReadsInto, writer: asyncio.StreamWriter, psk: bytes, address: str, *, io_timeout: float = IO_TIMEOUT
+) -> Channel:
+    """The connecting side: check the greeting, ``-> psk, e``, ``<- e, ee``, then a first record
+    (a ping) that proves to the receiver this side holds the key."""
+    await _check_greeting(stream, writer)
+    handshake = noise.HandshakeState(initiator=True, psk=psk, prologue=PROLOGUE)
+    message = handshake.write_message()
+    writer.write(LENGTH.pack(len(message)) + message)
+    try:
+        handshake.read_message(await _read_message(stream, initiator=True))
+    except noise.NoiseError:
+        raise wire.PeerError("auth", f"{address} does not know the job's token") from None
+    sending, receiving = handshake.split()
+    channel = Channel(stream, writer, sending, receiving, io_timeout=io_timeout)
+    if isinstance(stream, wire.FrameStream):
+        stream.direct_min = 1
+    channel.write(wire.encode({"t": "ping"}))
+    await channel.drain()
+    return channel
+
+
+async def open_channel(
+    host: str, port: int, token: PeerToken, *, timeout: float = HANDSHAKE_TIMEOUT, io_timeout: float = IO_TIMEOUT
+) -> Channel:
+    """Connect to a receiver and run the handshake, each attempt within ``timeout`` seconds. During a
+    token rotation a receiver that refuses the current token is asked again with the previous one,
+    and that receiver is asked with the previous one first from then on (:data:`_PREVIOUS_AT`)."""
+    job_token = JobToken.of(token)
+    tokens = job_token.accepted
+    where = f"{host}:{port}"
+    if len(tokens) > 1 and _PREVIOUS_AT.get(where) == job_token.current:
+        tokens = tokens[::-1]
+    for attempt, secret in enumerate(tokens):
+        try:
+            channel = await _handshake_with(host, port, secret, timeout=timeout, io_timeout=io_timeout)
+        except wire.PeerError as exc:
+            if exc.code != "auth" or attempt == len(tokens) - 1:
+                raise
+            continue
+        _remember(where, job_token, used_previous=secret != job_token.current)
+        return channel
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+#: Receivers that took only the previous token during a rotation (``host:port`` -> the current token
+#: then), so that a handoff's further flows do not each knock with the new token first. Bounded.
+_PREVIOUS_AT: dict[str, bytes] = {}
+_PREVIOUS_AT_MAX = 256
+
+
+def _remember(where: str, token: JobToken, *, used_previous: bool) -> None:
+    if token.previous is None:
+        return
+    _PREVIOUS_AT.pop(where, None)
+    if used_previous:
+        _PREVIOUS_AT[where] = token.current
+        while len(_PREVIOUS_AT) > _PREVIOUS_AT_MAX:
+            del _PREVIOUS_AT[next(iter(_PREVIOUS_AT))]
+
+
+async def _handshake_with(host: str, port: int, token: bytes, *, timeout: float, io_timeout: float) -> Channel:
+    psk = await asyncio.to_thread(noise.derive_psk, token)
+    loop = asyncio.get_running_loop()
+    async with asyncio.timeout(timeout):
+        transport, stream = await loop.create_connection(lambda: wire.FrameStream(None), host, port)
+    writer = asyncio.StreamWriter(transport, stream, None, loop)
+    tune_socket(transport.get_extra_info("socket"), io_timeout)
+    try:
+        async with asyncio.timeout(timeout):
+            return await initiate(stream, writer, psk, f"{host}:{port}", io_timeout=io_timeout)
+    except BaseException:
+        writer.close()
+        raise
+
+
+__all__ = [
+    "GREETING",
+    "HANDSHAKE_TIMEOUT",
+    "PROLOGUE",
+    "PROTOCOL",
+    "V1_REFUSAL",
+    "V2_NOTICE",
+    "accept",
+    "initiate",
+    "open_channel",
+    "refusal",
+]
