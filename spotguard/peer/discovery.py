@@ -23,7 +23,9 @@ Nothing in an entry is trusted as written (docs/security.md):
   or moved to another job's prefix or another key) is ignored. During a token rotation a daemon
   holding the previous token as well signs ``"sig"`` with the previous token's key and adds
   ``"sig_next"`` under the new one's, so that daemons not yet restarted (which check ``"sig"`` with
-  the old token) and those already rotated (either field, either of their tokens) all believe it;
+  the old token) and those already rotated (either field, either of their tokens) all believe it.
+  An entry signed under the previous token alone is a daemon not yet restarted: a rotated reader
+  dials it with that token first (:data:`spotguard.peer.tokens.PREVIOUS_ONLY`);
 * a heartbeat more than :data:`MAX_SKEW` seconds in the future is refused (it would never go stale
   and would always sort first);
 * at most :data:`MAX_CANDIDATES` entries are candidates, the freshest;
@@ -51,7 +53,7 @@ from dataclasses import dataclass
 
 from spotguard.jsontext import parse_json
 from spotguard.peer.networks import PeerNetworks
-from spotguard.peer.tokens import REGISTRY_KEY_LABEL, JobToken, PeerToken, derive_key
+from spotguard.peer.tokens import PREVIOUS_ONLY, REGISTRY_KEY_LABEL, JobToken, PeerToken, derive_key
 from spotguard.peer.wire import parse_address
 from spotguard.repeats import RepeatedErrors
 from spotguard.storage.base import ObjectNotFound, Storage, StorageError, put_bytes
@@ -154,8 +156,9 @@ class PeerRegistry:
         self.networks = networks
         self.max_candidates = max_candidates
         self.clock = clock
+        self._token = JobToken.of(token)
         # Never logged, never in status: the current token's key, then (a rotation) the previous one's.
-        self._signing_keys = [signing_key(secret) for secret in JobToken.of(token).accepted]
+        self._signing_keys = [signing_key(secret) for secret in self._token.accepted]
         self._reported: dict[str, str] = {}  # entry key -> why it was refused, as last logged
         self.last_seen: list[str] = []  # the candidates of the last look, for status
         if address is not None:
@@ -247,12 +250,16 @@ class PeerRegistry:
         return None
 
     def signed(self, entry: PeerEntry) -> bool:
+        return self._signer(entry) is not None
+
+    def _signer(self, entry: PeerEntry) -> bytes | None:
+        """Which of this daemon's tokens signed ``entry`` (the current one if both did), or None."""
         given = [sig for sig in (entry.signature, entry.next_signature) if sig]
-        for key in self._signing_keys:
+        for key, token in zip(self._signing_keys, self._token.accepted, strict=True):
             expected = entry_signature(key, self.storage.url, entry.key, entry.address, entry.heartbeat)
             if any(hmac.compare_digest(expected, sig) for sig in given):
-                return True
-        return False
+                return token
+        return None
 
     def _dialable(self, entries: list[PeerEntry]) -> list[tuple[str, int]]:
         """The first ``max_candidates`` entries whose address may be dialled, resolved (blocking)."""
@@ -270,6 +277,8 @@ class PeerRegistry:
                 self._report(entry.key, f"{entry.address}: {why}")
                 continue
             self._reported.pop(entry.key, None)  # refused before, fine now: a later refusal is news
+            # Signed under the previous token alone: a daemon not yet restarted, asked with that one first.
+            PREVIOUS_ONLY.learn(dial, port, self._token, previous_only=self._signer(entry) != self._token.current)
             found.append((dial, port))
         return found
 

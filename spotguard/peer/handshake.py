@@ -18,7 +18,7 @@ from spotguard.jsontext import parse_json
 from spotguard.peer import noise, wire
 from spotguard.peer.channel import IO_TIMEOUT, Channel, tune_socket
 from spotguard.peer.records import LENGTH
-from spotguard.peer.tokens import JobToken, PeerToken
+from spotguard.peer.tokens import PREVIOUS_ONLY, JobToken, PeerToken
 
 PROTOCOL = "spotguard-peer/2"
 PROLOGUE = PROTOCOL.encode()  # bound into the handshake: another version's handshake cannot succeed
@@ -91,7 +91,10 @@ async def accept(
 
 
 def _responder_for(first: bytes, psk: bytes, previous_psk: bytes | None) -> noise.HandshakeState:
-    """The responder's handshake whose psk authenticates the initiator's first message."""
+    """The responder's handshake whose psk authenticates the initiator's first message. During a
+    rotation both psks are tried, whichever succeeds (one tag check passes, one fails, in either
+    order), so the time the check takes does not tell an observer which token the initiator used."""
+    found: noise.HandshakeState | None = None
     for candidate in (psk, previous_psk):
         if candidate is None:
             continue
@@ -100,8 +103,10 @@ def _responder_for(first: bytes, psk: bytes, previous_psk: bytes | None) -> nois
             handshake.read_message(first)
         except noise.NoiseError:
             continue
-        return handshake
-    raise wire.PeerError("auth", "authentication failed")
+        found = found or handshake
+    if found is None:
+        raise wire.PeerError("auth", "authentication failed")
+    return found
 
 
 async def _check_greeting(stream: wire.ReadsInto, writer: asyncio.StreamWriter) -> None:
@@ -148,12 +153,11 @@ async def open_channel(
     host: str, port: int, token: PeerToken, *, timeout: float = HANDSHAKE_TIMEOUT, io_timeout: float = IO_TIMEOUT
 ) -> Channel:
     """Connect to a receiver and run the handshake, each attempt within ``timeout`` seconds. During a
-    token rotation a receiver that refuses the current token is asked again with the previous one,
-    and that receiver is asked with the previous one first from then on (:data:`_PREVIOUS_AT`)."""
+    token rotation a receiver that refuses the current token is asked again with the previous one;
+    a receiver known to hold only the previous one is asked with it first (:data:`PREVIOUS_ONLY`)."""
     job_token = JobToken.of(token)
     tokens = job_token.accepted
-    where = f"{host}:{port}"
-    if len(tokens) > 1 and _PREVIOUS_AT.get(where) == job_token.current:
+    if PREVIOUS_ONLY.first(host, port, job_token):
         tokens = tokens[::-1]
     for attempt, secret in enumerate(tokens):
         try:
@@ -162,25 +166,9 @@ async def open_channel(
             if exc.code != "auth" or attempt == len(tokens) - 1:
                 raise
             continue
-        _remember(where, job_token, used_previous=secret != job_token.current)
+        PREVIOUS_ONLY.learn(host, port, job_token, previous_only=secret != job_token.current)
         return channel
     raise AssertionError("unreachable: the last attempt returns or raises")
-
-
-#: Receivers that took only the previous token during a rotation (``host:port`` -> the current token
-#: then), so that a handoff's further flows do not each knock with the new token first. Bounded.
-_PREVIOUS_AT: dict[str, bytes] = {}
-_PREVIOUS_AT_MAX = 256
-
-
-def _remember(where: str, token: JobToken, *, used_previous: bool) -> None:
-    if token.previous is None:
-        return
-    _PREVIOUS_AT.pop(where, None)
-    if used_previous:
-        _PREVIOUS_AT[where] = token.current
-        while len(_PREVIOUS_AT) > _PREVIOUS_AT_MAX:
-            del _PREVIOUS_AT[next(iter(_PREVIOUS_AT))]
 
 
 async def _handshake_with(host: str, port: int, token: bytes, *, timeout: float, io_timeout: float) -> Channel:

@@ -22,7 +22,9 @@ It cannot tell a guessable phrase of many characters from a random one: a token 
 (``SPOTGUARD_PEER_TOKEN_PREVIOUS`` or ``peer_token_previous_file``): a :class:`JobToken`. It opens
 connections with the new token, and where a peer refuses it connects again with the previous one;
 it accepts connections and registry entries made with either, and signs its own entry under both.
-So a rolling restart keeps every pair of VMs peers, old and new alike (docs/security.md).
+So a rolling restart keeps every pair of VMs peers, old and new alike (docs/security.md). Peers known
+to hold the previous token alone (a registry entry signed under it only, or a refusal of the new
+one) are asked with it first: :data:`PREVIOUS_ONLY`.
 """
 
 from __future__ import annotations
@@ -70,6 +72,46 @@ class JobToken:
 PeerToken: TypeAlias = "bytes | JobToken"
 
 
+class PreviousOnlyPeers:
+    """The receivers known, during a rotation, to take only the previous token (by ``host:port``), so
+    that a connection to them offers it first instead of being refused with the new one: a daemon
+    not yet restarted would log each such refusal, and a handoff's flows would each pay a round trip.
+
+    Learnt where it shows: a registry entry signed under the previous token alone
+    (spotguard/peer/discovery.py), or a receiver that refused the new token and took the previous one
+    (spotguard/peer/handshake.py). Unlearnt as simply: an entry signed under the new token, or a
+    receiver that took it. Kept per current token, so a later rotation starts afresh; bounded."""
+
+    def __init__(self, bound: int = 256) -> None:
+        self.bound = bound
+        self._current_at: dict[str, bytes] = {}  # host:port -> the current token when it was learnt
+
+    def first(self, host: str, port: int, token: JobToken) -> bool:
+        """Whether ``host:port`` is to be asked with ``token.previous`` first."""
+        return token.previous is not None and self._current_at.get(_where(host, port)) == token.current
+
+    def learn(self, host: str, port: int, token: JobToken, *, previous_only: bool) -> None:
+        if token.previous is None:
+            return
+        where = _where(host, port)
+        self._current_at.pop(where, None)
+        if previous_only:
+            self._current_at[where] = token.current
+            while len(self._current_at) > self.bound:
+                del self._current_at[next(iter(self._current_at))]
+
+    def clear(self) -> None:
+        self._current_at.clear()
+
+
+def _where(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+#: This process's :class:`PreviousOnlyPeers`: discovery learns what the handshake then uses.
+PREVIOUS_ONLY = PreviousOnlyPeers()
+
+
 def new_token() -> str:
     """A fresh job token: 32 random bytes, hex."""
     return secrets.token_hex(STRONG_TOKEN_BYTES)
@@ -105,8 +147,10 @@ __all__ = [
     "MIN_DISTINCT",
     "REGISTRY_KEY_LABEL",
     "STRONG_TOKEN_BYTES",
+    "PREVIOUS_ONLY",
     "JobToken",
     "PeerToken",
+    "PreviousOnlyPeers",
     "derive_key",
     "new_token",
     "token_weakness",

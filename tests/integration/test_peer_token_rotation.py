@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import io
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,11 +14,15 @@ import pytest
 from spotguard.config import DaemonConfig
 from spotguard.doctor import run_doctor
 from spotguard.harness import Vm, wait_for
-from spotguard.peer import handshake, wire
-from spotguard.peer.client import PeerClient
+from spotguard.peer import wire
+from spotguard.peer.client import PeerClient, choose_peer
+from spotguard.peer.discovery import PeerRegistry
 from spotguard.peer.flows import send_committed
-from spotguard.peer.tokens import JobToken, PeerToken
+from spotguard.peer.networks import LOOPBACK_NETWORKS, PeerNetworks, parse_networks
+from spotguard.peer.receiver import PeerReceiver
+from spotguard.peer.tokens import PREVIOUS_ONLY, JobToken, PeerToken
 from spotguard.storage.checkpoints import list_remote
+from spotguard.storage.file import FileStorage
 from spotguard.storage.s3 import S3Storage
 from tests.checkpoints import write_checkpoint
 from tests.peers import (
@@ -37,9 +42,11 @@ STRANGER = b"another-job-s-token-0123456789abcdef"
 
 
 @pytest.fixture(autouse=True)
-def no_remembered_receivers(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Which receivers took only the previous token is remembered per process: start each test afresh."""
-    monkeypatch.setattr(handshake, "_PREVIOUS_AT", {})
+def no_remembered_receivers() -> Iterator[None]:
+    """Which receivers take only the previous token is remembered per process: start each test afresh."""
+    PREVIOUS_ONLY.clear()
+    yield
+    PREVIOUS_ONLY.clear()
 
 
 async def hand_over(where: tuple[str, int], step_dir: Path, url: str, token: PeerToken, flows: int) -> str:
@@ -105,6 +112,36 @@ def test_a_rotated_sender_hands_over_to_a_daemon_not_yet_restarted_knocking_once
         # Once the fleet is rotated and the previous token dropped, this daemon is no peer of it.
         assert asyncio.run(refused_code(where, NEW)) == "auth"
         assert vm.status()["peers"]["refused"] == 2
+
+
+def test_a_rotated_sender_asks_a_daemon_its_registry_entry_shows_not_yet_restarted_with_the_old_token_first(
+    tmp_path: Path,
+) -> None:
+    """The entry of a daemon not yet restarted is signed under the old token alone: a rotated sender
+    that found it in the bucket asks it with the old token at once, and is refused nothing there."""
+    url = f"file://{tmp_path}/bucket/run1"
+    rotated = JobToken(NEW, previous=OLD)
+    loopback = PeerNetworks(parse_networks(LOOPBACK_NETWORKS))
+
+    async def refusals_seen_by_the_old_daemon(*, through_the_registry: bool) -> int:
+        receiver = PeerReceiver(tmp_path / "old-vm", FileStorage(url), token=OLD, host="127.0.0.1", port=0)
+        listening = await receiver.start()
+        try:
+            PeerRegistry(FileStorage(url), token=OLD, networks=loopback, address=listening).register()
+            if through_the_registry:
+                candidates = await PeerRegistry(FileStorage(url), token=rotated, networks=loopback).candidates()
+            else:  # a static peers list: nothing says which token it holds
+                candidates = [wire.parse_address(listening)]
+            chosen = await choose_peer(candidates, rotated, url, timeout=5.0)
+            assert chosen is not None
+            await chosen.close()
+            return receiver.refused
+        finally:
+            await receiver.close()
+
+    assert asyncio.run(refusals_seen_by_the_old_daemon(through_the_registry=False)) == 1
+    PREVIOUS_ONLY.clear()
+    assert asyncio.run(refusals_seen_by_the_old_daemon(through_the_registry=True)) == 0
 
 
 def test_doctor_reports_a_rotation_under_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -255,3 +255,32 @@ def test_during_a_rotation_entries_signed_with_either_token_are_believed(storage
         networks=NETWORKS, clock=clock,
     )  # fmt: skip
     assert asyncio.run(stranger.candidates()) == []
+
+
+def test_a_rotated_reader_learns_which_daemons_hold_only_the_previous_token(storage: FileStorage) -> None:
+    from spotguard.peer.tokens import PREVIOUS_ONLY, JobToken
+
+    new, clock = b"the-job-s-new-peer-token-0123456789abcdef", Clock()
+    rotating = JobToken(new, previous=TOKEN)
+    reader = PeerRegistry(storage, token=rotating, networks=NETWORKS, address="127.0.0.1:7140", clock=clock)
+    PREVIOUS_ONLY.clear()
+    try:
+        PeerRegistry(storage, token=TOKEN, networks=NETWORKS, address="127.0.0.1:7141", clock=clock).register()
+        PeerRegistry(storage, token=rotating, networks=NETWORKS, address="127.0.0.1:7142", clock=clock).register()
+        PeerRegistry(storage, token=new, networks=NETWORKS, address="127.0.0.1:7143", clock=clock).register()
+        assert len(asyncio.run(reader.candidates())) == 3
+        # Signed under the old token alone: not restarted yet, asked with the old token first.
+        ask_old_first = [port for port in (7141, 7142, 7143) if PREVIOUS_ONLY.first("127.0.0.1", port, rotating)]
+        assert ask_old_first == [7141]
+        # Restarted with both tokens, its entry signed under the new one too: asked with the new one again.
+        PeerRegistry(storage, token=rotating, networks=NETWORKS, address="127.0.0.1:7141", clock=clock).register()
+        asyncio.run(reader.candidates())
+        assert not PREVIOUS_ONLY.first("127.0.0.1", 7141, rotating)
+        # Restarted with the old token again (a rotation rolled back): learnt again. A later rotation
+        # (another current token) starts afresh.
+        PeerRegistry(storage, token=TOKEN, networks=NETWORKS, address="127.0.0.1:7141", clock=clock).register()
+        asyncio.run(reader.candidates())
+        assert PREVIOUS_ONLY.first("127.0.0.1", 7141, rotating)
+        assert not PREVIOUS_ONLY.first("127.0.0.1", 7141, JobToken(b"the-next-token-after-that-0123456789", new))
+    finally:
+        PREVIOUS_ONLY.clear()

@@ -105,3 +105,49 @@ def test_messages_out_of_order_are_refused() -> None:
         responder.write_message()  # before the initiator's message
     with pytest.raises(noise.NoiseError):
         initiator.split()
+
+
+def test_during_a_rotation_the_receiver_checks_both_psks_whichever_the_initiator_used(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One tag check passes and one fails either way, so the handshake's time does not tell which
+    token a sender holds. (Counted with the real checks running: a spy, not a stand-in.)"""
+    import asyncio
+
+    from spotguard.peer.handshake import accept, open_channel
+
+    new, old = b"the-job-s-new-peer-token-0123456789", b"the-job-s-old-peer-token-0123456789"
+    checks: list[bool] = []  # the responder's checks of message 1: passed or not
+    real = noise.HandshakeState.read_message
+
+    def counted(self: noise.HandshakeState, message: bytes) -> bytes:
+        if self.initiator:
+            return real(self, message)
+        try:
+            payload = real(self, message)
+        except noise.NoiseError:
+            checks.append(False)
+            raise
+        checks.append(True)
+        return payload
+
+    monkeypatch.setattr(noise.HandshakeState, "read_message", counted)
+
+    async def handshake_with(token: bytes) -> None:
+        async def receiver(stream: wire.FrameStream, writer: asyncio.StreamWriter) -> None:
+            channel = await accept(stream, writer, noise.derive_psk(new), previous_psk=noise.derive_psk(old))
+            assert (await wire.read_frame(channel))["t"] == "ping"
+            channel.close()
+
+        server = await wire.start_server(receiver, "127.0.0.1", 0)
+        try:
+            channel = await open_channel("127.0.0.1", server.sockets[0].getsockname()[1], token)
+            channel.close()
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    for token, expected in ((new, [True, False]), (old, [False, True])):
+        checks.clear()
+        asyncio.run(handshake_with(token))
+        assert checks == expected
