@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+import threading
 from dataclasses import dataclass
 from typing import TypeAlias
 
@@ -85,23 +86,27 @@ class PreviousOnlyPeers:
     def __init__(self, bound: int = 256) -> None:
         self.bound = bound
         self._current_at: dict[str, bytes] = {}  # host:port -> the current token when it was learnt
+        self._lock = threading.Lock()  # learnt on the event loop (handshakes) and in a thread (the registry)
 
     def first(self, host: str, port: int, token: JobToken) -> bool:
         """Whether ``host:port`` is to be asked with ``token.previous`` first."""
-        return token.previous is not None and self._current_at.get(_where(host, port)) == token.current
+        with self._lock:
+            return token.previous is not None and self._current_at.get(_where(host, port)) == token.current
 
     def learn(self, host: str, port: int, token: JobToken, *, previous_only: bool) -> None:
         if token.previous is None:
             return
         where = _where(host, port)
-        self._current_at.pop(where, None)
-        if previous_only:
-            self._current_at[where] = token.current
-            while len(self._current_at) > self.bound:
-                del self._current_at[next(iter(self._current_at))]
+        with self._lock:
+            self._current_at.pop(where, None)
+            if previous_only:
+                self._current_at[where] = token.current
+                while len(self._current_at) > self.bound:
+                    del self._current_at[next(iter(self._current_at))]
 
     def clear(self) -> None:
-        self._current_at.clear()
+        with self._lock:
+            self._current_at.clear()
 
 
 def _where(host: str, port: int) -> str:

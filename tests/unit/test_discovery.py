@@ -284,3 +284,23 @@ def test_a_rotated_reader_learns_which_daemons_hold_only_the_previous_token(stor
         assert not PREVIOUS_ONLY.first("127.0.0.1", 7141, JobToken(b"the-next-token-after-that-0123456789", new))
     finally:
         PREVIOUS_ONLY.clear()
+
+
+def test_what_is_remembered_of_previous_only_peers_is_bounded_and_kept_per_rotation() -> None:
+    from spotguard.peer.tokens import JobToken, PreviousOnlyPeers
+
+    rotating = JobToken(b"the-job-s-new-peer-token-0123456789abcdef", previous=TOKEN)
+    peers = PreviousOnlyPeers(bound=4)
+    for port in range(7140, 7146):
+        peers.learn("10.0.1.7", port, rotating, previous_only=True)
+    # The oldest two went; the four learnt last are asked with the previous token first.
+    assert [port for port in range(7140, 7146) if peers.first("10.0.1.7", port, rotating)] == [7142, 7143, 7144, 7145]
+    # Learnt again, the oldest goes first (7142), not the one refreshed (7143); unlearnt, it goes at once.
+    peers.learn("10.0.1.7", 7143, rotating, previous_only=True)
+    peers.learn("10.0.1.7", 7146, rotating, previous_only=True)
+    peers.learn("10.0.1.7", 7144, rotating, previous_only=False)
+    assert [port for port in range(7140, 7147) if peers.first("10.0.1.7", port, rotating)] == [7143, 7145, 7146]
+    # Without a rotation nothing is learnt, and nothing is asked with another token first.
+    alone = JobToken(TOKEN)
+    peers.learn("10.0.1.8", 7140, alone, previous_only=True)
+    assert not peers.first("10.0.1.8", 7140, alone) and not peers.first("10.0.1.7", 7145, alone)
