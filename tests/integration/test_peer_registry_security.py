@@ -58,7 +58,9 @@ class Listeners:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            for key, _ in self._selector.select(0.05):
+            # Hang-ups before new connections: a dialler that closed one socket and then opened the
+            # next (both ready in one select) had only one open at a time, and must count so.
+            for key, _ in sorted(self._selector.select(0.05), key=lambda ready: ready[0].data is None):
                 sock = key.fileobj
                 assert isinstance(sock, socket.socket)
                 if key.data is None:  # a listener: take the connection, keep it open, say nothing
@@ -105,11 +107,20 @@ def listeners() -> Iterator[Listeners]:
 
 
 def closed_ports(count: int) -> list[int]:
-    """Distinct ports nothing listens on (all held at once while chosen, so none twice)."""
-    held = [socket.create_server(("127.0.0.1", 0)) for _ in range(count)]
-    ports = [int(sock.getsockname()[1]) for sock in held]
-    for sock in held:
-        sock.close()
+    """Distinct ports nothing listens on, below the kernel's ephemeral range: a port a test dials
+    because nothing listens there must not be one that another test running meanwhile (another
+    worker) binds as port 0 for a listener of its own, which would then count the connection."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports: list[int] = []
+    for port in range(max(1024, low - 4 * count), low):
+        if len(ports) == count:
+            break
+        try:
+            socket.create_server(("127.0.0.1", port)).close()  # free now: nothing listens there
+        except OSError:
+            continue
+        ports.append(port)
+    assert len(ports) == count, f"only {len(ports)} free ports below {low}"
     return ports
 
 
