@@ -268,7 +268,7 @@ class Daemon:
     # --- status ------------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
-        return render_status(self, peers=self.peering.status(), stopping=self._stopping.is_set())
+        return render_status(self, peers=self.peer_status(), stopping=self._stopping.is_set())
 
     def hard_notice_pending(self) -> bool:
         """What a peer asks before it hands this daemon a checkpoint: a VM going away is no rescue."""
@@ -282,6 +282,10 @@ class Daemon:
     def measured_rate(self) -> float | None:
         """Bytes per second recent uploads (and the start-up probe) reached."""
         return self.planner.meter.rate()
+
+    def peer_status(self) -> dict[str, Any] | None:
+        """The peer tier's part of the status (None where it is off)."""
+        return self.peering.status()
 
     def _measure_upload(self, event: UploadCommitted) -> None:
         self.planner.observe_upload(event.manifest.total_bytes, event.seconds)

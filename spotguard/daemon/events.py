@@ -220,6 +220,8 @@ class DaemonEvents(Protocol):
 
     def measured_rate(self) -> float | None: ...  # bytes/s of recent uploads and the start-up probe
 
+    def peer_status(self) -> dict[str, Any] | None: ...  # the peer tier's status (None where it is off)
+
 
 __all__ = [
     "CheckpointSaved",

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 
 from spotguard.daemon.events import (
@@ -40,6 +40,7 @@ from spotguard.daemon.events import (
 )
 from spotguard.manifest import REASONS
 from spotguard.notice import Action
+from spotguard.peer.replicas import ReplicaState
 from spotguard.protocol import SAVE_FAILURES
 
 if TYPE_CHECKING:
@@ -64,6 +65,7 @@ class _LiveCollector:
         self.stalled: Callable[[], int] = lambda: 0
         self.plan: Callable[[], dict[str, Any] | None] = lambda: None
         self.measured_rate: Callable[[], float | None] = lambda: None
+        self.peers: Callable[[], dict[str, Any] | None] = lambda: None
 
     def collect(self) -> Iterator[Metric]:
         yield GaugeMetricFamily(
@@ -84,6 +86,7 @@ class _LiveCollector:
             value=self.stalled(),
         )
         yield from self._plan_families()
+        yield from _peer_families(self.peers())
 
     def _plan_families(self) -> Iterator[Metric]:
         """The deadline plan of the pending notice; every family is empty while none is pending."""
@@ -128,6 +131,45 @@ class _LiveCollector:
         if rate is not None:
             measured.add_metric([], rate)
         yield measured
+
+
+def _peer_families(peers: dict[str, Any] | None) -> Iterator[Metric]:
+    """The peer tier, from its status: absent where it is off, the receiver's where this daemon
+    listens. During a token rotation, ``count by (token) (spotguard_peer_token_info)`` says how many VMs
+    run each token, and a receiver whose previous-token handshakes stop growing is asked by nobody
+    with the old token any more (docs/security.md, "Rotating")."""
+    if peers is None:
+        return
+    if peers.get("token") is not None:
+        info = GaugeMetricFamily(
+            "spotguard_peer_token_info",
+            "The peer token this daemon uses and, during a rotation, the one it accepts besides it "
+            "(fingerprints: 8 hex digits of a salted SHA-256; previous_token empty when none)",
+            labels=["token", "previous_token"],
+        )
+        info.add_metric([peers["token"], peers.get("previous_token") or ""], 1)
+        yield info
+    if "handshakes" not in peers:  # this daemon does not listen
+        return
+    handshakes = CounterMetricFamily(
+        "spotguard_peer_handshakes",
+        "Peer connections this daemon's receiver authenticated, by the token they proved (current, previous)",
+        labels=["token"],
+    )
+    handshakes.add_metric(["current"], peers["handshakes"]["token"])
+    handshakes.add_metric(["previous"], peers["handshakes"]["previous_token"])
+    yield handshakes
+    yield CounterMetricFamily(
+        "spotguard_peer_connections_refused",
+        "Peer connections refused: a failed handshake (a wrong token, a stranger), a broken protocol, too slow",
+        value=peers["refused"],
+    )
+    replicas = GaugeMetricFamily(
+        "spotguard_peer_replicas", "Replicas of other VMs' checkpoints this daemon holds, by state", labels=["state"]
+    )
+    for state in map(str, ReplicaState):
+        replicas.add_metric([state], sum(1 for replica in peers["replicas"] if replica["state"] == state))
+    yield replicas
 
 
 class DaemonMetrics:
@@ -230,6 +272,7 @@ class DaemonMetrics:
         self._live.stalled = lambda: len(daemon.stalled)
         self._live.plan = daemon.plan_status
         self._live.measured_rate = daemon.measured_rate
+        self._live.peers = daemon.peer_status
 
     # --- the event stream (on the daemon's loop; never blocks) ----------------------------
 

@@ -103,6 +103,8 @@ class Channel:
         self._watchdog: asyncio.TimerHandle | None = None
         self._timed_out = False
         self._batch: bytearray | None = None  # full records of a payload, read at once
+        # Authenticated with the previous token during a rotation (set by spotguard/peer/handshake.py).
+        self.with_previous_token = False
 
     @property
     def transport(self) -> asyncio.WriteTransport:

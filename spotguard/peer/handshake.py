@@ -74,11 +74,12 @@ async def accept(
     bounds it in time (:data:`HANDSHAKE_TIMEOUT`)."""
     writer.write(GREETING)
     first = await _read_message(stream, initiator=False)
-    handshake = _responder_for(first, psk, previous_psk)
+    handshake, with_previous = _responder_for(first, psk, previous_psk)
     message = handshake.write_message()
     writer.write(LENGTH.pack(len(message)) + message)
     sending, receiving = handshake.split()
     channel = Channel(stream, writer, sending, receiving, io_timeout=io_timeout)
+    channel.with_previous_token = with_previous
     try:
         await channel.fill()
         if isinstance(stream, wire.FrameStream):
@@ -90,12 +91,13 @@ async def accept(
     return channel
 
 
-def _responder_for(first: bytes, psk: bytes, previous_psk: bytes | None) -> noise.HandshakeState:
-    """The responder's handshake whose psk authenticates the initiator's first message. During a
-    rotation both psks are tried, whichever succeeds (one tag check passes, one fails, in either
-    order), so the time the check takes does not tell an observer which token the initiator used."""
-    found: noise.HandshakeState | None = None
-    for candidate in (psk, previous_psk):
+def _responder_for(first: bytes, psk: bytes, previous_psk: bytes | None) -> tuple[noise.HandshakeState, bool]:
+    """The responder's handshake whose psk authenticates the initiator's first message, and whether
+    that psk is the previous token's. During a rotation both psks are tried, whichever succeeds (one
+    tag check passes, one fails, in either order), so the time the check takes does not tell an
+    observer which token the initiator used."""
+    found: tuple[noise.HandshakeState, bool] | None = None
+    for candidate, previous in ((psk, False), (previous_psk, True)):
         if candidate is None:
             continue
         handshake = noise.HandshakeState(initiator=False, psk=candidate, prologue=PROLOGUE)
@@ -103,7 +105,7 @@ def _responder_for(first: bytes, psk: bytes, previous_psk: bytes | None) -> nois
             handshake.read_message(first)
         except noise.NoiseError:
             continue
-        found = found or handshake
+        found = found or (handshake, previous)
     if found is None:
         raise wire.PeerError("auth", "authentication failed")
     return found
@@ -166,7 +168,8 @@ async def open_channel(
             if exc.code != "auth" or attempt == len(tokens) - 1:
                 raise
             continue
-        PREVIOUS_ONLY.learn(host, port, job_token, previous_only=secret != job_token.current)
+        channel.with_previous_token = secret != job_token.current
+        PREVIOUS_ONLY.learn(host, port, job_token, previous_only=channel.with_previous_token)
         return channel
     raise AssertionError("unreachable: the last attempt returns or raises")
 

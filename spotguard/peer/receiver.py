@@ -104,6 +104,9 @@ class PeerReceiver:
         admission = Admission(area, limits.replicas)
         self.store = ReplicaStore(area, storage, concurrency=limits.concurrency, admission=admission)
         self.refused = 0  # connections that failed to authenticate or broke the protocol
+        # Connections authenticated, by the token they proved: a rotation is over for this daemon's
+        # peers once no more come with the previous one (status, metrics).
+        self.handshakes = {"token": 0, "previous_token": 0}
         self.address: str | None = None
         self._server: asyncio.Server | None = None
         self._psk = b""  # from the token, at start
@@ -150,6 +153,7 @@ class PeerReceiver:
         self._writers.add(writer)
         try:
             channel = await self._handshake(stream, writer, who)
+            self.handshakes["previous_token" if channel.with_previous_token else "token"] += 1
             self._connections += 1
             if self._connections > self.limits.max_connections:
                 raise wire.PeerError("busy", f"at most {self.limits.max_connections} peer connections")
@@ -371,6 +375,7 @@ class PeerReceiver:
             "listen": self.address,
             "replicas": [replica.to_json() for replica in self.replicas.values()],
             "refused": self.refused,
+            "handshakes": dict(self.handshakes),
             "workers": workers.pool().status(),
         }
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-import urllib.request
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -12,31 +11,13 @@ from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
-from prometheus_client.parser import text_string_to_metric_families
 
 from spotguard import Guard
 from spotguard.config import ConfigError, DaemonConfig, parse_webhook_template
 from spotguard.control import request
 from spotguard.daemon.webhook import render
 from spotguard.harness import Vm, wait_for
-
-NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-def scrape(url: str) -> Samples:
-    with NO_PROXY.open(url, timeout=5) as response:
-        assert response.headers["Content-Type"].startswith("text/plain")
-        text = response.read().decode()
-    return {
-        (sample.name, frozenset(sample.labels.items())): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
-
-
-def value(samples: Samples, name: str, **labels: str) -> float | None:
-    return samples.get((name, frozenset(labels.items())))
+from tests.scrape import Samples, scrape, value
 
 
 class Receiver:

@@ -34,6 +34,7 @@ from tests.peers import (
     replica_area,
     urgent_handoff,
 )
+from tests.scrape import names, scrape, value
 
 MiB = 1 << 20
 OLD = TOKEN.encode()  # the token the fleet ran with
@@ -142,6 +143,48 @@ def test_a_rotated_sender_asks_a_daemon_its_registry_entry_shows_not_yet_restart
     assert asyncio.run(refusals_seen_by_the_old_daemon(through_the_registry=False)) == 1
     PREVIOUS_ONLY.clear()
     assert asyncio.run(refusals_seen_by_the_old_daemon(through_the_registry=True)) == 0
+
+
+def test_the_metrics_say_which_token_each_vm_runs_and_whether_anyone_still_proves_the_old_one(
+    tmp_path: Path, url: str
+) -> None:
+    env = {
+        "SPOTGUARD_PEER_TOKEN": NEW.decode(),
+        "SPOTGUARD_PEER_TOKEN_PREVIOUS": OLD.decode(),
+        "SPOTGUARD_METRICS_PORT": "0",
+    }
+    with receiving_daemon(tmp_path, url, env=env) as vm:
+        metrics = str(vm.status()["metrics_url"])
+        before = scrape(metrics)
+        fingerprints = {"token": wire.token_fingerprint(NEW), "previous_token": wire.token_fingerprint(OLD)}
+        assert value(before, "spotguard_peer_token_info", **fingerprints) == 1
+        assert value(before, "spotguard_peer_handshakes_total", token="previous") == 0
+        assert value(before, "spotguard_peer_replicas", state="receiving") == 0
+
+        async def knock(token: PeerToken) -> None:
+            client = await PeerClient.connect(*address(vm), token)
+            await client.close()
+
+        for token in (OLD, OLD, NEW, JobToken(NEW, previous=OLD)):
+            asyncio.run(knock(token))
+        assert asyncio.run(refused_code(address(vm), STRANGER)) == "auth"
+        samples = wait_for(
+            lambda: (s := scrape(metrics)) and value(s, "spotguard_peer_handshakes_total", token="current") == 2 and s,
+            10,
+            "the receiver to count the handshakes",
+        )
+        assert value(samples, "spotguard_peer_handshakes_total", token="previous") == 2
+        assert value(samples, "spotguard_peer_connections_refused_total") == 1
+        assert vm.status()["peers"]["handshakes"] == {"token": 2, "previous_token": 2}
+    # A daemon that only sends shows its token, and no receiver's counts.
+    sender = Vm(tmp_path, "vm-a", url, extra_args=["--provider", "none", "--peers", "127.0.0.1:9"])
+    sender.start_daemon(env={"SPOTGUARD_PEER_TOKEN": NEW.decode(), "SPOTGUARD_METRICS_PORT": "0"})
+    try:
+        samples = scrape(str(sender.status()["metrics_url"]))
+    finally:
+        sender.kill_daemon()
+    assert value(samples, "spotguard_peer_token_info", token=wire.token_fingerprint(NEW), previous_token="") == 1
+    assert not {"spotguard_peer_handshakes_total", "spotguard_peer_replicas"} & names(samples)
 
 
 def test_doctor_reports_a_rotation_under_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
