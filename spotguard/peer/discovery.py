@@ -225,32 +225,31 @@ class PeerRegistry:
             logger.warning("peer registry: could not read %s/: %s; no peer candidates", PREFIX, exc)
             return []
         now = self.clock()
-        fresh = []
-        for entry in entries:
+        fresh: list[tuple[PeerEntry, bytes]] = []
+        for entry, signer in entries:
             if entry.key == self.key:
                 continue
-            why = self.refusal(entry, now)
+            why = self.refusal(entry, signer, now)
             if why is None:
-                fresh.append(entry)
+                assert signer is not None
+                fresh.append((entry, signer))
             else:
                 self._report(entry.key, why)
-        fresh.sort(key=lambda entry: -entry.heartbeat)
+        fresh.sort(key=lambda signed: -signed[0].heartbeat)
         found = await asyncio.to_thread(self._dialable, fresh)
         self.last_seen = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}" for host, port in found]
         return found
 
-    def refusal(self, entry: PeerEntry, now: float) -> str | None:
-        """Why ``entry`` is no candidate (its signature, its heartbeat), or None."""
-        if not self.signed(entry):
+    def refusal(self, entry: PeerEntry, signer: bytes | None, now: float) -> str | None:
+        """Why ``entry`` (signed with ``signer``, :meth:`read`) is no candidate (its signature, its
+        heartbeat), or None."""
+        if signer is None:
             return "not signed with the job's token (forged, or moved from another job or key): ignored"
         if entry.heartbeat > now + MAX_SKEW:
             return f"its heartbeat is more than {MAX_SKEW:.0f} s in the future: ignored"
         if now - entry.heartbeat > STALE_AFTER * self.heartbeat:
             return f"not refreshed for {STALE_AFTER} heartbeats: stale, not asked"
         return None
-
-    def signed(self, entry: PeerEntry) -> bool:
-        return self._signer(entry) is not None
 
     def _signer(self, entry: PeerEntry) -> bytes | None:
         """Which of this daemon's tokens signed ``entry`` (the current one if both did), or None."""
@@ -261,10 +260,11 @@ class PeerRegistry:
                 return token
         return None
 
-    def _dialable(self, entries: list[PeerEntry]) -> list[tuple[str, int]]:
-        """The first ``max_candidates`` entries whose address may be dialled, resolved (blocking)."""
+    def _dialable(self, entries: list[tuple[PeerEntry, bytes]]) -> list[tuple[str, int]]:
+        """The first ``max_candidates`` entries (each with the token that signed it) whose address may
+        be dialled, resolved (blocking)."""
         found: list[tuple[str, int]] = []
-        for entry in entries:
+        for entry, signer in entries:
             if len(found) >= self.max_candidates:
                 break
             try:
@@ -278,7 +278,7 @@ class PeerRegistry:
                 continue
             self._reported.pop(entry.key, None)  # refused before, fine now: a later refusal is news
             # Signed under the previous token alone: a daemon not yet restarted, asked with that one first.
-            PREVIOUS_ONLY.learn(dial, port, self._token, previous_only=self._signer(entry) != self._token.current)
+            PREVIOUS_ONLY.learn(dial, port, self._token, previous_only=signer != self._token.current)
             found.append((dial, port))
         return found
 
@@ -288,19 +288,21 @@ class PeerRegistry:
             self._reported[key] = why
             logger.warning("peer registry: %s %s", key, why)
 
-    def read(self) -> list[PeerEntry]:
-        """Every readable entry (blocking); entries past :data:`PRUNE_AFTER` periods are deleted."""
+    def read(self) -> list[tuple[PeerEntry, bytes | None]]:
+        """Every readable entry, each with the token of this daemon's that signed it (None: none did),
+        checked once here (blocking); entries past :data:`PRUNE_AFTER` periods are deleted."""
         listing = [info for info in self.storage.list(f"{PREFIX}/") if info.key.endswith(".json")]
         # What was logged of an entry goes with the entry: over months of spot VMs coming and going
         # (each one leaving an entry that goes stale, then is deleted) it grew by one per VM.
         listed = {info.key for info in listing}
         self._reported = {key: why for key, why in self._reported.items() if key in listed}
         with ThreadPoolExecutor(max_workers=max(1, min(16, len(listing)))) as pool:
-            entries = [entry for entry in pool.map(self._entry, [info.key for info in listing]) if entry is not None]
+            read = [entry for entry in pool.map(self._entry, [info.key for info in listing]) if entry is not None]
+        entries = [(entry, self._signer(entry)) for entry in read]
         now, limit = self.clock(), PRUNE_AFTER * self.heartbeat
         # A signed entry ages by its heartbeat; any other (unreadable, unsigned, a heartbeat in the
         # future) by the store's time of its last write: a forged heartbeat must not keep it forever.
-        trusted = {e.key: e for e in entries if self.signed(e) and e.heartbeat <= now + MAX_SKEW}
+        trusted = {e.key: e for e, signer in entries if signer is not None and e.heartbeat <= now + MAX_SKEW}
         dead = [key for key, e in trusted.items() if key != self.key and now - e.heartbeat > limit]
         dead += [
             info.key

@@ -85,18 +85,18 @@ class PreviousOnlyPeers:
 
     def __init__(self, bound: int = 256) -> None:
         self.bound = bound
-        self._current_at: dict[str, bytes] = {}  # host:port -> the current token when it was learnt
+        self._current_at: dict[tuple[str, int], bytes] = {}  # (host, port) -> the current token then
         self._lock = threading.Lock()  # learnt on the event loop (handshakes) and in a thread (the registry)
 
     def first(self, host: str, port: int, token: JobToken) -> bool:
         """Whether ``host:port`` is to be asked with ``token.previous`` first."""
         with self._lock:
-            return token.previous is not None and self._current_at.get(_where(host, port)) == token.current
+            return token.previous is not None and self._current_at.get((host, port)) == token.current
 
     def learn(self, host: str, port: int, token: JobToken, *, previous_only: bool) -> None:
         if token.previous is None:
             return
-        where = _where(host, port)
+        where = (host, port)
         with self._lock:
             self._current_at.pop(where, None)
             if previous_only:
@@ -107,10 +107,6 @@ class PreviousOnlyPeers:
     def clear(self) -> None:
         with self._lock:
             self._current_at.clear()
-
-
-def _where(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 #: This process's :class:`PreviousOnlyPeers`: discovery learns what the handshake then uses.
