@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
+import random
 import re
 import selectors
 import socket
@@ -38,12 +39,44 @@ FORGER = "not-the-job-s-token-0123456789abcdefgh"
 LOOPBACK_OK = DaemonConfig(bucket="file:///b", peer_listen="127.0.0.1:0", peers="bucket").peer_network_policy()
 
 
+HOST = "127.0.0.1"
+# Ports taken by number below the kernel's ephemeral range, where no port-0 bind (how every other
+# server of the suite gets its port) lands: a connection that reaches a listener here was dialled by
+# the test's own daemon, never by another test dialling a port it freed. The listeners' ports and the
+# closed ones come from two ranges apart, so one test's closed port is never another's listener.
+_EPHEMERAL_LOW = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+LISTENER_PORTS = range(_EPHEMERAL_LOW // 2, _EPHEMERAL_LOW)
+CLOSED_PORTS = range(1024, _EPHEMERAL_LOW // 2)
+
+
+def take_ports(ports: range, count: int, *, keep: bool) -> tuple[list[int], list[socket.socket]]:
+    """``count`` ports of ``ports`` free now, at random (the system's generator: every worker its
+    own); with ``keep`` their listening sockets, else closed again (nothing listens there)."""
+    pick = random.SystemRandom()
+    taken: list[int] = []
+    servers: list[socket.socket] = []
+    for port in pick.sample(ports, len(ports)):
+        if len(taken) == count:
+            break
+        try:
+            server = socket.create_server((HOST, port))
+        except OSError:
+            continue  # someone's already
+        taken.append(port)
+        if keep:
+            servers.append(server)
+        else:
+            server.close()
+    assert len(taken) == count, f"only {len(taken)} free ports in {ports}"
+    return taken, servers
+
+
 class Listeners:
-    """Listening sockets on 127.0.0.1 that accept and never say a word; counts what reaches them."""
+    """Listening sockets on 127.0.0.1 (ports of :data:`LISTENER_PORTS`) that accept and never say a
+    word; count what reaches them."""
 
     def __init__(self, count: int) -> None:
-        self.sockets = [socket.create_server(("127.0.0.1", 0)) for _ in range(count)]
-        self.ports = [s.getsockname()[1] for s in self.sockets]
+        self.ports, self.sockets = take_ports(LISTENER_PORTS, count, keep=True)
         self.dialled: set[int] = set()  # ports that got a connection
         self.open = 0
         self.most_open = 0
@@ -107,21 +140,8 @@ def listeners() -> Iterator[Listeners]:
 
 
 def closed_ports(count: int) -> list[int]:
-    """Distinct ports nothing listens on, below the kernel's ephemeral range: a port a test dials
-    because nothing listens there must not be one that another test running meanwhile (another
-    worker) binds as port 0 for a listener of its own, which would then count the connection."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    ports: list[int] = []
-    for port in range(max(1024, low - 4 * count), low):
-        if len(ports) == count:
-            break
-        try:
-            socket.create_server(("127.0.0.1", port)).close()  # free now: nothing listens there
-        except OSError:
-            continue
-        ports.append(port)
-    assert len(ports) == count, f"only {len(ports)} free ports below {low}"
-    return ports
+    """Distinct ports nothing listens on (of :data:`CLOSED_PORTS`: no listener of the suite's takes one)."""
+    return take_ports(CLOSED_PORTS, count, keep=False)[0]
 
 
 def entry(storage: FileStorage, address: str, *, token: str = TOKEN, heartbeat: float | None = None) -> str:
@@ -152,7 +172,7 @@ def test_a_forged_entry_and_a_future_heartbeat_are_never_dialled_and_logged_once
     url = f"file://{tmp_path}/bucket/run1"
     storage = FileStorage(url)
     socks = listeners(3)  # type: ignore[operator]
-    forged, future, honest = (f"127.0.0.1:{port}" for port in socks.ports)
+    forged, future, honest = (f"{HOST}:{port}" for port in socks.ports)
     forged_key = entry(storage, forged, token=FORGER)
     future_key = entry(storage, future, heartbeat=time.time() + 3600)
     entry(storage, honest)  # the control: a signed, fresh entry is dialled
@@ -203,15 +223,14 @@ def test_150_entries_are_capped_and_probed_at_once_within_one_deadline(tmp_path:
     # Interleaved, the freshest first: the cap takes half silent, half closed ones.
     order = [port for pair in zip(silent.ports, closed, strict=True) for port in pair]
     for i, port in enumerate(order):
-        entry(storage, f"127.0.0.1:{port}", heartbeat=now - i)
+        entry(storage, f"{HOST}:{port}", heartbeat=now - i)
     vm = daemon(tmp_path, url)
     try:
-        own = int(vm.status()["peers"]["listen"].rpartition(":")[2])  # may reuse a closed one's port (and key)
         took, reply = peer_resume(vm)
     finally:
         vm.kill_daemon()
     assert reply["path"] is None
-    freshest = [port for port in order if port != own][:MAX_CANDIDATES]  # the cap: 16 of 150, freshest first
+    freshest = order[:MAX_CANDIDATES]  # the cap: 16 of 150, freshest first (the daemon's own entry is skipped)
     assert silent.dialled == set(freshest) & set(silent.ports), (silent.dialled, freshest)
     assert silent.most_open <= MAX_CANDIDATES
     # The silent ones were asked at once: one probe timeout (5 s), not 8 of them one after another.
@@ -221,7 +240,7 @@ def test_150_entries_are_capped_and_probed_at_once_within_one_deadline(tmp_path:
 
 def test_probes_keep_to_the_limit_in_flight_and_one_overall_deadline(tmp_path: Path, listeners: object) -> None:
     silent = listeners(150)  # type: ignore[operator]
-    addresses = [("127.0.0.1", port) for port in silent.ports]
+    addresses = [(HOST, port) for port in silent.ports]
 
     async def go() -> float:
         started = time.monotonic()
