@@ -74,7 +74,7 @@ PeerToken: TypeAlias = "bytes | JobToken"
 
 
 class PreviousOnlyPeers:
-    """The receivers known, during a rotation, to take only the previous token (by ``host:port``), so
+    """The receivers known, during a rotation, to take only the previous token (by host and port), so
     that a connection to them offers it first instead of being refused with the new one: a daemon
     not yet restarted would log each such refusal, and a handoff's flows would each pay a round trip.
 
