@@ -233,7 +233,11 @@ class WorkerPool:
         if self._retirer is None:
             self._retirer = threading.Thread(target=self._retire_idle, name="spotguard-peer-retire", daemon=True)
             self._retirer.start()
-        self._idle_changed.notify()
+        if len(self._idle) == 1:
+            # The retirer waits for the oldest idle worker's time, or for ever when none is idle. One
+            # joining behind others retires after them and changes nothing it waits for: not woken
+            # then, which is every frame of a handoff (each wake-up took the GIL from the event loop).
+            self._idle_changed.notify()
 
     def _retire_idle(self) -> None:
         """End each worker idle for :attr:`retire_after` seconds, until the pool closes. The idle list

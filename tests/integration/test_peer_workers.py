@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import fcntl
 import functools
 import logging
@@ -117,16 +118,25 @@ def test_a_warmed_pool_has_its_workers_ready_before_a_frame_and_they_end_with_it
     assert [process.poll() is not None for process in processes] == [True, True]
 
 
-def test_idle_workers_end_after_a_while_and_a_busy_one_does_not() -> None:
-    """A daemon runs for months: workers a notice started must not stay for the rest of them."""
+@contextlib.contextmanager
+def two_taken_workers() -> Iterator[tuple[workers.WorkerPool, workers.Worker, workers.Worker]]:
+    """A pool of two workers, both started and taken for a job; its idle time 1 s from then on."""
     # Long enough at first for both to start on a loaded machine, without the first one ending meanwhile.
     pool = workers.WorkerPool(2, retire_after=60.0)
     try:
         pool.warm(2)
         wait_for(lambda: pool.status()["idle"] == 2, 30, "two workers ready")
-        busy, other = pool.take(), pool.take()
-        assert busy is not None and other is not None
+        first, second = pool.take(), pool.take()
+        assert first is not None and second is not None
         pool.retire_after = 1.0
+        yield pool, first, second
+    finally:
+        pool.close()
+
+
+def test_idle_workers_end_after_a_while_and_a_busy_one_does_not() -> None:
+    """A daemon runs for months: workers a notice started must not stay for the rest of them."""
+    with two_taken_workers() as (pool, busy, other):
         other.release()  # idle from now on (and the pool's retiring thread woken to see the new bound)
         # The idle one ends; the one busy with a job (longer than the idle time) does not.
         wait_for(lambda: pool.status()["workers"] == 1, 30, "the idle worker to end")
@@ -141,8 +151,18 @@ def test_idle_workers_end_after_a_while_and_a_busy_one_does_not() -> None:
         pool.retire_after = 60.0
         assert pool.take() is None
         wait_for(lambda: pool.status()["idle"] == 1, 30, "a fresh worker ready")
-    finally:
-        pool.close()
+
+
+def test_workers_idle_one_behind_another_each_end_at_their_own_time() -> None:
+    """The retiring thread is woken only when the first worker goes idle (a handoff gives one back at
+    every frame): one that joins behind it is not woken for, and still ends after its own idle time."""
+    with two_taken_workers() as (pool, first, second):
+        first.release()  # the first idle one: the retiring thread is woken to wait for its time
+        second_idle_from = time.monotonic()
+        second.release()  # behind it: nothing the retiring thread waits for changes
+        wait_for(lambda: pool.status()["workers"] == 0, 30, "both idle workers to end")
+        assert time.monotonic() - second_idle_from >= 1.0  # not before its own idle time was up
+        wait_for(lambda: first.process.poll() is not None and second.process.poll() is not None, 10, "both to exit")
 
 
 def process_state(pid: int) -> str:
