@@ -271,7 +271,7 @@ def load_manifest(step_dir: Path) -> Manifest:
 def local_foreign_format(step_dir: Path) -> str | None:
     """:func:`foreign_format` of the manifest in ``step_dir``, if it has one."""
     try:
-        return foreign_format((step_dir / MANIFEST).read_bytes())
+        return foreign_format(read_nofollow(step_dir / MANIFEST))
     except OSError:
         return None
 

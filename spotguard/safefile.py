@@ -12,6 +12,7 @@ import contextlib
 import errno
 import logging
 import os
+import stat
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -43,17 +44,36 @@ def is_unlinked(fd: int) -> bool:
         return True
 
 
+class NotARegularFile(SpotguardError, OSError):
+    """A name in a checkpoint directory that is not a regular file (a FIFO, a device, a socket): the
+    open of a FIFO would wait for a writer for ever, on the daemon's event loop or in its rescan."""
+
+
 def open_nofollow(path: Path) -> int:
-    """A read-only descriptor for ``path``, refusing a symlink as its last component (race-free:
-    ``O_NOFOLLOW`` is checked by the same call that opens)."""
+    """A read-only descriptor for ``path``, a regular file, refusing a symlink as its last component
+    (race-free: ``O_NOFOLLOW`` is checked by the same call that opens) and anything that is not a
+    regular file (:class:`NotARegularFile`): ``O_NONBLOCK`` makes the open of a FIFO return at once,
+    and the descriptor's own type is checked, not the name's."""
     try:
-        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise SymlinkRefused(
                 errno.ELOOP, "a symlink in a checkpoint directory; refusing to read it", str(path)
             ) from None
         raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotARegularFile(
+                errno.EINVAL,
+                "not a regular file in a checkpoint directory (a FIFO or a device?); refusing to read it",
+                str(path),
+            )
+        os.set_blocking(fd, True)  # a regular file's reads never block; mapped and sent as before
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def read_nofollow(path: Path) -> bytes:

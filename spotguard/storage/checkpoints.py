@@ -30,7 +30,7 @@ from spotguard.manifest import (
     parse_step_dir,
     verify_dir,
 )
-from spotguard.safefile import fsync_dir
+from spotguard.safefile import fsync_dir, read_nofollow
 from spotguard.storage.base import ObjectExists, ObjectInfo, ObjectNotFound, Progress, Storage, StorageError, retry
 from spotguard.storage.transfer import Download, download_files
 
@@ -309,7 +309,7 @@ def commit_remote(storage: Storage, step_dir: Path, *, deadline: float | None = 
     files and CRC32Cs), committed by another writer or by an attempt of ours whose answer was lost.
     Raises :class:`CommitLost` when it holds a different one, which is left as it is."""
     name = step_dir.name
-    ours = (step_dir / MANIFEST).read_bytes()
+    ours = read_nofollow(step_dir / MANIFEST)
     key = f"{name}/{MANIFEST}"
     try:
         retry(

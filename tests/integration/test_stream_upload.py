@@ -175,6 +175,7 @@ def test_garbage_file_ranges_are_refused_and_the_daemon_keeps_serving(vm: Vm, tm
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "elsewhere" / ".x.bin.tmp-1").write_bytes(b"secret")
     (step_dir / "sub").symlink_to(tmp_path / "elsewhere")
+    os.mkfifo(step_dir / ".fifo.bin.tmp-1")  # its open would wait for a writer: on the event loop, for ever
     good = {"path": str(step_dir), "name": "model.bin", "tmp": ".model.bin.tmp-1", "size": 100}
 
     def message(**fields: object) -> bytes:
@@ -192,6 +193,7 @@ def test_garbage_file_ranges_are_refused_and_the_daemon_keeps_serving(vm: Vm, tm
         (message(name="link.bin", tmp=".link.bin.tmp-1"), "bad-path"),  # a symlink: never followed
         (message(name="sub/x.bin", tmp="sub/.x.bin.tmp-1"), "bad-path"),  # through a symlinked directory
         (message(name="other.bin", tmp=".other.bin.tmp-404"), "bad-path"),  # does not exist
+        (message(name="fifo.bin", tmp=".fifo.bin.tmp-1"), "bad-path"),  # not a regular file
         (message(offset=95, length=10), "bad-field"),  # past the end
         (message(offset=-1), "bad-field"),
         (message(size=200, offset=50), "bad-field"),  # another size than announced before

@@ -1,8 +1,11 @@
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,7 +24,7 @@ from spotguard.manifest import (
     verify_dir,
     write_part,
 )
-from spotguard.safefile import SymlinkRefused, atomic_file
+from spotguard.safefile import NotARegularFile, SymlinkRefused, atomic_file
 from spotguard.storage.base import put_bytes
 from spotguard.storage.checkpoints import list_remote, restore, upload_checkpoint
 from spotguard.storage.file import FileStorage
@@ -289,3 +292,32 @@ def test_a_symlinked_file_or_manifest_makes_a_checkpoint_incomplete(tmp_path: Pa
     real_manifest.unlink()
     real_manifest.symlink_to(tmp_path / "m.json")
     assert load_manifest_or_none(step_dir) is None
+
+
+def test_a_fifo_in_place_of_a_file_or_the_manifest_is_refused_at_once_not_waited_on(tmp_path: Path) -> None:
+    """Opening a FIFO for reading waits for a writer: on the daemon's event loop (a socket message
+    naming one) or in its rescan (one named manifest.json), that wait froze the daemon for good; the
+    step directory is incomplete, as with a symlink."""
+    step_dir = write_checkpoint(tmp_path / "root", 1, {"a.bin": b"same bytes"})
+    (step_dir / "a.bin").unlink()
+    os.mkfifo(step_dir / "a.bin")
+    (step_dir / MANIFEST).rename(tmp_path / "m.json")
+    os.mkfifo(step_dir / MANIFEST)
+    outcomes: dict[str, object] = {}
+
+    def read_both() -> None:
+        with pytest.raises(NotARegularFile, match="not a regular file") as refused:
+            crc32c_of_file(step_dir / "a.bin")
+        outcomes["file"] = refused.value.filename
+        outcomes["manifest"] = load_manifest_or_none(step_dir)
+        outcomes["scanned"] = [(info.name, info.status) for info in scan_local(step_dir.parent)]
+
+    reader = threading.Thread(target=read_both, daemon=True)
+    reader.start()
+    reader.join(10)
+    if reader.is_alive():  # stuck in an open: give it a writer, so that the thread ends
+        for fifo in (step_dir / "a.bin", step_dir / MANIFEST):
+            with contextlib.suppress(OSError):
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    assert not reader.is_alive(), "reading a checkpoint waited on a FIFO"
+    assert outcomes == {"file": str(step_dir / "a.bin"), "manifest": None, "scanned": [(step_dir.name, "incomplete")]}
