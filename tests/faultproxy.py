@@ -55,10 +55,13 @@ _S3_BODIES = {
     b"<Message>Please reduce your request rate.</Message></Error>",
     500: b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>InternalError</Code>'
     b"<Message>We encountered an internal error. Please try again.</Message></Error>",
+    403: b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>AccessDenied</Code>'
+    b"<Message>Access Denied (injected)</Message></Error>",
 }
 _GCS_BODIES = {
     503: b'{"error": {"code": 503, "message": "Backend Error (injected)", "errors": []}}',
     500: b'{"error": {"code": 500, "message": "Internal Error (injected)", "errors": []}}',
+    403: b'{"error": {"code": 403, "message": "Forbidden (injected)", "errors": []}}',
 }
 
 
@@ -166,6 +169,7 @@ class FaultProxy:
         self._thread: threading.Thread | None = None
         self._hold: Callable[[str, str], bool] | None = None
         self._lose: Callable[[str, str], bool] | None = None
+        self._fail: tuple[Callable[[str, str], bool], int] | None = None
         self.answers_lost = 0
         self._released = threading.Event()
         self.held = threading.Event()  # set once a request is being held
@@ -233,6 +237,11 @@ class FaultProxy:
         self._hold = None
         self._released.set()
 
+    def fail(self, when: Callable[[str, str], bool] | None, status: int = 503) -> None:
+        """Answer ``status`` (503, 500 or 403) to every request that ``when(method, target)`` picks,
+        until ``fail(None)``: a bucket that keeps failing some requests past any retry, or refuses them."""
+        self._fail = None if when is None else (when, status)
+
     def lose_answer(self, when: Callable[[str, str], bool]) -> None:
         """The next request that ``when(method, target)`` picks is forwarded, and the server's answer is
         replaced by a reset: the server did the work, the client never hears of it (an answer lost on
@@ -250,6 +259,10 @@ class FaultProxy:
                 self._lose = None  # once, even with requests on several connections at a time
                 self.answers_lost += 1
                 return "lost"
+            fail = self._fail
+            if fail is not None and fail[0](req.method, req.target):
+                self.injected[str(fail[1])] += 1
+                return str(fail[1])
             if self._rng.random() >= self.fault_rate:
                 return None
             # Kinds in turn, not at random: a short test then sees every kind it asked for.
@@ -278,7 +291,7 @@ class FaultProxy:
                     conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                     conn.close()
                     return
-                if fault in ("503", "500"):
+                if fault in ("503", "500", "403"):
                     self._send_error(handler, int(fault), req)
                 elif fault == "stall":
                     self._closing.wait(self.stall_seconds)

@@ -62,8 +62,10 @@ def find_resumable(
 ) -> Path | None:
     """The framework's own resumable form inside the newest complete checkpoint of ``framework``.
 
-    Looks in the local root first (manifest valid, sizes and CRC32C checked); if none there and a
-    bucket is given, downloads the newest complete one (verified, falling back to older ones).
+    Looks in the local root first (manifest valid, sizes and CRC32C checked); if none there, or a
+    newer one there was found bad, and a bucket is given, downloads the bucket's newest complete one
+    newer than the local one found (verified, falling back to older ones only where one is found
+    bad: :class:`~spotguard.storage.checkpoints.CheckpointUnreadable` if the bucket or the disk fails).
     One process per root downloads: the first to take the root's restore lock. The others (the
     other ranks writing to that disk) wait up to ``wait`` seconds for it, then find its copy. A
     rank is not asked which it is: on nodes with disks of their own, each disk gets its own copy,
@@ -73,9 +75,9 @@ def find_resumable(
     checkpoint's recorded contents first, from its manifest alone: a mismatch raises
     :class:`~spotguard.SpotguardMismatch` before any data is fetched or handed to the framework.
     """
-    found = _newest_local(root, framework, live)
-    if found is not None:
-        return found
+    found, skipped = _newest_local(root, framework, live)
+    if found is not None and (not skipped or bucket is None):
+        return found[0]
     if bucket is None:
         refuse_a_split_checkpoint(root)
         return None
@@ -83,12 +85,14 @@ def find_resumable(
     from spotguard.storage.checkpoints import list_remote, restore
 
     with _restore_lock(root, wait, clock):
-        found = _newest_local(root, framework, live)  # fetched by the process that held the lock before
-        if found is not None:
-            return found
+        found, skipped = _newest_local(root, framework, live)  # fetched by the process that held the lock before
+        if found is not None and not skipped:
+            return found[0]
         storage = open_storage(bucket)
         try:
             listing = list_remote(storage)
+            if found is not None:  # a newer local one was bad: only the bucket's newer ones are worth a download
+                listing = [info for info in listing if info.step > found[1]]
             complete = [info for info in listing if info.status == "complete"]
             if complete and complete[-1].manifest is not None:
                 check_live(complete[-1].name, complete[-1].manifest, live)
@@ -96,7 +100,7 @@ def find_resumable(
         finally:
             storage.close()
     if step_dir is None:
-        return None
+        return None if found is None else found[0]
     logger.info("spotguard: restored %s from %s", step_dir.name, bucket)
     return _resume_target(step_dir, framework)
 
@@ -200,20 +204,25 @@ def check_live(name: str, manifest: Manifest, live: Mapping[str, Any] | None) ->
         raise SpotguardMismatch(name, differences)
 
 
-def _newest_local(root: Path, framework: str, live: Mapping[str, Any] | None) -> Path | None:
+def _newest_local(root: Path, framework: str, live: Mapping[str, Any] | None) -> tuple[tuple[Path, int] | None, bool]:
+    """The framework's resumable form in the newest verified local checkpoint and that checkpoint's
+    step (None if none), and whether a newer one was skipped as bad: the bucket may hold an intact
+    copy of it, newer than what this disk has."""
+    skipped = False
     for info in reversed(scan_local(root)):
         if info.status != "complete":
             continue
         problems = verify_dir(root / info.name)
         if problems:
             logger.warning("spotguard: skipping %s: %s", info.name, "; ".join(problems))
+            skipped = True
             continue
         target = _resume_target(root / info.name, framework)
         if target is not None:
             assert info.manifest is not None  # complete
             check_live(info.name, info.manifest, live)
-            return target
-    return None
+            return (target, info.step), skipped
+    return None, skipped
 
 
 def _resume_target(step_dir: Path, framework: str) -> Path | None:

@@ -7,6 +7,7 @@ the bucket is the local one: ``<prefix>/step-NNNNNNNNN/<files>`` with
 
 from __future__ import annotations
 
+import errno
 import logging
 import shutil
 import threading
@@ -436,9 +437,38 @@ def restore(
             shutil.rmtree(target, ignore_errors=True)
             if step is not None:
                 raise
+            if not found_bad(exc):
+                raise unreadable(info.name, exc, dest_root) from exc
             if log:
                 log(f"{info.name} failed verification ({exc}); trying the previous checkpoint")
     return None
+
+
+class CheckpointUnreadable(StorageError):
+    """A checkpoint could not be restored for a reason that says nothing bad of it (a bucket that
+    kept failing past its retries, a full or failing local disk): a resume stops there instead of
+    going back to an older checkpoint, which would give up every step since without a word."""
+
+
+def found_bad(exc: BaseException) -> bool:
+    """Whether ``exc``, raised while restoring a checkpoint, says the checkpoint itself is bad or gone
+    (a file that does not match its manifest, a missing object, a manifest that cannot be read):
+    only then is the previous checkpoint tried."""
+    return isinstance(exc, ManifestError | ObjectNotFound)
+
+
+def unreadable(name: str, exc: BaseException, dest_root: Path) -> CheckpointUnreadable:
+    """The error for ``name`` not restored because of ``exc`` (not :func:`found_bad`)."""
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        fix = f"make room on {dest_root} (the checkpoint needs its size there)"
+    elif isinstance(exc, OSError):
+        fix = f"check the disk under {dest_root}"
+    else:
+        fix = "check the bucket (its access, its answers) or wait until it answers"
+    return CheckpointUnreadable(
+        f"{name} could not be restored ({exc}); it was not found bad, so no older checkpoint is tried"
+        f" (that would give up the steps since): {fix}, then start again"
+    )
 
 
 def _already_restored(step_dir: Path) -> bool:

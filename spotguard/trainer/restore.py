@@ -144,17 +144,32 @@ class Resumer:
         return make_report(name, manifest, differences, live)
 
     def _candidates(self) -> list[tuple[str, Manifest, bool]]:
-        """Checkpoints to resume from, best first: the newest verified local one, else the bucket's
-        complete ones (their manifests only: nothing else is fetched before the check); each with
-        whether its local copy was verified here."""
+        """Checkpoints to resume from, best first, each with whether its local copy was verified
+        here: the newest verified local one; else the bucket's complete ones (their manifests only:
+        nothing else is fetched before the check). Where a newer local one was skipped as bad, the
+        bucket's complete ones newer than the verified local one come first: the bucket may hold an
+        intact copy of the very step found bad here."""
+        local: tuple[str, Manifest, bool] | None = None
+        skipped = False
         for info in reversed(scan_local(self.checkpoint_dir)):
             if info.status != "complete":
                 refuse_newer_format(load_manifest, self.checkpoint_dir / info.name)
                 continue
             problems = verify_dir(self.checkpoint_dir / info.name, threads=self.io_threads)
             if not problems and info.manifest is not None:
-                return [(info.name, info.manifest, True)]
+                local = (info.name, info.manifest, True)
+                break
             logger.warning("spotguard: skipping %s: %s", info.name, "; ".join(problems))
+            skipped = True
+        if local is not None and (not skipped or self.bucket is None):
+            return [local]
+        found = self._bucket_candidates()
+        if local is None:
+            return found
+        return [candidate for candidate in found if candidate[1].step > local[1].step] + [local]
+
+    def _bucket_candidates(self) -> list[tuple[str, Manifest, bool]]:
+        """The bucket's complete checkpoints, newest first (none without a bucket)."""
         if self.bucket is None:
             return []
         from spotguard.storage import open_storage  # imports a storage SDK only now, if at all
@@ -174,7 +189,8 @@ class Resumer:
 
     def _fetch(self, name: str, manifest: Manifest, *, verified: bool) -> bool:
         """Make ``name`` whole on this disk (the node's leader downloads it); False on every rank if
-        it failed verification (the caller tries the previous one). Collective. A bucket's checkpoint
+        it failed verification (the caller tries the previous one); :class:`CheckpointUnreadable` on
+        every rank if it could not be read for another reason (the bucket, the disk). Collective. A bucket's checkpoint
         (not ``verified`` here) always goes through the restore, which keeps a local copy only once
         every byte of it matched: that copy may be the very one found corrupt."""
         failed = False
@@ -183,10 +199,13 @@ class Resumer:
             if leader and (not verified or verify_dir(self.checkpoint_dir / name, checksums=False)):
                 # From the bucket, or not whole on this disk (another node's, or only this node's share).
                 from spotguard.storage.base import StorageError  # stdlib only
+                from spotguard.storage.checkpoints import found_bad, unreadable
 
                 try:
                     self._restore_from_bucket(step=manifest.step)
                 except (StorageError, ManifestError, OSError) as exc:
+                    if not found_bad(exc):  # a bucket that keeps failing, a full disk: every rank raises
+                        raise unreadable(name, exc, self.checkpoint_dir) from exc
                     logger.warning("spotguard: %s failed verification (%s); trying the previous checkpoint", name, exc)
                     failed = True
         return not dist.agree_any([failed])[0]  # also: nobody loads before the leader has fetched

@@ -21,7 +21,7 @@ import torch
 from spotguard import Guard, SpotguardMismatch
 from spotguard.manifest import MANIFEST, ManifestFormatError, load_manifest
 from spotguard.storage import open_storage
-from spotguard.storage.checkpoints import commit_remote, upload_checkpoint, upload_files
+from spotguard.storage.checkpoints import CheckpointUnreadable, commit_remote, upload_checkpoint, upload_files
 from tests.faultproxy import FaultProxy
 from tests.servers import FAKE_AWS_ENV, S3Server, moto_s3
 
@@ -77,13 +77,20 @@ def saved(tmp_path: Path, proxy: FaultProxy, server: S3Server) -> str:
     return uploaded(server, step_dir)
 
 
+def is_data_read(method: str, target: str) -> bool:
+    """An object read other than a manifest's (a listing is a GET of the bucket with a query, no key)."""
+    return method in ("GET", "HEAD") and "/step-" in target and not target.split("?", maxsplit=1)[0].endswith(MANIFEST)
+
+
+def flip_a_byte(path: Path) -> None:
+    """One byte of ``path`` changed, inside the last tensor's bytes: its size still matches."""
+    data = bytearray(path.read_bytes())
+    data[-200] ^= 0xFF
+    path.write_bytes(data)
+
+
 def data_reads(proxy: FaultProxy) -> list[str]:
-    """Object reads other than manifests (a listing is a GET of the bucket with a query, no key)."""
-    return [
-        target
-        for method, target in proxy.seen
-        if method in ("GET", "HEAD") and "/step-" in target and not target.split("?")[0].endswith(MANIFEST)
-    ]
+    return [target for method, target in proxy.seen if is_data_read(method, target)]
 
 
 def snapshot(state: dict[str, Any]) -> dict[str, Any]:
@@ -386,13 +393,76 @@ def test_a_corrupt_local_copy_is_fetched_again_from_the_bucket_not_loaded(
     with Guard(checkpoint_dir=root, socket=tmp_path / "none.sock", handle_sigterm=False) as guard:
         step_dir = guard.save(state, STEP, reason="urgent")
     url = uploaded(server, step_dir)
-    model_file = next(p for p in step_dir.iterdir() if p.name.startswith("model"))
-    data = bytearray(model_file.read_bytes())
-    data[-200] ^= 0xFF  # inside the last tensor's bytes: the sizes still match
-    model_file.write_bytes(data)
+    flip_a_byte(next(p for p in step_dir.iterdir() if p.name.startswith("model")))
     resumed = make_state()
     with Guard(checkpoint_dir=root, bucket=url, socket=tmp_path / "none.sock", handle_sigterm=False) as guard:
         assert guard.resume(resumed) == STEP
     for key, value in state["model"].state_dict().items():
         assert torch.equal(resumed["model"].state_dict()[key], value), key
     assert spotguard_cli("verify", str(root)).returncode == 0  # the local copy was replaced
+
+
+def test_a_bucket_refusing_reads_stops_the_resume_instead_of_starting_over(
+    tmp_path: Path, proxy: FaultProxy, saved: str
+) -> None:
+    """The bucket answers its manifests and listings, and refuses every read of a checkpoint's data
+    (403; a 503 past every retry takes the same way, only slower): nothing says the checkpoint is
+    bad, so the resume raises, naming the step and what to do, instead of going back to an older
+    checkpoint (or to step 0: there is no older one here), which would give up every step since
+    without a word. The live state is left as it was."""
+    state = make_state()
+    before = snapshot(state)
+    proxy.fail(is_data_read, status=403)
+    with fresh_guard(tmp_path, saved) as guard, pytest.raises(CheckpointUnreadable) as caught:
+        guard.resume(state)
+    message = str(caught.value)
+    assert f"step-{STEP:09d} could not be restored" in message and "not found bad" in message, message
+    assert "check the bucket" in message, message
+    assert proxy.injected["403"] > 0
+    assert not list((tmp_path / "new-vm").glob("step-*"))  # nothing half-downloaded left
+    assert_unchanged(state, before)
+
+
+def test_a_corrupt_newest_local_checkpoint_is_resumed_from_the_bucket_not_from_an_older_local_one(
+    tmp_path: Path, proxy: FaultProxy, server: S3Server
+) -> None:
+    """The disk holds steps 6 and 7, step 7 with a flipped byte; the bucket holds step 7 intact. The
+    resume loads the bucket's step 7 (the newest complete checkpoint), not the disk's step 6."""
+    root = tmp_path / "ckpt"
+    state = make_state()
+    with Guard(checkpoint_dir=root, socket=tmp_path / "none.sock", handle_sigterm=False) as guard:
+        guard.save(state, STEP - 1, reason="periodic")
+        guard.wait()  # committed: an urgent save would pre-empt a periodic one still going
+        train_step(state)
+        newest = guard.save(state, STEP, reason="urgent")
+    url = uploaded(server, newest)
+    flip_a_byte(next(p for p in newest.iterdir() if p.name.startswith("model")))
+    resumed = make_state()
+    with Guard(checkpoint_dir=root, bucket=url, socket=tmp_path / "none.sock", handle_sigterm=False) as guard:
+        assert guard.resume(resumed) == STEP
+    for key, value in state["model"].state_dict().items():
+        assert torch.equal(resumed["model"].state_dict()[key], value), key
+    assert sorted(p.name for p in root.glob("step-*")) == [f"step-{STEP - 1:09d}", f"step-{STEP:09d}"]
+    assert spotguard_cli("verify", str(root)).returncode == 0  # the corrupt copy was replaced
+
+
+def test_a_framework_resume_path_takes_the_buckets_copy_of_a_newest_local_checkpoint_found_bad(
+    tmp_path: Path, proxy: FaultProxy, server: S3Server
+) -> None:
+    """The Lightning/HF path alike: the disk holds steps 2 and 3, step 3 with a flipped byte; the
+    bucket holds step 3 intact. The resume path is the bucket's step 3, not the disk's step 2."""
+    from spotguard.integrations.common import find_resumable
+
+    root = tmp_path / "vm"
+    model = make_state()["model"]
+    meta = {"framework": "lightning", "resume": "lightning.ckpt"}
+    with Guard(checkpoint_dir=root, socket=tmp_path / "none.sock", handle_sigterm=False) as guard:
+        for step in (2, 3):
+            with guard.external_save(step, meta, {"model": model}) as step_dir:
+                torch.save({"step": step, "model": model.state_dict()}, step_dir / "lightning.ckpt")
+    url = uploaded(server, step_dir)
+    flip_a_byte(step_dir / "lightning.ckpt")
+    found = find_resumable(root, url, "lightning", live={"model": model})
+    assert found == step_dir / "lightning.ckpt"
+    assert torch.load(found, weights_only=True)["step"] == 3  # the bucket's bytes: the copy verifies
+    assert spotguard_cli("verify", str(root)).returncode == 0

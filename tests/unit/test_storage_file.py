@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -10,6 +11,7 @@ from spotguard.crc32c import crc32c_of_bytes
 from spotguard.manifest import MANIFEST, load_manifest
 from spotguard.storage.base import Progress, StorageError, TransientStorageError, retry
 from spotguard.storage.checkpoints import (
+    CheckpointUnreadable,
     UploadCancelled,
     list_remote,
     prune_remote,
@@ -111,6 +113,25 @@ def test_restore_falls_back_when_newest_fails_verification(tmp_path: Path, stora
     assert (target / "w.pt").read_bytes() == bytes([1]) * 4096
     assert not (tmp_path / "restored" / "step-000000002").exists()
     assert "step-000000002" in messages[0]
+
+
+def test_restore_onto_a_full_disk_raises_what_to_fix_and_tries_no_older_checkpoint(
+    tmp_path: Path, storage: FileStorage, tmpfs: Callable[[int], Path]
+) -> None:
+    """Step 2 does not fit where it is restored; step 1 would. A full disk says nothing bad of step 2:
+    going back to step 1 would give up a step without a word, so the restore raises instead, saying
+    where to make room, and leaves nothing half-written."""
+    write_checkpoint(tmp_path / "local", 1, {"w.pt": b"1" * 4096})
+    write_checkpoint(tmp_path / "local", 2, {"w.pt": b"2" * (1 << 20)})
+    for step in (1, 2):
+        upload_checkpoint(storage, tmp_path / "local" / f"step-00000000{step}")
+    dest = tmpfs(256 * 1024)
+    messages: list[str] = []
+    with pytest.raises(CheckpointUnreadable, match="step-000000002 could not be restored") as caught:
+        restore(storage, dest, log=messages.append)
+    assert f"make room on {dest}" in str(caught.value) and "No space left" in str(caught.value)
+    assert messages == []  # no "trying the previous checkpoint"
+    assert list(dest.iterdir()) == []
 
 
 def test_restore_of_empty_bucket_is_none(tmp_path: Path, storage: FileStorage) -> None:
