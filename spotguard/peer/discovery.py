@@ -53,7 +53,15 @@ from dataclasses import dataclass
 
 from spotguard.jsontext import parse_json
 from spotguard.peer.networks import PeerNetworks
-from spotguard.peer.tokens import PREVIOUS_ONLY, REGISTRY_KEY_LABEL, JobToken, PeerToken, derive_key
+from spotguard.peer.tokens import (
+    LEGACY_REGISTRY_KEY_LABEL,
+    PREVIOUS_ONLY,
+    REGISTRY_KEY_LABEL,
+    JobToken,
+    PeerToken,
+    derive_key,
+    hkdf,
+)
 from spotguard.peer.wire import parse_address
 from spotguard.repeats import RepeatedErrors
 from spotguard.storage.base import ObjectNotFound, Storage, StorageError, put_bytes
@@ -84,8 +92,15 @@ class PeerEntry:
 
 
 def signing_key(token: bytes) -> bytes:
-    """The key entries are signed with: derived from the job's token, used for nothing else."""
+    """The key entries are signed with: derived from the job's token's psk, used for nothing else."""
     return derive_key(token, REGISTRY_KEY_LABEL)
+
+
+def legacy_signing_key(token: bytes) -> bytes:
+    """The key entries were signed with before :func:`signing_key`: derived from the token without its
+    psk, so that an entry read from the bucket let each guess at the token be checked in microseconds.
+    Believed on read (daemons not upgraded yet still sign with it), never written."""
+    return hkdf(token, LEGACY_REGISTRY_KEY_LABEL)
 
 
 def entry_signature(key: bytes, bucket: str, entry_key: str, address: str, heartbeat: float) -> str:
@@ -159,6 +174,7 @@ class PeerRegistry:
         self._token = JobToken.of(token)
         # Never logged, never in status: the current token's key, then (a rotation) the previous one's.
         self._signing_keys = [signing_key(secret) for secret in self._token.accepted]
+        self._legacy_keys = [legacy_signing_key(secret) for secret in self._token.accepted]
         self._reported: dict[str, str] = {}  # entry key -> why it was refused, as last logged
         self.last_seen: list[str] = []  # the candidates of the last look, for status
         if address is not None:
@@ -254,10 +270,11 @@ class PeerRegistry:
     def _signer(self, entry: PeerEntry) -> bytes | None:
         """Which of this daemon's tokens signed ``entry`` (the current one if both did), or None."""
         given = [sig for sig in (entry.signature, entry.next_signature) if sig]
-        for key, token in zip(self._signing_keys, self._token.accepted, strict=True):
-            expected = entry_signature(key, self.storage.url, entry.key, entry.address, entry.heartbeat)
-            if any(hmac.compare_digest(expected, sig) for sig in given):
-                return token
+        for keys in (self._signing_keys, self._legacy_keys):
+            for key, token in zip(keys, self._token.accepted, strict=True):
+                expected = entry_signature(key, self.storage.url, entry.key, entry.address, entry.heartbeat)
+                if any(hmac.compare_digest(expected, sig) for sig in given):
+                    return token
         return None
 
     def _dialable(self, entries: list[tuple[PeerEntry, bytes]]) -> list[tuple[str, int]]:
@@ -331,5 +348,5 @@ class PeerRegistry:
 
 __all__ = [
     "HEARTBEAT", "MAX_CANDIDATES", "MAX_SKEW", "PREFIX", "PeerEntry", "PeerRegistry", "advertised_address",
-    "entry_signature", "own_address", "signing_key",
+    "entry_signature", "legacy_signing_key", "own_address", "signing_key",
 ]  # fmt: skip

@@ -17,7 +17,6 @@ docs/peer-protocol.md has the whole protocol and a test vector.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import hmac
 import struct
@@ -27,28 +26,19 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from spotguard.errors import SpotguardError
+from spotguard.peer.tokens import PSK_LABEL, derive_psk
 
 PROTOCOL_NAME = b"Noise_NNpsk0_25519_AESGCM_SHA256"
 DHLEN = 32
 HASHLEN = 32
 TAGLEN = 16
 MAX_MESSAGE = 65535  # Noise's limit on any message, tag included
-# The psk: scrypt of the token (a memory-hard function, computed once per token and process), so that a
-# handshake seen on the network makes each guess of a token costly; a token must still be random.
-PSK_LABEL = b"spotguard-peer/2 psk"
-_SCRYPT = {"n": 1 << 14, "r": 8, "p": 1}
 _MAX_NONCE = (1 << 64) - 1  # reserved by the spec: never used
 _NONCE = struct.Struct(">4xQ")  # AESGCM: 32 zero bits, then the counter big-endian
 
 
 class NoiseError(SpotguardError):
     """A handshake or transport message that fails (authentication, length, order)."""
-
-
-@functools.lru_cache(maxsize=8)
-def derive_psk(token: bytes) -> bytes:
-    """The channel's 32-byte psk: ``scrypt(token, salt="spotguard-peer/2 psk", n=2^14, r=8, p=1)``."""
-    return hashlib.scrypt(token, salt=PSK_LABEL, dklen=32, **_SCRYPT)
 
 
 def _hkdf(chaining_key: bytes, material: bytes, outputs: int) -> list[bytes]:

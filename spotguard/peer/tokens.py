@@ -1,9 +1,12 @@
 """The job's peer token: making one, telling a weak one, and the keys derived from it. Stdlib only.
 
-The token is the job's one shared secret (``SPOTGUARD_PEER_TOKEN`` or ``peer_token_file``). Each use
-other than the peer channel's own handshake gets its own key, derived with HKDF-SHA256 (RFC 5869)
-under a fixed label, so a key learnt from one use (an entry signature checked offline, say) says
-nothing about the token or another use's key.
+The token is the job's one shared secret (``SPOTGUARD_PEER_TOKEN`` or ``peer_token_file``). Everything
+derived from it goes through its psk, a memory-hard scrypt of it (:func:`derive_psk`, computed once
+per token and process): the channel's handshake mixes the psk in, each other use gets its own key,
+HKDF-SHA256 (RFC 5869) of the psk under a fixed label, and the fingerprint that status and metrics
+show is a hash of the psk. So whatever of them someone sees (a recorded handshake, a registry entry
+read from the bucket, a fingerprint on a metrics page) costs a scrypt per guess at the token, ~30-100 ms
+and 16 MiB, and a key learnt from one use says nothing about another's.
 
 ``spotguard peer-token`` prints a fresh token: 32 random bytes from :mod:`secrets`, hex (64 characters).
 A configured token that is weaker is still used (a fleet must not stop on a warning), but the daemon
@@ -29,6 +32,7 @@ one) are asked with it first: :data:`PREVIOUS_ONLY`.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import secrets
@@ -38,10 +42,16 @@ from typing import TypeAlias
 
 STRONG_TOKEN_BYTES = 32
 MIN_DISTINCT = 10
-# HKDF's salt and info for the key that signs the peer registry's entries (spotguard/peer/discovery.py).
-# Never used for anything else.
-REGISTRY_KEY_LABEL = b"spotguard peer registry entry signing v1"
+# The psk's scrypt: salt and cost (16 MiB of memory a guess).
+PSK_LABEL = b"spotguard-peer/2 psk"
+_SCRYPT = {"n": 1 << 14, "r": 8, "p": 1}
+# HKDF's info for the key that signs the peer registry's entries (spotguard/peer/discovery.py), and
+# the one entries were signed under before it was derived from the psk (read, never written: a fleet
+# upgraded VM by VM still believes the entries of VMs not upgraded yet). Never used for anything else.
+REGISTRY_KEY_LABEL = b"spotguard peer registry entry signing v2"
+LEGACY_REGISTRY_KEY_LABEL = b"spotguard peer registry entry signing v1"
 _SALT = b"spotguard-peer-token-kdf"
+_FINGERPRINT_LABEL = b"spotguard-peer-token|"
 
 
 @dataclass(frozen=True, repr=False)
@@ -118,15 +128,33 @@ def new_token() -> str:
     return secrets.token_hex(STRONG_TOKEN_BYTES)
 
 
+@functools.lru_cache(maxsize=8)
+def derive_psk(token: bytes) -> bytes:
+    """The channel's 32-byte psk: ``scrypt(token, salt="spotguard-peer/2 psk", n=2^14, r=8, p=1)``."""
+    return hashlib.scrypt(token, salt=PSK_LABEL, dklen=32, **_SCRYPT)
+
+
 def derive_key(token: bytes, label: bytes, length: int = 32) -> bytes:
-    """HKDF-SHA256 (RFC 5869) of ``token``: extract with a fixed salt, expand under ``label``."""
-    prk = hmac.new(_SALT, token, hashlib.sha256).digest()
+    """HKDF-SHA256 (RFC 5869) of ``token``'s psk: extract with a fixed salt, expand under ``label``."""
+    return hkdf(derive_psk(token), label, length)
+
+
+def hkdf(secret: bytes, label: bytes, length: int = 32) -> bytes:
+    """HKDF-SHA256 of ``secret`` itself: extract with a fixed salt, expand under ``label``. Only
+    :func:`derive_key`, and the legacy registry key (derived from the token without its psk)."""
+    prk = hmac.new(_SALT, secret, hashlib.sha256).digest()
     out, block, counter = b"", b"", 1
     while len(out) < length:
         block = hmac.new(prk, block + label + bytes([counter]), hashlib.sha256).digest()
         out += block
         counter += 1
     return out[:length]
+
+
+def token_fingerprint(token: bytes) -> str:
+    """What logs, status and metrics may say about a token: 8 hex digits of a hash of its psk, enough
+    to tell two apart, and each guess at the token checked against it costs a scrypt."""
+    return hashlib.sha256(_FINGERPRINT_LABEL + derive_psk(token)).hexdigest()[:8]
 
 
 def token_weakness(token: bytes) -> str | None:
@@ -145,7 +173,9 @@ def token_weakness(token: bytes) -> str | None:
 
 
 __all__ = [
+    "LEGACY_REGISTRY_KEY_LABEL",
     "MIN_DISTINCT",
+    "PSK_LABEL",
     "REGISTRY_KEY_LABEL",
     "STRONG_TOKEN_BYTES",
     "PREVIOUS_ONLY",
@@ -153,6 +183,9 @@ __all__ = [
     "PeerToken",
     "PreviousOnlyPeers",
     "derive_key",
+    "derive_psk",
+    "hkdf",
     "new_token",
+    "token_fingerprint",
     "token_weakness",
 ]

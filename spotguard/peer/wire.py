@@ -16,7 +16,6 @@ frame (``code``, ``message``) answers any request it refuses and ends the connec
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import struct
 from collections.abc import Callable, Coroutine, Mapping
@@ -25,7 +24,7 @@ from typing import Any, Protocol
 
 from spotguard.errors import SpotguardError
 from spotguard.jsontext import parse_json
-from spotguard.peer.tokens import JobToken
+from spotguard.peer.tokens import JobToken, token_fingerprint
 
 VERSION = 2
 MAX_HEADER_BEFORE_AUTH = 1024
@@ -317,11 +316,6 @@ def parse_address(text: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ValueError(f"{text!r} is not HOST:PORT")
     return host, int(port)
-
-
-def token_fingerprint(token: bytes) -> str:
-    """What logs may say about a token: enough to tell two apart, nothing to rebuild it."""
-    return hashlib.sha256(b"spotguard-peer-token|" + token).hexdigest()[:8]
 
 
 __all__ = [

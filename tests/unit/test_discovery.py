@@ -4,6 +4,7 @@ the way of checkpoints."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import os
@@ -24,9 +25,12 @@ from spotguard.peer.discovery import (
     PeerRegistry,
     advertised_address,
     entry_signature,
+    legacy_signing_key,
     signing_key,
 )
 from spotguard.peer.networks import DEFAULT_PEER_NETWORKS, LOOPBACK_NETWORKS, PeerNetworks, parse_networks
+from spotguard.peer.noise import derive_psk
+from spotguard.peer.tokens import REGISTRY_KEY_LABEL, hkdf, token_fingerprint
 from spotguard.storage.base import put_bytes, scratch_dir
 from spotguard.storage.checkpoints import list_remote, prune_remote, restore, upload_checkpoint
 from spotguard.storage.file import FileStorage
@@ -79,6 +83,32 @@ def test_a_listening_daemon_is_found_and_a_sender_skips_itself(storage: FileStor
     # A clean shutdown removes the entry: no candidate any more.
     asyncio.run(b.close())
     assert asyncio.run(a.candidates()) == []
+
+
+def test_an_entry_is_signed_under_the_tokens_psk_and_one_signed_the_old_way_is_still_believed(
+    storage: FileStorage,
+) -> None:
+    """An entry read from the bucket must not let guesses at the token be checked fast: it is signed
+    under a key derived from the psk (scrypt of the token), as the handshake is, not from the token
+    itself (a guess checked in microseconds). Entries of daemons not upgraded yet, signed the old way,
+    are still believed; none is written so. The fingerprint is the psk's too."""
+    writer = PeerRegistry(storage, token=TOKEN, networks=NETWORKS, address="127.0.0.1:7141", clock=Clock())
+    writer.register()
+    [key] = keys(storage)
+    entry = json.loads(storage.read_bytes(key))
+    psk_key = hkdf(derive_psk(TOKEN), REGISTRY_KEY_LABEL)
+    assert signing_key(TOKEN) == psk_key
+    assert entry["sig"] == entry_signature(psk_key, storage.url, key, entry["address"], entry["heartbeat"])
+    legacy = entry_signature(legacy_signing_key(TOKEN), storage.url, key, entry["address"], entry["heartbeat"])
+    assert legacy != entry["sig"] and "sig_next" not in entry
+    # A daemon of the version before signs the old way: its entry is believed, as it was.
+    put_bytes(storage, key, json.dumps({**entry, "sig": legacy}).encode())
+    reader = PeerRegistry(storage, token=TOKEN, networks=NETWORKS, clock=Clock())
+    assert asyncio.run(reader.candidates()) == [("127.0.0.1", 7141)]
+    tampered = legacy[:-1] + ("1" if legacy.endswith("0") else "0")
+    put_bytes(storage, key, json.dumps({**entry, "sig": tampered}).encode())
+    assert asyncio.run(PeerRegistry(storage, token=TOKEN, networks=NETWORKS, clock=Clock()).candidates()) == []
+    assert token_fingerprint(TOKEN) == hashlib.sha256(b"spotguard-peer-token|" + derive_psk(TOKEN)).hexdigest()[:8]
 
 
 def test_stale_entries_are_skipped_and_long_dead_ones_pruned(storage: FileStorage) -> None:
