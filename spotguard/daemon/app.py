@@ -28,6 +28,7 @@ from spotguard.daemon.events import (
     PlanChanged,
     UploadCommitted,
 )
+from spotguard.daemon.lock import hold_daemon_locks
 from spotguard.daemon.notices import EventLog, NoticeBook, TrackedNotice, clock_checked
 from spotguard.daemon.notify import SystemdNotifier, watchdog_loop
 from spotguard.daemon.peering import Peering
@@ -479,7 +480,14 @@ def _hangup_ignored() -> None:
 
 
 async def build_and_run(config: DaemonConfig) -> int:
-    """Build the real parts from ``config`` and run until SIGTERM/SIGINT."""
+    """Build the real parts from ``config`` and run until SIGTERM/SIGINT; :class:`DaemonRunning`
+    at once if another daemon has this checkpoint root or its state."""
+    # Before the journal, the event log or the bucket is touched: they are the other daemon's.
+    with hold_daemon_locks(config.state_dir, config.checkpoint_dir, spare_dir=config.socket.parent):
+        return await _build_and_serve(config)
+
+
+async def _build_and_serve(config: DaemonConfig) -> int:
     from spotguard.storage import open_storage
 
     storage = None

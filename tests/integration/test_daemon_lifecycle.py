@@ -202,3 +202,36 @@ def test_finished_files_upload_while_the_rest_is_still_being_written(vm: Vm, buc
     finally:
         gate.open.set()
         guard.close()
+
+
+def run_second_daemon(vm: Vm, socket: Path, state_dir: Path) -> subprocess.CompletedProcess[str]:
+    command = [
+        sys.executable, "-m", "spotguard", "run", "--provider", "none", "--socket", str(socket),
+        "--checkpoint-dir", str(vm.root), "--state-dir", str(state_dir), "--bucket", vm.bucket,
+    ]  # fmt: skip
+    return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_a_second_daemon_on_the_same_root_or_state_exits_naming_the_holder(
+    vm_factory: Callable[..., Vm], tmp_path: Path
+) -> None:
+    """Two daemons on one root uploaded what the other had pruned and pruned what the other was
+    uploading; with S3 the second's start would abort the first's live multipart uploads."""
+    first = vm_factory("vm-a")
+    assert first.process is not None
+    same_state = run_second_daemon(first, tmp_path / "second.sock", first.dir / "state")
+    assert same_state.returncode == 1, same_state.stderr
+    assert same_state.stderr.startswith(
+        f"spotguard: another spotguard daemon (pid {first.process.pid}) holds the state directory {first.dir / 'state'}"
+    ), same_state.stderr
+    other_state = run_second_daemon(first, tmp_path / "second.sock", tmp_path / "other-state")
+    assert other_state.returncode == 1, other_state.stderr
+    assert f"(pid {first.process.pid}) holds the checkpoint root {first.root}" in other_state.stderr
+    assert not (tmp_path / "second.sock").exists()  # refused before it listened
+    # Another root beside it may share the state directory: each root's state is its own.
+    beside = vm_factory("vm-b", extra_args=["--provider", "none", "--state-dir", str(first.dir / "state")])
+    assert beside.process is not None and beside.status()["pid"] == beside.process.pid
+    # A daemon killed outright holds nothing: the kernel drops its locks with the process.
+    first.kill_daemon()
+    first.start_daemon()
+    assert first.process is not None and first.status()["pid"] == first.process.pid
