@@ -7,6 +7,7 @@ frozen, validated :class:`DaemonConfig`; any bad value raises
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import math
 import os
@@ -64,9 +65,24 @@ _MAX_SECONDS_OF = {
     # TCP_USER_TIMEOUT takes milliseconds in a C int; an hour of silence is a peer gone.
     "peer_io_timeout": (3600.0, "a peer silent this long is gone"),
 }
+# Loops that wait this long between rounds: below 10 ms one is a busy loop (a monitor asking the
+# metadata service, the uploader listing the root or the bucket, a failed upload retried) for no gain.
+_MIN_SECONDS_OF = ("poll_interval", "scan_interval", "bucket_scan_interval", "forecast_interval", "upload_retry_max")
+_MIN_LOOP_SECONDS = 0.01
 _MAX_SOCKET_PATH = 107  # bytes of a Unix socket's path (Linux: sun_path is 108, NUL included)
-# Counts that must be at least one.
-_AT_LEAST_ONE = ("keep_local", "keep_remote", "max_connections", "upload_concurrency", "upload_alert_after")
+# Each count's range, and why its ceiling: generous for any real VM, and short of what would take the
+# process down (threads, descriptors, memory) or overflow what is computed from it.
+_COUNT_RANGES: dict[str, tuple[int, int, str]] = {
+    "keep_local": (1, 10_000, "checkpoints kept on the local disk"),
+    "keep_remote": (1, 1_000_000, "checkpoints kept in the bucket"),
+    "max_connections": (1, 65_536, "each connection is a descriptor; no VM has trainers past this"),
+    "upload_concurrency": (1, 1024, "each stream is a thread and a connection"),
+    "upload_alert_after": (1, 1_000_000, "failures in a row before an alert"),
+    "max_message_bytes": (1024, 64 << 20, "a socket message is read whole into memory"),
+    "peer_max_replica_bytes": (1, 1 << 50, "1 PiB"),
+    "peer_max_replicas": (1, 1024, "replicas held at once, each with its connections and files"),
+    "peer_max_flows": (1, 256, "connections one handoff opens"),
+}
 
 
 def _own_uid_and_root() -> tuple[int, ...]:
@@ -161,11 +177,10 @@ class DaemonConfig:
         if self.provider not in providers.choices():
             raise ConfigError("provider", f"{self.provider!r} is not one of {', '.join(providers.choices())}")
         if self.metadata_url is not None:
-            parsed = urlparse(self.metadata_url)
-            if parsed.scheme not in ("http", "https") or not parsed.netloc:
-                raise ConfigError("metadata_url", f"{self.metadata_url!r} is not scheme://host[:port]")
+            _check_http_url("metadata_url", self.metadata_url, "scheme://host[:port]")
         if self.bucket is not None:
             check_bucket_url(self.bucket, key="bucket")
+            self._check_bucket_leaves_the_root(self.bucket)
         # Past the limit the daemon stopped with only "AF_UNIX path too long", naming neither setting nor limit.
         socket_bytes = len(os.fsencode(self.socket))
         if socket_bytes > _MAX_SOCKET_PATH:
@@ -178,6 +193,21 @@ class DaemonConfig:
         if store is not None and self.checksum not in store.checksum_modes:
             takers = [f"{s.name}://" for s in SCHEMES.values() if self.checksum in s.checksum_modes and s.options]
             raise ConfigError("checksum", f"{self.checksum} is for {', '.join(takers)} stores; {store.checksum_note}")
+
+    def _check_bucket_leaves_the_root(self, url: str) -> None:
+        """A file:// bucket that is the checkpoint root, lies inside it or holds it: every upload
+        would be a copy on the same disk, and a lost VM would lose the bucket with it."""
+        if urlparse(url).scheme != "file":
+            return
+        bucket = Path(urlparse(url).path).resolve()
+        root = self.checkpoint_dir.absolute().resolve()
+        if bucket == root or bucket.is_relative_to(root) or root.is_relative_to(bucket):
+            where = "is" if bucket == root else "lies inside" if bucket.is_relative_to(root) else "holds"
+            raise ConfigError(
+                "bucket",
+                f"{url!r} {where} the checkpoint root {root}: nothing would leave this VM; point the "
+                "bucket at storage of its own (s3://, gs://, or file:// on a shared filesystem outside the root)",
+            )
 
     def _check_numbers(self) -> None:
         for name in _POSITIVE_SECONDS:
@@ -196,9 +226,14 @@ class DaemonConfig:
             wrong = [each for each in getattr(self, name) if not 0 <= each < 2**32 - 1]
             if wrong:
                 raise ConfigError(name, f"{wrong[0]} is not a uid or gid (0 to 4294967294)")
-        for name in _AT_LEAST_ONE:
-            if getattr(self, name) < 1:
-                raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
+        for name in _MIN_SECONDS_OF:
+            if getattr(self, name) < _MIN_LOOP_SECONDS:
+                raise ConfigError(
+                    name, f"must be at least {_MIN_LOOP_SECONDS} s (less is a busy loop), got {getattr(self, name)}"
+                )
+        for name, (least, most, why) in _COUNT_RANGES.items():
+            if not least <= getattr(self, name) <= most:
+                raise ConfigError(name, f"must be in {least}..{most} ({why}), got {getattr(self, name)}")
         if self.bucket is not None and self.keep_local > self.keep_remote:
             # Local checkpoints the bucket no longer holds look "not uploaded": each rescan would
             # send them again and each retention would delete them again, forever.
@@ -207,8 +242,6 @@ class DaemonConfig:
                 f"{self.keep_local} is more than keep_remote = {self.keep_remote}: the bucket must keep at least "
                 "what the local disk keeps; raise keep_remote or lower keep_local",
             )
-        if self.max_message_bytes < 1024:
-            raise ConfigError("max_message_bytes", f"must be >= 1024, got {self.max_message_bytes}")
 
     def _check_observers(self) -> None:
         """Logs, metrics and the webhook."""
@@ -219,9 +252,7 @@ class DaemonConfig:
         if not self.metrics_host.strip():
             raise ConfigError("metrics_host", "must be an address to listen on, e.g. 127.0.0.1")
         if self.webhook_url is not None:
-            parsed = urlparse(self.webhook_url)
-            if parsed.scheme not in ("http", "https") or not parsed.netloc:
-                raise ConfigError("webhook_url", f"{self.webhook_url!r} is not an http:// or https:// URL")
+            _check_http_url("webhook_url", self.webhook_url, "an http:// or https:// URL")
         if self.webhook_template is not None:
             parse_webhook_template(self.webhook_template)
 
@@ -240,9 +271,6 @@ class DaemonConfig:
                     raise ConfigError(key, str(exc)) from None
         if (self.peer_listen or self.peers) and self.bucket is None:
             raise ConfigError("peers" if self.peers else "peer_listen", "peers share one bucket: set bucket too")
-        for name in ("peer_max_replica_bytes", "peer_max_replicas", "peer_max_flows"):
-            if getattr(self, name) < 1:
-                raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
         try:
             parse_networks(self.peer_networks)
         except ValueError as exc:
@@ -284,6 +312,18 @@ class DaemonConfig:
         offered = {"max_concurrency": self.upload_concurrency, "checksum": self.checksum}
         store = scheme_of(self.bucket or "")
         return {key: value for key, value in offered.items() if store is not None and key in store.options}
+
+
+def _check_http_url(key: str, url: str, form: str) -> None:
+    try:
+        parsed = urlparse(url)
+        parsed.port  # noqa: B018  (a port that is no number, or past 65535, raises only here)
+    except ValueError as exc:
+        # urlparse's own words ("Invalid IPv6 URL") named neither the setting nor the fix.
+        hint = "; put an IPv6 host in a pair of brackets, e.g. http://[fd00::1]:8080" if "IPv6" in str(exc) else ""
+        raise ConfigError(key, f"{url!r} is not {form}: {exc}{hint}") from None
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise ConfigError(key, f"{url!r} is not {form}")
 
 
 def _is_loopback(host: str) -> bool:
@@ -357,6 +397,8 @@ def _as_number(kind: type) -> Callable[[Any], Any]:
     def parse(value: Any) -> Any:
         if isinstance(value, bool):
             raise ValueError(f"{value!r} is not a number")
+        if kind is int:
+            return _as_whole_number(value)
         number = kind(value)
         # float("inf") and float("1e999") parse: a poll interval of infinity left the monitor deaf
         # after its first look, and no check of "> 0" refuses it.
@@ -367,8 +409,33 @@ def _as_number(kind: type) -> Callable[[Any], Any]:
     return parse
 
 
+def _as_whole_number(value: Any) -> int:
+    """An integer, or a float or text that is one (TOML's ``1e6``); int() cut ``keep_local = 1.7`` to 1."""
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            return int(value)
+        value = float(value)
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    raise ValueError("not a whole number")
+
+
+def _as_str(value: Any) -> str:
+    # str() made asg_name = {a=1} the group "{'a': 1}".
+    if not isinstance(value, str):
+        raise TypeError(f"{_toml_type(value)}, where a string is wanted; quote it")
+    return value
+
+
+def _toml_type(value: Any) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a float", dict: "a table", list: "an array"}
+    return next((name for kind, name in names.items() if isinstance(value, kind)), f"a {type(value).__name__}")
+
+
 def _as_path(value: Any) -> Path:
-    text = str(value)
+    text = os.fspath(value) if isinstance(value, os.PathLike) else _as_str(value)
     # An empty path is the working directory (/ under systemd): the checkpoint root would be the whole disk.
     if not text.strip():
         raise ValueError("an empty path; name a directory or file")
@@ -378,7 +445,7 @@ def _as_path(value: Any) -> Path:
 
 
 def _as_optional_str(value: Any) -> str | None:
-    text = str(value).strip()
+    text = _as_str(value).strip()
     return text or None
 
 
@@ -390,10 +457,10 @@ def _as_optional_int(value: Any) -> int | None:
 
 
 _PARSERS: dict[str, Callable[[Any], Any]] = {
-    "str": str,
+    "str": _as_str,
     "str | None": _as_optional_str,
     "Path": _as_path,
-    "Path | None": lambda v: _as_path(v) if str(v).strip() else None,
+    "Path | None": lambda v: None if isinstance(v, str) and not v.strip() else _as_path(v),
     "float": _as_number(float),
     "int": _as_number(int),
     "int | None": _as_optional_int,

@@ -205,7 +205,7 @@ def test_doctor_hints_at_the_hop_limit_when_only_the_token_put_times_out(imds: R
         metadata_url=imds.url,
         http_timeout=0.3,
         socket=tmp_path / "spotguard.sock",
-        checkpoint_dir=tmp_path,
+        checkpoint_dir=tmp_path / "nvme",
         bucket=(tmp_path / "bucket").as_uri(),
     )
     code, output = doctor(config, upload_probe_bytes=1 * MiB)

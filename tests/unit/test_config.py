@@ -114,6 +114,95 @@ def test_the_ceilings_themselves_are_allowed() -> None:
 
 
 @pytest.mark.parametrize(
+    ("line", "says"),
+    [
+        # urlparse's own "Invalid IPv6 URL" was all the daemon said, naming no setting.
+        (
+            'webhook_url = "http://[::1"',
+            "webhook_url: 'http://[::1' is not an http:// or https:// URL: Invalid IPv6 URL",
+        ),
+        (
+            'metadata_url = "http://[fd00::1"',
+            "metadata_url: 'http://[fd00::1' is not scheme://host[:port]: Invalid IPv6",
+        ),
+        (
+            'webhook_url = "http://hooks:99999/x"',
+            "webhook_url: 'http://hooks:99999/x' is not an http:// or https:// URL",
+        ),
+        # int() cut these to 1 and to 70000 (which the port check then reported).
+        ("keep_local = 1.7", "keep_local: cannot use 1.7: not a whole number"),
+        ("metrics_port = 70000.5", "metrics_port: cannot use 70000.5: not a whole number"),
+        # str() made a table the Auto Scaling group "{'a': 1}".
+        ("asg_name = {a=1}", "asg_name: cannot use {'a': 1}: a table, where a string is wanted; quote it"),
+        ("metrics_host = 5", "metrics_host: cannot use 5: an integer, where a string is wanted"),
+        ("checkpoint_dir = [1]", "checkpoint_dir: cannot use [1]: an array, where a string is wanted"),
+        # Accepted, with no ceiling: a busy loop, a socket read of 1e30 bytes, a billion streams.
+        ("max_message_bytes = 1e30", "max_message_bytes: must be in 1024..67108864 (a socket message is read whole"),
+        ("poll_interval = 1e-300", "poll_interval: must be at least 0.01 s (less is a busy loop), got 1e-300"),
+        ("scan_interval = 0.001", "scan_interval: must be at least 0.01 s"),
+        ("max_connections = 1e11", "max_connections: must be in 1..65536 (each connection is a descriptor"),
+        ("upload_concurrency = 1e9", "upload_concurrency: must be in 1..1024 (each stream is a thread"),
+        ("keep_remote = 2000000", "keep_remote: must be in 1..1000000"),
+        ("peer_max_replicas = 5000", "peer_max_replicas: must be in 1..1024"),
+        ("peer_max_flows = 1000", "peer_max_flows: must be in 1..256"),
+        ("peer_max_replica_bytes = 1e18", "peer_max_replica_bytes: must be in 1..1125899906842624 (1 PiB)"),
+    ],
+)
+def test_a_setting_of_the_wrong_kind_or_out_of_its_range_is_refused_naming_it(
+    tmp_path: Path, line: str, says: str
+) -> None:
+    file = tmp_path / "spotguard.toml"
+    file.write_text(line + "\n")
+    with pytest.raises(ConfigError) as info:
+        load_config({}, env={}, config_file=file)
+    assert str(info.value).startswith(says), str(info.value)
+
+
+def test_whole_numbers_written_as_floats_or_text_are_taken() -> None:
+    env = {"SPOTGUARD_KEEP_REMOTE": "1e3", "SPOTGUARD_KEEP_LOCAL": " 3 ", "SPOTGUARD_UPLOAD_CONCURRENCY": "1024"}
+    config = load_config({"max_connections": 2.0}, env=env)
+    assert (config.keep_remote, config.keep_local, config.upload_concurrency, config.max_connections) == (
+        1000,
+        3,
+        1024,
+        2,
+    )
+    assert isinstance(config.keep_remote, int) and isinstance(config.max_connections, int)
+    with pytest.raises(ConfigError, match=r"^SPOTGUARD_KEEP_LOCAL: cannot use '2\.5': not a whole number"):
+        load_config({}, env={"SPOTGUARD_KEEP_LOCAL": "2.5"})
+    assert load_config({}, env={"SPOTGUARD_POLL_INTERVAL": "0.01"}).poll_interval == 0.01
+
+
+@pytest.mark.parametrize(
+    ("bucket", "root", "where"),
+    [
+        ("ckpt", "ckpt", "is"),
+        ("ckpt/remote", "ckpt", "lies inside"),
+        ("data", "data/ckpt", "holds"),
+        ("link", "ckpt", "is"),  # through a symlink to the root
+    ],
+)
+def test_a_file_bucket_on_the_checkpoint_root_is_refused(tmp_path: Path, bucket: str, root: str, where: str) -> None:
+    """Uploads were copies on the same disk, with no warning: nothing ever left the VM."""
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "ckpt")
+    url = (tmp_path / bucket).as_uri()
+    with pytest.raises(ConfigError) as info:
+        load_config({"bucket": url, "checkpoint_dir": str(tmp_path / root)}, env={})
+    assert str(info.value).startswith(f"bucket: {url!r} {where} the checkpoint root {tmp_path / root}: nothing"), str(
+        info.value
+    )
+    beside = load_config({"bucket": (tmp_path / "bucket").as_uri(), "checkpoint_dir": str(tmp_path / "ckpt")}, env={})
+    assert beside.bucket == (tmp_path / "bucket").as_uri()
+
+
+def test_a_daemon_with_its_bucket_on_its_root_exits_2_in_one_line(tmp_path: Path) -> None:
+    root = tmp_path / "nvme"
+    line = run_refused("--checkpoint-dir", str(root), "--bucket", root.as_uri(), "--socket", str(tmp_path / "s"))
+    assert line.startswith(f"spotguard: config: bucket: '{root.as_uri()}' is the checkpoint root {root}: "), line
+
+
+@pytest.mark.parametrize(
     ("env", "says"),
     [
         ({"SPOTGUARD_CHECKPOINT_DIR": ""}, "SPOTGUARD_CHECKPOINT_DIR: cannot use '': an empty path"),
