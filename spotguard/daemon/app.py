@@ -32,7 +32,7 @@ from spotguard.daemon.lock import hold_daemon_locks
 from spotguard.daemon.notices import EventLog, NoticeBook, TrackedNotice, clock_checked
 from spotguard.daemon.notify import SystemdNotifier, watchdog_loop
 from spotguard.daemon.peering import Peering
-from spotguard.daemon.plan import Planner, probe_upload
+from spotguard.daemon.plan import Planner, probe_upload, sweep_rate_probes
 from spotguard.daemon.requests import RequestHandler, checkpoint_now
 from spotguard.daemon.server import SocketServer
 from spotguard.daemon.stall import StallWatch
@@ -450,9 +450,18 @@ class Daemon:
 
 
 async def _prepare_store(storage: Storage, config: DaemonConfig) -> None:
-    """Before the first notice: credentials and connections (not at notice time), and the multipart
-    uploads an earlier run left open (open and billed; nobody resumes them) aborted."""
+    """Before the first notice: credentials and connections (not at notice time), the rate probes
+    and multipart uploads an earlier run left (billed; nobody resumes them) removed."""
     await asyncio.to_thread(storage.warm)
+    try:
+        swept = await asyncio.to_thread(
+            sweep_rate_probes, storage, older_than=timedelta(seconds=config.incomplete_grace)
+        )
+    except (StorageError, OSError) as exc:  # the next start tries again; nothing here is urgent
+        logger.warning("could not sweep old upload-rate probes from %s: %s", storage.url, exc)
+    else:
+        if swept:
+            logger.info("removed %d upload-rate probe object(s) an earlier run left in the bucket", swept)
     if Capability.STALE_SWEEP not in storage.capabilities:
         return
     # Exactly the uploads a killed predecessor opened, however young: they are ours to abort.

@@ -37,6 +37,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -220,6 +221,19 @@ def probe_upload(storage: Storage, size: int = PROBE_BYTES) -> tuple[int, float]
         storage.delete([key])
 
 
+def sweep_rate_probes(storage: Storage, older_than: timedelta, now: datetime | None = None) -> int:
+    """Delete the probe objects (and a file:// store's temporary copies of them) untouched for
+    ``older_than``; how many. A daemon killed between a probe's upload and its delete leaves its
+    object for good; a younger one may be another daemon's probe under way (a fleet starts at once)."""
+    now = now or datetime.now(UTC)
+    prefix = f"{PROBE_PREFIX}/"
+    found = [*storage.list(prefix), *storage.temporaries(prefix)]
+    stale = [obj.key for obj in found if obj.modified is not None and obj.modified + older_than <= now]
+    if stale:
+        storage.delete(stale)
+    return len(stale)
+
+
 __all__ = [
     "FIT_FRACTION",
     "PROBE_PREFIX",
@@ -231,4 +245,5 @@ __all__ = [
     "SizeFrom",
     "choose_route",
     "probe_upload",
+    "sweep_rate_probes",
 ]

@@ -206,6 +206,12 @@ class Storage(Protocol):
         answers; None where there is nothing to probe."""
         ...
 
+    def temporaries(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Writes in progress, or left behind by a writer killed mid-write, whose key starts with
+        ``prefix``: what ``list`` leaves out, and ``delete`` removes. None in a store whose unfinished
+        writes are no objects (S3's multipart uploads are aborted instead)."""
+        ...
+
 
 class StoreDefaults:
     """The optional methods of :class:`Storage` for a store that lacks their capability: a store
@@ -233,6 +239,9 @@ class StoreDefaults:
 
     def probe_checksum(self, key: str, *, adopt: bool = False) -> ChecksumProbe | None:
         return None
+
+    def temporaries(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        return iter(())
 
 
 def split_bucket_url(url: str, scheme: str) -> tuple[str, str]:

@@ -511,9 +511,15 @@ def prune_remote(
     incomplete ones nothing has written to for ``grace`` (leftovers of a VM that died mid-upload;
     a younger one may be another node's share, or an upload still under way elsewhere). Never
     touches the newest complete checkpoint or any name in ``protected`` (uploads in flight here).
-    Manifests go first, so a half-deleted checkpoint is never mistaken for a complete one."""
+    Manifests go first, so a half-deleted checkpoint is never mistaken for a complete one.
+
+    The temporary files of a file:// store's copies go with the checkpoint they were written into,
+    and a copy's write counts as a write to its checkpoint; one left anywhere else (by a writer
+    killed mid-copy) is deleted once untouched for ``grace``, like an incomplete checkpoint."""
     now = now or datetime.now(UTC)
     groups = _group_by_checkpoint(storage.list())  # one listing serves both the status and the keys
+    temporaries = list(storage.temporaries())
+    copies = _group_by_checkpoint(temporaries)
     infos = _examine(storage, groups, known=known)
     for info in infos:
         if info.foreign_format is not None:
@@ -526,9 +532,8 @@ def prune_remote(
     newest = complete[-1].name if complete else None
 
     def stale(name: str) -> bool:
-        written = [obj.modified for obj in groups.get(name, {}).values()]
-        # An object whose store gives no time counts as young: never delete what may be in use.
-        return all(when is not None and when + grace <= now for when in written)
+        written = (*groups.get(name, {}).values(), *copies.get(name, {}).values())
+        return all(_untouched(obj, grace, now) for obj in written)
 
     doomed = [info for info in complete[: -max(keep, 1)]]
     doomed += [info for info in infos if info.status == "incomplete" and stale(info.name)]
@@ -537,8 +542,18 @@ def prune_remote(
         keys = list(groups.get(info.name, {}))
         if MANIFEST in keys:
             storage.delete([f"{info.name}/{MANIFEST}"])
+        keys += copies.get(info.name, {})  # else it stays, unlisted, in the bucket forever
         storage.delete(f"{info.name}/{rel}" for rel in keys if rel != MANIFEST)
+    spared = {info.name for info in doomed} | protected  # gone already; in flight here
+    left = [obj.key for obj in temporaries if obj.key.partition("/")[0] not in spared and _untouched(obj, grace, now)]
+    if left:
+        storage.delete(left)
     return [info.name for info in doomed]
+
+
+def _untouched(obj: ObjectInfo, grace: timedelta, now: datetime) -> bool:
+    # An object whose store gives no time counts as young: never delete what may be in use.
+    return obj.modified is not None and obj.modified + grace <= now
 
 
 class UploadProgress:

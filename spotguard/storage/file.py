@@ -122,11 +122,19 @@ class FileStorage(StoreDefaults):
             return None
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        return self._walk(prefix, temporary=False)
+
+    def temporaries(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """The temporary files of copies in progress, and of copies a kill stopped (their time is
+        that of their last write)."""
+        return self._walk(prefix, temporary=True)
+
+    def _walk(self, prefix: str, *, temporary: bool) -> Iterator[ObjectInfo]:
         if not self.root.is_dir():
             return
         for dirpath, _dirs, names in os.walk(self.root):
             for name in names:
-                if TMP_MARK in name:  # a write in progress (DCP's own ".metadata" is a real file)
+                if (TMP_MARK in name) is not temporary:  # a write in progress (DCP's own ".metadata" is a real file)
                     continue
                 full = Path(dirpath) / name
                 key = full.relative_to(self.root).as_posix()

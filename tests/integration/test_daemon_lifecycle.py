@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,9 +15,13 @@ import torch
 
 from spotguard import Guard
 from spotguard.control import request
+from spotguard.daemon.plan import PROBE_PREFIX
 from spotguard.harness import Vm, wait_for
+from spotguard.safefile import TMP_MARK
+from spotguard.storage.base import put_bytes
 from spotguard.storage.checkpoints import list_remote
 from spotguard.storage.file import FileStorage
+from tests.checkpoints import write_checkpoint
 
 
 def committed(bucket: str) -> list[int]:
@@ -235,3 +241,30 @@ def test_a_second_daemon_on_the_same_root_or_state_exits_naming_the_holder(
     first.kill_daemon()
     first.start_daemon()
     assert first.process is not None and first.status()["pid"] == first.process.pid
+
+
+def test_what_a_killed_daemon_left_in_a_file_bucket_is_removed_after_its_restart(
+    vm_factory: Callable[..., Vm], bucket: str
+) -> None:
+    """Killed mid-copy, and between a rate probe's upload and its delete, a daemon left a temporary
+    file and a 1 MiB probe object in the bucket for good: listings skip the one, nothing swept the other."""
+    vm = vm_factory("leftovers", start=False)
+    storage = FileStorage(bucket)
+    put_bytes(storage, f"{PROBE_PREFIX}/left.bin", b"p" * 1024)
+    put_bytes(storage, f"{PROBE_PREFIX}/fresh.bin", b"p" * 1024)  # another daemon's, probing now
+    two_hours_ago = time.time() - 2 * 3600
+    os.utime(storage.root / PROBE_PREFIX / "left.bin", (two_hours_ago, two_hours_ago))
+    write_checkpoint(vm.root, 1, {"model.pt": b"m" * 4096})
+    cut_copy = storage.root / "step-000000001" / f".model.pt{TMP_MARK}19545"  # killed a moment ago
+    cut_copy.parent.mkdir()
+    cut_copy.write_bytes(b"m" * 1024)
+
+    vm.start_daemon(env={"SPOTGUARD_KEEP_REMOTE": "1", "SPOTGUARD_KEEP_LOCAL": "1"})
+    # Swept before the daemon listens; the young one may be in use.
+    assert not (storage.root / PROBE_PREFIX / "left.bin").exists()
+    assert (storage.root / PROBE_PREFIX / "fresh.bin").exists()
+    wait_for(lambda: committed(bucket) == [1], 30, "step 1 in the bucket")
+    assert cut_copy.exists()  # young, in a checkpoint still kept: it may be another node's copy
+    write_checkpoint(vm.root, 2, {"model.pt": b"n" * 4096})
+    wait_for(lambda: committed(bucket) == [2], 30, "step 2 in the bucket, step 1 pruned")
+    wait_for(lambda: not cut_copy.parent.exists(), 30, "step 1's directory to go, its temporary file with it")

@@ -7,6 +7,7 @@ import random
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import boto3
@@ -15,8 +16,10 @@ import google_crc32c
 import pytest
 
 from spotguard.crc32c import crc32c_combine
+from spotguard.daemon.plan import PROBE_PREFIX, sweep_rate_probes
+from spotguard.harness import wait_for
 from spotguard.safefile import SymlinkRefused
-from spotguard.storage.base import ObjectNotFound, Storage, StorageError, TransientStorageError
+from spotguard.storage.base import ObjectNotFound, Storage, StorageError, TransientStorageError, put_bytes
 from spotguard.storage.s3 import MiB, S3Storage
 from tests.faultproxy import FaultProxy
 from tests.servers import FAKE_AWS_ENV, S3Server, moto_s3
@@ -284,6 +287,27 @@ def test_s3_abort_stale_multipart_uploads_aborts_only_under_prefix(url: str, env
     assert uploads_under(raw, env.bucket, storage.prefix) == []
     assert [u["Key"] for u in uploads_under(raw, env.bucket, "elsewhere/")] == ["elsewhere/c"]
     raw.abort_multipart_upload(Bucket=env.bucket, Key="elsewhere/c", UploadId=outside["UploadId"])  # type: ignore[attr-defined]
+
+
+def test_s3_rate_probe_sweep_removes_only_probes_older_than_the_grace(url: str) -> None:
+    """A probe a killed daemon never deleted goes; one put a moment later (another daemon probing
+    now) stays. The store's own times decide: the grace is the time between the two puts."""
+    storage = S3Storage(url)
+    try:
+        put_bytes(storage, f"{PROBE_PREFIX}/left.bin", b"p" * 1024)
+        put_bytes(storage, "step-000000001/w.pt", b"w")
+        [left] = storage.list(PROBE_PREFIX)
+        assert left.modified is not None
+        # The store's times are whole seconds: the next put must fall in a later one.
+        wait_for(lambda: datetime.now(UTC) >= left.modified + timedelta(seconds=1.1), 5, "a second to pass")
+        put_bytes(storage, f"{PROBE_PREFIX}/fresh.bin", b"p" * 1024)
+        fresh = storage.stat(f"{PROBE_PREFIX}/fresh.bin")
+        assert fresh is not None and fresh.modified is not None and fresh.modified > left.modified
+        grace = (fresh.modified - left.modified) / 2
+        assert sweep_rate_probes(storage, older_than=grace, now=fresh.modified) == 1
+        assert [obj.key for obj in storage.list()] == [f"{PROBE_PREFIX}/fresh.bin", "step-000000001/w.pt"]
+    finally:
+        storage.close()
 
 
 def test_s3_abort_stale_multipart_uploads_spares_recent_ones() -> None:

@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+import os
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from spotguard.daemon.events import PlanChanged
-from spotguard.daemon.plan import FIT_FRACTION, AnnouncedSizes, Planner, RateMeter, Route, SizeFrom, choose_route
+from spotguard.daemon.plan import (
+    FIT_FRACTION,
+    PROBE_PREFIX,
+    AnnouncedSizes,
+    Planner,
+    RateMeter,
+    Route,
+    SizeFrom,
+    choose_route,
+    sweep_rate_probes,
+)
 from spotguard.manifest import FileEntry, step_dir_name, write_part
 from spotguard.notice import Kind, Notice
+from spotguard.safefile import TMP_MARK
+from spotguard.storage.base import put_bytes
+from spotguard.storage.file import FileStorage
 from tests.checkpoints import write_checkpoint
 
 MB = 1_000_000
@@ -163,3 +178,24 @@ def test_a_revision_learns_the_size_announced_while_the_race_runs() -> None:
     writing = {"urgent": True, "rate_bytes_s": None, "bytes_total": 600 * MB, "bytes_done": 0}
     revised = planner.revise(writing)
     assert revised is not None and revised.bytes == 600 * MB and revised.size_from is SizeFrom.URGENT
+
+
+def test_rate_probes_older_than_the_grace_are_swept_and_younger_ones_kept(tmp_path: Path) -> None:
+    """A daemon killed between a probe's upload and its delete left .spotguard-rate-probe/<uuid>.bin
+    (1 MiB) in the bucket for good; a young one may be another daemon's probe under way."""
+    storage = FileStorage((tmp_path / "bucket").as_uri())
+    two_hours_ago = (datetime.now(UTC) - timedelta(hours=2)).timestamp()
+    for name in ("left.bin", "fresh.bin"):
+        put_bytes(storage, f"{PROBE_PREFIX}/{name}", b"p" * 1024)
+    killed_mid_write = storage.root / PROBE_PREFIX / f".cut.bin{TMP_MARK}0a1b2c3d"
+    killed_mid_write.write_bytes(b"p")
+    for path in (storage.root / PROBE_PREFIX / "left.bin", killed_mid_write):
+        os.utime(path, (two_hours_ago, two_hours_ago))
+    write_checkpoint(storage.root, 1, {"w.pt": b"1"})
+    os.utime(storage.root / "step-000000001" / "w.pt", (two_hours_ago, two_hours_ago))
+
+    assert sweep_rate_probes(storage, older_than=timedelta(hours=1)) == 2
+    assert [obj.key for obj in storage.list(PROBE_PREFIX)] == [f"{PROBE_PREFIX}/fresh.bin"]
+    assert not killed_mid_write.exists()
+    assert (storage.root / "step-000000001" / "w.pt").exists()  # only the probe's prefix is swept
+    assert sweep_rate_probes(storage, older_than=timedelta(hours=1)) == 0

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -9,6 +10,7 @@ import pytest
 
 from spotguard.crc32c import crc32c_of_bytes
 from spotguard.manifest import MANIFEST, load_manifest
+from spotguard.safefile import TMP_MARK
 from spotguard.storage.base import Progress, StorageError, TransientStorageError, retry
 from spotguard.storage.checkpoints import (
     CheckpointUnreadable,
@@ -156,6 +158,49 @@ def test_prune_remote_keeps_newest_and_drops_leftovers_past_the_grace(tmp_path: 
     assert prune_remote(storage, keep=1, protected=frozenset({"step-000000003"}), now=later) == []
     assert prune_remote(storage, keep=1, grace=timedelta(0)) == ["step-000000003"]
     assert [i.step for i in list_remote(storage)] == [4]  # the newest complete stays, whatever keep says
+
+
+def killed_copy(storage: FileStorage, key: str, *, age: timedelta = timedelta(0)) -> Path:
+    """The temporary file a copy into ``key`` leaves when its daemon is killed mid-copy, last
+    written ``age`` ago."""
+    target = storage.root / key
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}{TMP_MARK}19545")
+    tmp.write_bytes(b"x" * 4096)
+    when = (datetime.now(UTC) - age).timestamp()
+    os.utime(tmp, (when, when))
+    return tmp
+
+
+def test_prune_removes_a_killed_copys_temporary_file_with_its_checkpoint_or_once_it_is_stale(
+    tmp_path: Path, storage: FileStorage
+) -> None:
+    """A daemon killed mid-copy left step-000000001/.model.pt.tmp-19545 in the bucket for good:
+    listings skip temporary files, so neither retention nor ``spotguard prune`` ever saw it."""
+    for step in (1, 2, 3):
+        write_checkpoint(tmp_path / "local", step, {"model.pt": bytes([step])})
+        upload_checkpoint(storage, tmp_path / "local" / f"step-00000000{step}")
+    in_pruned = killed_copy(storage, "step-000000001/model.pt")  # young: it goes with its checkpoint
+    stale_in_kept = killed_copy(storage, "step-000000003/optim.pt", age=timedelta(hours=2))
+    fresh_in_kept = killed_copy(storage, "step-000000003/extra.pt")  # another node's copy, under way
+    stale_alone = killed_copy(storage, "step-000000009/model.pt", age=timedelta(hours=2))
+    fresh_alone = killed_copy(storage, "step-000000010/model.pt")
+    # An incomplete checkpoint whose listed file is old, with a copy into it still being written: not stale.
+    (storage.root / "step-000000008").mkdir()
+    (storage.root / "step-000000008" / "w.pt").write_bytes(b"8")
+    old = (datetime.now(UTC) - timedelta(hours=2)).timestamp()
+    os.utime(storage.root / "step-000000008" / "w.pt", (old, old))
+    copying = killed_copy(storage, "step-000000008/big.pt")
+
+    assert prune_remote(storage, keep=2) == ["step-000000001"]
+    assert not in_pruned.exists() and not (storage.root / "step-000000001").exists()
+    assert not stale_in_kept.exists() and fresh_in_kept.exists()
+    assert not stale_alone.exists() and not (storage.root / "step-000000009").exists()
+    assert fresh_alone.exists() and copying.exists()
+    assert [(i.step, i.status) for i in list_remote(storage)] == [(2, "complete"), (3, "complete"), (8, "incomplete")]
+    assert sorted(t.key for t in storage.temporaries()) == [
+        "step-000000003/.extra.pt.tmp-19545", "step-000000008/.big.pt.tmp-19545", "step-000000010/.model.pt.tmp-19545"
+    ]  # fmt: skip
 
 
 def test_put_file_rejects_wrong_checksum(tmp_path: Path, storage: FileStorage) -> None:
