@@ -95,6 +95,14 @@ def parse_step_dir(name: str) -> int | None:
     return None
 
 
+# A file's bucket key is <prefix>step-NNNNNNNNN/<name>, and S3 takes keys of at most 1024 UTF-8 bytes.
+MAX_NAME_BYTES = 1024 - len("step-/") - STEP_WIDTH
+MAX_SEGMENT_BYTES = 255  # a file or directory name, as the filesystems take it
+# Directories a name goes through, the file included. Checkpoints are shallow (DCP, Lightning and
+# Hugging Face write one or two levels); the bound keeps a peer from making a directory per byte sent.
+MAX_NAME_DEPTH = 32
+
+
 def _bad_segment(segment: str) -> bool:
     return segment in ("", ".", "..") or any(ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F for c in segment)
 
@@ -102,14 +110,30 @@ def _bad_segment(segment: str) -> bool:
 def check_relpath(relpath: str) -> str:
     """A file name inside a checkpoint, in its one canonical form: a relative POSIX path of plain
     segments (none empty, ``.``, ``..`` or holding a control character), no backslash, no leading
-    ``/``. Anything else (``./manifest.json``, ``a//b``, ``a/../b``) raises :class:`ManifestError`:
-    a name is never rewritten into another one. Returns ``relpath``."""
-    if not isinstance(relpath, str) or "\\" in relpath or any(_bad_segment(s) for s in relpath.split("/")):
-        raise ManifestError(f"file name {relpath!r} is not a plain relative path inside the checkpoint")
+    ``/``, text that encodes as UTF-8 (no lone surrogate), at most :data:`MAX_NAME_BYTES` bytes in at
+    most :data:`MAX_NAME_DEPTH` segments of at most :data:`MAX_SEGMENT_BYTES` bytes: a name every
+    filesystem and bucket takes. Anything else (``./manifest.json``, ``a//b``, ``a/../b``) raises
+    :class:`ManifestError`: a name is never rewritten into another one. Returns ``relpath``."""
+    if not isinstance(relpath, str):
+        raise ManifestError(f"file name {relpath!r} is not text")
+    shown = f"{relpath[:80]!r}" + (f" ({len(relpath)} characters)" if len(relpath) > 80 else "")
+    try:
+        encoded = relpath.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ManifestError(f"file name {shown} is not valid UTF-8 (a lone surrogate): no bucket takes it") from None
+    segments = encoded.split(b"/")
+    if len(encoded) > MAX_NAME_BYTES or len(segments) > MAX_NAME_DEPTH:
+        raise ManifestError(
+            f"file name {shown} is too long: at most {MAX_NAME_BYTES} bytes in {MAX_NAME_DEPTH} segments"
+        )
+    if any(len(segment) > MAX_SEGMENT_BYTES for segment in segments):
+        raise ManifestError(f"file name {shown} has a segment over {MAX_SEGMENT_BYTES} bytes")
+    if "\\" in relpath or any(_bad_segment(s) for s in relpath.split("/")):
+        raise ManifestError(f"file name {shown} is not a plain relative path inside the checkpoint")
     if str(PurePosixPath(relpath)) != relpath or relpath == MANIFEST:
-        raise ManifestError(f"file name {relpath!r} is not a plain relative path inside the checkpoint")
+        raise ManifestError(f"file name {shown} is not a plain relative path inside the checkpoint")
     if is_temporary(PurePosixPath(relpath).name):
-        raise ManifestError(f"file name {relpath!r} looks like a temporary file")
+        raise ManifestError(f"file name {shown} looks like a temporary file")
     return relpath
 
 

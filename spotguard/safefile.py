@@ -9,7 +9,9 @@ by a link to read a file the trainer could not.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
+import functools
 import logging
 import os
 import stat
@@ -79,6 +81,32 @@ def open_nofollow(path: Path) -> int:
 def read_nofollow(path: Path) -> bytes:
     with open(open_nofollow(path), "rb") as handle:
         return handle.read()
+
+
+_RENAME_NOREPLACE = 1  # linux/fs.h
+
+
+@functools.cache
+def _renameat2() -> Callable[..., int] | None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    return getattr(libc, "renameat2", None)
+
+
+def rename_new(source: Path, target: Path) -> None:
+    """Rename ``source`` to ``target`` only if nothing is there: ``FileExistsError`` otherwise, even
+    for an empty directory, which a plain rename would replace. Where the kernel or the filesystem
+    cannot refuse in the same call, a look just before the rename does."""
+    renameat2 = _renameat2()
+    if renameat2 is not None:
+        at = -100  # AT_FDCWD
+        if renameat2(at, os.fsencode(source), at, os.fsencode(target), _RENAME_NOREPLACE) == 0:
+            return
+        code = ctypes.get_errno()
+        if code not in (errno.ENOSYS, errno.EINVAL):
+            raise OSError(code, os.strerror(code), str(target))
+    if os.path.lexists(target):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(target))
+    os.rename(source, target)
 
 
 def fsync_dir(path: Path) -> None:

@@ -5,9 +5,12 @@ this node's own next urgent checkpoint. Both are decided by :meth:`Admission.res
 without yielding to the event loop: two offers arriving together cannot both see the last free slot.
 
 The bytes reserved for a replica are those its ``replica`` frame announces (the optional ``bytes``
-field; none announced reserves nothing). As its ``data`` frames declare its files, the sum of their
-sizes counts against the reservation too (:meth:`Admission.grow`): what goes beyond it is reserved
-then, under the same rule, or the replica is refused. An offer is refused when
+field; none announced reserves nothing). As its ``data`` frames declare its files, what they take on
+disk counts against the reservation too (:meth:`Admission.grow`): each file its size in whole blocks
+(one for an empty file) and each directory it makes one block
+(:func:`~spotguard.peer.files.on_disk`), so that a replica of many empty files in fresh directories
+reserves what it takes. What goes beyond the reservation is reserved then, under the same rule, or
+the replica is refused. An offer is refused when
 
     reserved bytes + this node's next urgent checkpoint + what other receiving replicas reserved
         > free bytes of the replica area's filesystem
@@ -40,8 +43,8 @@ _OWN_SIZE_TTL = 5.0  # seconds the newest local checkpoint's size, read from dis
 
 @dataclass(frozen=True)
 class ReplicaLimits:
-    """What a receiver takes: at most ``max_replicas`` replicas at once, each of at most ``max_replica_bytes``
-    bytes in at most ``max_files`` files of at most ``max_file_bytes`` bytes."""
+    """What a receiver takes: at most ``max_replicas`` replicas at once, each taking at most
+    ``max_replica_bytes`` bytes on disk in at most ``max_files`` files of at most ``max_file_bytes`` bytes."""
 
     max_replicas: int = 2
     max_replica_bytes: int = 1 << 40
@@ -54,7 +57,7 @@ class Admission:
 
     >>> admission = Admission(root / "peer-replicas", ReplicaLimits(max_replicas=2))
     >>> admission.reserve(replica_id, announced=10 << 30)  # raises PeerError "full" / "no-space"
-    >>> admission.grow(replica_id, total=…, files=…)        # on each new file a data frame declares
+    >>> admission.grow(replica_id, total=…, files=…, size=…, disk=…)  # on each new file a data frame declares
     >>> admission.release(replica_id)                       # the replica is gone
     """
 
@@ -80,20 +83,23 @@ class Admission:
         self._check_room(want, key)
         self.held[key] = want
 
-    def grow(self, key: str, total: int, files: int, size: int) -> None:
+    def grow(self, key: str, total: int, files: int, size: int, disk: int | None = None) -> None:
         """A data frame of the replica ``key`` declares a file of ``size`` bytes, making ``files`` files
-        of ``total`` bytes in all: what goes beyond the reservation is reserved now, or refused."""
+        of ``total`` bytes in all, which take ``disk`` bytes on disk with their directories (None:
+        ``total``): what goes beyond the reservation is reserved now, or refused."""
         limits = self.limits
         if files > limits.max_files:
             raise wire.PeerError("too-many-files", f"a replica may hold at most {limits.max_files} files")
         if size > limits.max_file_bytes:
             raise wire.PeerError("too-large", f"a file of a replica may hold at most {limits.max_file_bytes} bytes")
-        if total > limits.max_replica_bytes:
-            raise wire.PeerError("too-large", f"a replica may hold at most {limits.max_replica_bytes} bytes")
+        need = total if disk is None else max(total, disk)
+        if need > limits.max_replica_bytes:
+            limit = limits.max_replica_bytes
+            raise wire.PeerError("too-large", f"a replica may take at most {limit} bytes on disk, directories included")
         reserved = self.held.get(key, 0)
-        if total > reserved:
-            self._check_room(total - reserved, key)
-            self.held[key] = total
+        if need > reserved:
+            self._check_room(need - reserved, key)
+            self.held[key] = need
 
     def settled(self, key: str) -> None:
         """The replica ``key`` is whole on disk: it keeps its slot, its bytes are in the free space now."""

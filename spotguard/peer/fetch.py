@@ -18,7 +18,10 @@ than everything else is named in a warning, and the resume goes on from the newe
 The fetch checks every file against the manifest's CRC32C once more, on this side, and commits the
 way a trainer does: the files are written under ``<root>/.peer-fetch-XXXXXXXX/`` (never a step
 directory, so nothing scans it), the manifest last, and only then is the directory renamed into the
-checkpoint root. A fetch cut short leaves nothing that counts. That staging directory is made anew
+checkpoint root. A fetch cut short leaves nothing that counts. The checkpoint must be the one the
+peer offered, newer than every complete one, and a fetch never removes nor replaces a step directory
+the root holds already (one of that name is left as it is, and the fetch refused). Every byte of every
+file must have arrived in a data frame (spotguard/peer/files.py). That staging directory is made anew
 for each fetch (``mkdtemp``: a fresh name, mode 0700, never one that exists), each file in it is
 created exclusively and never through a link, and its removal follows no link: a path another local
 user planted there beforehand (``.peer-fetch`` as a link, say) is neither used nor followed.
@@ -43,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from spotguard.manifest import MANIFEST, Manifest, ManifestError, load_part, node_holdings, parse_step_dir, verify_dir
+from spotguard.manifest import MANIFEST, Manifest, ManifestError, load_part, node_holdings, parse_step_dir
 from spotguard.peer import wire, workers
 from spotguard.peer.channel import IO_TIMEOUT, Channel
 from spotguard.peer.client import PeerClient
@@ -53,6 +56,7 @@ from spotguard.peer.files import (
     check_range,
     create_exclusive,
     data_header,
+    footprint,
     make_parent,
     make_room,
     parse_manifest,
@@ -62,7 +66,7 @@ from spotguard.peer.flows import MAX_FLOWS, cut
 from spotguard.peer.receiver import PeerReceiver
 from spotguard.peer.replicas import Replica, ReplicaState
 from spotguard.peer.tokens import PeerToken
-from spotguard.safefile import atomic_file, fsync_dir, open_nofollow
+from spotguard.safefile import atomic_file, fsync_dir, open_nofollow, rename_new
 from spotguard.space import free_bytes
 
 logger = logging.getLogger("spotguard.peers")
@@ -211,14 +215,18 @@ async def fetch_replica(
     replica_id: str,
     root: Path,
     *,
+    name: str | None = None,
+    after: int = -1,
     connect: Callable[[], Awaitable[PeerClient]] | None = None,
     flows: int = 1,
 ) -> Path:
-    """Fetch a verified replica into ``root`` as a committed step directory; returns it. With
-    ``flows`` > 1, ``connect`` opens that many more connections less one to the same peer, and each
-    fetches its slice of the replica's pieces. Raises :class:`~spotguard.wire.PeerError`
-    (``mismatch`` for a file that fails its CRC32C) or ``OSError``; nothing of a failed fetch is
-    left behind."""
+    """Fetch a verified replica into ``root`` as a committed step directory; returns it. The peer must
+    send the checkpoint ``name`` (the one it offered; None: any) of a step newer than ``after``, and
+    ``root`` must not hold a directory of that name: a fetch never replaces one. With ``flows`` > 1,
+    ``connect`` opens that many more connections less one to the same peer, and each fetches its
+    slice of the replica's pieces. Raises :class:`~spotguard.wire.PeerError` (``mismatch`` for a
+    file that fails its CRC32C or a checkpoint other than the one offered), ``FileExistsError`` or
+    another ``OSError``; nothing of a failed fetch is left behind."""
     clients = [client]
     try:
         if connect is not None:
@@ -228,6 +236,7 @@ async def fetch_replica(
         heads = [await _ask_fetch(each, replica_id, k, len(clients)) for k, each in enumerate(clients)]
         if len({(head["name"], head["manifest"]) for head in heads}) != 1:
             raise wire.PeerError("mismatch", f"replica {replica_id}: its connections sent different manifests")
+        _check_offered(heads[0]["name"], name, after)
         return await _receive(clients, heads[0]["name"], heads[0]["manifest"], root)
     finally:
         for other in clients[1:]:
@@ -245,12 +254,30 @@ async def _ask_fetch(client: PeerClient, replica_id: str, part: int, parts: int)
     return {"name": wire.field(head, "name", str), "manifest": wire.field(head, "manifest", str)}
 
 
+def _check_offered(sent: str, offered: str | None, after: int) -> None:
+    """The checkpoint a peer sends must be the one it offered, and newer than ``after``: a peer that
+    offers one step and sends another could put an old checkpoint in place of a newer one."""
+    if offered is not None and sent != offered:
+        raise wire.PeerError("mismatch", f"asked for {offered}, the peer sent {sent[:40]!r}")
+    step = parse_step_dir(sent)
+    if step is None or step <= after:
+        raise wire.PeerError("mismatch", f"the peer sent {sent[:40]!r}, not a checkpoint newer than step {after}")
+
+
+def _refuse_existing(target: Path) -> None:
+    """A step directory (or anything) already at ``target`` is left as it is: a fetch never replaces one."""
+    if os.path.lexists(target):
+        raise FileExistsError(f"{target} exists already: a fetch never replaces a checkpoint directory")
+
+
 async def _receive(clients: list[PeerClient], name: str, text: str, root: Path) -> Path:
     """Every client's data frames into a fresh staging directory, checked, then committed in ``root``."""
     manifest = parse_manifest(text, name)
+    await asyncio.to_thread(_refuse_existing, root / name)
     await asyncio.to_thread(remove_stale_staging, root)
-    if (free := await asyncio.to_thread(free_bytes, root)) < manifest.total_bytes:
-        raise OSError(f"{name} needs {manifest.total_bytes} bytes, {root} has {free} free")
+    need = footprint(manifest.files)
+    if (free := await asyncio.to_thread(free_bytes, root)) < need:
+        raise OSError(f"{name} needs {need} bytes on disk, {root} has {free} free")
     staging = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix=f"{STAGING}-", dir=root))  # 0700, a new name
     step_dir = staging / name
     try:
@@ -350,11 +377,10 @@ def _commit(step_dir: Path, manifest_text: str, target: Path) -> Path:
     with atomic_file(step_dir / MANIFEST) as out:
         out.write(manifest_text.encode())
     fsync_dir(step_dir)
-    if target.exists():
-        if not verify_dir(target, checksums=False):
-            return target  # already whole here (fetched before, or restored from the bucket meanwhile)
-        shutil.rmtree(target)  # an unfinished step directory of the same name
-    step_dir.rename(target)
+    # Whatever holds the name meanwhile (restored from the bucket, written by a trainer, or by a newer
+    # spotguard in a format this one cannot verify) stays: it may be the only copy of that step.
+    _refuse_existing(target)
+    rename_new(step_dir, target)
     fsync_dir(target.parent)
     return target
 
@@ -391,7 +417,9 @@ async def resume_from_peers(
         flows = max(1, min(max_flows, MAX_FETCH_FLOWS, -(-offer.bytes // FETCH_BYTES_PER_FLOW)))
         connect = functools.partial(PeerClient.connect, *offer.peer, token, io_timeout=io_timeout)
         try:
-            found.path = await fetch_replica(client, offer.id, root, connect=connect, flows=flows)
+            found.path = await fetch_replica(
+                client, offer.id, root, name=offer.name, after=after, connect=connect, flows=flows
+            )
             found.offer = offer
             logger.warning("%s: fetched and verified (%d bytes): newer than the bucket's", offer.where, offer.bytes)
             break

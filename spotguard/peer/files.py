@@ -13,8 +13,10 @@ import bisect
 import ctypes
 import fcntl
 import os
-from pathlib import Path
+from collections.abc import Mapping
+from pathlib import Path, PurePosixPath
 from typing import Any
+from urllib.parse import urlsplit
 
 from spotguard.crc32c import crc32c_combine, crc32c_hex_to_int, crc32c_of_bytes, crc32c_of_file
 from spotguard.manifest import FileEntry, Manifest, ManifestError, check_relpath, parse_step_dir
@@ -26,6 +28,11 @@ WRITES_IN_FLIGHT = 8
 
 Ranges = dict[str, list[tuple[int, int, int]]]  # per file, (offset, length, CRC32C) of every range written
 
+# What a file or a directory takes on disk at least: one filesystem block. A replica's reservation
+# counts its files' and directories' blocks, not their bytes, so that empty files in fresh
+# directories cost what they take.
+BLOCK = 4096
+
 
 def data_header(header: dict[str, Any]) -> tuple[str, int, int, int]:
     """A ``data`` frame's (file, file size, offset, length), the name checked to stay inside the
@@ -36,6 +43,24 @@ def data_header(header: dict[str, Any]) -> tuple[str, int, int, int]:
         raise wire.PeerError("bad-path", str(exc)) from None
     size, offset, length = (wire.field(header, key, int) for key in ("size", "offset", "len"))
     return rel, size, offset, length
+
+
+# An object key's bound in S3 and GCS alike, in bytes of UTF-8.
+MAX_KEY_BYTES = 1024
+
+
+def check_bucket_key(bucket: str, step: str, rel: str) -> None:
+    """``rel`` of checkpoint ``step`` must make a key the bucket ``bucket`` takes: with the bucket's
+    prefix, at most :data:`MAX_KEY_BYTES` (a key it refuses would make the replica's upload fail on
+    every try, and hold its slot). A name alone is bounded without the prefix (``check_relpath``)."""
+    parts = urlsplit(bucket)
+    if parts.scheme not in ("s3", "gs"):
+        return  # a directory: its names are bounded as the filesystem's are
+    key = "/".join(part for part in (parts.path.strip("/"), step, rel) if part)
+    if len(key.encode()) > MAX_KEY_BYTES:
+        raise wire.PeerError(
+            "bad-path", f"{rel[:64]}...: its key in {bucket} would be {len(key.encode())} bytes, over {MAX_KEY_BYTES}"
+        )
 
 
 def check_range(rel: str, size: int, offset: int, length: int) -> None:
@@ -53,6 +78,28 @@ def parse_manifest(text: str, name: str) -> Manifest:
     if parse_step_dir(name) != manifest.step:
         raise wire.PeerError("bad-manifest", f"{name}: the manifest says step {manifest.step}")
     return manifest
+
+
+def on_disk(size: int) -> int:
+    """What a file of ``size`` bytes takes on disk at least: whole blocks, one for an empty file."""
+    return max(1, -(-size // BLOCK)) * BLOCK
+
+
+def new_directories(rel: str, made: set[str]) -> list[str]:
+    """The directories the file ``rel`` goes into that are not in ``made`` yet (each one a block on disk)."""
+    parents = [str(parent) for parent in PurePosixPath(rel).parents][:-1]  # all but "."
+    return [parent for parent in parents if parent not in made]
+
+
+def footprint(files: Mapping[str, FileEntry]) -> int:
+    """What the files of a manifest and their directories take on disk at least."""
+    made: set[str] = set()
+    total = 0
+    for rel, entry in files.items():
+        fresh = new_directories(rel, made)
+        made.update(fresh)
+        total += on_disk(entry.size) + BLOCK * len(fresh)
+    return total
 
 
 def make_parent(step_dir: Path, rel: str) -> None:
@@ -140,6 +187,19 @@ def combined_crc(ranges: list[tuple[int, int, int]], size: int) -> str | None:
     return f"{crc:08x}" if end == size else None
 
 
+def missing_range(ranges: list[tuple[int, int, int]], size: int) -> tuple[int, int] | None:
+    """The first range ``[start, end)`` of a ``size``-byte file that no received range covered;
+    None when every byte arrived (ranges sent again may overlap)."""
+    end = 0
+    for offset, length, _ in sorted(ranges):
+        if end >= size:
+            break
+        if offset > end:
+            return end, min(offset, size)
+        end = max(end, offset + length)
+    return (end, size) if end < size else None
+
+
 def check_files(
     step_dir: Path, files: dict[str, FileEntry] | Any, received: dict[str, int], ranges: Ranges
 ) -> list[str]:
@@ -151,22 +211,35 @@ def check_files(
             problems.append(f"{rel}: never received")
         elif path.stat().st_size != entry.size:
             problems.append(f"{rel}: {path.stat().st_size} bytes, the manifest says {entry.size}")
+        elif (gap := missing_range(ranges.get(rel, []), entry.size)) is not None:
+            # A file is never completed from what the disk holds where nothing arrived: a hole of a
+            # sparse file reads as zeros, which a manifest may well match, and the bucket would then
+            # get every byte of its declared size.
+            problems.append(f"{rel}: bytes [{gap[0]}, {gap[1]}) of {entry.size} never received")
         elif (crc := combined_crc(ranges.get(rel, []), entry.size) or crc32c_of_file(path)) != entry.crc32c:
+            # Read back only where ranges overlap (sent again): every byte of it came in a data frame.
             problems.append(f"{rel}: crc32c {crc}, the manifest says {entry.crc32c}")
     return problems
 
 
 __all__ = [
+    "BLOCK",
+    "MAX_KEY_BYTES",
     "WRITES_IN_FLIGHT",
     "Ranges",
+    "check_bucket_key",
     "check_files",
     "check_range",
     "Extents",
     "combined_crc",
     "create_exclusive",
     "data_header",
+    "footprint",
     "make_parent",
     "make_room",
+    "missing_range",
+    "new_directories",
+    "on_disk",
     "write_at",
     "parse_manifest",
     "write_range",

@@ -35,7 +35,18 @@ from spotguard.manifest import parse_step_dir
 from spotguard.peer import noise, wire, workers
 from spotguard.peer.admission import Admission, ReplicaLimits
 from spotguard.peer.channel import IO_TIMEOUT, Channel, tune_socket
-from spotguard.peer.files import Extents, check_range, data_header, make_parent, make_room, write_range
+from spotguard.peer.files import (
+    BLOCK,
+    Extents,
+    check_bucket_key,
+    check_range,
+    data_header,
+    make_parent,
+    make_room,
+    new_directories,
+    on_disk,
+    write_range,
+)
 from spotguard.peer.handshake import HANDSHAKE_TIMEOUT, accept, refusal
 from spotguard.peer.replicas import Replica, ReplicaState, ReplicaStore
 from spotguard.peer.tokens import JobToken, PeerToken
@@ -323,11 +334,18 @@ class PeerReceiver:
         sizes = replica.sizes
         if sizes.get(rel, size) != size:
             raise wire.PeerError("bad-field", f"{rel}: size {size}, announced before as {sizes[rel]}")
-        total = replica.bytes - sizes.get(rel, 0) + size
-        self.store.admission.grow(replica.id, total, len(sizes) + (rel not in sizes), size)  # before any await
-        if rel not in sizes:  # its directory, once per file (only this daemon writes in its area)
-            await asyncio.to_thread(make_parent, replica.step_dir, rel)
-        sizes[rel] = size
+        if rel not in sizes:  # a new file: declared, and counted with the directories it makes, before any await
+            if self.storage is not None:
+                check_bucket_key(self.storage.url, replica.name, rel)
+            fresh = new_directories(rel, replica.directories)
+            disk = replica.disk + on_disk(size) + BLOCK * len(fresh)
+            self.store.admission.grow(replica.id, replica.bytes + size, len(sizes) + 1, size, disk)
+            replica.directories.update(fresh)
+            replica.disk, sizes[rel] = disk, size
+            # Its directory, once per file (only this daemon writes in its area); a frame of the same
+            # file on another flow waits for it too.
+            replica.parents[rel] = asyncio.ensure_future(asyncio.to_thread(make_parent, replica.step_dir, rel))
+        await replica.parents[rel]
         # The write goes on in a thread while the next frame is read; a few at most per connection, each
         # holding its buffer until it is done.
         if replica.taken.setdefault(rel, Extents()).add(offset, offset + length):

@@ -88,6 +88,9 @@ class Replica:
     dir: Path  # <area>/<id>
     state: ReplicaState = ReplicaState.RECEIVING
     sizes: dict[str, int] = field(default_factory=dict)  # declared size of each file received so far
+    directories: set[str] = field(default_factory=set)  # made inside its step directory for those files
+    parents: dict[str, asyncio.Future[None]] = field(default_factory=dict)  # per file, its directory made
+    disk: int = 0  # what those files and directories take on disk at least (blocks, not bytes)
     error: str | None = None
     writes: set[asyncio.Future[None]] = field(default_factory=set)  # disk writes not yet finished
     # (offset, length, CRC32C) of every range written, per file: verified without reading the file back.

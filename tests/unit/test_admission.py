@@ -9,6 +9,7 @@ import pytest
 
 from spotguard.peer import wire
 from spotguard.peer.admission import Admission, ReplicaLimits, newest_local_bytes
+from spotguard.peer.files import BLOCK, new_directories, on_disk
 from tests.checkpoints import write_checkpoint
 
 
@@ -55,6 +56,19 @@ def test_files_and_their_sizes_count_against_the_reservation(tmp_path: Path) -> 
     free = shutil.disk_usage(tmp_path).free
     assert code_of(lambda: admission.grow("r", total=free + (1 << 30), files=2, size=1)) == "no-space"
     assert admission.held["r"] == 500
+
+
+def test_what_files_and_directories_take_on_disk_is_reserved_not_only_their_bytes(tmp_path: Path) -> None:
+    admission = Admission(tmp_path, ReplicaLimits(max_replicas=1, max_replica_bytes=100 * BLOCK))
+    admission.reserve("r", 0)
+    disk = 0
+    for i in range(3):  # empty files, each in two fresh directories: three blocks each
+        disk += on_disk(0) + BLOCK * len(new_directories(f"d{i}/e/f", set()))
+        admission.grow("r", total=0, files=i + 1, size=0, disk=disk)
+    assert admission.held["r"] == 9 * BLOCK
+    assert code_of(lambda: admission.grow("r", total=0, files=4, size=0, disk=101 * BLOCK)) == "too-large"
+    assert on_disk(1) == on_disk(BLOCK) == BLOCK and on_disk(BLOCK + 1) == 2 * BLOCK
+    assert new_directories("a/b/c.bin", {"a"}) == ["a/b"] and new_directories("c.bin", set()) == []
 
 
 def test_the_room_kept_is_the_newest_local_checkpoint_s_size(tmp_path: Path) -> None:

@@ -10,6 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spotguard.manifest import (
+    MAX_NAME_BYTES,
+    MAX_NAME_DEPTH,
+    MAX_SEGMENT_BYTES,
     MAX_STEP,
     STEP_WIDTH,
     ManifestError,
@@ -87,6 +90,9 @@ def test_an_accepted_file_name_is_canonical_and_stays_inside(rel: str) -> None:
     assert accepted == rel == str(PurePosixPath(rel))
     assert all(segment not in ("", ".", "..") for segment in rel.split("/"))
     assert not any(ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F for c in rel) and "\\" not in rel
+    encoded = rel.encode("utf-8")  # a lone surrogate would raise: no bucket takes it
+    assert len(encoded) <= MAX_NAME_BYTES and len(rel.split("/")) <= MAX_NAME_DEPTH
+    assert all(len(segment.encode()) <= MAX_SEGMENT_BYTES for segment in rel.split("/"))
     root = Path("/nonexistent-root") / "step-000000001"
     assert (root / rel).resolve().is_relative_to(root.resolve())
 
@@ -98,6 +104,32 @@ def test_an_accepted_file_name_is_canonical_and_stays_inside(rel: str) -> None:
 def test_non_canonical_file_names_are_refused(rel: str) -> None:
     with pytest.raises(ManifestError):
         check_relpath(rel)
+
+
+@pytest.mark.parametrize(
+    "rel",
+    [
+        "w\udcff.bin",  # a lone surrogate (JSON can carry one escaped)
+        "\ud800",
+        "/".join(["d"] * MAX_NAME_DEPTH) + "/f",
+        "x" * (MAX_SEGMENT_BYTES + 1),
+        "ü" * 128,  # 256 bytes in UTF-8
+        "/".join(["y" * 200] * 6),  # 1,205 bytes: the bucket key would pass 1,024
+    ],
+    ids=["surrogate", "lone-high-surrogate", "too-deep", "long-segment", "long-segment-utf8", "too-long"],
+)
+def test_names_no_bucket_or_filesystem_takes_are_refused(rel: str) -> None:
+    with pytest.raises(ManifestError) as caught:
+        check_relpath(rel)
+    assert len(str(caught.value)) < 300  # a long name is shown cut short
+
+
+def test_names_at_the_bounds_are_taken() -> None:
+    deepest = "/".join(["d"] * (MAX_NAME_DEPTH - 1)) + "/f"
+    longest = "/".join(["y" * MAX_SEGMENT_BYTES] * 3) + "/" + "z" * (MAX_NAME_BYTES - 3 * (MAX_SEGMENT_BYTES + 1))
+    assert len(longest.encode()) == MAX_NAME_BYTES
+    for rel in (deepest, longest, "ü" * 127):
+        assert check_relpath(rel) == rel
 
 
 @pytest.mark.parametrize("rel", ["w.bin", "sub/o.bin", "a b/ü.pt", "optim/rank1.pt", "..hidden", "x..y/z"])

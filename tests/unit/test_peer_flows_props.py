@@ -1,5 +1,5 @@
-"""Properties of what several flows rely on: the receiver's overlap test, the fetch's slices, and the
-sender's queue of pieces."""
+"""Properties of what several flows rely on: the receiver's overlap test and its check that every byte
+arrived, the fetch's slices, and the sender's queue of pieces."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from spotguard.manifest import FileEntry, Manifest
 from spotguard.peer.fetch import slice_pieces
-from spotguard.peer.files import Extents
+from spotguard.peer.files import Extents, missing_range
 from spotguard.peer.flows import PIECE, Piece, PieceQueue, Source
 
 ranges = st.lists(st.tuples(st.integers(0, 200), st.integers(1, 50)), max_size=30)
@@ -24,6 +24,18 @@ def test_extents_say_whether_a_range_overlaps_any_before_it(spans: list[tuple[in
         covered = set(range(start, start + length))
         assert extents.add(start, start + length) == bool(covered & seen)
         seen |= covered
+
+
+@given(ranges, st.integers(0, 260))
+def test_the_first_missing_range_is_the_first_byte_no_range_covered(spans: list[tuple[int, int]], size: int) -> None:
+    covered = {byte for start, length in spans for byte in range(start, start + length)}
+    holes = [byte for byte in range(size) if byte not in covered]
+    gap = missing_range([(start, length, 0) for start, length in spans], size)
+    if not holes:
+        assert gap is None
+    else:
+        assert gap is not None and gap[0] == holes[0] and gap[1] > gap[0]
+        assert all(byte not in covered for byte in range(gap[0], min(gap[1], size)))
 
 
 def manifest_of(sizes: list[int]) -> Manifest:
