@@ -8,9 +8,9 @@ them held and stops, naming the directory and the pid that holds it.
 - ``state_dir/daemon-<digest>.lock``: the state (event log, upload journal) of this root. Every
   daemon on a host may share ``state_dir`` (each root's files are named by a hash of the root), so
   the lock is per root as well, not one for the whole directory.
-- ``checkpoint_dir/.spotguard-daemon.lock``: the root itself, against a daemon given another
-  ``state_dir``. A file of its own, which the trainer hook never opens (it locks
-  ``.spotguard-restore.lock``), and not a step directory, which every scan of the root skips.
+- the checkpoint root's directory itself, against a daemon given another ``state_dir``: no file is
+  added to the root (users and tools list it), and the trainer hook locks another inode (its
+  ``.spotguard-restore.lock``). A directory holds no pid: the holder's is looked up in ``/proc/locks``.
 
 The kernel drops a ``flock`` with the last descriptor of its open file: a daemon killed by SIGKILL
 or the OOM killer never blocks the one started after it. The descriptors are close-on-exec, and the
@@ -30,8 +30,6 @@ from pathlib import Path
 from spotguard.errors import FatalError
 
 logger = logging.getLogger("spotguard.daemon")
-
-ROOT_LOCK = ".spotguard-daemon.lock"
 
 
 class DaemonRunning(FatalError, RuntimeError):
@@ -53,7 +51,7 @@ def hold_daemon_locks(state_dir: Path, root: Path, spare_dir: Path | None = None
     with contextlib.ExitStack() as held:
         held.callback(os.close, _take_state_lock(state_dir, root, spare_dir))
         root.mkdir(parents=True, exist_ok=True)
-        held.callback(os.close, _take(root / ROOT_LOCK, f"the checkpoint root {root}"))
+        held.callback(os.close, _take_directory(root, f"the checkpoint root {root}"))
         yield  # closing a descriptor drops its lock
 
 
@@ -91,6 +89,24 @@ def _take(path: Path, what: str) -> int:
     return fd
 
 
+def _take_directory(path: Path, what: str) -> int:
+    """A descriptor of the directory ``path`` holding its exclusive lock."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _holder_in_proc_locks(os.fstat(fd))
+        os.close(fd)
+        raise DaemonRunning(
+            f"another spotguard daemon ({holder}) holds {what}; stop it first, or give this daemon a "
+            "checkpoint_dir of its own"
+        ) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def _holder(fd: int) -> str:
     with contextlib.suppress(OSError):
         text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
@@ -99,4 +115,16 @@ def _holder(fd: int) -> str:
     return "pid unknown"
 
 
-__all__ = ["ROOT_LOCK", "DaemonRunning", "hold_daemon_locks", "state_lock_path"]
+def _holder_in_proc_locks(held: os.stat_result) -> str:
+    """The pid ``/proc/locks`` names for a flock on the inode ``held``: lines such as
+    ``1: FLOCK  ADVISORY  WRITE 4242 08:01:1234567 0 EOF`` (device as hex major:minor)."""
+    inode = f"{os.major(held.st_dev):02x}:{os.minor(held.st_dev):02x}:{held.st_ino}"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/locks").read_text().splitlines():
+            fields = line.split()
+            if len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == inode and fields[4].isdigit():
+                return f"pid {fields[4]}"
+    return "pid unknown"
+
+
+__all__ = ["DaemonRunning", "hold_daemon_locks", "state_lock_path"]
