@@ -20,7 +20,8 @@ way a trainer does: the files are written under ``<root>/.peer-fetch-XXXXXXXX/``
 directory, so nothing scans it), the manifest last, and only then is the directory renamed into the
 checkpoint root. A fetch cut short leaves nothing that counts. The checkpoint must be the one the
 peer offered, newer than every complete one, and a fetch never removes nor replaces a step directory
-the root holds already (one of that name is left as it is, and the fetch refused). Every byte of every
+the root holds already (one of that name with a manifest is left as it is, and the fetch refused; one
+without, a save cut short, is removed). Every byte of every
 file must have arrived in a data frame (spotguard/peer/files.py). That staging directory is made anew
 for each fetch (``mkdtemp``: a fresh name, mode 0700, never one that exists), each file in it is
 created exclusively and never through a link, and its removal follows no link: a path another local
@@ -264,16 +265,23 @@ def _check_offered(sent: str, offered: str | None, after: int) -> None:
         raise wire.PeerError("mismatch", f"the peer sent {sent[:40]!r}, not a checkpoint newer than step {after}")
 
 
-def _refuse_existing(target: Path) -> None:
-    """A step directory (or anything) already at ``target`` is left as it is: a fetch never replaces one."""
-    if os.path.lexists(target):
+def _clear_the_name(target: Path) -> None:
+    """Make way at ``target`` for the fetched checkpoint, or refuse: a step directory with a manifest
+    (a checkpoint committed here, or restored, or written by a newer spotguard in a format this one
+    cannot verify: it may be the only copy of that step), a link or anything but a directory is left
+    as it is (``FileExistsError``); a directory without a manifest (a save cut short: no checkpoint,
+    nothing lost) is removed, as the local store removes one."""
+    if not os.path.lexists(target):
+        return
+    if target.is_symlink() or not target.is_dir() or os.path.lexists(target / MANIFEST):
         raise FileExistsError(f"{target} exists already: a fetch never replaces a checkpoint directory")
+    shutil.rmtree(target)
 
 
 async def _receive(clients: list[PeerClient], name: str, text: str, root: Path) -> Path:
     """Every client's data frames into a fresh staging directory, checked, then committed in ``root``."""
     manifest = parse_manifest(text, name)
-    await asyncio.to_thread(_refuse_existing, root / name)
+    await asyncio.to_thread(_clear_the_name, root / name)
     await asyncio.to_thread(remove_stale_staging, root)
     need = footprint(manifest.files)
     if (free := await asyncio.to_thread(free_bytes, root)) < need:
@@ -377,9 +385,8 @@ def _commit(step_dir: Path, manifest_text: str, target: Path) -> Path:
     with atomic_file(step_dir / MANIFEST) as out:
         out.write(manifest_text.encode())
     fsync_dir(step_dir)
-    # Whatever holds the name meanwhile (restored from the bucket, written by a trainer, or by a newer
-    # spotguard in a format this one cannot verify) stays: it may be the only copy of that step.
-    _refuse_existing(target)
+    # A checkpoint that took the name meanwhile (restored from the bucket, written by a trainer) stays.
+    _clear_the_name(target)
     rename_new(step_dir, target)
     fsync_dir(target.parent)
     return target

@@ -142,6 +142,10 @@ def test_a_fresh_vm_resumes_the_newer_checkpoint_a_peer_holds_bit_identical(
         hand(vm_b, step_dir, url)
         hand_share(vm_b, tmp_path / "node1", 12, url)  # newer, but only one node's share of step 12
         vm_a = fresh_vm(tmp_path, url, vm_b)
+        # A save of step 9 cut short on this disk (no manifest: no checkpoint) does not keep the
+        # peer's complete step 9 out; one with a manifest would (tests/integration/test_peer_security_inputs.py).
+        (vm_a.root / step_dir.name).mkdir(parents=True)
+        (vm_a.root / step_dir.name / ".w.bin.tmp-1").write_bytes(b"cut short")
         with caplog.at_level(logging.WARNING, logger="spotguard.trainer"):
             step, loaded = resume(vm_a, url, state)
         assert step == 9
