@@ -317,7 +317,9 @@ class WorkerPool:
 def _spawn(owner: WorkerPool) -> Worker:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
-        command = [sys.executable, "-m", "spotguard.peer.workers", str(theirs.fileno())]
+        # -P: the daemon's working directory is not put first on the worker's path, so that a
+        # package planted there (by any user who can write it) is never imported as spotguard's own.
+        command = [sys.executable, "-P", "-m", "spotguard.peer.workers", str(theirs.fileno())]
         if owner.beside:
             command.append(_BESIDE)
         # The worker starts with the notices' signals blocked (a thread's mask is inherited through
