@@ -297,15 +297,17 @@ class Channel:
         await self.readinto(memoryview(out))
         return bytes(out)
 
-    async def read_frame(self, *, timeout: float | None = None, max_header: int = wire.MAX_HEADER) -> dict[str, Any]:
-        """The next frame. ``timeout``, when longer than the record deadline, replaces it while this
-        frame is awaited and read: a receiver waiting for a sender's next request, a sender waiting
-        for the answer to a commit."""
+    async def read_frame(
+        self, *, timeout: float | None = None, max_header: int = wire.MAX_HEADER, big: str | None = None
+    ) -> dict[str, Any]:
+        """The next frame (``max_header`` and ``big`` as :func:`~spotguard.peer.wire.read_frame`).
+        ``timeout``, when longer than the record deadline, replaces it while this frame is awaited and
+        read: a receiver waiting for a sender's next request, a sender waiting for the answer to a commit."""
         if timeout is None or timeout <= self.io_timeout:
-            return await wire.read_frame(self, max_header)
+            return await wire.read_frame(self, max_header, big=big)
         saved, self.io_timeout = self.io_timeout, timeout
         try:
-            return await wire.read_frame(self, max_header)
+            return await wire.read_frame(self, max_header, big=big)
         finally:
             self.io_timeout = saved
 

@@ -250,7 +250,7 @@ async def _ask_fetch(client: PeerClient, replica_id: str, part: int, parts: int)
         request["slice"] = [part, parts]
     client.channel.write(wire.encode(request))
     await client.channel.drain()
-    head = await wire.read_frame(client.channel)
+    head = await wire.read_frame(client.channel, big="checkpoint")  # it carries the manifest
     wire.expect(head, "checkpoint")
     return {"name": wire.field(head, "name", str), "manifest": wire.field(head, "manifest", str)}
 
@@ -280,7 +280,7 @@ def _clear_the_name(target: Path) -> None:
 
 async def _receive(clients: list[PeerClient], name: str, text: str, root: Path) -> Path:
     """Every client's data frames into a fresh staging directory, checked, then committed in ``root``."""
-    manifest = parse_manifest(text, name)
+    manifest = await wire.parse_off_loop(parse_manifest, text, name)
     await asyncio.to_thread(_clear_the_name, root / name)
     await asyncio.to_thread(remove_stale_staging, root)
     need = footprint(manifest.files)

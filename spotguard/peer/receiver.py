@@ -170,7 +170,10 @@ class PeerReceiver:
                 raise wire.PeerError("busy", f"at most {self.limits.max_connections} peer connections")
             while True:
                 # Between requests a sender may wait for its trainer (it pings): the idle limit applies.
-                header = await asyncio.wait_for(channel.read_frame(timeout=IDLE_TIMEOUT), IDLE_TIMEOUT)
+                # Only the opener's commit may be big (it carries the manifest): no other frame makes
+                # the daemon hold or parse MiBs of JSON.
+                big = "commit" if session.opened and session.replica is not None else None
+                header = await asyncio.wait_for(channel.read_frame(timeout=IDLE_TIMEOUT, big=big), IDLE_TIMEOUT)
                 await self._request(header, channel, who, session)
                 await channel.drain()
         except wire.PeerError as exc:

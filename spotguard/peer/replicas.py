@@ -240,7 +240,7 @@ class ReplicaStore:
             return
         text = wire.field(header, "manifest", str)
         await replica.settle()
-        manifest = parse_manifest(text, replica.name)
+        manifest = await wire.parse_off_loop(parse_manifest, text, replica.name)
         await self._reject_unless_matching(replica, manifest.files)
 
         def write_manifest() -> None:
@@ -259,11 +259,11 @@ class ReplicaStore:
         text = wire.field(header, "part", str)
         await replica.settle()
         try:
-            node, nodes, files = _parse_part(text)
+            node, nodes, files = await wire.parse_off_loop(_parse_part, text)
         except (ValueError, KeyError, TypeError, AttributeError, ManifestError) as exc:
             raise wire.PeerError("bad-manifest", f"a node's part that cannot be read: {exc}") from None
         job_text = None if header.get("manifest") is None else wire.field(header, "manifest", str)
-        job = None if job_text is None else _job_manifest(replica, job_text, files)
+        job = None if job_text is None else await wire.parse_off_loop(_job_manifest, replica, job_text, files)
         await self._reject_unless_matching(replica, files)
 
         def write() -> None:

@@ -1,14 +1,81 @@
-"""What the peer port costs the daemon, against a real receiver: a worker process started where
-another local user can write."""
+"""What the peer port costs the daemon, against a real receiver: big frames from a token holder, and
+a worker process started where another local user can write."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from spotguard.harness import wait_for
-from spotguard.peer import workers
+from spotguard.harness import Vm, wait_for
+from spotguard.manifest import MANIFEST
+from spotguard.peer import wire, workers
+from spotguard.peer.client import PeerClient
+from spotguard.peer.flows import send_committed
+from tests.checkpoints import write_checkpoint
+from tests.peers import TOKEN as PEER_TOKEN
+from tests.peers import address, receiving_daemon
+
+TOKEN = PEER_TOKEN.encode()
+MiB = 1 << 20
+
+
+@pytest.fixture
+def receiver_vm(tmp_path: Path, url: str) -> Iterator[Vm]:
+    with receiving_daemon(tmp_path, url, {"SPOTGUARD_PEER_IO_TIMEOUT": "2"}) as vm:
+        yield vm
+
+
+async def until_closed(reader: asyncio.StreamReader, timeout: float = 10.0) -> None:
+    """Read what the receiver still sends until it closes the connection (it must, within ``timeout``)."""
+    async with asyncio.timeout(timeout):
+        with contextlib.suppress(ConnectionResetError):
+            while await reader.read(65536):
+                pass
+
+
+# --- a token holder's big frames -------------------------------------------------------------------
+
+
+def test_only_the_openers_commit_may_be_a_big_frame(receiver_vm: Vm, url: str, tmp_path: Path) -> None:
+    """A 1 MiB ping is refused (``too-large``) before it is parsed, with or without a replica opened
+    on the connection; a real commit whose manifest is over the small limit is still taken."""
+    where = address(receiver_vm)
+    big_ping = wire.encode({"t": "ping", "x": "a" * MiB})
+
+    async def answer_to_big_ping(open_replica: bool) -> wire.PeerError:
+        client = await PeerClient.connect(*where, TOKEN)
+        try:
+            if open_replica:
+                await client.open_replica("step-000000021", url)
+            client.channel.write(big_ping)
+            await client.channel.drain()
+            with pytest.raises(wire.PeerError) as caught:
+                await client.query()
+            return caught.value
+        finally:
+            await client.close()
+
+    assert asyncio.run(answer_to_big_ping(open_replica=False)).code == "too-large"
+    assert asyncio.run(answer_to_big_ping(open_replica=True)).code == "too-large"
+    wait_for(lambda: receiver_vm.status()["peers"]["replicas"] == [], 10, "the refused replica dropped")
+
+    files = {f"{'d' * 200}/{index:04d}.bin": bytes([index % 256]) for index in range(400)}
+    step_dir = write_checkpoint(tmp_path / "sender", 22, files)
+    assert (step_dir / MANIFEST).stat().st_size > wire.MAX_HEADER
+
+    async def hand_over() -> dict[str, object]:
+        client = await PeerClient.connect(*where, TOKEN)
+        try:
+            return await send_committed(client, step_dir, url, TOKEN, flows=1)
+        finally:
+            await client.close()
+
+    assert asyncio.run(hand_over())["state"] == "verified"
+
 
 # --- a worker's import path ------------------------------------------------------------------------
 
