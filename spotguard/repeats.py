@@ -1,6 +1,8 @@
 """What comes again and again in the months a daemon runs: errors at every poll or reconnect (a metadata
 service that keeps failing, a daemon that keeps refusing the hook), logged when they first come or change,
-then once a period; and keys noted per event or per file, of which only the latest are kept."""
+then once a period; events that come in floods (connections refused at the peer port), logged once a
+period per kind with a count of the others; and keys noted per event or per file, of which only the
+latest are kept."""
 
 from __future__ import annotations
 
@@ -35,6 +37,25 @@ class RepeatedErrors:
         return self._logged.pop(source, None) is not None
 
 
+class RepeatedEvents:
+    """Per kind, whether an event is due to be logged: the first at once, then at most one every
+    ``every`` seconds. :meth:`due` answers None for an event not to log, else how many of its kind went
+    unlogged since the last one logged. At most ``kinds`` kinds are remembered (the newest)."""
+
+    def __init__(self, every: float, kinds: int = 64) -> None:
+        self.every = every
+        self._kinds: Latest[str, tuple[float, int]] = Latest(kinds)  # kind -> (last logged, unlogged since)
+
+    def due(self, kind: str) -> int | None:
+        now = time.monotonic()
+        last = self._kinds.get(kind)
+        if last is not None and now - last[0] < self.every:
+            self._kinds.put(kind, (last[0], last[1] + 1))
+            return None
+        self._kinds.put(kind, (now, 0))
+        return 0 if last is None else last[1]
+
+
 class Latest(Generic[K, V]):
     """The ``size`` keys used last and their values. Noting a key (:meth:`put`, :meth:`setdefault`)
     makes it the newest; past ``size`` the one noted longest ago goes. A key that comes back after it
@@ -66,4 +87,4 @@ class Latest(Generic[K, V]):
         return self.put(key, self._items.get(key, default))
 
 
-__all__ = ["Latest", "RepeatedErrors"]
+__all__ = ["Latest", "RepeatedErrors", "RepeatedEvents"]

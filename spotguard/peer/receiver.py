@@ -10,7 +10,8 @@ several addresses wait, at most :data:`HANDSHAKES_PER_SOURCE` from one); a new o
 full closes the oldest handshake of the address holding the most, and one over its address's share
 closes that address's oldest. Authenticated connections count against
 ``max_connections`` only. So idle strangers, however many, cost a job's peer at most a reconnect,
-never its place. A peer silent for ``io_timeout`` seconds mid-record (or idle between frames for
+never its place. Refusals are counted, and logged a few lines a minute at most
+(:data:`REFUSALS_LOGGED_EVERY`). A peer silent for ``io_timeout`` seconds mid-record (or idle between frames for
 :data:`IDLE_TIMEOUT`) is dropped, and its unfinished replica with it.
 
 What becomes of a replica once received (verified against the sender's manifest, committed in the
@@ -50,6 +51,7 @@ from spotguard.peer.files import (
 from spotguard.peer.handshake import HANDSHAKE_TIMEOUT, accept, refusal
 from spotguard.peer.replicas import Replica, ReplicaState, ReplicaStore
 from spotguard.peer.tokens import JobToken, PeerToken
+from spotguard.repeats import RepeatedEvents
 from spotguard.storage.base import Storage
 
 logger = logging.getLogger("spotguard.peers")
@@ -57,6 +59,7 @@ logger = logging.getLogger("spotguard.peers")
 IDLE_TIMEOUT = 30.0  # seconds without a frame before an authenticated connection is dropped
 HANDSHAKE_POOL = 16  # connections in their handshake at once
 HANDSHAKES_PER_SOURCE = 4  # of which from one address
+REFUSALS_LOGGED_EVERY = 60.0  # seconds between two log lines of one kind of refusal (each one is counted)
 
 
 # A request frame's handler: (receiver, header, channel, peer address); it writes its answer.
@@ -124,6 +127,7 @@ class PeerReceiver:
         self._previous_psk: bytes | None = None  # from the token it replaces, during a rotation
         self._connections = 0  # authenticated
         self._pending: dict[asyncio.StreamWriter, str] = {}  # in their handshake, oldest first: source address
+        self._refusals_logged = RepeatedEvents(REFUSALS_LOGGED_EVERY)
         self._writers: set[asyncio.StreamWriter] = set()  # open connections, closed with the receiver
         self.handlers: dict[str, RequestHandler] = {}  # more request types (frame type -> handler)
 
@@ -183,9 +187,10 @@ class PeerReceiver:
             self._refuse(writer, channel, who, exc)
         except TimeoutError:
             self.refused += 1
-            logger.warning("peer %s: too slow (its handshake, a record, or idle); closing the connection", who)
+            slow = "peer %s: too slow (its handshake, a record, or idle); closing the connection"
+            self._log_refusal("too slow", logging.WARNING, slow, who)
         except (OSError, asyncio.IncompleteReadError) as exc:
-            logger.warning("peer %s: connection lost: %s", who, exc)
+            self._log_refusal("lost", logging.WARNING, "peer %s: connection lost: %s", who, exc)
         except Exception as exc:  # a bug of ours: this connection ends with an answer, the port goes on
             logger.exception("peer %s: internal error", who)
             await self._drop_unfinished(session)
@@ -242,14 +247,27 @@ class PeerReceiver:
         logger.debug("peer %s: still in its handshake while newer ones wait; closing it", peername)
         writer.transport.abort()
 
+    def _log_refusal(self, kind: str, level: int, message: str, *args: object) -> None:
+        """A refusal's log line, for the first of ``kind`` and then one every
+        :data:`REFUSALS_LOGGED_EVERY` seconds, saying how many went unlogged meanwhile: strangers can
+        cause thousands a second (each is still counted in ``refused``)."""
+        unlogged = self._refusals_logged.due(kind)
+        if unlogged is None:
+            return
+        if unlogged:
+            message += " (and %d more like it since the last one logged)"
+            args = (*args, unlogged)
+        logger.log(level, message, *args)
+
     def _refuse(self, writer: asyncio.StreamWriter, channel: Channel | None, who: str, exc: wire.PeerError) -> None:
         if exc.code == "closed":
             if channel is None:  # a spotguard-peer/1 daemon closes on our greeting: it is refused there
-                logger.info("peer %s: closed the connection before its handshake (an old daemon needs %s)", who,
-                            "an upgrade to spotguard-peer/2")  # fmt: skip
+                self._log_refusal("closed", logging.INFO, "peer %s: closed the connection before its handshake"
+                                  " (an old daemon needs an upgrade to spotguard-peer/2)", who)  # fmt: skip
             return
         self.refused += 1
-        logger.warning("peer %s: %s; closing the connection", who, exc)
+        kind = f"{'peer' if channel is not None else 'handshake'} {exc.code}"
+        self._log_refusal(kind, logging.WARNING, "peer %s: %s; closing the connection", who, exc)
         with contextlib.suppress(OSError, RuntimeError):
             if channel is not None:
                 channel.write(wire.error_frame(exc.code, exc.message))

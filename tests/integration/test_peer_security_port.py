@@ -1,10 +1,12 @@
-"""What the peer port costs the daemon, against a real receiver: big frames from a token holder, and
-a worker process started where another local user can write."""
+"""What the peer port costs the daemon, against a real receiver: big frames from a token holder,
+floods of refused strangers, and a worker process started where another local user can write."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -100,3 +102,25 @@ def test_a_worker_never_imports_a_package_planted_in_the_working_directory(
         worker.release()
     finally:
         pool.close()
+
+
+# --- strangers without the token -------------------------------------------------------------------
+
+
+def test_a_flood_of_refused_strangers_logs_one_line_and_counts_each(receiver_vm: Vm) -> None:
+    """200 connections from 200 addresses, each a message 1 under another key: every one is refused
+    and counted, and the log says so once (then once a minute, with a count), not 200 times."""
+    where = address(receiver_vm)
+
+    async def knock(count: int) -> None:
+        for index in range(count):
+            source = f"127.0.{2 + index // 100}.{2 + index % 100}"
+            reader, writer = await asyncio.open_connection(*where, local_addr=(source, 0))
+            writer.write(struct.pack(">H", 48) + os.urandom(48))
+            await writer.drain()
+            await until_closed(reader)
+            writer.close()
+
+    asyncio.run(knock(200))
+    wait_for(lambda: receiver_vm.status()["peers"]["refused"] == 200, 10, "every refusal counted")
+    assert receiver_vm.log.read_text().count("authentication failed") == 1
