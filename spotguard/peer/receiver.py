@@ -7,12 +7,13 @@ of its replica to disk.
 The port is bounded: connections still in their handshake have a pool of their own
 (:data:`HANDSHAKE_POOL`, each with :data:`~spotguard.peer.channel.HANDSHAKE_TIMEOUT` seconds; while
 several addresses wait, at most :data:`HANDSHAKES_PER_SOURCE` from one); a new one that finds the pool
-full closes the oldest handshake of the address holding the most, and one over its address's share
-closes that address's oldest. Authenticated connections count against
-``max_connections`` only. So idle strangers, however many, cost a job's peer at most a reconnect,
-never its place. Refusals are counted, and logged a few lines a minute at most
-(:data:`REFUSALS_LOGGED_EVERY`). A peer silent for ``io_timeout`` seconds mid-record (or idle between frames for
-:data:`IDLE_TIMEOUT`) is dropped, and its unfinished replica with it.
+full closes one that has sent nothing or stalled, a suspect's first (:meth:`PeerReceiver._make_room`),
+and one over its address's share closes that address's oldest. Authenticated connections count
+against ``max_connections`` only. So idle strangers, however many and from however many addresses,
+never close a job's peer's handshake once it has begun. Refusals are counted, and logged a few lines
+a minute at most (:data:`REFUSALS_LOGGED_EVERY`). A peer silent for ``io_timeout`` seconds
+mid-record (or idle between frames for :data:`IDLE_TIMEOUT`) is dropped, and its unfinished replica
+with it.
 
 What becomes of a replica once received (verified against the sender's manifest, committed in the
 shared bucket, removed) is its :class:`~spotguard.peer.replicas.ReplicaStore`'s.
@@ -26,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import Counter
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,10 +49,10 @@ from spotguard.peer.files import (
     on_disk,
     write_range,
 )
-from spotguard.peer.handshake import HANDSHAKE_TIMEOUT, accept, refusal
+from spotguard.peer.handshake import GREETING, HANDSHAKE_TIMEOUT, accept, refusal
 from spotguard.peer.replicas import Replica, ReplicaState, ReplicaStore
 from spotguard.peer.tokens import JobToken, PeerToken
-from spotguard.repeats import RepeatedEvents
+from spotguard.repeats import Latest, RepeatedEvents
 from spotguard.storage.base import Storage
 
 logger = logging.getLogger("spotguard.peers")
@@ -59,6 +60,12 @@ logger = logging.getLogger("spotguard.peers")
 IDLE_TIMEOUT = 30.0  # seconds without a frame before an authenticated connection is dropped
 HANDSHAKE_POOL = 16  # connections in their handshake at once
 HANDSHAKES_PER_SOURCE = 4  # of which from one address
+# A handshake still unfinished this many seconds after it began is stalled: a peer's takes milliseconds.
+STALLED_AFTER = 1.0
+# An address whose connection was dropped from the pool silent or stalled is suspect this long: its
+# newcomers may take the place only of other suspects' connections.
+SUSPECT_FOR = 60.0
+SUSPECTS_KEPT = 4096  # addresses remembered as suspect (the newest)
 REFUSALS_LOGGED_EVERY = 60.0  # seconds between two log lines of one kind of refusal (each one is counted)
 
 
@@ -74,6 +81,20 @@ class _Session:
 
     replica: Replica | None = None
     opened: bool = False
+
+
+@dataclass
+class _Pending:
+    """A connection in its handshake: its address, its stream (which counts the bytes it sent) and
+    when it was accepted."""
+
+    source: str
+    stream: wire.FrameStream
+    since: float = field(default_factory=time.monotonic)
+
+    def stale(self, now: float) -> bool:
+        """Whether it has sent nothing, or stalled: nothing a peer ever does."""
+        return not self.stream.received or now - self.since > STALLED_AFTER
 
 
 @dataclass(frozen=True)
@@ -126,7 +147,8 @@ class PeerReceiver:
         self._psk = b""  # from the token, at start
         self._previous_psk: bytes | None = None  # from the token it replaces, during a rotation
         self._connections = 0  # authenticated
-        self._pending: dict[asyncio.StreamWriter, str] = {}  # in their handshake, oldest first: source address
+        self._pending: dict[asyncio.StreamWriter, _Pending] = {}  # in their handshake, oldest first
+        self._suspects: Latest[str, float] = Latest(SUSPECTS_KEPT)  # address -> when it became suspect
         self._refusals_logged = RepeatedEvents(REFUSALS_LOGGED_EVERY)
         self._writers: set[asyncio.StreamWriter] = set()  # open connections, closed with the receiver
         self.handlers: dict[str, RequestHandler] = {}  # more request types (frame type -> handler)
@@ -219,27 +241,50 @@ class PeerReceiver:
     async def _handshake(self, stream: wire.FrameStream, writer: asyncio.StreamWriter, who: str) -> Channel:
         """The connection's handshake, in the bounded pool of unauthenticated connections."""
         source = who.rpartition(":")[0]
-        self._make_room(source)
-        self._pending[writer] = source
+        if not self._make_room(source):
+            writer.write(GREETING)  # then the refusal: an initiator reads it as the answer to its message
+            raise wire.PeerError("busy", "too many connections in their handshake; try again")
+        self._pending[writer] = _Pending(source, stream)
         try:
             async with asyncio.timeout(self.limits.handshake_timeout):
                 return await accept(
                     stream, writer, self._psk, previous_psk=self._previous_psk, io_timeout=self.limits.io_timeout
                 )
+        except TimeoutError:
+            self._suspects.put(source, time.monotonic())
+            raise
         finally:
             self._pending.pop(writer, None)
 
-    def _make_room(self, source: str) -> None:
-        """Room in the handshake pool for one more from ``source``. While others wait too, an address
-        keeps at most :data:`HANDSHAKES_PER_SOURCE` (its oldest goes); a full pool loses the oldest
-        handshake of the address holding the most. One address alone may burst up to the pool (a
-        sender's several flows, a resume's probes): a legitimate handshake lasts milliseconds."""
-        counts = Counter(self._pending.values())
-        if counts[source] >= HANDSHAKES_PER_SOURCE and len(counts) > 1:
-            self._evict(next(other for other, where in self._pending.items() if where == source))
-        if len(self._pending) >= HANDSHAKE_POOL:
-            busiest = max(Counter(self._pending.values()).items(), key=lambda item: item[1])[0]
-            self._evict(next(other for other, where in self._pending.items() if where == busiest))
+    def _make_room(self, source: str) -> bool:
+        """Room in the handshake pool for a newcomer from ``source``; False if it has none. While others
+        wait too, an address keeps at most :data:`HANDSHAKES_PER_SOURCE` (its oldest silent one goes,
+        else its oldest). A full pool loses a connection that sent nothing, or stalled, and of those
+        first a suspect's (an address whose connection was dropped so before), the oldest first: a
+        peer sends its first message at once and finishes within milliseconds, so no number of idle
+        strangers can drop it, and they become suspects themselves. A suspect's newcomer may take the
+        place only of another suspect's connection. One address alone may burst up to the pool (a
+        sender's several flows, a resume's probes)."""
+        mine = [writer for writer, pending in self._pending.items() if pending.source == source]
+        if len(mine) >= HANDSHAKES_PER_SOURCE and len(mine) < len(self._pending):
+            silent = [writer for writer in mine if not self._pending[writer].stream.received]
+            self._evict((silent or mine)[0])
+        if len(self._pending) < HANDSHAKE_POOL:
+            return True
+        now = time.monotonic()
+        stale = [writer for writer, pending in self._pending.items() if pending.stale(now)]
+        suspects = [writer for writer in stale if self._suspect(self._pending[writer].source, now)]
+        choices = suspects if self._suspect(source, now) else suspects + stale
+        if not choices:
+            return False
+        victim = min(choices, key=lambda writer: bool(self._pending[writer].stream.received))  # silent first
+        self._suspects.put(self._pending[victim].source, now)
+        self._evict(victim)
+        return True
+
+    def _suspect(self, source: str, now: float) -> bool:
+        since = self._suspects.get(source)
+        return since is not None and now - since < SUSPECT_FOR
 
     def _evict(self, writer: asyncio.StreamWriter) -> None:
         self._pending.pop(writer, None)

@@ -172,6 +172,7 @@ class FrameStream(asyncio.streams.FlowControlMixin, asyncio.BufferedProtocol):
         self._event_loop = asyncio.get_running_loop()
         super().__init__(self._event_loop)
         self._handler = handler
+        self.received = 0  # bytes, counted as they come
         self._scratch = bytearray(_SCRATCH)
         self._view = memoryview(self._scratch)
         self._start = self._end = 0  # unread bytes: scratch[start:end]
@@ -225,6 +226,7 @@ class FrameStream(asyncio.streams.FlowControlMixin, asyncio.BufferedProtocol):
         return self._view[self._end :]
 
     def buffer_updated(self, nbytes: int) -> None:
+        self.received += nbytes
         if self._direct and self._target is not None:
             self._filled += nbytes
             if self._filled < len(self._target):

@@ -1,5 +1,6 @@
 """What the peer port costs the daemon, against a real receiver: big frames from a token holder,
-floods of refused strangers, and a worker process started where another local user can write."""
+floods of refused strangers, idle strangers from many addresses churning the handshake pool, and a
+worker process started where another local user can write."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 import contextlib
 import os
 import struct
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -124,3 +126,49 @@ def test_a_flood_of_refused_strangers_logs_one_line_and_counts_each(receiver_vm:
     asyncio.run(knock(200))
     wait_for(lambda: receiver_vm.status()["peers"]["refused"] == 200, 10, "every refusal counted")
     assert receiver_vm.log.read_text().count("authentication failed") == 1
+
+
+def test_idle_strangers_from_many_addresses_never_turn_a_peer_away(receiver_vm: Vm) -> None:
+    """40 addresses each hold an idle connection and reconnect as soon as it is dropped: a peer's 20
+    handshakes meanwhile all get through (before, about half were dropped for a newcomer)."""
+    where = address(receiver_vm)
+    stop = threading.Event()
+    connects = [0]
+
+    async def hold(source: str) -> None:
+        while not stop.is_set():
+            with contextlib.suppress(OSError, TimeoutError):
+                reader, writer = await asyncio.open_connection(*where, local_addr=(source, 0))
+                connects[0] += 1
+                try:
+                    async with asyncio.timeout(6.0):  # past the handshake deadline: held until dropped
+                        await reader.read()
+                finally:
+                    writer.close()
+
+    async def strangers() -> None:
+        tasks = [asyncio.ensure_future(hold(f"127.1.{index}.1")) for index in range(40)]
+        while not stop.is_set():
+            await asyncio.sleep(0.05)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def peer() -> int:
+        for _ in range(20):
+            client = await PeerClient.connect(*where, TOKEN)
+            try:
+                assert (await client.query())["t"] == "state"
+            finally:
+                await client.close()
+            await asyncio.sleep(0.1)  # a stranger's turn between two: the pool keeps churning
+        return 20
+
+    thread = threading.Thread(target=asyncio.run, args=(strangers(),))
+    thread.start()
+    try:
+        wait_for(lambda: connects[0] >= 100, 30, "the strangers churning the pool")
+        assert asyncio.run(peer()) == 20
+    finally:
+        stop.set()
+        thread.join()
