@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -13,6 +14,8 @@ from spotguard.control import request
 from spotguard.daemon.plan import PROBE_PREFIX
 from spotguard.harness import Vm, bucket_storage, wait_for
 from spotguard.peer import wire
+from spotguard.peer.client import PeerClient
+from spotguard.peer.flows import send_committed
 from spotguard.peer.replicas import AREA
 from tests.pacedrelay import PacedRelay
 from tests.servers import moto_s3, point_at
@@ -79,6 +82,20 @@ def urgent_handoff(vm: Vm, *, size: int, chunk: int, timeout: float) -> tuple[di
         return handoff_ended(vm, timeout), writer.step_dir.name
     finally:
         writer.close()
+
+
+def hand_over(where: tuple[str, int], step_dir: Path, url: str, token: str | bytes = TOKEN) -> dict[str, Any]:
+    """Hand ``step_dir`` (committed) to the receiver at ``where`` over one flow; its last answer."""
+    secret = token.encode() if isinstance(token, str) else token
+
+    async def run() -> dict[str, Any]:
+        client = await PeerClient.connect(*where, secret)
+        try:
+            return await send_committed(client, step_dir, url, secret, flows=1)
+        finally:
+            await client.close()
+
+    return asyncio.run(run())
 
 
 def address(vm: Vm) -> tuple[str, int]:

@@ -28,7 +28,7 @@ from spotguard.daemon.events import (
     PlanChanged,
     UploadCommitted,
 )
-from spotguard.daemon.lock import hold_daemon_locks
+from spotguard.daemon.lock import hold_daemon_lock
 from spotguard.daemon.notices import EventLog, NoticeBook, TrackedNotice, clock_checked
 from spotguard.daemon.notify import SystemdNotifier, watchdog_loop
 from spotguard.daemon.peering import Peering
@@ -490,9 +490,9 @@ def _hangup_ignored() -> None:
 
 async def build_and_run(config: DaemonConfig) -> int:
     """Build the real parts from ``config`` and run until SIGTERM/SIGINT; :class:`DaemonRunning`
-    at once if another daemon has this checkpoint root or its state."""
+    at once if another daemon of this host has this checkpoint root's state."""
     # Before the journal, the event log or the bucket is touched: they are the other daemon's.
-    with hold_daemon_locks(config.state_dir, config.checkpoint_dir, spare_dir=config.socket.parent):
+    with hold_daemon_lock(config.state_dir, config.checkpoint_dir, spare_dir=config.socket.parent):
         return await _build_and_serve(config)
 
 

@@ -1,19 +1,19 @@
-"""One daemon per checkpoint root: an exclusive ``flock`` held for the daemon's life.
+"""One daemon per checkpoint root's state: an exclusive ``flock`` held for the daemon's life.
 
-Two daemons on one root fight: each uploads what the other's retention has just removed, each
-removes what the other is uploading, and a start's journal sweep aborts the other's live multipart
-uploads. The first daemon takes two locks before it reads or writes anything else; a second finds
-them held and stops, naming the directory and the pid that holds it.
+Two daemons of one host on one root and state directory fight: each uploads what the other's
+retention has just removed, each removes what the other is uploading, and a start's journal sweep
+aborts the other's live multipart uploads. The first daemon takes ``state_dir/daemon-<digest>.lock``
+(the state of this root: event log, upload journal) before it reads or writes anything else; a
+second finds it held and stops, naming the directory and the pid that holds it. Every daemon on a
+host may share ``state_dir`` (each root's files are named by a hash of the root), so the lock is per
+root, not one for the whole directory.
 
-- ``state_dir/daemon-<digest>.lock``: the state (event log, upload journal) of this root. Every
-  daemon on a host may share ``state_dir`` (each root's files are named by a hash of the root), so
-  the lock is per root as well, not one for the whole directory.
-- the checkpoint root's directory itself, against a daemon given another ``state_dir``: no file is
-  added to the root (users and tools list it), and the trainer hook locks another inode (its
-  ``.spotguard-restore.lock``). A directory holds no pid: the holder's is looked up in ``/proc/locks``.
+The root itself is not locked: daemons of several VMs may share one checkpoint root on a shared disk
+(each VM's own state directory), as multi-node jobs on one filesystem do, and a lock on the root
+would be taken across hosts where the filesystem has locks that span them (NFSv4).
 
 The kernel drops a ``flock`` with the last descriptor of its open file: a daemon killed by SIGKILL
-or the OOM killer never blocks the one started after it. The descriptors are close-on-exec, and the
+or the OOM killer never blocks the one started after it. The descriptor is close-on-exec, and the
 daemon's worker processes are started with no descriptors but the ones passed.
 """
 
@@ -33,7 +33,7 @@ logger = logging.getLogger("spotguard.daemon")
 
 
 class DaemonRunning(FatalError, RuntimeError):
-    """Another daemon holds this checkpoint root or its state."""
+    """Another daemon of this host holds this checkpoint root's state."""
 
 
 def state_lock_path(state_dir: Path, root: Path) -> Path:
@@ -43,16 +43,15 @@ def state_lock_path(state_dir: Path, root: Path) -> Path:
 
 
 @contextlib.contextmanager
-def hold_daemon_locks(state_dir: Path, root: Path, spare_dir: Path | None = None) -> Iterator[None]:
-    """Hold the state's and the root's locks until the block ends; :class:`DaemonRunning` if
-    another process holds either. ``spare_dir`` takes the state's lock while ``state_dir`` cannot
-    be written (a full root disk: the event log goes there too)."""
-    root = root.absolute()
-    with contextlib.ExitStack() as held:
-        held.callback(os.close, _take_state_lock(state_dir, root, spare_dir))
-        root.mkdir(parents=True, exist_ok=True)
-        held.callback(os.close, _take_directory(root, f"the checkpoint root {root}"))
-        yield  # closing a descriptor drops its lock
+def hold_daemon_lock(state_dir: Path, root: Path, spare_dir: Path | None = None) -> Iterator[None]:
+    """Hold the lock of ``root``'s state until the block ends; :class:`DaemonRunning` if another
+    process holds it. ``spare_dir`` takes it while ``state_dir`` cannot be written (a full root
+    disk: the event log goes there too)."""
+    fd = _take_state_lock(state_dir, root.absolute(), spare_dir)
+    try:
+        yield
+    finally:
+        os.close(fd)  # and the lock with it
 
 
 def _take_state_lock(state_dir: Path, root: Path, spare_dir: Path | None) -> int:
@@ -89,24 +88,6 @@ def _take(path: Path, what: str) -> int:
     return fd
 
 
-def _take_directory(path: Path, what: str) -> int:
-    """A descriptor of the directory ``path`` holding its exclusive lock."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = _holder_in_proc_locks(os.fstat(fd))
-        os.close(fd)
-        raise DaemonRunning(
-            f"another spotguard daemon ({holder}) holds {what}; stop it first, or give this daemon a "
-            "checkpoint_dir of its own"
-        ) from None
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
 def _holder(fd: int) -> str:
     with contextlib.suppress(OSError):
         text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
@@ -115,16 +96,4 @@ def _holder(fd: int) -> str:
     return "pid unknown"
 
 
-def _holder_in_proc_locks(held: os.stat_result) -> str:
-    """The pid ``/proc/locks`` names for a flock on the inode ``held``: lines such as
-    ``1: FLOCK  ADVISORY  WRITE 4242 08:01:1234567 0 EOF`` (device as hex major:minor)."""
-    inode = f"{os.major(held.st_dev):02x}:{os.minor(held.st_dev):02x}:{held.st_ino}"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/locks").read_text().splitlines():
-            fields = line.split()
-            if len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == inode and fields[4].isdigit():
-                return f"pid {fields[4]}"
-    return "pid unknown"
-
-
-__all__ = ["DaemonRunning", "hold_daemon_locks", "state_lock_path"]
+__all__ = ["DaemonRunning", "hold_daemon_lock", "state_lock_path"]

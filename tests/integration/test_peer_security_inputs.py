@@ -22,13 +22,12 @@ from spotguard.manifest import MANIFEST, MAX_NAME_BYTES, MAX_NAME_DEPTH, MAX_SEG
 from spotguard.peer import noise, wire
 from spotguard.peer.channel import Channel
 from spotguard.peer.client import PeerClient
-from spotguard.peer.flows import send_committed
 from spotguard.peer.handshake import accept
 from spotguard.peer.replicas import AREA
 from spotguard.storage.checkpoints import upload_checkpoint
 from spotguard.storage.s3 import S3Storage
 from tests.checkpoints import write_checkpoint
-from tests.peers import TOKEN, address, bucket_keys, receiving_daemon, replica_area
+from tests.peers import TOKEN, address, bucket_keys, hand_over, receiving_daemon, replica_area
 
 MiB = 1 << 20
 
@@ -181,14 +180,7 @@ def test_file_names_no_bucket_takes_are_refused_and_hold_no_slot(tmp_path: Path,
 
         genuine = [write_checkpoint(tmp_path / "vm-a", step, {"w.bin": os.urandom(1000)}) for step in (3, 4)]
 
-        async def hand_over(step_dir: Path) -> dict[str, object]:
-            client = await PeerClient.connect(*address(vm), TOKEN.encode())
-            try:
-                return await send_committed(client, step_dir, url, TOKEN.encode(), flows=1)
-            finally:
-                await client.close()
-
-        assert [asyncio.run(hand_over(step_dir))["state"] for step_dir in genuine] == ["verified", "verified"]
+        assert [hand_over(address(vm), step_dir, url)["state"] for step_dir in genuine] == ["verified", "verified"]
         wait_for(lambda: in_the_bucket(url, 3) and in_the_bucket(url, 4), 30, "the genuine replicas committed")
     assert in_the_bucket(url, 1) == [] and in_the_bucket(url, 2) == []
 

@@ -18,10 +18,9 @@ from spotguard.harness import Vm, wait_for
 from spotguard.manifest import MANIFEST
 from spotguard.peer import wire, workers
 from spotguard.peer.client import PeerClient
-from spotguard.peer.flows import send_committed
 from tests.checkpoints import write_checkpoint
 from tests.peers import TOKEN as PEER_TOKEN
-from tests.peers import address, receiving_daemon
+from tests.peers import address, hand_over, receiving_daemon
 
 TOKEN = PEER_TOKEN.encode()
 MiB = 1 << 20
@@ -71,14 +70,7 @@ def test_only_the_openers_commit_may_be_a_big_frame(receiver_vm: Vm, url: str, t
     step_dir = write_checkpoint(tmp_path / "sender", 22, files)
     assert (step_dir / MANIFEST).stat().st_size > wire.MAX_HEADER
 
-    async def hand_over() -> dict[str, object]:
-        client = await PeerClient.connect(*where, TOKEN)
-        try:
-            return await send_committed(client, step_dir, url, TOKEN, flows=1)
-        finally:
-            await client.close()
-
-    assert asyncio.run(hand_over())["state"] == "verified"
+    assert hand_over(where, step_dir, url, TOKEN)["state"] == "verified"
 
 
 # --- a worker's import path ------------------------------------------------------------------------
