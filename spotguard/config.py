@@ -80,7 +80,8 @@ _COUNT_RANGES: dict[str, tuple[int, int, str]] = {
     "upload_alert_after": (1, 1_000_000, "failures in a row before an alert"),
     "max_message_bytes": (1024, 64 << 20, "a socket message is read whole into memory"),
     "peer_max_replica_bytes": (1, 1 << 50, "1 PiB"),
-    "peer_max_replicas": (1, 1024, "replicas held at once, each with its connections and files"),
+    # At most 64: a fetch's list of them (id, name, bucket URL, size) must fit one 64 KiB frame.
+    "peer_max_replicas": (1, 64, "replicas held at once, each with its connections and files"),
     "peer_max_flows": (1, 256, "connections one handoff opens"),
 }
 

@@ -143,7 +143,7 @@ def test_the_ceilings_themselves_are_allowed() -> None:
         ("max_connections = 1e11", "max_connections: must be in 1..65536 (each connection is a descriptor"),
         ("upload_concurrency = 1e9", "upload_concurrency: must be in 1..1024 (each stream is a thread"),
         ("keep_remote = 2000000", "keep_remote: must be in 1..1000000"),
-        ("peer_max_replicas = 5000", "peer_max_replicas: must be in 1..1024"),
+        ("peer_max_replicas = 65", "peer_max_replicas: must be in 1..64"),
         ("peer_max_flows = 1000", "peer_max_flows: must be in 1..256"),
         ("peer_max_replica_bytes = 1e18", "peer_max_replica_bytes: must be in 1..1125899906842624 (1 PiB)"),
     ],
