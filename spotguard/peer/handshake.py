@@ -35,6 +35,10 @@ GREETING = wire.encode(
 V1_REFUSAL = f"peer speaks spotguard-peer/1; this daemon needs /2 — upgrade the peer's spotguard to {PROTOCOL}"
 HANDSHAKE_TIMEOUT = 5.0  # seconds from accept to the first record of an authenticated connection
 MAX_HANDSHAKE_MESSAGE = 1024
+# Pauses before a handshake is tried again where the receiver's pool of unauthenticated connections
+# turned it away (busy) or dropped it unfinished (closed): strangers crowding that pool are dropped
+# once they stall (1 s, spotguard/peer/receiver.py), so the last try comes after that.
+HANDSHAKE_RETRY_PAUSES = (0.2, 0.4, 0.8)
 _REFUSAL = LENGTH.pack(0)  # a handshake "message" of length 0: a clear-text error frame follows
 
 
@@ -163,7 +167,7 @@ async def open_channel(
         tokens = tokens[::-1]
     for attempt, secret in enumerate(tokens):
         try:
-            channel = await _handshake_with(host, port, secret, timeout=timeout, io_timeout=io_timeout)
+            channel = await _handshake_retried(host, port, secret, timeout=timeout, io_timeout=io_timeout)
         except wire.PeerError as exc:
             if exc.code != "auth" or attempt == len(tokens) - 1:
                 raise
@@ -172,6 +176,22 @@ async def open_channel(
         PREVIOUS_ONLY.learn(host, port, job_token, previous_only=channel.with_previous_token)
         return channel
     raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+async def _handshake_retried(host: str, port: int, token: bytes, *, timeout: float, io_timeout: float) -> Channel:
+    """:func:`_handshake_with`, tried again after each of :data:`HANDSHAKE_RETRY_PAUSES` where the
+    receiver turned it away (``busy``) or closed it before it finished (``closed``): a flood of
+    strangers at its port, not a refusal of this daemon. Within ``timeout`` seconds in all."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    for pause in (*HANDSHAKE_RETRY_PAUSES, None):
+        try:
+            return await _handshake_with(host, port, token, timeout=deadline - loop.time(), io_timeout=io_timeout)
+        except wire.PeerError as exc:
+            if exc.code not in ("busy", "closed") or pause is None or deadline - loop.time() <= pause:
+                raise
+        await asyncio.sleep(pause)
+    raise AssertionError("unreachable: the last try returns or raises")
 
 
 async def _handshake_with(host: str, port: int, token: bytes, *, timeout: float, io_timeout: float) -> Channel:
@@ -191,6 +211,7 @@ async def _handshake_with(host: str, port: int, token: bytes, *, timeout: float,
 
 __all__ = [
     "GREETING",
+    "HANDSHAKE_RETRY_PAUSES",
     "HANDSHAKE_TIMEOUT",
     "PROLOGUE",
     "PROTOCOL",

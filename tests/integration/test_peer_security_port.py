@@ -18,6 +18,7 @@ from spotguard.harness import Vm, wait_for
 from spotguard.manifest import MANIFEST
 from spotguard.peer import wire, workers
 from spotguard.peer.client import PeerClient
+from spotguard.peer.receiver import HANDSHAKE_POOL
 from tests.checkpoints import write_checkpoint
 from tests.peers import TOKEN as PEER_TOKEN
 from tests.peers import address, hand_over, receiving_daemon
@@ -164,3 +165,31 @@ def test_idle_strangers_from_many_addresses_never_turn_a_peer_away(receiver_vm: 
     finally:
         stop.set()
         thread.join()
+
+
+def test_a_peer_turned_away_by_a_pool_of_fresh_handshakes_gets_in_on_a_later_try(receiver_vm: Vm) -> None:
+    """The pool is full of handshakes that have begun (a byte of their first message each) and are
+    younger than a stall: a newcomer is turned away (busy), as no place may go. The peer tries again
+    (HANDSHAKE_RETRY_PAUSES) and gets in once those have stalled; before, it gave up at the first
+    refusal, and its handoff went to another peer or the bucket."""
+    where = address(receiver_vm)
+
+    async def scenario() -> str:
+        held = []
+        for _ in range(HANDSHAKE_POOL):
+            _, writer = await asyncio.open_connection(*where)
+            writer.write(b"\x00")  # its first message begun: not silent
+            await writer.drain()
+            held.append(writer)
+        try:
+            client = await PeerClient.connect(*where, TOKEN)
+            try:
+                return str((await client.query())["t"])
+            finally:
+                await client.close()
+        finally:
+            for writer in held:
+                writer.close()
+
+    assert asyncio.run(scenario()) == "state"
+    assert receiver_vm.status()["peers"]["refused"] >= 1  # turned away at least once before it got in
