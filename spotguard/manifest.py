@@ -95,8 +95,10 @@ def parse_step_dir(name: str) -> int | None:
     return None
 
 
-# A file's bucket key is <prefix>step-NNNNNNNNN/<name>, and S3 takes keys of at most 1024 UTF-8 bytes.
-MAX_NAME_BYTES = 1024 - len("step-/") - STEP_WIDTH
+# An object key's bound in S3 and GCS alike, in bytes of UTF-8.
+MAX_KEY_BYTES = 1024
+# A file's bucket key is <prefix>step-NNNNNNNNN/<name>: the name's bound with no prefix.
+MAX_NAME_BYTES = MAX_KEY_BYTES - len("step-/") - STEP_WIDTH
 MAX_SEGMENT_BYTES = 255  # a file or directory name, as the filesystems take it
 # Directories a name goes through, the file included. Checkpoints are shallow (DCP, Lightning and
 # Hugging Face write one or two levels); the bound keeps a peer from making a directory per byte sent.

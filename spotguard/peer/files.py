@@ -19,8 +19,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from spotguard.crc32c import crc32c_combine, crc32c_hex_to_int, crc32c_of_bytes, crc32c_of_file
-from spotguard.manifest import FileEntry, Manifest, ManifestError, check_relpath, parse_step_dir
+from spotguard.manifest import MAX_KEY_BYTES, FileEntry, Manifest, ManifestError, check_relpath, parse_step_dir
 from spotguard.peer import wire
+from spotguard.storage.base import split_bucket_url
 
 # Disk writes of one replica in flight while its flows' next frames are read (memory, where frames
 # are received in-process: one more than this x the frame size, at most MAX_DATA: 72 MiB).
@@ -45,22 +46,19 @@ def data_header(header: dict[str, Any]) -> tuple[str, int, int, int]:
     return rel, size, offset, length
 
 
-# An object key's bound in S3 and GCS alike, in bytes of UTF-8.
-MAX_KEY_BYTES = 1024
-
-
 def check_bucket_key(bucket: str, step: str, rel: str) -> None:
     """``rel`` of checkpoint ``step`` must make a key the bucket ``bucket`` takes: with the bucket's
-    prefix, at most :data:`MAX_KEY_BYTES` (a key it refuses would make the replica's upload fail on
-    every try, and hold its slot). A name alone is bounded without the prefix (``check_relpath``)."""
-    parts = urlsplit(bucket)
-    if parts.scheme not in ("s3", "gs"):
+    prefix, at most :data:`~spotguard.manifest.MAX_KEY_BYTES` (a key it refuses would make the
+    replica's upload fail on every try, and hold its slot). A name alone is bounded without the
+    prefix (``check_relpath``)."""
+    scheme = urlsplit(bucket).scheme
+    if scheme not in ("s3", "gs"):
         return  # a directory: its names are bounded as the filesystem's are
-    key = "/".join(part for part in (parts.path.strip("/"), step, rel) if part)
-    if len(key.encode()) > MAX_KEY_BYTES:
-        raise wire.PeerError(
-            "bad-path", f"{rel[:64]}...: its key in {bucket} would be {len(key.encode())} bytes, over {MAX_KEY_BYTES}"
-        )
+    _, prefix = split_bucket_url(bucket, scheme)
+    size = len(f"{prefix}{step}/{rel}".encode())
+    if size > MAX_KEY_BYTES:
+        too_long = f"{rel[:64]}...: its key in {bucket} would be {size} bytes, over {MAX_KEY_BYTES}"
+        raise wire.PeerError("bad-path", too_long)
 
 
 def check_range(rel: str, size: int, offset: int, length: int) -> None:
@@ -85,10 +83,12 @@ def on_disk(size: int) -> int:
     return max(1, -(-size // BLOCK)) * BLOCK
 
 
-def new_directories(rel: str, made: set[str]) -> list[str]:
-    """The directories the file ``rel`` goes into that are not in ``made`` yet (each one a block on disk)."""
+def new_file_on_disk(rel: str, size: int, made: set[str]) -> tuple[int, list[str]]:
+    """What the file ``rel`` of ``size`` bytes takes on disk at least, with the directories it goes
+    into that are not in ``made`` yet (one block each); and those directories (``made`` is left as it is)."""
     parents = [str(parent) for parent in PurePosixPath(rel).parents][:-1]  # all but "."
-    return [parent for parent in parents if parent not in made]
+    fresh = [parent for parent in parents if parent not in made]
+    return on_disk(size) + BLOCK * len(fresh), fresh
 
 
 def footprint(files: Mapping[str, FileEntry]) -> int:
@@ -96,9 +96,9 @@ def footprint(files: Mapping[str, FileEntry]) -> int:
     made: set[str] = set()
     total = 0
     for rel, entry in files.items():
-        fresh = new_directories(rel, made)
+        taken, fresh = new_file_on_disk(rel, entry.size, made)
         made.update(fresh)
-        total += on_disk(entry.size) + BLOCK * len(fresh)
+        total += taken
     return total
 
 
@@ -224,7 +224,6 @@ def check_files(
 
 __all__ = [
     "BLOCK",
-    "MAX_KEY_BYTES",
     "WRITES_IN_FLIGHT",
     "Ranges",
     "check_bucket_key",
@@ -238,7 +237,7 @@ __all__ = [
     "make_parent",
     "make_room",
     "missing_range",
-    "new_directories",
+    "new_file_on_disk",
     "on_disk",
     "write_at",
     "parse_manifest",

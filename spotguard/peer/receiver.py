@@ -38,15 +38,13 @@ from spotguard.peer import noise, wire, workers
 from spotguard.peer.admission import Admission, ReplicaLimits
 from spotguard.peer.channel import IO_TIMEOUT, Channel, tune_socket
 from spotguard.peer.files import (
-    BLOCK,
     Extents,
     check_bucket_key,
     check_range,
     data_header,
     make_parent,
     make_room,
-    new_directories,
-    on_disk,
+    new_file_on_disk,
     write_range,
 )
 from spotguard.peer.handshake import GREETING, HANDSHAKE_TIMEOUT, accept, refusal
@@ -403,8 +401,8 @@ class PeerReceiver:
         if rel not in sizes:  # a new file: declared, and counted with the directories it makes, before any await
             if self.storage is not None:
                 check_bucket_key(self.storage.url, replica.name, rel)
-            fresh = new_directories(rel, replica.directories)
-            disk = replica.disk + on_disk(size) + BLOCK * len(fresh)
+            taken, fresh = new_file_on_disk(rel, size, replica.directories)
+            disk = replica.disk + taken
             self.store.admission.grow(replica.id, replica.bytes + size, len(sizes) + 1, size, disk)
             replica.directories.update(fresh)
             replica.disk, sizes[rel] = disk, size

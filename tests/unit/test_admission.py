@@ -9,7 +9,7 @@ import pytest
 
 from spotguard.peer import wire
 from spotguard.peer.admission import Admission, ReplicaLimits, newest_local_bytes
-from spotguard.peer.files import BLOCK, new_directories, on_disk
+from spotguard.peer.files import BLOCK, new_file_on_disk, on_disk
 from tests.checkpoints import write_checkpoint
 
 
@@ -63,12 +63,13 @@ def test_what_files_and_directories_take_on_disk_is_reserved_not_only_their_byte
     admission.reserve("r", 0)
     disk = 0
     for i in range(3):  # empty files, each in two fresh directories: three blocks each
-        disk += on_disk(0) + BLOCK * len(new_directories(f"d{i}/e/f", set()))
+        disk += new_file_on_disk(f"d{i}/e/f", 0, set())[0]
         admission.grow("r", total=0, files=i + 1, size=0, disk=disk)
     assert admission.held["r"] == 9 * BLOCK
     assert code_of(lambda: admission.grow("r", total=0, files=4, size=0, disk=101 * BLOCK)) == "too-large"
     assert on_disk(1) == on_disk(BLOCK) == BLOCK and on_disk(BLOCK + 1) == 2 * BLOCK
-    assert new_directories("a/b/c.bin", {"a"}) == ["a/b"] and new_directories("c.bin", set()) == []
+    assert new_file_on_disk("a/b/c.bin", 0, {"a"}) == (2 * BLOCK, ["a/b"])
+    assert new_file_on_disk("c.bin", BLOCK + 1, set()) == (2 * BLOCK, [])
 
 
 def test_the_room_kept_is_the_newest_local_checkpoint_s_size(tmp_path: Path) -> None:
