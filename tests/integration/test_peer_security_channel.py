@@ -22,7 +22,7 @@ from spotguard.peer.handshake import PROTOCOL
 from spotguard.peer.receiver import HANDSHAKE_POOL, HANDSHAKES_PER_SOURCE
 from tests.checkpoints import write_checkpoint
 from tests.peers import TOKEN as PEER_TOKEN
-from tests.peers import address, bucket_keys, receiving_daemon, replica_area
+from tests.peers import address, bucket_keys, hand_over, receiving_daemon, replica_area
 
 TOKEN = PEER_TOKEN.encode()
 IO_TIMEOUT = 2.0  # the receiver's deadline on a record (SPOTGUARD_PEER_IO_TIMEOUT)
@@ -214,19 +214,12 @@ def test_idle_strangers_never_keep_a_jobs_peer_out(receiver_vm: Vm, url: str, tm
         sock.connect(where)
         idle.append(sock)
 
-    async def hand_over() -> dict[str, object]:
-        client = await PeerClient.connect(*where, TOKEN)
-        try:
-            return await send_committed(client, step_dir, url, TOKEN, flows=1)
-        finally:
-            await client.close()
-
     try:
         assert replica_area(receiver_vm) == [] and bucket_keys(url) == []  # strangers leave nothing
         still_open = [sock for sock in idle if is_open(sock)]
         assert 0 < len(still_open) <= HANDSHAKE_POOL  # held, within the pool
         assert sum(sock.getsockname()[0] == "127.0.0.1" for sock in still_open) <= HANDSHAKES_PER_SOURCE
-        assert asyncio.run(hand_over())["state"] == "verified"  # served meanwhile
+        assert hand_over(where, step_dir, url, TOKEN)["state"] == "verified"  # served meanwhile
         # and the rest go at the handshake deadline
         wait_for(lambda: not any(is_open(sock) for sock in still_open), 15, "the strangers dropped")
     finally:

@@ -382,6 +382,18 @@ def test_a_rank_killed_mid_fetch_leaves_the_fetch_to_the_next(
     assert find_resumable(root, url, "lightning", wait=30.0) == root / step_dir.name / "lightning.ckpt"
 
 
+def resume_past_a_flipped_byte(tmp_path: Path, root: Path, url: str, step_dir: Path, state: dict[str, Any]) -> None:
+    """A byte of ``step_dir``'s model file flipped, ``state`` (saved there at STEP, intact in ``url``)
+    is what a resume from ``root`` loads: the bucket's bytes, the corrupt copy replaced."""
+    flip_a_byte(next(p for p in step_dir.iterdir() if p.name.startswith("model")))
+    resumed = make_state()
+    with Guard(checkpoint_dir=root, bucket=url, socket=tmp_path / "none.sock", handle_sigterm=False) as guard:
+        assert guard.resume(resumed) == STEP
+    for key, value in state["model"].state_dict().items():
+        assert torch.equal(resumed["model"].state_dict()[key], value), key
+    assert spotguard_cli("verify", str(root)).returncode == 0  # the corrupt copy was replaced
+
+
 def test_a_corrupt_local_copy_is_fetched_again_from_the_bucket_not_loaded(
     tmp_path: Path, proxy: FaultProxy, server: S3Server
 ) -> None:
@@ -392,14 +404,7 @@ def test_a_corrupt_local_copy_is_fetched_again_from_the_bucket_not_loaded(
     train_step(state)
     with Guard(checkpoint_dir=root, socket=tmp_path / "none.sock", handle_sigterm=False) as guard:
         step_dir = guard.save(state, STEP, reason="urgent")
-    url = uploaded(server, step_dir)
-    flip_a_byte(next(p for p in step_dir.iterdir() if p.name.startswith("model")))
-    resumed = make_state()
-    with Guard(checkpoint_dir=root, bucket=url, socket=tmp_path / "none.sock", handle_sigterm=False) as guard:
-        assert guard.resume(resumed) == STEP
-    for key, value in state["model"].state_dict().items():
-        assert torch.equal(resumed["model"].state_dict()[key], value), key
-    assert spotguard_cli("verify", str(root)).returncode == 0  # the local copy was replaced
+    resume_past_a_flipped_byte(tmp_path, root, uploaded(server, step_dir), step_dir, state)
 
 
 def test_a_bucket_refusing_reads_stops_the_resume_instead_of_starting_over(
@@ -435,15 +440,8 @@ def test_a_corrupt_newest_local_checkpoint_is_resumed_from_the_bucket_not_from_a
         guard.wait()  # committed: an urgent save would pre-empt a periodic one still going
         train_step(state)
         newest = guard.save(state, STEP, reason="urgent")
-    url = uploaded(server, newest)
-    flip_a_byte(next(p for p in newest.iterdir() if p.name.startswith("model")))
-    resumed = make_state()
-    with Guard(checkpoint_dir=root, bucket=url, socket=tmp_path / "none.sock", handle_sigterm=False) as guard:
-        assert guard.resume(resumed) == STEP
-    for key, value in state["model"].state_dict().items():
-        assert torch.equal(resumed["model"].state_dict()[key], value), key
+    resume_past_a_flipped_byte(tmp_path, root, uploaded(server, newest), newest, state)
     assert sorted(p.name for p in root.glob("step-*")) == [f"step-{STEP - 1:09d}", f"step-{STEP:09d}"]
-    assert spotguard_cli("verify", str(root)).returncode == 0  # the corrupt copy was replaced
 
 
 def test_a_framework_resume_path_takes_the_buckets_copy_of_a_newest_local_checkpoint_found_bad(
