@@ -74,7 +74,8 @@ class ProgressiveWriter:
             )
             self.written += length
 
-    def finish_file(self) -> FileEntry:
+    def finish_file(self, *, announce: bool = True) -> FileEntry:
+        """The file fsynced and renamed to its name; its ``file`` message sent unless ``announce`` is False."""
         assert self._fd is not None and self.written == self.size
         os.fsync(self._fd)
         os.close(self._fd)
@@ -83,8 +84,12 @@ class ProgressiveWriter:
         fsync_dir(self.target.parent)
         entry = FileEntry(size=self.size, crc32c=crc32c_hex(self._crc))
         self.writer.files[self.rel] = entry
-        self.client.send("file", path=str(self.step_dir), name=self.rel, size=entry.size, crc32c=entry.crc32c)
+        if announce:
+            self.announce_file(entry)
         return entry
+
+    def announce_file(self, entry: FileEntry) -> None:
+        self.client.send("file", path=str(self.step_dir), name=self.rel, size=entry.size, crc32c=entry.crc32c)
 
     def commit(self) -> None:
         self.writer.commit()

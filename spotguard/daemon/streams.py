@@ -63,9 +63,18 @@ class EarlyUploads:
         return self.progress.setdefault(name, UploadProgress())
 
     def file_ready(self, step_dir: Path, rel: str, entry: FileEntry) -> None:
-        """Finish the streamed upload of ``rel``, or send it whole if it was not streamed."""
-        self.progress_of(step_dir.name).expect(rel, entry.size)
+        """Finish the streamed upload of ``rel``, or send it whole if it was not streamed; nothing if
+        this file as ``entry`` says is on its way already."""
+        progress = self.progress_of(step_dir.name)
+        taken = progress.take_ahead(rel, entry)
         stream = self.streams.pop((step_dir.name, rel), None)
+        if stream is None and not taken:
+            # The commit's job finished its stream before the file's own message was read (a rescan
+            # found the manifest first), or the message came twice: sending it whole would put the
+            # same bytes up a second time, in the race with the deadline.
+            logger.info("%s/%s: already going up ahead of its commit; nothing more to send", step_dir.name, rel)
+            return
+        progress.expect(rel, entry.size)
         if stream is not None:
             work = self._finish_stream(step_dir, stream, entry)
         else:
@@ -180,7 +189,7 @@ class EarlyUploads:
                 raise StorageError(f"{key}: finished with {entry.size} bytes, announced as {stream.size}")
             await self.run_in_thread(stream.upload.finish, entry.crc32c)
             progress.present(stream.rel)
-            progress.mark_sent(stream.rel)
+            progress.mark_sent(stream.rel, entry)
             return
         except (StorageError, OSError) as exc:
             # finish() aborted the multipart upload: nothing of it is visible or left open.

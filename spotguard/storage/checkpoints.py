@@ -228,7 +228,7 @@ def upload_files(
     def send(rel: str) -> None:
         entry = files[rel]
         have = existing.get(rel)
-        sent_here = progress is not None and progress.sent_here(rel)
+        sent_here = progress is not None and progress.sent_here(rel, entry)
         if sent_here or (have and have.size == entry.size and stored_crc32c(storage, have) == entry.crc32c):
             if progress is not None:
                 progress.present(rel)
@@ -299,7 +299,7 @@ def put_with_retry(
     )
     if progress is not None:
         progress.present(rel)  # whatever the parts did not report (a file of one request)
-        progress.mark_sent(rel)
+        progress.mark_sent(rel, entry)
 
 
 def commit_remote(storage: Storage, step_dir: Path, *, deadline: float | None = None) -> bool:
@@ -573,7 +573,8 @@ class UploadProgress:
         self._done: dict[str, int] = {}
         self._sent = 0
         self._first_sent: float | None = None
-        self._put: set[str] = set()  # files this process put and the store took
+        self._put: dict[str, FileEntry] = {}  # files this process put and the store took, as they were then
+        self._ahead: dict[str, FileEntry] = {}  # files taken to go up ahead of the commit, as announced
 
     def expect(self, rel: str, size: int) -> None:
         with self._lock:
@@ -606,14 +607,25 @@ class UploadProgress:
         with self._lock:
             self._done[rel] = self._sizes.get(rel, 0)
 
-    def mark_sent(self, rel: str) -> None:
-        """``rel`` went up from this process and the store took it (checked by the backend)."""
+    def mark_sent(self, rel: str, entry: FileEntry) -> None:
+        """``rel`` as ``entry`` says went up from this process and the store took it (checked by the backend)."""
         with self._lock:
-            self._put.add(rel)
+            self._put[rel] = entry
 
-    def sent_here(self, rel: str) -> bool:
+    def sent_here(self, rel: str, entry: FileEntry) -> bool:
+        """Whether this process put ``rel`` with the size and CRC32C of ``entry`` (a save of the same
+        step begun again after a crash may have written other bytes under that name)."""
         with self._lock:
-            return rel in self._put
+            return self._put.get(rel) == entry
+
+    def take_ahead(self, rel: str, entry: FileEntry) -> bool:
+        """True the first time ``rel`` as ``entry`` says is taken to go up ahead of the commit; False
+        when it was already (its file message repeated, or come after the commit finished its stream)."""
+        with self._lock:
+            if self._ahead.get(rel) == entry:
+                return False
+            self._ahead[rel] = entry
+            return True
 
     @property
     def total(self) -> int:

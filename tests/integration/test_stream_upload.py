@@ -21,6 +21,7 @@ from spotguard.harness import Vm, wait_for
 from spotguard.manifest import MANIFEST
 from spotguard.storage import open_storage
 from spotguard.storage.checkpoints import verify_remote
+from tests.faultproxy import FaultProxy
 from tests.integration.test_daemon_socket import assert_alive, exchange
 from tests.servers import S3Server, moto_s3, point_at
 from tests.streaming import MiB, ProgressiveWriter, S3Look, complete_in
@@ -123,6 +124,43 @@ def test_a_streamed_files_parts_shrink_toward_its_end_and_the_object_is_bit_iden
     assert head["ETag"].strip('"').endswith(f"-{len(sizes)}")  # the object is made of exactly those parts
     body = look.client.get_object(Bucket=look.bucket, Key=key)["Body"].read()
     assert body == (writer.step_dir / writer.rel).read_bytes()
+
+
+def test_a_file_message_read_after_the_commit_finished_its_stream_sends_nothing_again(
+    vm_factory: Callable[..., Vm], s3: S3Server, s3_bucket: str, look: S3Look
+) -> None:
+    """The commit's job may finish a stream before the file's own message is read (a rescan finds the
+    manifest first, on a busy daemon): the message that comes then must not send the file again."""
+    prefix = s3_bucket.partition(f"{look.bucket}/")[2] + "/"
+    with FaultProxy(s3.endpoint_url, fault_rate=0.0) as proxy:
+        vm = vm_factory("vm", start=False)
+        vm.bucket = s3_bucket
+        vm.start_daemon({"AWS_ENDPOINT_URL_S3": proxy.url})
+        writer = ProgressiveWriter(vm.root, 9, vm.socket, size=2 * PART + 5 * MiB + 3)
+        try:
+            writer.begin()
+            writer.write_until(writer.size)
+            wait_for(lambda: sum(size for _, size in look.parts(prefix)) == writer.size, 60, "every part in the bucket")
+            proxy.hold(lambda method, target: method == "POST" and "uploadId=" in target)  # the stream's completion
+            entry = writer.finish_file(announce=False)
+            writer.commit()
+            wait_for(proxy.held.is_set, 30, "the commit's job to complete the stream")
+            writer.announce_file(entry)  # late: the job has finished the stream already
+            assert writer.client.ask("safe-steps", timeout=10) is not None  # read after the file message
+            wait_for(lambda: "already going up ahead of its commit" in vm.log.read_text(), 10, "the message ignored")
+            proxy.release()
+            wait_for(lambda: complete_in(s3_bucket, writer.step_dir.name), 60, "the checkpoint in the bucket")
+        finally:
+            proxy.release()
+            writer.close()
+    creates = [target for method, target in proxy.seen if method == "POST" and target.endswith("?uploads")]
+    assert len(creates) == 1, f"the file went up twice: {creates}"
+    assert look.open_uploads(prefix) == []
+    storage = open_storage(s3_bucket)
+    try:
+        assert verify_remote(storage, writer.step_dir.name) == []
+    finally:
+        storage.close()
 
 
 @pytest.mark.parametrize("how", ["disconnect", "save-failed"])

@@ -18,7 +18,7 @@ from spotguard.daemon.uploader import Uploader
 from spotguard.manifest import FileEntry
 from spotguard.notice import utcnow
 from spotguard.storage.base import Progress
-from spotguard.storage.checkpoints import UploadProgress
+from spotguard.storage.checkpoints import UploadProgress, upload_files
 from spotguard.storage.file import FileStorage
 from tests.checkpoints import write_checkpoint
 
@@ -78,6 +78,25 @@ def test_upload_progress_eta_is_what_is_left_at_the_rate_so_far() -> None:
     rate = progress.rate()
     assert rate is not None
     assert progress.eta() == pytest.approx(8_000 / rate)
+
+
+def test_a_file_sent_here_is_skipped_only_with_the_same_bytes_and_taken_ahead_once(tmp_path: Path) -> None:
+    """A save of a step begun again (after the trainer crashed) may write other bytes under a name sent
+    before: the commit's upload sends them, where skipping "sent here" would leave the old object."""
+    (tmp_path / "bucket").mkdir()
+    storage = FileStorage((tmp_path / "bucket").as_uri())
+    step_dir = write_checkpoint(tmp_path / "local", 7, {"a.bin": b"first save"})
+    first = FileEntry(10, crc32c_of_bytes(b"first save"))
+    progress = UploadProgress()
+    assert progress.take_ahead("a.bin", first) and not progress.take_ahead("a.bin", first)  # its message repeated
+    upload_files(storage, step_dir, {"a.bin": first}, progress=progress)
+    assert progress.sent_here("a.bin", first)
+    (step_dir / "a.bin").write_bytes(b"second save, other bytes")
+    second = FileEntry(24, crc32c_of_bytes(b"second save, other bytes"))
+    assert progress.take_ahead("a.bin", second)  # another file under the same name: it goes again
+    upload_files(storage, step_dir, {"a.bin": second}, progress=progress)
+    assert (tmp_path / "bucket" / step_dir.name / "a.bin").read_bytes() == b"second save, other bytes"
+    assert progress.sent_here("a.bin", second) and not progress.sent_here("a.bin", first)
 
 
 async def run_urgent_upload(
