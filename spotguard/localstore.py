@@ -18,9 +18,9 @@ import contextlib
 import logging
 import shutil
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from spotguard.crc32c import crc32c_of_file
 from spotguard.errors import SpotguardError
@@ -159,6 +159,37 @@ def scan_local(root: Path) -> list[CheckpointInfo]:
             share = load_part(entry)  # None for a directory removed since
             infos.append(CheckpointInfo(entry.name, step, "incomplete", size, None, manifest, share, foreign))
     return sorted(infos, key=lambda info: info.step)
+
+
+Picked = TypeVar("Picked")
+
+
+def newest_verified(
+    root: Path,
+    pick: Callable[[CheckpointInfo], Picked | None],
+    *,
+    threads: int = 1,
+    on_incomplete: Callable[[CheckpointInfo], None] | None = None,
+) -> tuple[Picked | None, bool]:
+    """What ``pick`` makes of the newest complete checkpoint under ``root`` whose files match its
+    manifest (checksums included) and that it does not refuse (None), and whether a newer complete
+    one was skipped as bad: the bucket may hold an intact copy of it, newer than what this disk has.
+    ``on_incomplete`` sees each incomplete checkpoint newer than the one picked (it may raise)."""
+    skipped = False
+    for info in reversed(scan_local(root)):
+        if info.status != "complete":
+            if on_incomplete is not None:
+                on_incomplete(info)
+            continue
+        problems = verify_dir(root / info.name, threads=threads)
+        if problems:
+            logger.warning("spotguard: skipping %s: %s", info.name, "; ".join(problems))
+            skipped = True
+            continue
+        picked = pick(info)
+        if picked is not None:
+            return picked, skipped
+    return None, skipped
 
 
 def remove_incomplete(root: Path, *, except_names: frozenset[str] = frozenset()) -> list[str]:

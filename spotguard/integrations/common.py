@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from spotguard.errors import FatalError
-from spotguard.localstore import scan_local
-from spotguard.manifest import Manifest, load_manifest_or_none, verify_dir
+from spotguard.localstore import newest_verified, scan_local
+from spotguard.manifest import CheckpointInfo, Manifest, load_manifest_or_none
 from spotguard.trainer.client import ask_daemon_for_root
 from spotguard.trainer.schedule import check_periodic
 from spotguard.trainer.settings import GuardOptions, TrainerSettings
@@ -208,21 +208,16 @@ def _newest_local(root: Path, framework: str, live: Mapping[str, Any] | None) ->
     """The framework's resumable form in the newest verified local checkpoint and that checkpoint's
     step (None if none), and whether a newer one was skipped as bad: the bucket may hold an intact
     copy of it, newer than what this disk has."""
-    skipped = False
-    for info in reversed(scan_local(root)):
-        if info.status != "complete":
-            continue
-        problems = verify_dir(root / info.name)
-        if problems:
-            logger.warning("spotguard: skipping %s: %s", info.name, "; ".join(problems))
-            skipped = True
-            continue
+
+    def pick(info: CheckpointInfo) -> tuple[Path, int] | None:
         target = _resume_target(root / info.name, framework)
-        if target is not None:
-            assert info.manifest is not None  # complete
-            check_live(info.name, info.manifest, live)
-            return (target, info.step), skipped
-    return None, skipped
+        if target is None:
+            return None
+        assert info.manifest is not None  # complete
+        check_live(info.name, info.manifest, live)
+        return target, info.step
+
+    return newest_verified(root, pick)
 
 
 def _resume_target(step_dir: Path, framework: str) -> Path | None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from spotguard import protocol
-from spotguard.localstore import scan_local
+from spotguard.localstore import newest_verified, scan_local
 from spotguard.manifest import Manifest, ManifestError, load_manifest, verify_dir
 from spotguard.trainer import dist
 from spotguard.trainer.client import DaemonClient
@@ -149,18 +149,12 @@ class Resumer:
         nothing else is fetched before the check). Where a newer local one was skipped as bad, the
         bucket's complete ones newer than the verified local one come first: the bucket may hold an
         intact copy of the very step found bad here."""
-        local: tuple[str, Manifest, bool] | None = None
-        skipped = False
-        for info in reversed(scan_local(self.checkpoint_dir)):
-            if info.status != "complete":
-                refuse_newer_format(load_manifest, self.checkpoint_dir / info.name)
-                continue
-            problems = verify_dir(self.checkpoint_dir / info.name, threads=self.io_threads)
-            if not problems and info.manifest is not None:
-                local = (info.name, info.manifest, True)
-                break
-            logger.warning("spotguard: skipping %s: %s", info.name, "; ".join(problems))
-            skipped = True
+        local, skipped = newest_verified(
+            self.checkpoint_dir,
+            lambda info: None if info.manifest is None else (info.name, info.manifest, True),
+            threads=self.io_threads,
+            on_incomplete=lambda info: refuse_newer_format(load_manifest, self.checkpoint_dir / info.name),
+        )
         if local is not None and (not skipped or self.bucket is None):
             return [local]
         found = self._bucket_candidates()
