@@ -67,9 +67,12 @@ class NoticeFlags:
         return parse_iso(notice["notice"]["deadline"]) if notice else None
 
     def local(self) -> tuple[bool, bool]:
-        """(urgent, stop) as this rank alone sees them."""
+        """(urgent, stop) as this rank alone sees them; a stop is always urgent."""
         notice = self.pending
-        return notice is not None or self.sigterm, bool(notice and notice["stop"]) or self.sigterm
+        # Read once: SIGTERM's handler may run between any two bytecodes, and a "stop" seen without
+        # the "urgent" read just before it would end the loop without the save it asks for.
+        sigterm = self.sigterm
+        return notice is not None or sigterm, bool(notice and notice["stop"]) or sigterm
 
     def agree(self, periodic_due: bool) -> tuple[bool, bool]:
         """(urgent, periodic) as every rank agrees on them; a stop, once agreed, stays. Collective."""

@@ -40,3 +40,31 @@ def test_a_job_that_sees_thousands_of_notices_keeps_only_the_latest() -> None:
     # The oldest are forgotten (the daemon, which keeps its own latest 64, no longer sends them): one
     # coming back counts as new, and is acknowledged again.
     handle(flags, checkpoint_now(0))
+
+
+class SignalOnSecondLook(NoticeFlags):
+    """SIGTERM's handler runs between bytecodes of the main thread: here it lands right after the
+    first read of the flag (a tight loop spends most of its time asking should_checkpoint)."""
+
+    def __init__(self) -> None:
+        self.looks = 0
+        super().__init__()
+
+    @property  # type: ignore[override]
+    def sigterm(self) -> bool:
+        self.looks += 1
+        return self.looks > 1
+
+    @sigterm.setter
+    def sigterm(self, value: bool) -> None:
+        pass
+
+
+def test_a_sigterm_landing_while_the_flags_are_read_never_stops_the_loop_without_its_save() -> None:
+    """Read twice, the flag said "not urgent" and then "stop": the loop left without the checkpoint
+    SIGTERM asked for, and the trainer exited 0 with nothing saved."""
+    flags = SignalOnSecondLook()
+    urgent, _ = flags.agree(False)
+    assert urgent or not flags.stop_agreed  # a stop agreed comes with its urgent save
+    urgent, _ = flags.agree(False)
+    assert urgent and flags.stop_agreed
