@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import bisect
 import ctypes
+import errno
 import fcntl
 import os
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import urlsplit
@@ -145,6 +146,19 @@ def write_range(
 ) -> None:
     """:func:`write_at` one range (in a thread) and note its CRC32C in ``ranges`` (a list append is atomic)."""
     ranges.append((offset, len(data), write_at(step_dir / rel, offset, data)))
+
+
+async def disk_write(write: Awaitable[None], what: str) -> None:
+    """A replica's disk write, whose failure of this node's disk (the errno the write got) is told as
+    such: the sender hears ``no-space`` (a full disk) or ``disk``, and the log names the disk, where
+    the OSError read as the connection lost and the sender saw the connection close mid-record."""
+    try:
+        await write
+    except OSError as exc:
+        if not exc.errno:  # not the disk's answer (a worker gone): the caller's own handling
+            raise
+        code = "no-space" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "disk"
+        raise wire.PeerError(code, f"writing {what} on this node failed: {exc.strerror or exc}") from exc
 
 
 async def make_room(writes: set[asyncio.Future[None]]) -> None:

@@ -42,6 +42,7 @@ from spotguard.peer.files import (
     check_bucket_key,
     check_range,
     data_header,
+    disk_write,
     make_parent,
     make_room,
     new_file_on_disk,
@@ -203,7 +204,7 @@ class PeerReceiver:
         except wire.PeerError as exc:
             # The replica goes before the answer does: a sender told "no" may open its next one at
             # once, and must find this one's slot and bytes free again.
-            await self._drop_unfinished(session)
+            await self._drop_unfinished(session, f"refused: {exc}")
             self._refuse(writer, channel, who, exc)
         except TimeoutError:
             self.refused += 1
@@ -225,7 +226,7 @@ class PeerReceiver:
                 async with asyncio.timeout(self.limits.io_timeout):
                     await writer.wait_closed()
 
-    async def _drop_unfinished(self, session: _Session) -> None:
+    async def _drop_unfinished(self, session: _Session, why: str = "the sender went away unfinished") -> None:
         """The replica this connection opened and did not finish is deleted, its slot released: a sender
         that died or was refused mid-stream leaves nothing that could count as complete."""
         replica = session.replica if session.opened else None
@@ -234,7 +235,7 @@ class PeerReceiver:
         session.replica = None
         with contextlib.suppress(Exception):
             await replica.settle()  # no write may land after the removal
-        await asyncio.to_thread(self.store.move, replica, ReplicaState.DELETED, "the sender went away unfinished")
+        await asyncio.to_thread(self.store.move, replica, ReplicaState.DELETED, why)
 
     async def _handshake(self, stream: wire.FrameStream, writer: asyncio.StreamWriter, who: str) -> Channel:
         """The connection's handshake, in the bounded pool of unauthenticated connections."""
@@ -432,7 +433,8 @@ class PeerReceiver:
             free.append(buffer)
             raise wire.PeerError("gone", f"{replica.id} is no longer being received")
         ranges = replica.ranges.setdefault(rel, [])
-        write = asyncio.ensure_future(asyncio.to_thread(write_range, replica.step_dir, rel, offset, data, ranges))
+        written = asyncio.to_thread(write_range, replica.step_dir, rel, offset, data, ranges)
+        write = asyncio.ensure_future(disk_write(written, f"{replica.name}/{rel}"))
         write.add_done_callback(lambda _: free.append(buffer))
         replica.writes.add(write)  # the set as it is now: another flow's settle may have run meanwhile
 
@@ -447,9 +449,8 @@ class PeerReceiver:
         if not replica.receiving:  # committed (or dropped) while this frame came in on a joined flow
             await worker.drop()
             raise wire.PeerError("gone", f"{replica.id} is no longer being received")
-        write = asyncio.ensure_future(
-            worker.write(replica.step_dir / rel, offset, length, replica.ranges.setdefault(rel, []))
-        )
+        written = worker.write(replica.step_dir / rel, offset, length, replica.ranges.setdefault(rel, []))
+        write = asyncio.ensure_future(disk_write(written, f"{replica.name}/{rel}"))
         replica.writes.add(write)
 
     def status(self) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import asyncio
 import os
 import subprocess
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +22,14 @@ from spotguard.harness import Vm, wait_for
 from spotguard.localstore import scan_local
 from spotguard.peer import wire
 from spotguard.peer.client import PeerClient
+from spotguard.peer.replicas import AREA
 from spotguard.storage.base import Storage
 from spotguard.storage.checkpoints import list_remote, restore
 from spotguard.storage.file import FileStorage
 from spotguard.storage.s3 import S3Storage
 from tests.checkpoints import write_checkpoint
-from tests.peers import TOKEN, address, bucket_keys, replica_area
+from tests.diskspace import fill
+from tests.peers import TOKEN, address, bucket_keys, hand_over, replica_area
 
 MiB = 1 << 20
 
@@ -78,16 +81,18 @@ def test_seven_concurrent_offers_get_exactly_the_two_slots(receiver_vm: Vm, url:
     assert receiver_vm.status()["peers"]["replicas"] == [] and bucket_keys(url) == []
 
 
-@pytest.fixture
-def small_vm(tmp_path: Path, url: str) -> Iterator[Vm]:
-    """A receiver whose checkpoint root is a 64 MiB tmpfs, holding a committed 40 MiB checkpoint of its own."""
+@contextmanager
+def tmpfs_receiver(tmp_path: Path, url: str, own: int) -> Iterator[Vm]:
+    """A receiver whose checkpoint root is a 64 MiB tmpfs, holding a committed checkpoint of its own
+    of ``own`` bytes (none if 0)."""
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs takes root")
     vm = Vm(tmp_path, "vm-small", url, extra_args=["--provider", "none", "--peer-listen", "127.0.0.1:0"])
     vm.root.mkdir(parents=True)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(vm.root)], check=True)
     try:
-        write_checkpoint(vm.root, 3, {"own.bin": os.urandom(40 * MiB)})
+        if own:
+            write_checkpoint(vm.root, 3, {"own.bin": os.urandom(own)})
         vm.start_daemon(env={"SPOTGUARD_PEER_TOKEN": TOKEN})
         try:
             yield vm
@@ -95,6 +100,51 @@ def small_vm(tmp_path: Path, url: str) -> Iterator[Vm]:
             vm.kill_daemon()
     finally:
         subprocess.run(["umount", str(vm.root)], check=True)
+
+
+@pytest.fixture
+def small_vm(tmp_path: Path, url: str) -> Iterator[Vm]:
+    """A receiver on a 64 MiB tmpfs, holding a committed 40 MiB checkpoint of its own."""
+    with tmpfs_receiver(tmp_path, url, 40 * MiB) as vm:
+        yield vm
+
+
+def test_a_disk_that_fills_while_a_replica_comes_in_refuses_it_as_no_space_and_serves_on(
+    tmp_path: Path, url: str
+) -> None:
+    """Admitted, then another writer takes the rest of the disk: the sender hears ``no-space`` (it saw
+    the connection close mid-record, the receiver logged "connection lost"), nothing of the replica
+    stays, and once there is room again the same checkpoint is taken."""
+    source = write_checkpoint(tmp_path / "source", 70, {"w.bin": os.urandom(16 * MiB)})
+    with tmpfs_receiver(tmp_path, url, 0) as vm:
+
+        def landed() -> bool:  # the first range written on the receiver's disk, not only read
+            return any(path.stat().st_blocks * 512 >= 2 * MiB for path in (vm.root / AREA).rglob("w.bin"))
+
+        async def hand_over_while_the_disk_fills() -> str:
+            client = await connect(vm)
+            try:
+                await client.open_replica(source.name, url)
+                with (source / "w.bin").open("rb", buffering=0) as file:
+                    await client.send_part(file, "w.bin", 16 * MiB, 0, 2 * MiB)
+                    await asyncio.to_thread(wait_for, landed, 10, "the first range on the receiver's disk")
+                    fill(vm.root, leave=MiB)
+                    await client.send_part(file, "w.bin", 16 * MiB, 2 * MiB, 14 * MiB)
+                await client.commit(source)
+                return "committed"
+            except wire.PeerError as exc:
+                return exc.code
+            finally:
+                await client.close()
+
+        assert asyncio.run(hand_over_while_the_disk_fills()) == "no-space"
+        wait_for(lambda: replica_area(vm) == [], 10, "the refused replica to be removed")
+        log = vm.log.read_text()
+        assert f"no-space: writing {source.name}/w.bin on this node failed: No space left on device" in log
+        assert "connection lost" not in log
+        (vm.root / "filler").unlink()
+        assert hand_over(address(vm), source, url)["t"] == "ok"
+        wait_for(lambda: source.name in [k.partition("/")[0] for k in bucket_keys(url)], 30, "the replica uploaded")
 
 
 def test_an_offer_that_leaves_no_room_for_the_node_s_own_checkpoint_is_refused(small_vm: Vm, url: str) -> None:
