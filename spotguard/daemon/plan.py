@@ -110,14 +110,15 @@ class Planner:
         self.peer_available = peer_available
         self.current: Plan | None = None
         self._notice: Notice | None = None
-        self._announced: dict[str, int] = {}  # bytes of the files trainers finished per checkpoint, this notice
+        # Sizes of the files trainers finished, per checkpoint and file, this notice (a file told twice counts once).
+        self._announced: dict[str, dict[str, int]] = {}
 
     def observe_size(self, nbytes: int) -> None:
         self.state_bytes = nbytes
 
-    def observe_file(self, name: str, nbytes: int) -> None:
-        """A trainer finished a file of checkpoint ``name`` while the notice is pending."""
-        self._announced[name] = self._announced.get(name, 0) + nbytes
+    def observe_file(self, name: str, rel: str, nbytes: int) -> None:
+        """A trainer finished the file ``rel`` of checkpoint ``name`` while the notice is pending."""
+        self._announced.setdefault(name, {})[rel] = nbytes
 
     def observe_upload(self, nbytes: int, seconds: float) -> None:
         self.meter.add(nbytes, seconds)
@@ -166,7 +167,7 @@ class Planner:
         notice, old = self._notice, self.current
         left = notice.seconds_left()
         # The urgent checkpoint's own size once it is known: announced files, or its commit.
-        newest = max(self._announced.values(), default=0)
+        newest = max((sum(files.values()) for files in self._announced.values()), default=0)
         size, size_from = self.size()
         if old.bytes > size:  # e.g. the trainer that announced it has gone: its number still stands
             size, size_from = old.bytes, old.size_from

@@ -186,7 +186,7 @@ class RequestHandler:
         entry = FileEntry(size=message["size"], crc32c=message["crc32c"])
         self.host.uploader.file_ready(step_dir, name, entry, urgent=self.host.pending is not None)
         if self.host.pending is not None:
-            self.host.planner.observe_file(step_dir.name, entry.size)
+            self.host.planner.observe_file(step_dir.name, name, entry.size)
             self.host.planner.revise(self.host.uploader.forecast())  # now: a big file may call for the peer route
             if self.host.handoff is not None:
                 self.host.handoff.file_ready(step_dir, name, entry)

@@ -199,3 +199,16 @@ def test_rate_probes_older_than_the_grace_are_swept_and_younger_ones_kept(tmp_pa
     assert not killed_mid_write.exists()
     assert (storage.root / "step-000000001" / "w.pt").exists()  # only the probe's prefix is swept
     assert sweep_rate_probes(storage, older_than=timedelta(hours=1)) == 0
+
+
+def test_the_files_finished_during_the_race_count_each_once() -> None:
+    """A file's message read twice (repeated, or read late) must not make the checkpoint look bigger
+    than it is, and send the plan towards a peer or local for bytes that do not exist."""
+    planner = Planner(peer_available=lambda: False)
+    planner.observe_upload(10 * MB, 1.0)
+    planner.plan(Notice.in_seconds("none", Kind.DRILL, 30.0, identity="x"))
+    planner.observe_file("step-000000009", "model.bin", 150 * MB)
+    planner.observe_file("step-000000009", "optim.bin", 50 * MB)
+    planner.observe_file("step-000000009", "model.bin", 150 * MB)  # told again
+    revised = planner.revise(None)
+    assert revised is not None and revised.bytes == 200 * MB and revised.route is Route.BUCKET
