@@ -84,9 +84,13 @@ class PeerClient:
         self.channel.write(wire.encode({"t": "ping"}))
         await self.channel.drain()
 
-    async def open_replica(self, name: str, bucket: str) -> str:
-        """Open a replica of ``name`` on this connection; its id, for the flows that join it."""
-        reply = await self._ask({"t": "replica", "name": name, "bucket": bucket})
+    async def open_replica(self, name: str, bucket: str, nbytes: int | None = None) -> str:
+        """Open a replica of ``name`` on this connection; its id, for the flows that join it.
+        ``nbytes``, the size expected, lets the peer refuse at once what its disk cannot take."""
+        header: dict[str, Any] = {"t": "replica", "name": name, "bucket": bucket}
+        if nbytes:
+            header["bytes"] = nbytes
+        reply = await self._ask(header)
         return wire.field(reply, "id", str)
 
     async def join(self, replica_id: str) -> None:

@@ -358,11 +358,18 @@ class Flows:
 
 
 async def open_flows(
-    client: PeerClient, name: str, bucket: str, token: PeerToken, *, io_timeout: float = IO_TIMEOUT, max_flows: int
+    client: PeerClient,
+    name: str,
+    bucket: str,
+    token: PeerToken,
+    *,
+    io_timeout: float = IO_TIMEOUT,
+    max_flows: int,
+    nbytes: int | None = None,
 ) -> Flows:
-    """A replica of ``name`` opened on ``client``, and its :class:`Flows` (more connect to the same
-    peer with ``token``)."""
-    replica_id = await client.open_replica(name, bucket)
+    """A replica of ``name`` (``nbytes`` expected, if known) opened on ``client``, and its
+    :class:`Flows` (more connect to the same peer with ``token``)."""
+    replica_id = await client.open_replica(name, bucket, nbytes)
     host, _, port = client.address.rpartition(":")
 
     async def connect() -> PeerClient:

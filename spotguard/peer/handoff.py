@@ -5,13 +5,14 @@ While a notice is pending the daemon tells :class:`Handoff` of every range the t
 ``O_NOFOLLOW`` at its first range and followed across the rename), of every file it finishes
 (``file``) and of the commit (``saved``). Once the plan's route is ``peer`` a task picks the first
 configured peer that answers, shares the bucket and has no hard notice of its own, opens a replica
-for the newest checkpoint announced, and sends every announced range as it comes, alongside the
-trainer's writing and the bucket upload. A file's ``file`` message only confirms it: what none of
-its ranges covered (a file written without ranges: all of it) goes then. After the trainer's commit
-it sends whatever the manifest lists that was not sent yet, then the manifest. The peer checks every
-file against it (the CRC32C combined from the ranges it received, or the file read back where they
-overlap) and commits the checkpoint in the bucket; the handoff is ``handed`` once the peer answered
-``verified``.
+for the newest checkpoint announced (telling the plan's size: a peer without a free slot or the room
+refuses at once, and the next peer that answers is asked, nothing having been sent), and sends every
+announced range as it comes, alongside the trainer's writing and the bucket upload. A file's
+``file`` message only confirms it: what none of its ranges covered (a file written without ranges:
+all of it) goes then. After the trainer's commit it sends whatever the manifest lists that was not
+sent yet, then the manifest. The peer checks every file against it (the CRC32C combined from the
+ranges it received, or the file read back where they overlap) and commits the checkpoint in the
+bucket; the handoff is ``handed`` once the peer answered ``verified``.
 
 Ranges of a file that never gets its ``file`` message (its writer gave up, removed or rewrote it)
 may reach the peer, but count for nothing: the peer checks against the manifest only at commit. A
@@ -69,6 +70,10 @@ class _Streamed:
     @property
     def size(self) -> int:
         return self.source.size
+
+
+class _NotOpened(Exception):
+    """The peer chosen did not open the replica (refused, or gone before it answered)."""
 
 
 class Handoff:
@@ -211,21 +216,33 @@ class Handoff:
         started = time.monotonic()
         addresses = await self._candidates()
         self._move(HandoffState.CHOOSING, f"asking {len(addresses)} peer(s)")
-        client = await choose_peer(addresses, self._token, self.bucket, io_timeout=self._io_timeout)
-        if client is None:
-            self.error = "no peer answered with the same bucket and no hard notice of its own"
-            self._move(HandoffState.FAILED, self.error)
-            return
-        self.peer = client.address
-        try:
-            await self._send(client)
-            self.seconds = time.monotonic() - started
-            self._move(HandoffState.HANDED, f"{self.bytes_sent} bytes verified by the peer in {self.seconds:.1f} s")
-        except (OSError, TimeoutError, wire.PeerError, ManifestError) as exc:
-            self.error = str(exc)
-            self._move(HandoffState.FAILED, self.error)
-        finally:
-            await client.close()
+        refused: list[str] = []  # peers that would not open the replica: nothing was sent to them
+        while True:
+            asked = [(host, port) for host, port in addresses if f"{host}:{port}" not in refused]
+            client = await choose_peer(asked, self._token, self.bucket, io_timeout=self._io_timeout)
+            if client is None:
+                self.error = "no peer answered with the same bucket and no hard notice of its own"
+                if refused:
+                    self.error += f" and room for the replica ({len(refused)} refused it)"
+                self._move(HandoffState.FAILED, self.error)
+                return
+            self.peer = client.address
+            try:
+                await self._send(client)
+                self.seconds = time.monotonic() - started
+                self._move(HandoffState.HANDED, f"{self.bytes_sent} bytes verified by the peer in {self.seconds:.1f} s")
+                return
+            except _NotOpened as exc:
+                # Its slots are taken (a wave of notices picks the same freshest peer) or its disk is
+                # short: nothing went to it yet, so the next peer takes the replica from the start.
+                logger.warning("peer handoff: %s did not open the replica (%s); asking the others", client.address, exc)
+                refused.append(client.address)
+            except (OSError, TimeoutError, wire.PeerError, ManifestError) as exc:
+                self.error = str(exc)
+                self._move(HandoffState.FAILED, self.error)
+                return
+            finally:
+                await client.close()
 
     async def _send(self, client: PeerClient) -> None:
         flows: Flows | None = None
@@ -234,7 +251,10 @@ class Handoff:
             while True:
                 self._wake.clear()
                 if flows is None and self._announced:
-                    flows = self._flows = await self._open(client)
+                    try:
+                        flows = self._flows = await self._open(client)
+                    except (OSError, TimeoutError, wire.PeerError) as exc:
+                        raise _NotOpened(str(exc)) from exc
                     if self._deadline is not None and self.max_flows > 1:
                         pacer = asyncio.create_task(flows.pace(self._remaining, self._deadline_at), name="peer-flows")
                 if flows is not None and await self._queue_announced(flows):
@@ -258,7 +278,13 @@ class Handoff:
         """The replica of the newest checkpoint announced, and its flows (one, to begin with)."""
         self.name = max(self._announced, key=lambda name: parse_step_dir(name) or 0)
         flows = await open_flows(
-            client, self.name, self.bucket, self._token, io_timeout=self._io_timeout, max_flows=self.max_flows
+            client,
+            self.name,
+            self.bucket,
+            self._token,
+            io_timeout=self._io_timeout,
+            max_flows=self.max_flows,
+            nbytes=self._expected or None,  # the plan's size: a peer short of room says so now
         )
         self._move(HandoffState.SENDING, f"replica of {self.name} opened")
         return flows

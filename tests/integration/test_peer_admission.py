@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from spotguard.storage.file import FileStorage
 from spotguard.storage.s3 import S3Storage
 from tests.checkpoints import write_checkpoint
 from tests.diskspace import fill
-from tests.peers import TOKEN, address, bucket_keys, hand_over, replica_area
+from tests.peers import TOKEN, address, bucket_keys, hand_over, peer_behind_a_slow_bucket, replica_area, urgent_handoff
 
 MiB = 1 << 20
 
@@ -145,6 +145,32 @@ def test_a_disk_that_fills_while_a_replica_comes_in_refuses_it_as_no_space_and_s
         (vm.root / "filler").unlink()
         assert hand_over(address(vm), source, url)["t"] == "ok"
         wait_for(lambda: source.name in [k.partition("/")[0] for k in bucket_keys(url)], 30, "the replica uploaded")
+
+
+def test_a_handoff_a_peer_has_no_room_for_goes_to_the_next_peer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tmpfs: Callable[[int], Path]
+) -> None:
+    """The preferred peer's disk cannot take the replica (a wave of notices fills the freshest peer the
+    same way): told the size at the open, it refuses at once, and the sender hands over to the next
+    one, where it failed the handoff once the first file did not fit."""
+    with peer_behind_a_slow_bucket(tmp_path, monkeypatch) as (url, vm_b):
+        vm_c = Vm(tmp_path, "vm-c", url, extra_args=["--provider", "none", "--peer-listen", "127.0.0.1:0"])
+        vm_c.root = tmpfs(2 * MiB)  # less than the 3 MiB checkpoint
+        vm_c.start_daemon()
+        peers = ["--peers", f"{vm_c.status()['peers']['listen']},{vm_b.status()['peers']['listen']}"]
+        vm_a = Vm(tmp_path, "vm-a", url, extra_args=["--provider", "none", *peers])
+        write_checkpoint(vm_a.root, 1, {"state.bin": bytes(3 * MiB)})  # the plan's size for the next one
+        vm_a.start_daemon()
+        try:
+            handed, name = urgent_handoff(vm_a, size=3 * MiB, chunk=MiB, timeout=20.0)
+        finally:
+            vm_a.kill_daemon()
+            vm_c.kill_daemon()
+        assert handed["state"] == "handed" and handed["peer"] == vm_b.status()["peers"]["listen"], handed
+        [replica] = wait_for(lambda: vm_b.status()["peers"]["replicas"], 10, "B's replica")
+        assert replica["name"] == name
+    assert "no-space" in vm_c.log.read_text() and replica_area(vm_c) == []
+    assert "did not open the replica (no-space" in vm_a.log.read_text()
 
 
 def test_an_offer_that_leaves_no_room_for_the_node_s_own_checkpoint_is_refused(small_vm: Vm, url: str) -> None:
