@@ -38,15 +38,14 @@ async def connect(vm: Vm) -> PeerClient:
     return await PeerClient.connect(*address(vm), TOKEN.encode())
 
 
-async def offer(client: PeerClient, name: str, bucket: str, nbytes: int | None = None) -> dict[str, Any]:
-    """A ``replica`` frame (with the optional announced ``bytes``); the receiver's answer (an error
-    frame raises :class:`~spotguard.peer.wire.PeerError`)."""
-    frame: dict[str, Any] = {"t": "replica", "name": name, "bucket": bucket}
-    if nbytes is not None:
-        frame["bytes"] = nbytes
-    client.writer.write(wire.encode(frame))
-    await client.writer.drain()
-    return await wire.read_frame(client.reader)
+async def offer(client: PeerClient, name: str, bucket: str, nbytes: int | None = None) -> str:
+    """A replica offered as a handoff opens one (with ``nbytes`` announced, if given): ``ok``, or the
+    code the receiver refused it with."""
+    try:
+        await client.open_replica(name, bucket, nbytes)
+    except wire.PeerError as exc:
+        return exc.code
+    return "ok"
 
 
 def refusal(call: Any) -> str:
@@ -67,7 +66,7 @@ def test_seven_concurrent_offers_get_exactly_the_two_slots(receiver_vm: Vm, url:
             answers = await asyncio.gather(
                 *(offer(c, f"step-00000010{i}", url) for i, c in enumerate(clients)), return_exceptions=True
             )
-            codes = [a["t"] if isinstance(a, dict) else getattr(a, "code", repr(a)) for a in answers]
+            codes = [a if isinstance(a, str) else repr(a) for a in answers]
             # While they are held, the receiver shows exactly the two it took.
             held = receiver_vm.status()["peers"]["replicas"]
             assert len(held) == 2 and all(r["state"] == "receiving" for r in held)
@@ -177,9 +176,7 @@ def test_an_offer_that_leaves_no_room_for_the_node_s_own_checkpoint_is_refused(s
     async def offered(nbytes: int) -> str:
         client = await connect(small_vm)
         try:
-            return str((await offer(client, "step-000000050", url, nbytes))["t"])
-        except wire.PeerError as exc:
-            return exc.code
+            return await offer(client, "step-000000050", url, nbytes)
         finally:
             await client.close()
 
@@ -233,9 +230,7 @@ def test_non_canonical_step_names_are_refused_and_nothing_is_written(receiver_vm
     async def offered(name: str) -> str:
         client = await connect(receiver_vm)
         try:
-            return str((await offer(client, name, url))["t"])
-        except wire.PeerError as exc:
-            return exc.code
+            return await offer(client, name, url)
         finally:
             await client.close()
 
