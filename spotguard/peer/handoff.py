@@ -7,7 +7,10 @@ While a notice is pending the daemon tells :class:`Handoff` of every range the t
 configured peer that answers, shares the bucket and has no hard notice of its own, opens a replica
 for the newest checkpoint announced (telling the plan's size: a peer without a free slot or the room
 refuses at once, and the next peer that answers is asked, nothing having been sent), and sends every
-announced range as it comes, alongside the trainer's writing and the bucket upload. A file's
+announced range as it comes, alongside the trainer's writing and the bucket upload. A peer that fails
+once bytes went (its disk filled, it went away, it got a notice of its own) is left for the next
+one that answers, which is sent the replica again from its first byte: at most :data:`MAX_MOVES`
+times, and not past the deadline. A file's
 ``file`` message only confirms it: what none of its ranges covered (a file written without ranges:
 all of it) goes then. After the trainer's commit it sends whatever the manifest lists that was not
 sent yet, then the manifest. The peer checks every file against it (the CRC32C combined from the
@@ -46,6 +49,15 @@ logger = logging.getLogger("spotguard.handoff")
 # flow's, and one for a second flow; the pool grows on from there as frames need.
 _WARM_WORKERS = 2
 
+# Peers a handoff moves on to after one failed with bytes sent: each is sent the whole replica again,
+# so the bound keeps a fleet-wide fault (every peer's disk nearly full) from sending it many times.
+MAX_MOVES = 2
+
+# Refusals that say something of the peer (its disk, its slots, its own notice, its going away), not of
+# the replica: another peer may take it. The rest (a file that does not match its manifest, a bad
+# name, a replica over the bounds) would be refused anywhere.
+_PEER_SIDE = frozenset({"closed", "gone", "busy", "full", "no-space", "disk", "internal"})
+
 
 class HandoffState(StrEnum):
     IDLE = "idle"
@@ -74,6 +86,10 @@ class _Streamed:
 
 class _NotOpened(Exception):
     """The peer chosen did not open the replica (refused, or gone before it answered)."""
+
+
+class _Unreadable(Exception):
+    """A file of the checkpoint could not be opened here: no peer can be sent it."""
 
 
 class Handoff:
@@ -217,13 +233,17 @@ class Handoff:
         addresses = await self._candidates()
         self._move(HandoffState.CHOOSING, f"asking {len(addresses)} peer(s)")
         refused: list[str] = []  # peers that would not open the replica: nothing was sent to them
+        failed: list[str] = []  # peers that failed once bytes went to them
         while True:
-            asked = [(host, port) for host, port in addresses if f"{host}:{port}" not in refused]
-            client = await choose_peer(asked, self._token, self.bucket, io_timeout=self._io_timeout)
+            left = [(host, port) for host, port in addresses if f"{host}:{port}" not in refused + failed]
+            client = await choose_peer(left, self._token, self.bucket, io_timeout=self._io_timeout)
             if client is None:
-                self.error = "no peer answered with the same bucket and no hard notice of its own"
+                if failed:  # what the last one failed with says more than that no other answered
+                    self.error = f"{self.error}; no other peer took the replica"
+                else:
+                    self.error = "no peer answered with the same bucket and no hard notice of its own"
                 if refused:
-                    self.error += f" and room for the replica ({len(refused)} refused it)"
+                    self.error += f" ({len(refused)} had no room for it)"
                 self._move(HandoffState.FAILED, self.error)
                 return
             self.peer = client.address
@@ -237,12 +257,38 @@ class Handoff:
                 # short: nothing went to it yet, so the next peer takes the replica from the start.
                 logger.warning("peer handoff: %s did not open the replica (%s); asking the others", client.address, exc)
                 refused.append(client.address)
-            except (OSError, TimeoutError, wire.PeerError, ManifestError) as exc:
+            except (OSError, TimeoutError, wire.PeerError) as exc:
+                self.error = str(exc)
+                if not self._may_move(exc, len(failed)):
+                    self._move(HandoffState.FAILED, self.error)
+                    return
+                logger.warning(
+                    "peer handoff: %s failed after %d bytes (%s); sending the replica again to the next peer",
+                    client.address, self.bytes_sent, exc,
+                )  # fmt: skip
+                failed.append(client.address)
+                self._send_again()
+            except (ManifestError, _Unreadable) as exc:
                 self.error = str(exc)
                 self._move(HandoffState.FAILED, self.error)
                 return
             finally:
                 await client.close()
+
+    def _may_move(self, exc: BaseException, moves: int) -> bool:
+        """Whether a handoff that failed with ``exc`` once bytes went may go to another peer."""
+        if moves >= MAX_MOVES or (self._deadline is not None and time.monotonic() >= self._deadline):
+            return False
+        return not isinstance(exc, wire.PeerError) or exc.code in _PEER_SIDE
+
+    def _send_again(self) -> None:
+        """The next peer gets the replica from its first byte: every range sent (or queued) goes again,
+        and every finished file whole, from its name on disk."""
+        for stream in self._streams.values():
+            stream.todo[:0] = stream.queued
+            stream.queued = []
+        self._queued_files.clear()
+        self.bytes_sent = 0
 
     async def _send(self, client: PeerClient) -> None:
         flows: Flows | None = None
@@ -284,10 +330,18 @@ class Handoff:
             self._token,
             io_timeout=self._io_timeout,
             max_flows=self.max_flows,
-            nbytes=self._expected or None,  # the plan's size: a peer short of room says so now
+            nbytes=max(self._expected, self._announced_bytes()) or None,  # a peer short of room says so now
         )
         self._move(HandoffState.SENDING, f"replica of {self.name} opened")
         return flows
+
+    def _announced_bytes(self) -> int:
+        """Bytes the trainer announced of the replica's checkpoint so far (finished files and files
+        being written): a plan that guessed low is not what a second peer is told."""
+        assert self.name is not None
+        files = self._announced[self.name][1]
+        writing = (s.size for (name, rel), s in self._streams.items() if name == self.name and rel not in files)
+        return sum(entry.size for entry in files.values()) + sum(writing)
 
     async def _queue_announced(self, flows: Flows) -> bool:
         """Hand the flows what was announced of the replica's checkpoint since the last call;
@@ -314,7 +368,10 @@ class Handoff:
 
     async def _queue_file(self, flows: Flows, step_dir: Path, rel: str) -> None:
         """All of ``rel`` (finished: no ranges were announced, or they do not fit it)."""
-        await flows.send_file(step_dir / rel, rel, self._count)
+        try:
+            await flows.send_file(step_dir / rel, rel, self._count)
+        except OSError as exc:
+            raise _Unreadable(f"{step_dir.name}/{rel} cannot be opened to send: {exc}") from exc
         self._queued_files.add(rel)
 
     async def _finish_file(self, flows: Flows, step_dir: Path, rel: str) -> None:
@@ -383,4 +440,4 @@ def _committed_files(step_dir: Path) -> dict[str, FileEntry]:
     return dict(manifest.files)
 
 
-__all__ = ["Handoff", "HandoffState"]
+__all__ = ["MAX_MOVES", "Handoff", "HandoffState"]

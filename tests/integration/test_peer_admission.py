@@ -29,7 +29,18 @@ from spotguard.storage.file import FileStorage
 from spotguard.storage.s3 import S3Storage
 from tests.checkpoints import write_checkpoint
 from tests.diskspace import fill
-from tests.peers import TOKEN, address, bucket_keys, hand_over, peer_behind_a_slow_bucket, replica_area, urgent_handoff
+from tests.peers import (
+    TOKEN,
+    address,
+    bucket_keys,
+    drill_routed_to_peer,
+    hand_over,
+    handoff_ended,
+    peer_behind_a_slow_bucket,
+    replica_area,
+    urgent_handoff,
+)
+from tests.streaming import ProgressiveWriter
 
 MiB = 1 << 20
 
@@ -170,6 +181,46 @@ def test_a_handoff_a_peer_has_no_room_for_goes_to_the_next_peer(
         assert replica["name"] == name
     assert "no-space" in vm_c.log.read_text() and replica_area(vm_c) == []
     assert "did not open the replica (no-space" in vm_a.log.read_text()
+
+
+def test_a_handoff_whose_peer_dies_mid_stream_is_sent_again_to_the_next_peer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The peer taking the replica is reclaimed itself while bytes go to it: the handoff sends the
+    replica again, from its first byte, to the next peer that answers, where it failed before."""
+    size = 4 * MiB
+    with peer_behind_a_slow_bucket(tmp_path, monkeypatch) as (url, vm_b):
+        vm_c = Vm(tmp_path, "vm-c", url, extra_args=["--provider", "none", "--peer-listen", "127.0.0.1:0"])
+        vm_c.start_daemon()
+        c_listen = vm_c.status()["peers"]["listen"]
+        peers = ["--peers", f"{c_listen},{vm_b.status()['peers']['listen']}"]
+        vm_a = Vm(tmp_path, "vm-a", url, extra_args=["--provider", "none", *peers])
+        write_checkpoint(vm_a.root, 1, {"state.bin": bytes(size)})  # the plan's size for the next one
+        vm_a.start_daemon()
+        writer = ProgressiveWriter(vm_a.root, 5, vm_a.socket, size=size, chunk=MiB)
+        try:
+            drill_routed_to_peer(vm_a, deadline_s=8.0)
+            writer.begin()
+            writer.write_until(2 * MiB)
+            wait_for(
+                lambda: (h := vm_a.status()["peers"]["handoff"])["peer"] == c_listen and h["bytes_sent"] >= MiB,
+                10,
+                "A to send its first MiB to C",
+            )
+            vm_c.kill_daemon()  # C's VM is taken back mid-stream
+            writer.write_until(size)
+            writer.finish_file()
+            writer.commit()
+            handed = handoff_ended(vm_a, 20.0)
+        finally:
+            writer.close()
+            vm_a.kill_daemon()
+            vm_c.kill_daemon()
+        assert handed["state"] == "handed" and handed["peer"] == vm_b.status()["peers"]["listen"], handed
+        assert handed["bytes_sent"] == size, handed  # all of it again, not only what C lacked
+        [replica] = wait_for(lambda: vm_b.status()["peers"]["replicas"], 10, "B's replica")
+        assert replica["name"] == writer.step_dir.name
+    assert f"{c_listen} failed after" in vm_a.log.read_text()
 
 
 def test_an_offer_that_leaves_no_room_for_the_node_s_own_checkpoint_is_refused(small_vm: Vm, url: str) -> None:

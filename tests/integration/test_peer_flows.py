@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -39,14 +40,20 @@ def committed_steps(url: str) -> list[int]:
 
 
 async def hand_over(
-    step_dir: Path, url: str, where: tuple[str, int], seconds_left: float | None, handoff: Handoff | None = None
+    step_dir: Path,
+    url: str,
+    where: tuple[str, int] | list[tuple[str, int]],
+    seconds_left: float | None,
+    handoff: Handoff | None = None,
+    expected_bytes: int | None = None,
 ) -> Handoff:
-    """Hand the committed checkpoint ``step_dir`` to the peer at ``where``, as the daemon would on a
-    notice routed to the peer with ``seconds_left`` to its deadline (None: no deadline known); with
-    ``handoff``, as that one's next handoff (the daemon keeps one for its lifetime)."""
+    """Hand the committed checkpoint ``step_dir`` to the peer at ``where`` (or the first of a list
+    that answers), as the daemon would on a notice routed to the peer with ``seconds_left`` to its
+    deadline (None: no deadline known); with ``handoff``, as that one's next handoff (the daemon
+    keeps one for its lifetime); ``expected_bytes``: the plan's size, if not the checkpoint's."""
 
     async def candidates() -> list[tuple[str, int]]:
-        return [where]
+        return where if isinstance(where, list) else [where]
 
     handoff = handoff or Handoff(candidates, TOKEN.encode(), url, max_flows=6)
     manifest = load_manifest(step_dir)
@@ -54,7 +61,7 @@ async def hand_over(
         handoff.file_ready(step_dir, rel, entry)
     handoff.saved(step_dir)
     deadline = None if seconds_left is None else time.monotonic() + seconds_left
-    handoff.start(expected_bytes=manifest.total_bytes, deadline=deadline)
+    handoff.start(expected_bytes=expected_bytes or manifest.total_bytes, deadline=deadline)
     async with asyncio.timeout(60):
         while handoff.state not in (HandoffState.HANDED, HandoffState.FAILED):
             await asyncio.sleep(0.05)
@@ -103,6 +110,50 @@ def test_a_daemon_s_next_handoff_counts_its_own_bytes(receiver_vm: Vm, url: str,
     # What the pacer takes from the plan's size, and what the status says: this handoff's alone.
     assert (after["name"], after["bytes_sent"], after["state"]) == (second.name, 2 * MiB, "handed")
     wait_for(lambda: {15, 16} <= set(committed_steps(url)), 30, "B's commits in the bucket")
+
+
+def test_a_replica_its_peer_finds_unlike_its_manifest_is_not_sent_to_another_peer(
+    receiver_vm: Vm, url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A refusal that speaks of the replica (a file that does not match its manifest here: a bit
+    flipped on this disk) would come from any peer: the handoff fails, and the next peer listed
+    (another receiver on the same bucket) is not sent the replica again."""
+    step_dir = write_checkpoint(tmp_path / "vm-a", 13, {"weights.bin": os.urandom(2 * MiB)})
+    weights = step_dir / "weights.bin"
+    flipped = bytearray(weights.read_bytes())
+    flipped[MiB] ^= 0x01
+    weights.write_bytes(flipped)
+    with receiving_daemon(tmp_path / "vm-c", url) as vm_c:
+        caplog.set_level("WARNING", logger="spotguard.handoff")
+        handoff = asyncio.run(hand_over(step_dir, url, [address(receiver_vm), address(vm_c)], seconds_left=60.0))
+        assert vm_c.status()["peers"]["replicas"] == []
+    assert handoff.state is HandoffState.FAILED
+    assert handoff.error is not None and handoff.error.startswith("mismatch"), handoff.error
+    assert handoff.peer == receiver_vm.status()["peers"]["listen"]
+    assert not [r for r in caplog.records if "sending the replica again" in r.getMessage()]
+
+
+def test_a_peer_is_told_the_files_announced_where_the_plan_guessed_fewer_bytes(
+    receiver_vm: Vm, url: str, tmp_path: Path, tmpfs: Callable[[int], Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The plan expects 1 MiB (an older, smaller checkpoint) where the trainer announced 3 MiB: the
+    open tells 3 MiB, so a peer on a 2 MiB disk refuses before a byte is sent, and the next one
+    takes the replica (told 1 MiB, the first peer admitted it and failed at its first file)."""
+    step_dir = write_checkpoint(tmp_path / "vm-a", 14, {"weights.bin": os.urandom(3 * MiB)})
+    small = Vm(tmp_path, "vm-small", url, extra_args=["--provider", "none", "--peer-listen", "127.0.0.1:0"])
+    small.root = tmpfs(2 * MiB)
+    small.start_daemon(env={"SPOTGUARD_PEER_TOKEN": TOKEN})
+    try:
+        caplog.set_level("WARNING", logger="spotguard.handoff")
+        where = [address(small), address(receiver_vm)]
+        handoff = asyncio.run(hand_over(step_dir, url, where, seconds_left=60.0, expected_bytes=MiB))
+    finally:
+        small.kill_daemon()
+    assert handoff.state is HandoffState.HANDED, handoff.error
+    assert handoff.peer == receiver_vm.status()["peers"]["listen"]
+    said = [record.getMessage() for record in caplog.records]
+    assert any("did not open the replica (no-space" in line for line in said), said
+    assert not any("failed after" in line for line in said), said
 
 
 def test_only_authenticated_connections_of_the_same_sender_join_a_replica(
