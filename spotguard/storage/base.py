@@ -48,6 +48,7 @@ __all__ = [
     "ChecksumMismatch",
     "ChecksumProbe",
     "connections_needed",
+    "Listing",
     "ObjectExists",
     "ObjectInfo",
     "ObjectNotFound",
@@ -79,6 +80,11 @@ class ObjectInfo:
     size: int
     crc32c: str | None = None  # hex, as in manifest.json; None when the store does not say
     modified: datetime | None = None  # when the object was last written (UTC), where the store says
+
+
+# What a store's ``listing`` gives: its objects, then its temporaries (a name of its own: inside a
+# store class, ``list`` is the method).
+Listing = tuple[list[ObjectInfo], list[ObjectInfo]]
 
 
 class UploadStream(Protocol):
@@ -212,6 +218,10 @@ class Storage(Protocol):
         writes are no objects (S3's multipart uploads are aborted instead)."""
         ...
 
+    def listing(self, prefix: str = "") -> Listing:
+        """``list`` and ``temporaries`` of ``prefix`` together, in one pass where the store can."""
+        ...
+
 
 class StoreDefaults:
     """The optional methods of :class:`Storage` for a store that lacks their capability: a store
@@ -242,6 +252,9 @@ class StoreDefaults:
 
     def temporaries(self, prefix: str = "") -> Iterator[ObjectInfo]:
         return iter(())
+
+    def listing(self: Storage, prefix: str = "") -> Listing:
+        return list(self.list(prefix)), list(self.temporaries(prefix))
 
 
 def split_bucket_url(url: str, scheme: str) -> tuple[str, str]:

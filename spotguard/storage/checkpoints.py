@@ -517,8 +517,8 @@ def prune_remote(
     and a copy's write counts as a write to its checkpoint; one left anywhere else (by a writer
     killed mid-copy) is deleted once untouched for ``grace``, like an incomplete checkpoint."""
     now = now or datetime.now(UTC)
-    groups = _group_by_checkpoint(storage.list())  # one listing serves both the status and the keys
-    temporaries = list(storage.temporaries())
+    objects, temporaries = storage.listing()  # one listing serves the status, the keys and the copies
+    groups = _group_by_checkpoint(objects)
     copies = _group_by_checkpoint(temporaries)
     infos = _examine(storage, groups, known=known)
     for info in infos:

@@ -18,7 +18,7 @@ import google_crc32c
 
 from spotguard.crc32c import crc32c_of_file
 from spotguard.safefile import TMP_MARK, atomic_file, fsync_dir, open_nofollow
-from spotguard.storage.base import Capability, ObjectInfo, Progress, Sink, StoreDefaults, read_exactly
+from spotguard.storage.base import Capability, Listing, ObjectInfo, Progress, Sink, StoreDefaults, read_exactly
 from spotguard.storage.errors import ObjectExists, ObjectNotFound, StorageError
 from spotguard.storage.stream import PartStream, StreamPool
 
@@ -122,25 +122,34 @@ class FileStorage(StoreDefaults):
             return None
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        return self._walk(prefix, temporary=False)
+        return (info for info, temporary in self._walk(prefix) if not temporary)
 
     def temporaries(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """The temporary files of copies in progress, and of copies a kill stopped (their time is
         that of their last write)."""
-        return self._walk(prefix, temporary=True)
+        return (info for info, temporary in self._walk(prefix) if temporary)
 
-    def _walk(self, prefix: str, *, temporary: bool) -> Iterator[ObjectInfo]:
+    def listing(self, prefix: str = "") -> Listing:
+        """Both in one walk of the directory (retention wants both: a walk of a large tree on a
+        network filesystem is its cost)."""
+        objects: list[ObjectInfo] = []
+        temporaries: list[ObjectInfo] = []
+        for info, temporary in self._walk(prefix):
+            (temporaries if temporary else objects).append(info)
+        return objects, temporaries
+
+    def _walk(self, prefix: str) -> Iterator[tuple[ObjectInfo, bool]]:
+        """Every file under ``prefix``, and whether it is a copy's temporary file."""
         if not self.root.is_dir():
             return
         for dirpath, _dirs, names in os.walk(self.root):
             for name in names:
-                if (TMP_MARK in name) is not temporary:  # a write in progress (DCP's own ".metadata" is a real file)
-                    continue
                 full = Path(dirpath) / name
                 key = full.relative_to(self.root).as_posix()
                 if key.startswith(prefix):
                     try:
-                        yield _info(key, full.stat())
+                        # a write in progress (DCP's own ".metadata" is a real file)
+                        yield _info(key, full.stat()), TMP_MARK in name
                     except FileNotFoundError:
                         continue
 

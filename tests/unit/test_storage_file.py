@@ -203,6 +203,29 @@ def test_prune_removes_a_killed_copys_temporary_file_with_its_checkpoint_or_once
     ]  # fmt: skip
 
 
+def test_retention_walks_a_file_bucket_once(
+    tmp_path: Path, storage: FileStorage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retention reads a file:// bucket's objects and its copies' temporary files in one walk of the
+    tree (two before: each a walk of every directory, on what may be a network filesystem)."""
+    for step in (1, 2):
+        write_checkpoint(tmp_path / "local", step, {"model.pt": bytes([step]), "sub/optim.pt": b"o"})
+        upload_checkpoint(storage, tmp_path / "local" / f"step-00000000{step}")
+    copy = killed_copy(storage, "step-000000002/extra.pt")
+    objects, temporaries = storage.listing()
+    assert sorted(o.key for o in objects) == sorted(o.key for o in storage.list())
+    assert (
+        [t.key for t in temporaries]
+        == [t.key for t in storage.temporaries()]
+        == [copy.relative_to(storage.root).as_posix()]
+    )
+    walks = []
+    walk = os.walk
+    monkeypatch.setattr(os, "walk", lambda top, *a, **k: walks.append(top) or walk(top, *a, **k))
+    assert prune_remote(storage, keep=1) == ["step-000000001"]
+    assert walks == [storage.root]
+
+
 def test_put_file_rejects_wrong_checksum(tmp_path: Path, storage: FileStorage) -> None:
     local = tmp_path / "f"
     local.write_bytes(b"payload")
