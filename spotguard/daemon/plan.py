@@ -228,7 +228,8 @@ def sweep_rate_probes(storage: Storage, older_than: timedelta, now: datetime | N
     object for good; a younger one may be another daemon's probe under way (a fleet starts at once)."""
     now = now or datetime.now(UTC)
     prefix = f"{PROBE_PREFIX}/"
-    found = [*storage.list(prefix), *storage.temporaries(prefix)]
+    objects, temporaries = storage.listing(prefix)
+    found = objects + temporaries
     stale = [obj.key for obj in found if obj.modified is not None and obj.modified + older_than <= now]
     if stale:
         storage.delete(stale)

@@ -142,7 +142,7 @@ class FileStorage(StoreDefaults):
         """Every file under ``prefix``, and whether it is a copy's temporary file."""
         if not self.root.is_dir():
             return
-        for dirpath, _dirs, names in os.walk(self.root):
+        for dirpath, _dirs, names in os.walk(self._top(prefix)):
             for name in names:
                 full = Path(dirpath) / name
                 key = full.relative_to(self.root).as_posix()
@@ -152,6 +152,23 @@ class FileStorage(StoreDefaults):
                         yield _info(key, full.stat()), TMP_MARK in name
                     except FileNotFoundError:
                         continue
+
+    def _top(self, prefix: str) -> Path:
+        """Where a walk for ``prefix`` starts: the directory its keys are all under (a checkpoint's,
+        the peer registry's), not the whole bucket, unless a link is on the way there. A walk from
+        the root never follows one, and neither does this."""
+        folder = prefix.rpartition("/")[0]
+        if not folder:
+            return self.root
+        top = self.root / folder
+        try:
+            # Resolved, it is itself (a folder not there yet too: nothing to list) when no link is on
+            # the way: a link, or a ".." in the prefix, leaves the walk at the root.
+            if top.resolve() == self.root.resolve() / folder:
+                return top
+        except (OSError, RuntimeError):  # not readable; a loop of links
+            pass
+        return self.root
 
     def delete(self, keys: Iterable[str]) -> None:
         parents = set()

@@ -290,3 +290,33 @@ def test_retry_lets_cancellation_through() -> None:
 
     with pytest.raises(KeyboardInterrupt):
         retry(cancelled, is_transient=lambda e: True, sleep=lambda s: None)
+
+
+def test_a_listing_walks_from_its_prefix_s_folder_and_never_through_a_link(
+    tmp_path: Path, storage: FileStorage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The peer registry's and a checkpoint's listings walk their own folder, not the whole bucket;
+    a link on the way (to a folder outside the bucket) is not followed, as a walk from the root never
+    followed one."""
+    for key in ("step-000000001/model.pt", "step-000000001/sub/optim.pt", ".spotguard-peers/a-1.json"):
+        (storage.root / key).parent.mkdir(parents=True, exist_ok=True)
+        (storage.root / key).write_bytes(b"x")
+    outside = tmp_path / "outside"
+    (outside / "deep").mkdir(parents=True)
+    (outside / "deep" / "secret").write_bytes(b"s")
+    (storage.root / "linked").symlink_to(outside, target_is_directory=True)
+    walks: list[str] = []
+    walk = os.walk
+    monkeypatch.setattr(os, "walk", lambda top, *a, **k: walks.append(str(top)) or walk(top, *a, **k))
+
+    def keys(prefix: str) -> list[str]:
+        return sorted(info.key for info in storage.list(prefix))
+
+    assert keys(".spotguard-peers/") == [".spotguard-peers/a-1.json"]
+    assert keys("step-000000001/sub/") == ["step-000000001/sub/optim.pt"]
+    assert keys("step-000000002/") == []  # not there: nothing, without a walk of the bucket
+    assert walks == [str(storage.root / p) for p in (".spotguard-peers", "step-000000001/sub", "step-000000002")]
+    walks.clear()
+    assert keys("linked/deep/") == [] and keys("step-000000001/../linked/") == []
+    assert walks == [str(storage.root)] * 2
+    assert keys("step-") == ["step-000000001/model.pt", "step-000000001/sub/optim.pt"]
