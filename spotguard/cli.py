@@ -194,9 +194,10 @@ def cmd_status(args: argparse.Namespace) -> int:
             )
         handoff = peers.get("handoff")
         if handoff and handoff["state"] != "idle":
+            moved = f", after {handoff['moves']} peer(s) failed mid-stream" if handoff.get("moves") else ""
             _say(
                 f"  handoff of {handoff['name']} to {handoff['peer']}: {handoff['state']} "
-                f"({_human(handoff['bytes_sent'])} sent)"
+                f"({_human(handoff['bytes_sent'])} sent{moved})"
             )
     if reply["last_notice"]:
         _say("last notice: " + ", ".join(f"{k}={v}" for k, v in reply["last_notice"].items()))

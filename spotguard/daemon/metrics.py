@@ -149,6 +149,23 @@ def _peer_families(peers: dict[str, Any] | None) -> Iterator[Metric]:
         )
         info.add_metric([peers["token"], peers.get("previous_token") or ""], 1)
         yield info
+    handoff = peers.get("handoff")
+    if handoff is not None:  # this daemon hands over to peers
+        handoffs = CounterMetricFamily(
+            "spotguard_peer_handoffs",
+            "Handoffs of an urgent checkpoint to a peer that ended, by outcome (handed: a peer verified it; "
+            "failed: none did, and the bucket upload went on alone)",
+            labels=["outcome"],
+        )
+        for outcome in ("handed", "failed"):
+            handoffs.add_metric([outcome], handoff["totals"][outcome])
+        yield handoffs
+        yield CounterMetricFamily(
+            "spotguard_peer_handoff_moves",
+            "Peers a handoff left once bytes had gone to them (its disk filled, it went away), sending the "
+            "replica again to the next",
+            value=handoff["totals"]["moves"],
+        )
     if "handshakes" not in peers:  # this daemon does not listen
         return
     handshakes = CounterMetricFamily(

@@ -115,6 +115,9 @@ class Handoff:
         self.bytes_sent = 0
         self.seconds: float | None = None
         self.error: str | None = None
+        self.moves = 0  # peers this handoff left after bytes went to them
+        # For the daemon's life (its metrics): handoffs ended, by outcome, and peers left mid-stream.
+        self.totals = {"handed": 0, "failed": 0, "moves": 0}
         self._announced: dict[str, tuple[Path, dict[str, FileEntry]]] = {}  # step name -> (dir, files)
         self._saved: set[str] = set()
         self._streams: dict[tuple[str, str], _Streamed] = {}  # (step name, file) -> its ranges
@@ -176,7 +179,7 @@ class Handoff:
             # A new handoff: what the status says of the last one (and the pacer's count of bytes
             # sent, which it takes from the plan's size) starts again.
             self.peer = self.name = self.error = None
-            self.bytes_sent, self.seconds = 0, None
+            self.bytes_sent, self.seconds, self.moves = 0, None, 0
             self._task = asyncio.create_task(self._run(), name="peer-handoff")
 
     def reset(self) -> None:
@@ -218,6 +221,8 @@ class Handoff:
             "peer handoff of %s to %s: %s -> %s (%s)", self.name or "-", self.peer or "-", self.state, state, why
         )
         self.state = state
+        if state in (HandoffState.HANDED, HandoffState.FAILED):
+            self.totals[str(state)] += 1
 
     # --- the handover -----------------------------------------------------------------------
 
@@ -267,6 +272,8 @@ class Handoff:
                     client.address, self.bytes_sent, exc,
                 )  # fmt: skip
                 failed.append(client.address)
+                self.moves += 1
+                self.totals["moves"] += 1
                 self._send_again()
             except (ManifestError, _Unreadable) as exc:
                 self.error = str(exc)
@@ -414,6 +421,8 @@ class Handoff:
             "seconds": None if self.seconds is None else round(self.seconds, 3),
             "error": self.error,
             "flows": self.flows,
+            "moves": self.moves,
+            "totals": dict(self.totals),
         }
 
 

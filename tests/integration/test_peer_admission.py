@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from spotguard.cli import main
 from spotguard.crc32c import crc32c_of_bytes
 from spotguard.harness import Vm, wait_for
 from spotguard.localstore import scan_local
@@ -40,6 +41,7 @@ from tests.peers import (
     replica_area,
     urgent_handoff,
 )
+from tests.scrape import scrape, value
 from tests.streaming import ProgressiveWriter
 
 MiB = 1 << 20
@@ -184,7 +186,7 @@ def test_a_handoff_a_peer_has_no_room_for_goes_to_the_next_peer(
 
 
 def test_a_handoff_whose_peer_dies_mid_stream_is_sent_again_to_the_next_peer(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The peer taking the replica is reclaimed itself while bytes go to it: the handoff sends the
     replica again, from its first byte, to the next peer that answers, where it failed before."""
@@ -196,7 +198,7 @@ def test_a_handoff_whose_peer_dies_mid_stream_is_sent_again_to_the_next_peer(
         peers = ["--peers", f"{c_listen},{vm_b.status()['peers']['listen']}"]
         vm_a = Vm(tmp_path, "vm-a", url, extra_args=["--provider", "none", *peers])
         write_checkpoint(vm_a.root, 1, {"state.bin": bytes(size)})  # the plan's size for the next one
-        vm_a.start_daemon()
+        vm_a.start_daemon(env={"SPOTGUARD_METRICS_PORT": "0"})
         writer = ProgressiveWriter(vm_a.root, 5, vm_a.socket, size=size, chunk=MiB)
         try:
             drill_routed_to_peer(vm_a, deadline_s=8.0)
@@ -212,12 +214,19 @@ def test_a_handoff_whose_peer_dies_mid_stream_is_sent_again_to_the_next_peer(
             writer.finish_file()
             writer.commit()
             handed = handoff_ended(vm_a, 20.0)
+            samples = scrape(str(vm_a.status()["metrics_url"]))
+            assert main(["status", "--socket", str(vm_a.socket)]) == 0
         finally:
             writer.close()
             vm_a.kill_daemon()
             vm_c.kill_daemon()
         assert handed["state"] == "handed" and handed["peer"] == vm_b.status()["peers"]["listen"], handed
         assert handed["bytes_sent"] == size, handed  # all of it again, not only what C lacked
+        assert handed["moves"] == 1 and handed["totals"] == {"handed": 1, "failed": 0, "moves": 1}, handed
+        assert value(samples, "spotguard_peer_handoffs_total", outcome="handed") == 1
+        assert value(samples, "spotguard_peer_handoffs_total", outcome="failed") == 0
+        assert value(samples, "spotguard_peer_handoff_moves_total") == 1
+        assert "handed (4.0 MiB sent, after 1 peer(s) failed mid-stream)" in capsys.readouterr().out
         [replica] = wait_for(lambda: vm_b.status()["peers"]["replicas"], 10, "B's replica")
         assert replica["name"] == writer.step_dir.name
     assert f"{c_listen} failed after" in vm_a.log.read_text()

@@ -185,6 +185,8 @@ def test_the_metrics_say_which_token_each_vm_runs_and_whether_anyone_still_prove
         sender.kill_daemon()
     assert value(samples, "spotguard_peer_token_info", token=wire.token_fingerprint(NEW), previous_token="") == 1
     assert not {"spotguard_peer_handshakes_total", "spotguard_peer_replicas"} & names(samples)
+    assert value(samples, "spotguard_peer_handoffs_total", outcome="handed") == 0  # a sender's own counts
+    assert value(samples, "spotguard_peer_handoff_moves_total") == 0
 
 
 def test_doctor_reports_a_rotation_under_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
