@@ -142,14 +142,17 @@ class FileStorage(StoreDefaults):
         """Every file under ``prefix``, and whether it is a copy's temporary file."""
         if not self.root.is_dir():
             return
+        # Keys are made from the walk's strings, not through Path objects: that was most of a
+        # listing's time (bench/file_listing.py), and a bucket may hold many files.
+        cut = len(str(self.root).rstrip("/")) + 1  # a directory's path from here on is its key's folder
         for dirpath, _dirs, names in os.walk(self._top(prefix)):
+            folder = dirpath[cut:]
             for name in names:
-                full = Path(dirpath) / name
-                key = full.relative_to(self.root).as_posix()
+                key = f"{folder}/{name}" if folder else name
                 if key.startswith(prefix):
                     try:
                         # a write in progress (DCP's own ".metadata" is a real file)
-                        yield _info(key, full.stat()), TMP_MARK in name
+                        yield _info(key, os.stat(os.path.join(dirpath, name))), TMP_MARK in name
                     except FileNotFoundError:
                         continue
 
