@@ -31,6 +31,7 @@ class PacedRelay:
             self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
         self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
         self._closed = threading.Event()
+        self._frozen = threading.Event()
         self._sockets: list[socket.socket] = []
         self._lock = threading.Lock()
 
@@ -50,6 +51,12 @@ class PacedRelay:
             for sock in self._sockets:
                 sock.close()
 
+    def freeze(self) -> None:
+        """Stop passing bytes either way and keep every connection open, as a host that vanished
+        (no FIN, no RST): what a connection still sends fills the relay's buffers and is never
+        acknowledged past them."""
+        self._frozen.set()
+
     def _accept(self) -> None:
         while not self._closed.is_set():
             try:
@@ -66,6 +73,9 @@ class PacedRelay:
         due = time.monotonic()  # when the bytes passed so far are due at the cap
         try:
             while data := source.recv(64 * 1024):
+                if self._frozen.is_set():
+                    self._closed.wait()  # swallowed; nothing more is read until the relay closes
+                    return
                 if paced:
                     # A sleep that overslept is made up for; an idle spell is not (a kept-alive
                     # connection must be as slow as a new one).

@@ -361,6 +361,17 @@ class Channel:
             self._watchdog = None
         self.writer.close()
 
+    def abort(self) -> None:
+        """End the connection now, what waits in its buffers dropped: a peer that acknowledges
+        nothing would hold a plain close (which flushes first) for ``io_timeout``. The socket is shut
+        down first, which ends a worker's send on its duplicate of it too."""
+        sock = self.writer.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        self.close()
+        self.writer.transport.abort()
+
     async def wait_closed(self) -> None:
         with contextlib.suppress(Exception):
             async with asyncio.timeout(self.io_timeout):

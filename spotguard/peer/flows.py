@@ -41,6 +41,7 @@ PIECE = wire.SEND_CHUNK  # bytes of one piece: what a flow takes from the queue 
 MAX_FLOWS = 8  # the default bound (a receiver takes 16 connections: two senders' worth)
 PACE_INTERVAL = 0.25  # seconds between looks at the rate
 COMMIT_RESERVE = 0.2  # share of the time left kept for the receiver's checks and the commit
+WATCH_INTERVAL = 0.5  # seconds between looks at what the peer acknowledged (Flows.watch)
 
 
 class FlowsFailed(wire.PeerError):
@@ -180,6 +181,7 @@ class Flows:
         self._progress = asyncio.Event()  # a piece went out, or a flow failed
         self._error: BaseException | None = None
         self._workers: dict[asyncio.Task[None], PeerClient] = {}
+        self.on_failure: Callable[[], None] = lambda: None  # called once the flows failed (the owner wakes)
         self._start(opener)
 
     @property
@@ -279,6 +281,37 @@ class Flows:
                     self.count, self.opener.address, per_flow / 1e6, remaining() >> 20, left,
                 )  # fmt: skip
 
+    async def watch(self, limit: Callable[[], float]) -> None:
+        """Until cancelled: fail the flows once the peer has acknowledged nothing for ``limit()``
+        seconds while they had a piece to send. A peer whose VM vanished (no FIN, no RST: a host
+        reclaimed or cut off) is otherwise noticed only when the kernel gives up on the unacknowledged
+        bytes, ``io_timeout`` later: past a 30 s notice's deadline. Where the OS does not say what was
+        acknowledged, it returns (``io_timeout`` rules, as before)."""
+        acked, since = -1, time.monotonic()
+        while self._error is None:
+            await asyncio.sleep(WATCH_INTERVAL)
+            counts = [client.channel.delivered() for client in self._workers.values()]
+            if not counts or any(count is None for count in counts):
+                return
+            now, total = time.monotonic(), sum(count for count in counts if count is not None)
+            if total != acked or not self._sending:  # progress, or nothing to send (the trainer is the limit)
+                acked, since = total, now
+            elif now - since > limit():
+                self.fail(TimeoutError(f"the peer acknowledged nothing for {now - since:.1f} s while bytes waited"))
+
+    def fail(self, error: BaseException) -> None:
+        """End every flow with ``error`` (what :meth:`sent` raises from now on)."""
+        if self._error is None:
+            self._error = error
+        for client in self._workers.values():
+            client.channel.abort()  # each flow's send or wait ends; _ended keeps the first error
+        self._progress.set()
+        self.on_failure()
+
+    def raise_if_failed(self) -> None:
+        """Raise what ended the flows, if they failed (:meth:`sent` raises it too)."""
+        self._raise_if_failed()
+
     def _delivered(self) -> dict[object, int]:
         """Bytes each flow's peer acknowledged; where the OS does not say, the bytes of the pieces
         sent, for all flows at once (coarser: a piece at a time)."""
@@ -342,7 +375,9 @@ class Flows:
         client = self._workers.pop(task)
         exc = task.exception()
         if client is self.opener or not self._workers:
-            self._error = exc if exc is not None else FlowsFailed("closed", "a flow ended")
+            if self._error is None:
+                self._error = exc if exc is not None else FlowsFailed("closed", "a flow ended")
+            self.on_failure()
         else:
             logger.warning("peer handoff: a flow to %s failed (%s); %d go on", client.address, exc, self.count)
             client.channel.close()  # its transport goes; nothing to wait for

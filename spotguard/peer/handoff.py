@@ -53,6 +53,13 @@ _WARM_WORKERS = 2
 # so the bound keeps a fleet-wide fault (every peer's disk nearly full) from sending it many times.
 MAX_MOVES = 2
 
+# A handoff racing a deadline takes a peer that acknowledged nothing for this share of the time left
+# (at least STALL_MIN seconds, at most the channel's io_timeout) while bytes waited as gone
+# (Flows.watch), and moves on: a peer VM reclaimed at once with this one sends no FIN, and the kernel
+# would give up on it only io_timeout (30 s) later, a whole GCP or Azure notice.
+STALL_SHARE = 0.25
+STALL_MIN = 5.0
+
 # Refusals that say something of the peer (its disk, its slots, its own notice, its going away), not of
 # the replica: another peer may take it. The rest (a file that does not match its manifest, a bad
 # name, a replica over the bounds) would be refused anywhere.
@@ -299,7 +306,7 @@ class Handoff:
 
     async def _send(self, client: PeerClient) -> None:
         flows: Flows | None = None
-        pacer: asyncio.Task[None] | None = None
+        helpers: list[asyncio.Task[None]] = []  # the flows' pacer and watch, with a deadline
         try:
             while True:
                 self._wake.clear()
@@ -308,8 +315,14 @@ class Handoff:
                         flows = self._flows = await self._open(client)
                     except (OSError, TimeoutError, wire.PeerError) as exc:
                         raise _NotOpened(str(exc)) from exc
-                    if self._deadline is not None and self.max_flows > 1:
-                        pacer = asyncio.create_task(flows.pace(self._remaining, self._deadline_at), name="peer-flows")
+                    flows.on_failure = self._wake.set  # a peer lost while the trainer writes: move now
+                    if self._deadline is not None:
+                        helpers.append(asyncio.create_task(flows.watch(self._stall_limit), name="peer-watch"))
+                        if self.max_flows > 1:
+                            pace = flows.pace(self._remaining, self._deadline_at)
+                            helpers.append(asyncio.create_task(pace, name="peer-flows"))
+                if flows is not None:
+                    flows.raise_if_failed()
                 if flows is not None and await self._queue_announced(flows):
                     assert self.name is not None
                     await flows.sent()
@@ -321,9 +334,9 @@ class Handoff:
                     if flows is None:  # else its flows ping while they wait for pieces
                         await client.ping()  # the peer drops idle connections
         finally:
-            if pacer is not None:
-                pacer.cancel("handoff over")
-                await asyncio.gather(pacer, return_exceptions=True)
+            for helper in helpers:
+                helper.cancel("handoff over")
+            await asyncio.gather(*helpers, return_exceptions=True)
             if flows is not None:
                 await flows.close()
 
@@ -402,6 +415,11 @@ class Handoff:
 
     def _count(self, piece: Piece) -> None:
         self.bytes_sent += piece.length
+
+    def _stall_limit(self) -> float:
+        """Seconds a peer may acknowledge nothing while bytes wait before it is left (Flows.watch)."""
+        left = self._deadline_at() - time.monotonic()
+        return max(STALL_MIN, min(self._io_timeout, STALL_SHARE * left))
 
     def _deadline_at(self) -> float:
         """The current plan's deadline (monotonic): a plan revised while the handoff runs moves it."""

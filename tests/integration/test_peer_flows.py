@@ -156,6 +156,56 @@ def test_a_peer_is_told_the_files_announced_where_the_plan_guessed_fewer_bytes(
     assert not any("failed after" in line for line in said), said
 
 
+def test_a_peer_that_goes_silent_mid_stream_is_left_well_before_the_kernel_gives_up(
+    receiver_vm: Vm, url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The peer taking the replica vanishes without a FIN or a RST (its VM reclaimed at once, its
+    link cut: here a relay that stops passing bytes and keeps the connections open). The kernel would
+    give up on it only after io_timeout (30 s), past the 20 s deadline; the handoff sees nothing
+    acknowledged for a quarter of the time left and sends the replica to the next peer."""
+    files = {f"shard-{i}.bin": os.urandom(8 * MiB) for i in range(3)}
+    step_dir = write_checkpoint(tmp_path / "vm-a", 17, files)
+    caplog.set_level("WARNING", logger="spotguard.handoff")
+
+    async def hand_over_through(relay: PacedRelay) -> tuple[Handoff, float]:
+        silent = wire.parse_address(relay.url.removeprefix("http://"))
+
+        async def candidates() -> list[tuple[str, int]]:
+            return [silent, address(receiver_vm)]
+
+        handoff = Handoff(candidates, TOKEN.encode(), url, max_flows=1)
+        manifest = load_manifest(step_dir)
+        for rel, entry in manifest.files.items():
+            handoff.file_ready(step_dir, rel, entry)
+        handoff.saved(step_dir)
+        handoff.start(expected_bytes=manifest.total_bytes, deadline=time.monotonic() + 20.0)
+        async with asyncio.timeout(30):
+            while not (handoff.peer == f"{silent[0]}:{silent[1]}" and handoff.bytes_sent >= 2 * MiB):
+                await asyncio.sleep(0.02)
+            relay.freeze()
+            frozen = time.monotonic()
+            while handoff.state not in (HandoffState.HANDED, HandoffState.FAILED):
+                await asyncio.sleep(0.05)
+        await handoff.close()
+        return handoff, time.monotonic() - frozen
+
+    # 4 MB/s a connection: the 24 MiB take 6 s, time enough to go silent mid-stream.
+    with (
+        receiving_daemon(tmp_path / "vm-c", url) as vm_c,
+        PacedRelay(vm_c.status()["peers"]["listen"], 4_000_000, buffer_bytes=64 * 1024) as relay,
+    ):
+        handoff, after_freeze = asyncio.run(hand_over_through(relay))
+    assert handoff.state is HandoffState.HANDED, handoff.error
+    assert handoff.peer == receiver_vm.status()["peers"]["listen"] and handoff.moves == 1
+    assert handoff.bytes_sent == sum(len(data) for data in files.values())
+    said = [record.getMessage() for record in caplog.records]
+    assert any("acknowledged nothing for" in line for line in said), said
+    print(f"handed to the next peer {after_freeze:.1f} s after the first went silent")
+    # Left after 5 s (a quarter of the ~18 s left, at least 5 s), not after the kernel's 30 s.
+    assert after_freeze < 15.0, f"handed to the next peer {after_freeze:.1f} s after the first went silent"
+    wait_for(lambda: 17 in committed_steps(url), 30, "B's commit in the bucket")
+
+
 def test_only_authenticated_connections_of_the_same_sender_join_a_replica(
     receiver_vm: Vm, url: str, tmp_path: Path
 ) -> None:
