@@ -346,6 +346,7 @@ class PeerReceiver:
             session.replica = None
             channel.write(wire.encode({"t": "ok"}))
         elif kind == "commit" and session.opened:
+            self._refuse_if_going()
             replica.committing = True  # no joined flow's frame may land while (or after) it is checked
             await self.store.commit(replica, header)
             channel.write(wire.encode({"t": "ok", "state": str(replica.state)}))
@@ -384,16 +385,24 @@ class PeerReceiver:
             )
         if parse_step_dir(name) is None:
             raise wire.PeerError("bad-field", f"{name[:40]!r} is not a checkpoint name")
-        if self.busy():
-            raise wire.PeerError("busy", "this daemon has a hard notice of its own pending")
+        self._refuse_if_going()
         announced = header.get("bytes")  # optional: the replica's size, when the sender knows it
         if announced is not None and (isinstance(announced, bool) or not isinstance(announced, int) or announced < 0):
             raise wire.PeerError("bad-field", "'bytes' must be a non-negative integer")
         return await self.store.create(name, bucket, who, announced)  # slot and bytes taken before it awaits
 
+    def _refuse_if_going(self) -> None:
+        """A daemon with a hard notice of its own takes no more of a replica still coming in: its disk
+        and link go to its own checkpoint, and its VM goes soon. Its sender hears ``busy`` (or finds
+        the connection closed) and hands the replica to another peer; replicas already verified
+        are still committed in the bucket, as far as the time allows."""
+        if self.busy():
+            raise wire.PeerError("busy", "this daemon got a hard notice of its own; send the replica elsewhere")
+
     async def _data(self, replica: Replica, header: dict[str, Any], channel: Channel) -> None:
         if not replica.receiving:
             raise wire.PeerError("gone", f"{replica.id} is no longer being received")
+        self._refuse_if_going()
         rel, size, offset, length = data_header(header)
         check_range(rel, size, offset, length)
         sizes = replica.sizes

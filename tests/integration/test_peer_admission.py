@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from spotguard.cli import main
+from spotguard.control import request
 from spotguard.crc32c import crc32c_of_bytes
 from spotguard.harness import Vm, wait_for
 from spotguard.localstore import scan_local
@@ -185,11 +186,14 @@ def test_a_handoff_a_peer_has_no_room_for_goes_to_the_next_peer(
     assert "did not open the replica (no-space" in vm_a.log.read_text()
 
 
-def test_a_handoff_whose_peer_dies_mid_stream_is_sent_again_to_the_next_peer(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("going", ["killed", "hard-notice"])
+def test_a_handoff_whose_peer_goes_mid_stream_is_sent_again_to_the_next_peer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], going: str
 ) -> None:
-    """The peer taking the replica is reclaimed itself while bytes go to it: the handoff sends the
-    replica again, from its first byte, to the next peer that answers, where it failed before."""
+    """The peer taking the replica is reclaimed itself while bytes go to it: killed at once, or told
+    by a hard notice of its own (it then takes no more of the replica, and answers ``busy``). The
+    handoff sends the replica again, from its first byte, to the next peer that answers, where it
+    failed (killed) or went on into a VM about to go (notice) before."""
     size = 4 * MiB
     with peer_behind_a_slow_bucket(tmp_path, monkeypatch) as (url, vm_b):
         vm_c = Vm(tmp_path, "vm-c", url, extra_args=["--provider", "none", "--peer-listen", "127.0.0.1:0"])
@@ -209,13 +213,19 @@ def test_a_handoff_whose_peer_dies_mid_stream_is_sent_again_to_the_next_peer(
                 10,
                 "A to send its first MiB to C",
             )
-            vm_c.kill_daemon()  # C's VM is taken back mid-stream
+            if going == "killed":
+                vm_c.kill_daemon()  # C's VM is taken back mid-stream
+            else:
+                request(vm_c.socket, "drill", deadline_s=60.0)  # C is told it goes too
             writer.write_until(size)
             writer.finish_file()
             writer.commit()
             handed = handoff_ended(vm_a, 20.0)
             samples = scrape(str(vm_a.status()["metrics_url"]))
             assert main(["status", "--socket", str(vm_a.socket)]) == 0
+            if going == "hard-notice":  # what C received is gone: it will never be committed
+                wait_for(lambda: replica_area(vm_c) == [], 10, "C to drop the replica it was receiving")
+                assert vm_c.status()["peers"]["replicas"] == []
         finally:
             writer.close()
             vm_a.kill_daemon()
@@ -230,6 +240,8 @@ def test_a_handoff_whose_peer_dies_mid_stream_is_sent_again_to_the_next_peer(
         [replica] = wait_for(lambda: vm_b.status()["peers"]["replicas"], 10, "B's replica")
         assert replica["name"] == writer.step_dir.name
     assert f"{c_listen} failed after" in vm_a.log.read_text()
+    if going == "hard-notice":
+        assert "hard notice of its own; send the replica elsewhere" in vm_c.log.read_text()
 
 
 def test_an_offer_that_leaves_no_room_for_the_node_s_own_checkpoint_is_refused(small_vm: Vm, url: str) -> None:
