@@ -221,10 +221,10 @@ class Flows:
         frames before it are in). Raises :class:`FlowsFailed` (or the error that ended the opener)
         if the flows could not carry them."""
         while self._queue or self._sending:
-            self._raise_if_failed()
+            self.raise_if_failed()
             self._progress.clear()
             await self._progress.wait()
-        self._raise_if_failed()
+        self.raise_if_failed()
         workers, self._workers = self._workers, {}
         for task in workers:
             task.cancel("every piece went out")  # each waits for a piece, or pings
@@ -308,10 +308,6 @@ class Flows:
         self._progress.set()
         self.on_failure()
 
-    def raise_if_failed(self) -> None:
-        """Raise what ended the flows, if they failed (:meth:`sent` raises it too)."""
-        self._raise_if_failed()
-
     def _delivered(self) -> dict[object, int]:
         """Bytes each flow's peer acknowledged; where the OS does not say, the bytes of the pieces
         sent, for all flows at once (coarser: a piece at a time)."""
@@ -384,7 +380,8 @@ class Flows:
         self._progress.set()
         self._more.set()  # the others take what it left
 
-    def _raise_if_failed(self) -> None:
+    def raise_if_failed(self) -> None:
+        """Raise what ended the flows, if they failed (:meth:`sent` raises it too)."""
         if self._error is not None:
             error = self._error
             if isinstance(error, wire.PeerError | OSError | TimeoutError):

@@ -8,9 +8,10 @@ configured peer that answers, shares the bucket and has no hard notice of its ow
 for the newest checkpoint announced (telling the plan's size: a peer without a free slot or the room
 refuses at once, and the next peer that answers is asked, nothing having been sent), and sends every
 announced range as it comes, alongside the trainer's writing and the bucket upload. A peer that fails
-once bytes went (its disk filled, it went away, it got a notice of its own) is left for the next
-one that answers, which is sent the replica again from its first byte: at most :data:`MAX_MOVES`
-times, and not past the deadline. A file's
+once bytes went (its disk filled, it went away, it got a notice of its own), or goes silent (nothing
+acknowledged for :data:`STALL_SHARE` of the time left while bytes wait), is left for the next one
+that answers, which is sent the replica again from its first byte: at most :data:`MAX_MOVES` times,
+and not past the deadline. A file's
 ``file`` message only confirms it: what none of its ranges covered (a file written without ranges:
 all of it) goes then. After the trainer's commit it sends whatever the manifest lists that was not
 sent yet, then the manifest. The peer checks every file against it (the CRC32C combined from the
