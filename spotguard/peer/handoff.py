@@ -11,12 +11,12 @@ announced range as it comes, alongside the trainer's writing and the bucket uplo
 once bytes went (its disk filled, it went away, it got a notice of its own), or goes silent (nothing
 acknowledged for :data:`STALL_SHARE` of the time left while bytes wait), is left for the next one
 that answers, which is sent the replica again from its first byte: at most :data:`MAX_MOVES` times,
-and not past the deadline. A file's
-``file`` message only confirms it: what none of its ranges covered (a file written without ranges:
-all of it) goes then. After the trainer's commit it sends whatever the manifest lists that was not
-sent yet, then the manifest. The peer checks every file against it (the CRC32C combined from the
-ranges it received, or the file read back where they overlap) and commits the checkpoint in the
-bucket; the handoff is ``handed`` once the peer answered ``verified``.
+and not past the deadline. A file's ``file`` message only confirms it: what none of its ranges
+covered (a file written without ranges: all of it) goes then. After the trainer's commit it sends
+whatever the manifest lists that was not sent yet, then the manifest. The peer checks every file
+against it (the CRC32C combined from the ranges it received, or the file read back where they
+overlap) and commits the checkpoint in the bucket; the handoff is ``handed`` once the peer answered
+``verified``.
 
 Ranges of a file that never gets its ``file`` message (its writer gave up, removed or rewrote it)
 may reach the peer, but count for nothing: the peer checks against the manifest only at commit. A
@@ -358,7 +358,7 @@ class Handoff:
 
     def _announced_bytes(self) -> int:
         """Bytes the trainer announced of the replica's checkpoint so far (finished files and files
-        being written): a plan that guessed low is not what a second peer is told."""
+        being written): what a peer is told at the open where the plan guessed fewer."""
         assert self.name is not None
         files = self._announced[self.name][1]
         writing = (s.size for (name, rel), s in self._streams.items() if name == self.name and rel not in files)
