@@ -272,7 +272,7 @@ class Handoff:
                 refused.append(client.address)
             except (OSError, TimeoutError, wire.PeerError) as exc:
                 self.error = str(exc)
-                if not self._may_move(exc, len(failed)):
+                if not self._may_move(exc):
                     self._move(HandoffState.FAILED, self.error)
                     return
                 logger.warning(
@@ -290,9 +290,9 @@ class Handoff:
             finally:
                 await client.close()
 
-    def _may_move(self, exc: BaseException, moves: int) -> bool:
+    def _may_move(self, exc: BaseException) -> bool:
         """Whether a handoff that failed with ``exc`` once bytes went may go to another peer."""
-        if moves >= MAX_MOVES or (self._deadline is not None and time.monotonic() >= self._deadline):
+        if self.moves >= MAX_MOVES or (self._deadline is not None and time.monotonic() >= self._deadline):
             return False
         return not isinstance(exc, wire.PeerError) or exc.code in _PEER_SIDE
 

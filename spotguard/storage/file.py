@@ -122,12 +122,12 @@ class FileStorage(StoreDefaults):
             return None
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        return (info for info, temporary in self._walk(prefix) if not temporary)
+        return (info for info, _ in self._walk(prefix, temporaries=False))
 
     def temporaries(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """The temporary files of copies in progress, and of copies a kill stopped (their time is
         that of their last write)."""
-        return (info for info, temporary in self._walk(prefix) if temporary)
+        return (info for info, _ in self._walk(prefix, objects=False))
 
     def listing(self, prefix: str = "") -> Listing:
         """Both in one walk of the directory (retention wants both: a walk of a large tree on a
@@ -138,8 +138,11 @@ class FileStorage(StoreDefaults):
             (temporaries if temporary else objects).append(info)
         return objects, temporaries
 
-    def _walk(self, prefix: str) -> Iterator[tuple[ObjectInfo, bool]]:
-        """Every file under ``prefix``, and whether it is a copy's temporary file."""
+    def _walk(
+        self, prefix: str, *, objects: bool = True, temporaries: bool = True
+    ) -> Iterator[tuple[ObjectInfo, bool]]:
+        """The files under ``prefix`` of the kinds asked for, each with whether it is a copy's
+        temporary file (only those are looked at: a listing of one kind stats none of the other)."""
         if not self.root.is_dir():
             return
         # Keys are made from the walk's strings, not through Path objects: that was most of a
@@ -148,11 +151,13 @@ class FileStorage(StoreDefaults):
         for dirpath, _dirs, names in os.walk(self._top(prefix)):
             folder = dirpath[cut:]
             for name in names:
+                temporary = TMP_MARK in name  # a write in progress (DCP's own ".metadata" is a real file)
+                if not (temporaries if temporary else objects):
+                    continue
                 key = f"{folder}/{name}" if folder else name
                 if key.startswith(prefix):
                     try:
-                        # a write in progress (DCP's own ".metadata" is a real file)
-                        yield _info(key, os.stat(os.path.join(dirpath, name))), TMP_MARK in name
+                        yield _info(key, os.stat(os.path.join(dirpath, name))), temporary
                     except FileNotFoundError:
                         continue
 
