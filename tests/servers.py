@@ -16,10 +16,13 @@ Two exceptions, both making moto answer as S3 does: ``_make_moto_crc32c_faithful
 
 from __future__ import annotations
 
+import contextlib
 import importlib.machinery
 import importlib.util
+import socket
 import subprocess
 import sys
+import threading
 import types
 import uuid
 from collections.abc import Iterator
@@ -124,6 +127,21 @@ def _make_moto_initiated_faithful() -> None:
     responses.S3Response.spotguard_initiated = True  # type: ignore[attr-defined]
 
 
+def _stop_promptly(stop: Any, host: str, port: int) -> None:
+    """Call ``stop`` of a server that serves with ``socketserver``'s ``serve_forever``, waking it.
+
+    Its loop sees a shutdown request only between two polls of its socket, 0.5 s each when nothing
+    arrives: every test with a server of its own waited that long at its end. A connection (closed at
+    once, served as an empty request) wakes the poll; it is repeated while ``stop`` runs, since one
+    made just before the request only starts another poll."""
+    stopper = threading.Thread(target=stop, name="server-stop")
+    stopper.start()
+    while stopper.is_alive():
+        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
+            pass
+        stopper.join(0.01)
+
+
 def _create_bucket(endpoint: str, name: str, region: str) -> S3Server:
     import boto3
 
@@ -156,7 +174,7 @@ def moto_s3(bucket: str | None = None, region: str = "us-east-1") -> Iterator[S3
         host, port = server.get_host_and_port()
         yield _create_bucket(f"http://{host}:{port}", bucket or unique_bucket(), region)
     finally:
-        server.stop()
+        _stop_promptly(server.stop, *server.get_host_and_port())
 
 
 # moto in a process of its own where ``import crc32c`` fails: moto then computes a plain CRC32 and
@@ -210,9 +228,9 @@ def gcs_emulator(bucket: str | None = None) -> Iterator[GcsServer]:
     name = bucket or unique_bucket()
     server = create_server("127.0.0.1", 0, in_memory=True, default_bucket=name)
     server.start()
+    # port 0 lets the OS pick; the emulator has no public accessor for the bound port.
+    port = server._api._httpd.server_address[1]
     try:
-        # port 0 lets the OS pick; the emulator has no public accessor for the bound port.
-        port = server._api._httpd.server_address[1]
         yield GcsServer(endpoint_url=f"http://127.0.0.1:{port}", bucket=name)
     finally:
-        server.stop()
+        _stop_promptly(server.stop, "127.0.0.1", port)

@@ -14,6 +14,7 @@ from typing import Any
 import boto3
 import boto3.exceptions
 import botocore.exceptions
+import botocore.session
 from botocore.config import Config
 
 from spotguard.storage.base import (
@@ -24,6 +25,10 @@ from spotguard.storage.base import (
     connections_needed,
     retry,
 )
+
+# The SDK's service models, read once per process (see new_session).
+_models_lock = threading.Lock()
+_models: Any = None
 
 # While racing a notice: one request may not take longer than this (the read timeout is per socket read).
 _RACING_CONNECT_TIMEOUT = 2.0
@@ -126,6 +131,26 @@ def client_config(
     )
 
 
+def new_session() -> boto3.session.Session:
+    """A boto3 session of its own (credentials, settings, clients), which reads the SDK's service models
+    through the one loader of this process.
+
+    A fresh session parses the S3 model and the endpoint rules again, about 0.1 CPU-s per client:
+    every store opened to list a bucket, resume or check one paid it. The models are files shipped with
+    botocore, read only; the clients of one session share them already. The loader is swapped in after
+    boto3 set the session up, because boto3 adds its own data folder to the loader it finds there: with
+    the shared loader in place already, that folder would be added once more per session."""
+    global _models
+    core = botocore.session.get_session()
+    session = boto3.session.Session(botocore_session=core)
+    with _models_lock:
+        if _models is None:
+            _models = core.get_component("data_loader")
+        else:
+            core.register_component("data_loader", _models)
+    return session
+
+
 @dataclass
 class S3Api:
     """One bucket's client: made at first use (or given), calls retried, errors made StorageErrors.
@@ -154,7 +179,7 @@ class S3Api:
         if self._client is None:
             with self._client_lock:
                 if self._client is None:
-                    self._session = boto3.session.Session()
+                    self._session = new_session()
                     self._client = self._session.client(
                         "s3", endpoint_url=self.endpoint_url, region_name=self.region, config=self.config
                     )

@@ -378,10 +378,11 @@ print(re.search(r"VmHWM:\\s+(\\d+) kB", Path("/proc/self/status").read_text()).g
 
 
 @pytest.mark.slow
-def test_gcs_upload_of_1gib_keeps_the_uploader_rss_under_600mb(url: str, tmp_path: Path) -> None:
-    # 1 GiB: more than the bound, so an upload that held the file (or most of it) fails; the memory
-    # in use is the stream budget's parts, the same for any bigger file (2 GiB measured 371 MB).
-    size = 1024 * MiB
+def test_gcs_upload_of_512mib_keeps_the_uploader_rss_under_480mb(url: str, tmp_path: Path) -> None:
+    # 512 MiB: more than the bound, so an upload that held the whole file fails; the memory in use is
+    # the stream budget's requests, the same for any bigger file (371 MB measured for 1 and 2 GiB).
+    # Not 1 GiB: the emulator composes by repeated concatenation, its cost the square of the size.
+    size = 512 * MiB
     path = tmp_path / "huge"
     with path.open("wb") as out:  # sparse: fast to make, and read back as zeros like any other bytes
         out.truncate(size)
@@ -396,8 +397,8 @@ def test_gcs_upload_of_1gib_keeps_the_uploader_rss_under_600mb(url: str, tmp_pat
     )
     assert result.returncode == 0, result.stderr
     peak_mb = int(result.stdout.split()[-1]) * 1024 / 1e6
-    print(f"gcs upload of 1 GiB: peak RSS {peak_mb:.0f} MB")
-    assert peak_mb < 600
+    print(f"gcs upload of 512 MiB: peak RSS {peak_mb:.0f} MB")
+    assert peak_mb < 480
     storage = GcsStorage(url)
     info = storage.stat("step-1/huge")
     assert info is not None and (info.size, info.crc32c) == (size, crc)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -274,6 +277,57 @@ def test_s3_warm_fails_at_start_without_credentials(
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no 1 s IMDS probe on a dev box
     with pytest.raises(StorageError, match="no AWS credentials"):
         S3Storage(f"s3://{env.bucket}/p").warm()
+
+
+# Opens three stores in a fresh interpreter, counting the opens of botocore's model files (an audit
+# hook: it cannot be removed, hence the process of its own). The third store's process has no
+# credentials left: it must find none, not borrow the first store's.
+_THREE_STORES = """
+import json, os, sys
+import botocore
+from spotguard.storage.s3 import S3Storage
+from spotguard.storage.base import StorageError
+data = os.path.join(os.path.dirname(botocore.__file__), "data")
+opened = []
+sys.addaudithook(lambda event, args: event == "open" and str(args[0]).startswith(data) and opened.append(args[0]))
+counts, paths = [], []
+for url in sys.argv[1:3]:
+    storage = S3Storage(url)
+    storage.warm()
+    counts.append(len(opened))
+    paths.append(len(storage._api._session._session.get_component("data_loader").search_paths))
+for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+    del os.environ[name]
+try:
+    S3Storage(sys.argv[1]).warm()
+    found = "credentials"
+except StorageError as exc:
+    found = str(exc)
+print(json.dumps({"opened": counts, "search_paths": paths, "third": found}))
+"""
+
+
+def test_s3_stores_of_one_process_read_the_sdks_models_once_and_keep_their_own_credentials(
+    env: S3Server, tmp_path: Path
+) -> None:
+    urls = [f"s3://{env.bucket}/a", f"s3://{env.bucket}/b"]
+    isolated = {
+        **os.environ,
+        **FAKE_AWS_ENV,
+        "AWS_ENDPOINT_URL_S3": env.endpoint_url,
+        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
+        "AWS_CONFIG_FILE": str(tmp_path / "none"),
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", _THREE_STORES, *urls], capture_output=True, text=True, env=isolated, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    first, second = result["opened"]
+    assert first > 0 and second == first  # the second store read no model file again
+    assert result["search_paths"][0] == result["search_paths"][1]  # no folder added per session
+    assert "no AWS credentials" in result["third"]
 
 
 def test_s3_abort_stale_multipart_uploads_aborts_only_under_prefix(url: str, env: S3Server, raw: object) -> None:
