@@ -135,7 +135,7 @@ def new_session() -> boto3.session.Session:
     """A boto3 session of its own (credentials, settings, clients), which reads the SDK's service models
     through the one loader of this process.
 
-    A fresh session parses the S3 model and the endpoint rules again, about 0.1 CPU-s per client:
+    A fresh session parses the S3 model and the endpoint rules again, about 0.15 CPU-s per client:
     every store opened to list a bucket, resume or check one paid it. The models are files shipped with
     botocore, read only; the clients of one session share them already. The loader is swapped in after
     boto3 set the session up, because boto3 adds its own data folder to the loader it finds there: with
