@@ -137,8 +137,9 @@ _last_bucket: tuple[tuple[str, str], Storage] | None = None
 
 def bucket_storage(bucket: str) -> Storage:
     """A storage client for ``bucket``, kept for the next call with the same bucket and endpoint: the
-    tests poll buckets, and a new boto3 or GCS client costs about 0.1 CPU-s each time. For one thread:
-    a call for another bucket closes the kept client."""
+    tests poll buckets, and a new S3 client still costs about 0.02 CPU-s (0.15 before its sessions
+    shared the SDK's models, ``s3_api.new_session``) and a connection of its own. For one thread: a
+    call for another bucket closes the kept client."""
     from spotguard.storage import open_storage
 
     global _last_bucket

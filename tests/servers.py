@@ -188,8 +188,7 @@ from moto.server import ThreadedMotoServer
 server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
 server.start()
 print(server.get_host_and_port()[1], flush=True)
-sys.stdin.read()  # until the test closes our stdin
-server.stop()
+sys.stdin.read()  # until the test closes our stdin; the server's thread ends with the process
 """
 
 
