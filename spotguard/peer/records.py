@@ -52,8 +52,17 @@ def seal_frame(
     their records' places and sealed there, in place: a frame costs one read, no copy and no
     allocation. ``mapped``: sealed straight from the file's pages instead (see :func:`seal_batches`).
     Raises :class:`EOFError` if the file ends first."""
-    ends = list(seal_batches(cipher, header, fd, offset, length, out=out, mapped=mapped))
-    return memoryview(out)[: ends[-1] if ends else 0]
+    end = sealed_size(len(header), length)
+    if len(out) < end:
+        raise ValueError(f"a frame of {end} bytes in a buffer of {len(out)}: see sealed_size()")
+    frame = memoryview(out)
+
+    def place(_: int, at: int, size: int) -> memoryview:
+        return frame[at : at + size]  # every batch at its place in the frame
+
+    for _ in _sealed_groups(cipher, header, fd, offset, length, place=place, mapped=mapped):
+        pass
+    return frame[:end]
 
 
 def seal_batches(
@@ -63,43 +72,68 @@ def seal_batches(
     offset: int,
     length: int,
     *,
-    out: bytearray,
+    batches: tuple[bytearray, bytearray],
     mapped: bool = False,
-) -> Iterator[int]:
-    """:func:`seal_frame` :data:`BATCH_RECORDS` records at a time: after each batch is read and sealed,
-    yields where the sealed bytes of ``out`` end, so that they may go out while the next batch is
-    sealed (the bytes before that point are not touched again).
+) -> Iterator[memoryview]:
+    """:func:`seal_frame` :data:`BATCH_RECORDS` records at a time, each batch sealed into the next of
+    ``batches`` in turn (each at least ``BATCH_RECORDS * FULL_RECORD`` bytes) and yielded, so that it
+    may go out while the next is sealed. A yielded batch must be sent before the one after next is
+    sealed: that one takes its buffer. Two batch buffers stay in the CPU's cache where a whole
+    frame's buffer (8 MiB) would not.
 
     ``mapped``: AES-GCM reads the file's pages through a read-only mapping and writes the records
-    into ``out``, which saves the read's copy into user space (about a fifth of a sending worker's
-    CPU). Only for a worker process: a file cut short while mapped raises SIGBUS, which ends the
-    process that touches the missing page, and a worker's end is one the daemon survives."""
+    into the batch's buffer, which saves the read's copy into user space (about a fifth of a sending
+    worker's CPU). Only for a worker process: a file cut short while mapped raises SIGBUS, which ends
+    the process that touches the missing page, and a worker's end is one the daemon survives."""
+    if min(len(batch) for batch in batches) < BATCH_RECORDS * FULL_RECORD:
+        raise ValueError(f"batch buffers of {BATCH_RECORDS * FULL_RECORD} bytes at least")
+
+    def place(number: int, _: int, size: int) -> memoryview:
+        return memoryview(batches[number % 2])[:size]
+
+    yield from _sealed_groups(cipher, header, fd, offset, length, place=place, mapped=mapped)
+
+
+def _sealed_groups(
+    cipher: noise.CipherState,
+    header: bytes,
+    fd: int,
+    offset: int,
+    length: int,
+    *,
+    place: Callable[[int, int, int], memoryview],
+    mapped: bool,
+) -> Iterator[memoryview]:
+    """The records of a data frame, :data:`BATCH_RECORDS` at a time, each batch sealed into
+    ``place(number, at, size)`` (the batch's number, where it starts in the frame, its bytes) and
+    yielded once sealed."""
     records = list(layout([len(header), length]))
-    end = records_end(records)
-    if len(out) < end:
-        raise ValueError(f"a frame of {end} bytes in a buffer of {len(out)}: see sealed_size()")
-    view = memoryview(out)
-
-    def body(at: int, size: int) -> memoryview:
-        return view[at + LENGTH.size : at + LENGTH.size + size]
-
     with _mapped_range(fd, offset, length) if mapped else contextlib.nullcontext() as source:
         for first in range(0, len(records), BATCH_RECORDS):
             group = records[first : first + BATCH_RECORDS]
-            for at, index, piece in group:
+            base = group[0][0]
+            view = place(first // BATCH_RECORDS, base, records_end(group) - base)
+            # Each record's place in the batch's view, and where its plaintext goes (after its length).
+            places = [(at - base, index, piece) for at, index, piece in group]
+            for at, index, piece in places:
                 if index == 0:
-                    body(at, len(piece))[:] = header[piece.start : piece.stop]
+                    _body(view, at, len(piece))[:] = header[piece.start : piece.stop]
             if source is None:  # the batch's file bytes read into their records' places, in one call
-                data = [(at, piece) for at, index, piece in group if index == 1]
+                data = [(at, piece) for at, index, piece in places if index == 1]
                 if data:
-                    _preadv_full(fd, [body(at, len(piece)) for at, piece in data], offset + data[0][1].start)
-            for at, index, piece in group:
+                    _preadv_full(fd, [_body(view, at, len(piece)) for at, piece in data], offset + data[0][1].start)
+            for at, index, piece in places:
                 if index == 1 and source is not None:
                     # A view of the mapping that outlived the call would keep it from being closed.
                     seal_record(cipher, view, at, source[piece.start : piece.stop])
                 else:
-                    seal_record(cipher, view, at, body(at, len(piece)))  # in place: input and output coincide
-            yield records_end(group)
+                    seal_record(cipher, view, at, _body(view, at, len(piece)))  # in place: input and output coincide
+            yield view
+
+
+def _body(view: memoryview, at: int, size: int) -> memoryview:
+    """Where the plaintext of ``size`` bytes of the record at ``at`` of ``view`` goes (after its length)."""
+    return view[at + LENGTH.size : at + LENGTH.size + size]
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ that finds none free (it goes the in-process way meanwhile); up to one per core 
 busy (its affinity, capped by its cgroup's CPU quota: spotguard/cpus.py) and :data:`MAX_WORKERS`;
 one that dies is replaced. One idle for :data:`RETIRE_IDLE_AFTER` ends: a
 daemon runs for months between the rare minutes that need its workers, and each holds an interpreter
-(35 MiB resident) and up to 18 MiB of frame buffers; the next notice warms the pool again. One that
+(35 MiB resident) and up to 10 MiB of frame buffers; the next notice warms the pool again. One that
 cannot start (a fork refused under memory pressure, a full process table) sends frames the
 in-process way for :data:`RETRY_START_AFTER` seconds, then the pool tries again: a daemon runs for
 months, and a failure at one notice must not cost every later handoff its workers. A worker reads
@@ -50,7 +50,7 @@ from spotguard.cpus import usable_cores
 from spotguard.errors import SpotguardError
 from spotguard.peer import noise, wire
 from spotguard.peer.files import write_at
-from spotguard.peer.records import BATCH_RECORDS, FULL_RECORD, open_payload, seal_batches, sealed_size
+from spotguard.peer.records import BATCH_RECORDS, FULL_RECORD, open_payload, seal_batches
 from spotguard.peer.sockio import HandedSocket
 
 logger = logging.getLogger("spotguard.peers")
@@ -377,7 +377,8 @@ class _Jobs:
     cores."""
 
     def __init__(self, *, beside: bool) -> None:
-        self.frame = bytearray()
+        # A frame's batches, sealed into these in turn or received into them: two buffers of ~1 MiB
+        # stay in the CPU's cache while the file's bytes stream through them.
         self.batches = (bytearray(BATCH_RECORDS * FULL_RECORD), bytearray(BATCH_RECORDS * FULL_RECORD))
         self.payload = bytearray()
         self.received: memoryview | None = None  # a payload received and not yet written
@@ -386,16 +387,14 @@ class _Jobs:
         )
 
     def send(self, job: dict[str, Any], fds: list[int]) -> None:
-        """Seal a data frame in place from the file and send it on the connection."""
+        """Seal a data frame from the file, batch by batch, and send it on the connection."""
         connection, file = fds
-        header, length = job["header"], job["length"]
-        need = sealed_size(len(header), length)
-        if len(self.frame) < need:
-            self.frame = bytearray(need)
         cipher = noise.CipherState(job["key"], job["n"])
         handed = HandedSocket(connection)
         try:
-            batches = seal_batches(cipher, header, file, job["offset"], length, out=self.frame, mapped=True)
+            batches = seal_batches(
+                cipher, job["header"], file, job["offset"], job["length"], batches=self.batches, mapped=True
+            )
             if self.beside is None:
                 self._send_in_turn(handed, batches, job["timeout"])
             else:
@@ -403,30 +402,27 @@ class _Jobs:
         finally:
             handed.close()
 
-    def _send_in_turn(self, handed: HandedSocket, batches: Iterator[int], timeout: float) -> None:
-        """Send each sealed batch of :attr:`frame` as soon as it is sealed, before the next is: the
-        socket's copy reads it while it is still in the cache, and the receiver opens the frame's first
-        batches while its last ones are sealed (the whole frame sealed first cost one flow a tenth of
-        its rate; at four flows on two cores it was 6 % ahead, within the noise: BENCHMARKS.md)."""
-        frame = memoryview(self.frame)
-        sent = 0
+    @staticmethod
+    def _send_in_turn(handed: HandedSocket, batches: Iterator[memoryview], timeout: float) -> None:
+        """Send each sealed batch as soon as it is sealed, before the next is: the socket's copy reads it
+        while it is still in the cache, and the receiver opens the frame's first batches while its last
+        ones are sealed (the whole frame sealed first cost one flow a tenth of its rate; at four flows
+        on two cores it was 6 % ahead, within the noise: BENCHMARKS.md)."""
         for sealed in batches:
-            handed.send_all(frame[sent:sealed], timeout)
-            sent = sealed
+            handed.send_all(sealed, timeout)
 
+    @staticmethod
     def _send_beside(
-        self, beside: concurrent.futures.Executor, handed: HandedSocket, batches: Iterator[int], timeout: float
+        beside: concurrent.futures.Executor, handed: HandedSocket, batches: Iterator[memoryview], timeout: float
     ) -> None:
-        """Send each sealed batch of :attr:`frame` in the thread ``beside`` while the next is sealed."""
-        frame = memoryview(self.frame)
+        """Send each sealed batch in the thread ``beside`` while the next is sealed (into the other
+        buffer: the batch before it has gone by then)."""
         going: concurrent.futures.Future[None] | None = None
-        sent = 0
         try:
             for sealed in batches:
                 if going is not None:
                     going.result()
-                going = beside.submit(handed.send_all, frame[sent:sealed], timeout)
-                sent = sealed
+                going = beside.submit(handed.send_all, sealed, timeout)
             if going is not None:
                 going.result()
         except BaseException:

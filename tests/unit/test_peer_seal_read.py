@@ -111,27 +111,33 @@ def test_a_file_that_ends_first_or_a_small_buffer_is_refused(tmp_path: Path, map
 
 
 @pytest.mark.parametrize("mapped", [False, True], ids=["read", "mapped"])
-def test_a_frame_sealed_batch_by_batch_never_touches_what_it_handed_out(tmp_path: Path, mapped: bool) -> None:
-    # A worker sends each batch while the next is sealed: the bytes before a yielded end are final.
-    length = 2 * BATCH_RECORDS * MAX_PLAINTEXT + 12_345  # three batches, the header's record in the first
+def test_a_frame_sealed_into_two_batch_buffers_in_turn_leaves_each_batch_whole_until_the_one_after_next(
+    tmp_path: Path, mapped: bool
+) -> None:
+    # A worker sends each batch while the next is sealed into the other buffer: a batch handed out
+    # is never touched while the next is sealed, and the batches in order are the whole frame.
+    length = 3 * BATCH_RECORDS * MAX_PLAINTEXT + 12_345  # four batches, the header's record in the first
     data = os.urandom(length + 3)
     (tmp_path / "f").write_bytes(data)
     header = b'{"t":"data"}'
     expected = bytes(channel().seal(header, data[3:]))
-    out = bytearray(sealed_size(len(header), length))
+    buffers = (bytearray(BATCH_RECORDS * FULL_RECORD), bytearray(BATCH_RECORDS * FULL_RECORD))
+    handed_out: list[bytes] = []
+    last: tuple[memoryview, bytes] | None = None
     fd = os.open(tmp_path / "f", os.O_RDONLY)
     try:
-        handed_out = [
-            (end, bytes(out[:end]))
-            for end in seal_batches(noise.CipherState(KEY), header, fd, 3, length, out=out, mapped=mapped)
-        ]
+        for sealed in seal_batches(noise.CipherState(KEY), header, fd, 3, length, batches=buffers, mapped=mapped):
+            if last is not None:
+                assert bytes(last[0]) == last[1], "the batch before was touched while this one was sealed"
+            handed_out.append(bytes(sealed))
+            last = (sealed, bytes(sealed))
+        with pytest.raises(ValueError, match="batch buffers"):
+            next(seal_batches(noise.CipherState(KEY), header, fd, 3, length, batches=(bytearray(10), buffers[1])))
     finally:
         os.close(fd)
-    assert [end for end, _ in handed_out] == sorted({end for end, _ in handed_out})
-    assert len(handed_out) == 3
-    assert handed_out[-1][0] == len(expected)
-    for end, sealed in handed_out:
-        assert sealed == expected[:end]
+    assert len(handed_out) == 4
+    assert b"".join(handed_out) == expected
+    assert str(tmp_path / "f") not in mapped_files()
 
 
 def _payload_over_a_socket(payload: bytes, ahead: int, change_at: int | None = None, stall_after: int | None = None):
