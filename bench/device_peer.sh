@@ -12,7 +12,8 @@
 # `run` installs the wheels into a scratch directory (nothing system-wide), prints the machine, then
 # runs bench/peer_channel.py at 4 flows (5 runs) and 8 flows (3 runs), 2 GiB in 8 files, plain and
 # protected interleaved, then bench/peer_open.py (a receiving worker's two orders of opening and
-# writing a frame), each bounded by its own timeout so that one slow bench leaves the next one its
+# writing a frame) and bench/peer_seal.py --beside (a sending worker's batches in two buffers against
+# a frame-sized one), each bounded by its own timeout so that one slow bench leaves the next one its
 # time. About 7-9 minutes on 16 cores. GIB=0.25 makes a quick check of the script itself.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -44,10 +45,12 @@ run() {
     } | tee "$out/machine.txt"
     timeout 270 python3 bench/peer_channel.py --gib "${GIB:-2}" --files 8 --runs 5 --connections 4 2>&1 | tee "$out/peer-4.txt" || echo "4 flows: exit $?"
     cp bench/results/peer_channel.json "$out/peer-4.json" 2>/dev/null || true
-    timeout 200 python3 bench/peer_channel.py --gib "${GIB:-2}" --files 8 --runs 3 --connections 8 2>&1 | tee "$out/peer-8.txt" || echo "8 flows: exit $?"
+    timeout 180 python3 bench/peer_channel.py --gib "${GIB:-2}" --files 8 --runs 3 --connections 8 2>&1 | tee "$out/peer-8.txt" || echo "8 flows: exit $?"
     cp bench/results/peer_channel.json "$out/peer-8.json" 2>/dev/null || true
     timeout 60 python3 bench/peer_open.py --gib "${GIB:-1}" --runs 5 2>&1 | tee "$out/peer-open.txt" || echo "open: exit $?"
     cp bench/results/peer_open.json "$out/peer-open.json" 2>/dev/null || true
+    timeout 60 python3 bench/peer_seal.py --gib "${GIB:-1}" --runs 5 --beside 2>&1 | tee "$out/peer-seal.txt" || echo "seal: exit $?"
+    cp bench/results/peer_seal.json "$out/peer-seal.json" 2>/dev/null || true
 }
 
 case "${1:-}" in
