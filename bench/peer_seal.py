@@ -35,7 +35,15 @@ from pathlib import Path
 from common import machine, median, process_cpu, write_results
 
 from spotguard.peer import noise
-from spotguard.peer.records import BATCH_RECORDS, FULL_RECORD, _sealed_groups, seal_batches, seal_frame, sealed_size
+from spotguard.peer.records import (
+    BATCH_RECORDS,
+    FULL_RECORD,
+    _sealed_groups,
+    layout,
+    seal_batches,
+    seal_frame,
+    sealed_size,
+)
 from spotguard.peer.wire import SEND_CHUNK
 
 HEADER = b'{"t":"data","path":"model.pt","offset":0}'
@@ -66,7 +74,8 @@ def send_sealed(
                 connection.sendall(seal_frame(cipher, HEADER, fd, offset, length, out=out, mapped=mapped))
                 continue
             if in_frame:
-                batches = _sealed_groups(cipher, HEADER, fd, offset, length, place=at_its_place, mapped=mapped)
+                records = list(layout([len(HEADER), length]))
+                batches = _sealed_groups(cipher, HEADER, fd, offset, records, place=at_its_place, mapped=mapped)
             else:
                 batches = seal_batches(cipher, HEADER, fd, offset, length, batches=buffers, mapped=mapped)
             going: concurrent.futures.Future[None] | None = None

@@ -52,7 +52,8 @@ def seal_frame(
     their records' places and sealed there, in place: a frame costs one read, no copy and no
     allocation. ``mapped``: sealed straight from the file's pages instead (see :func:`seal_batches`).
     Raises :class:`EOFError` if the file ends first."""
-    end = sealed_size(len(header), length)
+    records = list(layout([len(header), length]))
+    end = records_end(records)
     if len(out) < end:
         raise ValueError(f"a frame of {end} bytes in a buffer of {len(out)}: see sealed_size()")
     frame = memoryview(out)
@@ -60,7 +61,7 @@ def seal_frame(
     def place(_: int, at: int, size: int) -> memoryview:
         return frame[at : at + size]  # every batch at its place in the frame
 
-    for _ in _sealed_groups(cipher, header, fd, offset, length, place=place, mapped=mapped):
+    for _ in _sealed_groups(cipher, header, fd, offset, records, place=place, mapped=mapped):
         pass
     return frame[:end]
 
@@ -91,7 +92,9 @@ def seal_batches(
     def place(number: int, _: int, size: int) -> memoryview:
         return memoryview(batches[number % 2])[:size]
 
-    yield from _sealed_groups(cipher, header, fd, offset, length, place=place, mapped=mapped)
+    yield from _sealed_groups(
+        cipher, header, fd, offset, list(layout([len(header), length])), place=place, mapped=mapped
+    )
 
 
 def _sealed_groups(
@@ -99,15 +102,15 @@ def _sealed_groups(
     header: bytes,
     fd: int,
     offset: int,
-    length: int,
+    records: list[tuple[int, int, range]],
     *,
     place: Callable[[int, int, int], memoryview],
     mapped: bool,
 ) -> Iterator[memoryview]:
-    """The records of a data frame, :data:`BATCH_RECORDS` at a time, each batch sealed into
-    ``place(number, at, size)`` (the batch's number, where it starts in the frame, its bytes) and
-    yielded once sealed."""
-    records = list(layout([len(header), length]))
+    """``records`` of a data frame (:func:`layout` of its header and payload), :data:`BATCH_RECORDS`
+    at a time, each batch sealed into ``place(number, at, size)`` (the batch's number, where it
+    starts in the frame, its bytes) and yielded once sealed."""
+    length = sum(len(piece) for _, index, piece in records if index == 1)
     with _mapped_range(fd, offset, length) if mapped else contextlib.nullcontext() as source:
         for first in range(0, len(records), BATCH_RECORDS):
             group = records[first : first + BATCH_RECORDS]
