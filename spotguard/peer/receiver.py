@@ -96,6 +96,10 @@ class _Pending:
         return not self.stream.received or now - self.since > STALLED_AFTER
 
 
+class _Evicted(Exception):
+    """A connection of the handshake pool closed for a newcomer (:meth:`PeerReceiver._evict`)."""
+
+
 @dataclass(frozen=True)
 class ReceiverLimits:
     """A receiver's bounds: the replicas it takes (``replicas``), the authenticated connections it serves
@@ -210,6 +214,8 @@ class PeerReceiver:
             self.refused += 1
             slow = "peer %s: too slow (its handshake, a record, or idle); closing the connection"
             self._log_refusal("too slow", logging.WARNING, slow, who)
+        except _Evicted:
+            pass
         except (OSError, asyncio.IncompleteReadError) as exc:
             self._log_refusal("lost", logging.WARNING, "peer %s: connection lost: %s", who, exc)
         except Exception as exc:  # a bug of ours: this connection ends with an answer, the port goes on
@@ -252,6 +258,12 @@ class PeerReceiver:
         except TimeoutError:
             self._suspects.put(source, time.monotonic())
             raise
+        except (OSError, asyncio.IncompleteReadError, wire.PeerError):
+            # Closed by _evict for a newcomer (counted and logged there): not a lost connection, nor
+            # one that closed before its handshake as an old daemon does.
+            if writer not in self._pending:
+                raise _Evicted from None
+            raise
         finally:
             self._pending.pop(writer, None)
 
@@ -286,9 +298,14 @@ class PeerReceiver:
         return since is not None and now - since < SUSPECT_FOR
 
     def _evict(self, writer: asyncio.StreamWriter) -> None:
+        """Close a connection of the handshake pool for a newcomer: a refusal like any other, counted
+        (an idle stranger flooding the pool shows in ``refused``) and logged once a minute at most."""
         self._pending.pop(writer, None)
+        self.refused += 1
         peername = writer.get_extra_info("peername")
-        logger.debug("peer %s: still in its handshake while newer ones wait; closing it", peername)
+        who = f"{peername[0]}:{peername[1]}" if isinstance(peername, tuple) else "?"
+        dropped = "peer %s: still in its handshake while newer ones wait; closing it"
+        self._log_refusal("dropped for a newcomer", logging.INFO, dropped, who)
         writer.transport.abort()
 
     def _log_refusal(self, kind: str, level: int, message: str, *args: object) -> None:

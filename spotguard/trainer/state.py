@@ -59,20 +59,35 @@ def warn_if_loader_draws_global_rng(key: str, value: Any) -> None:
     Creating a DataLoader iterator draws a base seed from the *global* torch RNG unless the
     loader has its own ``generator``; a shuffling sampler without its own generator draws
     from it too. A resumed run restores the global RNG and then calls ``iter(loader)``, so it
-    is one draw off the uninterrupted run and dropout diverges.
+    is one draw off the uninterrupted run and dropout diverges. ``shuffle=True`` with the
+    loader's ``generator`` gives the sampler that same generator; the loader's seed and the
+    sampler's order then come from one stream, and a resumed run draws from it in another
+    order than the uninterrupted one: the rest of the epoch comes in another order.
     """
     if not hasattr(value, "state_dict") or not hasattr(value, "sampler") or not hasattr(value, "generator"):
         return
     sampler = value.sampler
     shuffles = type(sampler).__name__ == "RandomSampler"
-    if value.generator is None or (shuffles and getattr(sampler, "generator", None) is None):
-        warnings.warn(
-            f"state[{key!r}]: the loader (or its RandomSampler) has no generator of its own, so creating "
-            "its iterator draws from the global torch RNG and a resumed run will not match an "
-            "uninterrupted one. Pass generator=torch.Generator().manual_seed(s1) to the loader and "
-            "sampler=torchdata.stateful_dataloader.sampler.RandomSampler(ds, generator=...) to it.",
-            stacklevel=4,
+    own = getattr(sampler, "generator", None) if shuffles else None
+    if value.generator is None or (shuffles and own is None):
+        problem = (
+            "the loader (or its RandomSampler) has no generator of its own, so creating its iterator "
+            "draws from the global torch RNG"
         )
+    elif shuffles and own is value.generator:
+        problem = (
+            "the loader's RandomSampler shares the loader's generator (shuffle=True with generator=...), "
+            "so a resumed run draws the loader's seed and the sampler's order from it in another order"
+        )
+    else:
+        return
+    warnings.warn(
+        f"state[{key!r}]: {problem}, and a resumed run will not match an uninterrupted one. Pass "
+        "generator=torch.Generator().manual_seed(s1) to the loader and "
+        "sampler=torchdata.stateful_dataloader.sampler.RandomSampler(ds, "
+        "generator=torch.Generator().manual_seed(s2)) to it: two generators of its own.",
+        stacklevel=4,
+    )
 
 
 def warn_if_sampler_empties_a_resumed_epoch(key: str, value: Any) -> None:

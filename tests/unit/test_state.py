@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import copy
 import random
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -109,6 +111,40 @@ def test_loader_without_own_generators_warns() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         check_state({"loader": seeded})
+
+
+def test_a_loader_whose_sampler_shares_its_generator_warns_as_its_resume_is_not_exact() -> None:
+    """``shuffle=True`` with a loader generator hands the sampler that same generator. The warning
+    rests on what the loader does: resumed mid-epoch from its state, the rest of the run comes in
+    another order than the uninterrupted one's; with two generators of its own it does not."""
+    from spotguard.trainer.state import check_state
+
+    data = list(range(40))
+
+    def shared() -> StatefulDataLoader:
+        return StatefulDataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(2))
+
+    def separate() -> StatefulDataLoader:
+        sampler = RandomSampler(data, generator=torch.Generator().manual_seed(1))
+        return StatefulDataLoader(data, batch_size=4, sampler=sampler, generator=torch.Generator().manual_seed(2))
+
+    def resumes_exactly(make: Callable[[], StatefulDataLoader]) -> bool:
+        whole = make()
+        uninterrupted = [batch.tolist() for _ in range(2) for batch in whole]  # two epochs
+        first = make()
+        batches = iter(first)
+        seen = [next(batches).tolist() for _ in range(3)]
+        resumed = make()
+        resumed.load_state_dict(copy.deepcopy(first.state_dict()))
+        seen += [batch.tolist() for batch in resumed] + [batch.tolist() for batch in resumed]
+        return seen == uninterrupted
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torchdata's own deprecation notices
+        assert not resumes_exactly(shared)
+        assert resumes_exactly(separate)
+    with pytest.warns(UserWarning, match="shares the loader's generator"):
+        check_state({"loader": shared()})
 
 
 def test_torchdatas_distributed_sampler_warns_and_the_resumable_one_does_not() -> None:
