@@ -5,15 +5,18 @@ IMDS paths per poll; Azure: Scheduled Events; GCP: one long-poll held open), plu
 provider ``none`` as the baseline (socket server and uploader only). All run side by side for
 ``--seconds``; each is sampled once its monitor has read the service, and again at the end:
 RSS from ``/proc/PID/status`` (VmRSS), CPU time from ``/proc/PID/stat`` (utime + stime). Every
-daemon has the same ``file://`` bucket and the default 2 s rescan of the local root and bucket.
-The emulators run in this process, so their CPU is not counted against the daemons.
+daemon has the default 2 s rescan of the local root and a ``file://`` bucket, or with ``--bucket s3``
+a prefix of its own in an S3 bucket on a local moto server (its client, credentials and connection
+set up at start, as on a VM; boto3 loaded). The emulators run in this process and moto in its own,
+so their CPU is not counted against the daemons.
 
-    python bench/idle_cost.py --seconds 60
+    python bench/idle_cost.py --seconds 60 [--bucket s3]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -25,6 +28,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from common import moto_process
 
 from spotguard.emulate.common import RunningEmulator
 from spotguard.emulate.registry import start_emulator
@@ -80,6 +85,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=60.0, help="measurement window (default 60)")
     parser.add_argument("--poll-interval", type=float, default=1.0, help="daemon poll interval, s (default 1)")
+    parser.add_argument("--bucket", choices=("file", "s3"), default="file", help="the daemons' bucket (default file)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "idle_cost.json")
     args = parser.parse_args()
     if args.seconds <= 0:
@@ -88,17 +94,18 @@ def main() -> None:
     emulators: dict[str, RunningEmulator] = {}
     vms: dict[str, Vm] = {}
     results: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="spotguard-idle-") as tmp:
-        base = Path(tmp)
-        bucket = base / "bucket"
-        bucket.mkdir()
+    with contextlib.ExitStack() as stack:
+        base = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="spotguard-idle-")))
+        moto = stack.enter_context(moto_process()) if args.bucket == "s3" else None
+        (base / "bucket").mkdir()
         try:
             for provider in PROVIDERS:
                 extra = ["--provider", "none"]
                 if provider != "none":
                     emulators[provider] = emu = start_emulator(provider)
                     extra = ["--provider", provider, "--metadata-url", emu.url]
-                vms[provider] = vm = Vm(base, provider, bucket.as_uri(), extra_args=extra)
+                url = moto.url(provider) if moto is not None else (base / "bucket").as_uri()
+                vms[provider] = vm = Vm(base, provider, url, extra_args=extra)
                 # The documented default rescan of local root and bucket (Vm's own default is the tests' 0.5 s).
                 vm.start_daemon(
                     env={"SPOTGUARD_POLL_INTERVAL": str(args.poll_interval), "SPOTGUARD_SCAN_INTERVAL": SCAN_INTERVAL}
@@ -133,7 +140,10 @@ def main() -> None:
         }
 
     print()
-    print(f"daemon idle cost over {args.seconds:g} s, polling every {args.poll_interval:g} s (GCP: long-poll)")
+    print(
+        f"daemon idle cost over {args.seconds:g} s, polling every {args.poll_interval:g} s (GCP: long-poll), "
+        f"{args.bucket} bucket"
+    )
     print(f"{'provider':<9} {'RSS MB start':>12} {'RSS MB end':>10} {'CPU s/min':>10} {'% 1 core':>9} {'req/min':>8}")
     for provider, r in results.items():
         print(
@@ -147,6 +157,7 @@ def main() -> None:
         "git_head": git_head(),
         "seconds": args.seconds,
         "poll_interval_s": args.poll_interval,
+        "bucket": args.bucket,
         "clock_ticks_per_s": CLOCK_TICKS,
         "daemons": results,
     }

@@ -102,6 +102,9 @@ class Daemon:
         self.notices = NoticeBook(self.events, grace=config.notice_grace, bus=self.bus)
         self.bus.subscribe(NoticeMoved, self._notice_moved)
         self._notices_changed = asyncio.Event()  # wakes the task that ends notices on time
+        # Set while a notice is pending or held: the loops that only work then (the plan's revisions,
+        # the stall watch) wait for it instead of waking several times a second for months.
+        self._notice_live = asyncio.Event()
         self.uploader = _build_uploader(config, storage, self.root, self.bus)
         self.bus.subscribe(UploadCommitted, self._on_committed)
         self.peering = Peering(
@@ -232,9 +235,12 @@ class Daemon:
         current = self.notices.peek()
         self.uploader.set_deadline(None if current is None else current.notice.deadline)
         if self.notices.current() is None:
+            self._notice_live.clear()
             self.planner.end()
             if self.handoff is not None:
                 self.handoff.reset()
+        else:
+            self._notice_live.set()
         self._notices_changed.set()
 
     @property
@@ -294,6 +300,7 @@ class Daemon:
     async def _revise_plan(self) -> None:
         """While a notice is pending, revise its plan from the uploader's live forecast."""
         while not self._stopping.is_set():
+            await self._notice_live.wait()
             if self.notices.current() is not None:
                 self.planner.revise(self.uploader.forecast())
             await self._pause(_PLAN_REVISE_INTERVAL)
@@ -378,7 +385,7 @@ class Daemon:
         await asyncio.to_thread(self.events.flush)  # what READY promises is on disk too
         services: dict[str, Callable[[], Awaitable[None]]] = {
             "uploader": self.uploader.run,
-            "stall-watch": lambda: self.stalls.watch(self._stopping),
+            "stall-watch": lambda: self.stalls.watch(self._stopping, self._notice_live),
             "notice-lifecycle": self._end_notices_on_time,
             "rate-probe": self._probe_rate,
             "plan-revise": self._revise_plan,

@@ -110,8 +110,12 @@ class StallWatch:
         )
         self.bus.emit(TrainerStalled(notice, action, report))
 
-    async def watch(self, stopping: asyncio.Event) -> None:
+    async def watch(self, stopping: asyncio.Event, notice_live: asyncio.Event) -> None:
+        """Look every :data:`STALL_CHECK_INTERVAL` while ``notice_live`` is set (a notice is pending
+        or held), and once more after it is cleared (the reports go with the notice); between
+        notices, wait for it: a daemon spends months without one."""
         while not stopping.is_set():
             self.check()
+            await notice_live.wait()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stopping.wait(), STALL_CHECK_INTERVAL)
