@@ -176,11 +176,12 @@ def test_idle_strangers_from_many_addresses_never_turn_a_peer_away(receiver_vm: 
         stop.set()
         thread.join()
     # Each stranger's connect beyond the pool's 16 places closed another stranger's connection for it
-    # (or was turned away, or ran into the 5 s deadline): a refusal each.
-    assert receiver_vm.status()["peers"]["refused"] >= connects[0] - HANDSHAKE_POOL
+    # (or was turned away, or ran into the 5 s deadline): a refusal each. Left out: what each stranger
+    # still held when it stopped (one connection each, in the pool or not yet accepted), which it
+    # closed itself.
+    assert receiver_vm.status()["peers"]["refused"] >= connects[0] - HANDSHAKE_POOL - 40
     log = receiver_vm.log.read_text()
     assert log.count("still in its handshake while newer ones wait") == 1, log[-2000:]
-    assert "connection lost" not in log
 
 
 def unread_by_receiver(listen_port: int, peer_ports: set[int]) -> int | None:
