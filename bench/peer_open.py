@@ -33,8 +33,8 @@ from spotguard.peer import noise
 from spotguard.peer.files import write_at
 from spotguard.peer.records import (
     BATCH_RECORDS,
-    FULL_RECORD,
     MAX_PLAINTEXT,
+    batch_buffers,
     open_payload,
     records_of,
     seal_frame,
@@ -91,7 +91,7 @@ def landing_by(piece: int) -> Land:
 def one_run(connection: socket.socket, land: Land, frames: int, target: Path, crc: int) -> tuple[float, float]:
     """Seconds and this process's CPU seconds to receive and land ``frames`` frames in ``target``
     (each one's CRC32C checked against the sender's ``crc``)."""
-    batches = (bytearray(BATCH_RECORDS * FULL_RECORD), bytearray(BATCH_RECORDS * FULL_RECORD))
+    batches = batch_buffers()
     payload = memoryview(bytearray(SEND_CHUNK))
     handed = HandedSocket(connection.fileno())  # a worker's receive loop, on a duplicate of the socket
 

@@ -36,9 +36,8 @@ from common import machine, median, process_cpu, write_results
 
 from spotguard.peer import noise
 from spotguard.peer.records import (
-    BATCH_RECORDS,
-    FULL_RECORD,
     _sealed_groups,
+    batch_buffers,
     layout,
     seal_batches,
     seal_frame,
@@ -63,7 +62,7 @@ def send_sealed(
         cipher = noise.CipherState(os.urandom(32))
         out = bytearray(sealed_size(len(HEADER), SEND_CHUNK))
         frame = memoryview(out)
-        buffers = (bytearray(BATCH_RECORDS * FULL_RECORD), bytearray(BATCH_RECORDS * FULL_RECORD))
+        buffers = batch_buffers()
 
         def at_its_place(_: int, at: int, size: int) -> memoryview:
             return frame[at : at + size]

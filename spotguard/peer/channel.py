@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 from spotguard.peer import noise, wire
 from spotguard.peer.records import (
+    BATCH_BYTES,
     BATCH_RECORDS,
     FULL_RECORD,
     LENGTH,
@@ -211,7 +212,7 @@ class Channel:
         number of bytes filled. A record of another length there breaks the protocol's layout."""
         count = min(len(view) // MAX_PLAINTEXT, BATCH_RECORDS)
         if self._batch is None:
-            self._batch = bytearray(BATCH_RECORDS * FULL_RECORD)
+            self._batch = bytearray(BATCH_BYTES)
         batch = memoryview(self._batch)[: count * FULL_RECORD]
         with self._record_deadline():
             await self.stream.readinto(batch)

@@ -84,12 +84,17 @@ class _Session:
 
 @dataclass
 class _Pending:
-    """A connection in its handshake: its address, its stream (which counts the bytes it sent) and
-    when it was accepted."""
+    """A connection in its handshake: its address and port, its stream (which counts the bytes it
+    sent) and when it was accepted."""
 
-    source: str
+    who: str  # host:port
     stream: wire.FrameStream
     since: float = field(default_factory=time.monotonic)
+
+    @property
+    def source(self) -> str:
+        """Its address (the per-source limit and the suspects go by address, not port)."""
+        return self.who.rpartition(":")[0]
 
     def stale(self, now: float) -> bool:
         """Whether it has sent nothing, or stalled: nothing a peer ever does."""
@@ -245,18 +250,18 @@ class PeerReceiver:
 
     async def _handshake(self, stream: wire.FrameStream, writer: asyncio.StreamWriter, who: str) -> Channel:
         """The connection's handshake, in the bounded pool of unauthenticated connections."""
-        source = who.rpartition(":")[0]
-        if not self._make_room(source):
+        pending = _Pending(who, stream)
+        if not self._make_room(pending.source):
             writer.write(GREETING)  # then the refusal: an initiator reads it as the answer to its message
             raise wire.PeerError("busy", "too many connections in their handshake; try again")
-        self._pending[writer] = _Pending(source, stream)
+        self._pending[writer] = pending
         try:
             async with asyncio.timeout(self.limits.handshake_timeout):
                 return await accept(
                     stream, writer, self._psk, previous_psk=self._previous_psk, io_timeout=self.limits.io_timeout
                 )
         except TimeoutError:
-            self._suspects.put(source, time.monotonic())
+            self._suspects.put(pending.source, time.monotonic())
             raise
         except (OSError, asyncio.IncompleteReadError, wire.PeerError):
             # Closed by _evict for a newcomer (counted and logged there): not a lost connection, nor
@@ -300,12 +305,10 @@ class PeerReceiver:
     def _evict(self, writer: asyncio.StreamWriter) -> None:
         """Close a connection of the handshake pool for a newcomer: a refusal like any other, counted
         (an idle stranger flooding the pool shows in ``refused``) and logged once a minute at most."""
-        self._pending.pop(writer, None)
+        pending = self._pending.pop(writer)
         self.refused += 1
-        peername = writer.get_extra_info("peername")
-        who = f"{peername[0]}:{peername[1]}" if isinstance(peername, tuple) else "?"
         dropped = "peer %s: still in its handshake while newer ones wait; closing it"
-        self._log_refusal("dropped for a newcomer", logging.INFO, dropped, who)
+        self._log_refusal("dropped for a newcomer", logging.INFO, dropped, pending.who)
         writer.transport.abort()
 
     def _log_refusal(self, kind: str, level: int, message: str, *args: object) -> None:

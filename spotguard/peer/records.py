@@ -26,6 +26,7 @@ MAX_PLAINTEXT = noise.MAX_MESSAGE - noise.TAGLEN  # one record's bytes
 BATCH_RECORDS = 16
 LENGTH = struct.Struct(">H")  # a record's length before it (and a handshake message's)
 FULL_RECORD = LENGTH.size + noise.MAX_MESSAGE  # a record of a payload's but the last
+BATCH_BYTES = BATCH_RECORDS * FULL_RECORD  # a batch buffer: what one batch of records takes at most
 _IOV_MAX = 1024  # buffers one preadv takes (POSIX's minimum for IOV_MAX is 16; Linux has 1024)
 
 
@@ -66,6 +67,12 @@ def seal_frame(
     return frame[:end]
 
 
+def batch_buffers() -> tuple[bytearray, bytearray]:
+    """Two buffers of :data:`BATCH_BYTES`, for :func:`seal_batches` and :func:`open_payload` (reused
+    from frame to frame: ~1 MiB each, they stay in the CPU's cache while a file streams through)."""
+    return bytearray(BATCH_BYTES), bytearray(BATCH_BYTES)
+
+
 def seal_batches(
     cipher: noise.CipherState,
     header: bytes,
@@ -77,7 +84,7 @@ def seal_batches(
     mapped: bool = False,
 ) -> Iterator[memoryview]:
     """:func:`seal_frame` :data:`BATCH_RECORDS` records at a time, each batch sealed into the next of
-    ``batches`` in turn (each at least ``BATCH_RECORDS * FULL_RECORD`` bytes) and yielded, so that it
+    ``batches`` in turn (:func:`batch_buffers`) and yielded, so that it
     may go out while the next is sealed. A yielded batch must be sent before the one after next is
     sealed: that one takes its buffer. Two batch buffers stay in the CPU's cache where a whole
     frame's buffer (8 MiB) would not.
@@ -86,8 +93,8 @@ def seal_batches(
     into the batch's buffer, which saves the read's copy into user space (about a fifth of a sending
     worker's CPU). Only for a worker process: a file cut short while mapped raises SIGBUS, which ends
     the process that touches the missing page, and a worker's end is one the daemon survives."""
-    if min(len(batch) for batch in batches) < BATCH_RECORDS * FULL_RECORD:
-        raise ValueError(f"batch buffers of {BATCH_RECORDS * FULL_RECORD} bytes at least")
+    if min(len(batch) for batch in batches) < BATCH_BYTES:
+        raise ValueError(f"batch buffers of {BATCH_BYTES} bytes at least")
 
     def place(number: int, _: int, size: int) -> memoryview:
         return memoryview(batches[number % 2])[:size]
@@ -281,10 +288,12 @@ def _preadv_full(fd: int, views: list[memoryview], offset: int) -> None:
 
 
 __all__ = [
+    "BATCH_BYTES",
     "BATCH_RECORDS",
     "FULL_RECORD",
     "LENGTH",
     "MAX_PLAINTEXT",
+    "batch_buffers",
     "layout",
     "open_payload",
     "records_end",

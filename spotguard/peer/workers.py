@@ -50,7 +50,7 @@ from spotguard.cpus import usable_cores
 from spotguard.errors import SpotguardError
 from spotguard.peer import noise, wire
 from spotguard.peer.files import write_at
-from spotguard.peer.records import BATCH_RECORDS, FULL_RECORD, open_payload, seal_batches
+from spotguard.peer.records import batch_buffers, open_payload, seal_batches
 from spotguard.peer.sockio import HandedSocket
 
 logger = logging.getLogger("spotguard.peers")
@@ -377,9 +377,7 @@ class _Jobs:
     cores."""
 
     def __init__(self, *, beside: bool) -> None:
-        # A frame's batches, sealed into these in turn or received into them: two buffers of ~1 MiB
-        # stay in the CPU's cache while the file's bytes stream through them.
-        self.batches = (bytearray(BATCH_RECORDS * FULL_RECORD), bytearray(BATCH_RECORDS * FULL_RECORD))
+        self.batches = batch_buffers()  # a frame's batches, sealed into these in turn or received into them
         self.payload = bytearray()
         self.received: memoryview | None = None  # a payload received and not yet written
         self.beside = (

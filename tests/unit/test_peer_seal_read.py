@@ -24,6 +24,7 @@ from spotguard.peer.records import (
     BATCH_RECORDS,
     FULL_RECORD,
     MAX_PLAINTEXT,
+    batch_buffers,
     open_payload,
     seal_batches,
     seal_frame,
@@ -121,7 +122,7 @@ def test_a_frame_sealed_into_two_batch_buffers_in_turn_leaves_each_batch_whole_u
     (tmp_path / "f").write_bytes(data)
     header = b'{"t":"data"}'
     expected = bytes(channel().seal(header, data[3:]))
-    buffers = (bytearray(BATCH_RECORDS * FULL_RECORD), bytearray(BATCH_RECORDS * FULL_RECORD))
+    buffers = batch_buffers()
     handed_out: list[bytes] = []
     last: tuple[memoryview, bytes] | None = None
     fd = os.open(tmp_path / "f", os.O_RDONLY)
@@ -162,7 +163,7 @@ def test_a_payload_received_beside_its_opening_or_in_turn_arrives_whole(ahead: i
     read_ahead, ours, theirs = _payload_over_a_socket(payload, ahead)
     handed = HandedSocket(ours.fileno())
     view = memoryview(bytearray(len(payload)))
-    batches = (bytearray(BATCH_RECORDS * FULL_RECORD), bytearray(BATCH_RECORDS * FULL_RECORD))
+    batches = batch_buffers()
     with concurrent.futures.ThreadPoolExecutor(1) as beside, ours, theirs:
         open_payload(
             noise.CipherState(KEY),
@@ -185,7 +186,7 @@ def test_a_changed_record_stops_the_batch_still_coming_at_once() -> None:
         payload, 0, change_at=500, stall_after=BATCH_RECORDS * FULL_RECORD + 10
     )
     handed = HandedSocket(ours.fileno())
-    batches = (bytearray(BATCH_RECORDS * FULL_RECORD), bytearray(BATCH_RECORDS * FULL_RECORD))
+    batches = batch_buffers()
     with concurrent.futures.ThreadPoolExecutor(1) as beside, ours, theirs:
         started = time.monotonic()
         with pytest.raises(wire.PeerError) as caught:
