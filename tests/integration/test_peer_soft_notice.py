@@ -48,9 +48,17 @@ def setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Vm,
 
 
 def rebalance(vm: Vm, emu: RunningEmulator, seconds_left: float) -> str:
-    """A rebalance recommendation whose deadline is ``seconds_left`` away; its event id, once A's plan
-    routes it to the peer."""
+    """A rebalance recommendation whose deadline is ``seconds_left`` away (a second more at most); its
+    event id, once A's plan routes it to the peer.
+
+    A recommendation is known by its ``noticeTime``, to the second, so each is dated at least a second
+    after the one A saw last: two made as many seconds apart as their ``seconds_left`` differ would
+    otherwise carry the same time, and A rightly takes the second for the first, already over."""
     notice_time = datetime.now(UTC) - timedelta(seconds=REBALANCE_HORIZON - seconds_left)
+    seen = vm.status()["last_notice"]
+    if seen is not None and seen["kind"] == "rebalance":
+        seen_time = datetime.fromisoformat(seen["deadline"]) - timedelta(seconds=REBALANCE_HORIZON)
+        notice_time = max(notice_time, seen_time + timedelta(seconds=1))
     emu.trigger(kind="rebalance", time=iso_z(notice_time))
     notice = wait_for(
         lambda: (n := vm.status()["last_notice"]) and n["kind"] == "rebalance" and n["state"] == "pending" and n,
