@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -24,8 +24,13 @@ if TYPE_CHECKING:
 class Vm:
     """One simulated VM: a daemon subprocess with its own socket and local checkpoint root."""
 
-    def __init__(self, base: Path, name: str, bucket: str, extra_args: list[str] | None = None) -> None:
+    def __init__(
+        self, base: Path, name: str, bucket: str, extra_args: list[str] | None = None, prefix: Sequence[str] = ()
+    ) -> None:
+        """``prefix``: a command the daemon's is run under (``ip netns exec NAME``: a daemon in a
+        network namespace of its own)."""
         self.dir = base / name
+        self.prefix = list(prefix)
         self.root = self.dir / "nvme"
         self.socket = self.dir / "spotguard.sock"
         self.bucket = bucket
@@ -36,6 +41,7 @@ class Vm:
     def start_daemon(self, env: dict[str, str] | None = None) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         command = [
+            *self.prefix,
             sys.executable, "-m", "spotguard", "run",
             "--socket", str(self.socket),
             "--checkpoint-dir", str(self.root),

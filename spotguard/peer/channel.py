@@ -56,8 +56,11 @@ SILENT_PEER_RELEASE = IO_TIMEOUT + WATCH_INTERVAL
 _KEEPALIVE = {"TCP_KEEPIDLE": 10, "TCP_KEEPINTVL": 5, "TCP_KEEPCNT": 3}
 
 
-# struct tcp_info (linux/tcp.h): 8 one-byte fields, 24 u32 (rto ... total_retrans), u64 pacing_rate,
-# u64 max_pacing_rate, then u64 tcpi_bytes_acked.
+# struct tcp_info (linux/tcp.h): 8 one-byte fields, 24 u32 (rto, ato, snd_mss, rcv_mss, unacked, ...,
+# last_ack_recv, ..., total_retrans), u64 pacing_rate, u64 max_pacing_rate, then u64 tcpi_bytes_acked.
+_U32 = struct.Struct("=I")
+_UNACKED_AT = 8 + 4 * 4  # segments sent and not acknowledged yet
+_LAST_ACK_RECV_AT = 8 + 12 * 4  # milliseconds since the peer's last acknowledgement
 _BYTES_ACKED_AT = 8 + 24 * 4 + 2 * 8
 _BYTES_ACKED = struct.Struct("=Q")
 _TCP_INFO_SIZE = 256
@@ -114,16 +117,34 @@ class Channel:
     def delivered(self) -> int | None:
         """Bytes the peer has acknowledged on this connection (Linux ``TCP_INFO``), not counting
         what waits in buffers on the way; None where the OS does not say. A flow's rate, measured."""
+        info = self._tcp_info()
+        if info is None or len(info) < _BYTES_ACKED.size + _BYTES_ACKED_AT:
+            return None  # a kernel older than 4.1
+        return int(_BYTES_ACKED.unpack_from(info, _BYTES_ACKED_AT)[0])
+
+    def unanswered(self) -> float | None:
+        """Seconds the peer's host has acknowledged nothing while this connection had bytes in flight
+        (Linux ``TCP_INFO``); 0.0 with nothing in flight; None where the OS does not say.
+
+        It tells a peer that is gone from one that is slow. A receiver that stops reading (its disk
+        stalls, its process is stopped) still has a kernel that acknowledges what arrived and answers
+        the zero-window probes: nothing is left in flight. A host reclaimed at once, or cut off,
+        answers nothing: what was sent stays in flight and is sent again and again, unacknowledged."""
+        info = self._tcp_info()
+        if info is None or len(info) < _LAST_ACK_RECV_AT + _U32.size:
+            return None
+        if _U32.unpack_from(info, _UNACKED_AT)[0] == 0:
+            return 0.0
+        return float(_U32.unpack_from(info, _LAST_ACK_RECV_AT)[0]) / 1000
+
+    def _tcp_info(self) -> bytes | None:
         sock = self.writer.get_extra_info("socket")
         if sock is None or not hasattr(socket, "TCP_INFO"):
             return None
         try:
-            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_SIZE)
+            return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_SIZE)
         except OSError:
             return None
-        if len(info) < _BYTES_ACKED.size + _BYTES_ACKED_AT:
-            return None  # a kernel older than 4.1
-        return int(_BYTES_ACKED.unpack_from(info, _BYTES_ACKED_AT)[0])
 
     # --- reading ------------------------------------------------------------------------
 

@@ -42,6 +42,11 @@ MAX_FLOWS = 8  # the default bound (a receiver takes 16 connections: two senders
 PACE_INTERVAL = 0.25  # seconds between looks at the rate
 COMMIT_RESERVE = 0.2  # share of the time left kept for the receiver's checks and the commit
 WATCH_INTERVAL = 0.5  # seconds between looks at what the peer acknowledged (Flows.watch)
+# Seconds a flow's bytes may stay in flight with no acknowledgement at all before its peer is taken for
+# gone (Flows.watch). A live host acknowledges within a round trip, and a lost segment is sent again
+# after 0.2 s, then 0.4, 0.8, 1.6: this is four such resends with none answered, no longer a lost
+# packet but a host or a path that is not there.
+GONE_AFTER = 3.0
 
 
 class FlowsFailed(wire.PeerError):
@@ -181,6 +186,7 @@ class Flows:
         self._progress = asyncio.Event()  # a piece went out, or a flow failed
         self._error: BaseException | None = None
         self._workers: dict[asyncio.Task[None], PeerClient] = {}
+        self._finishing: list[PeerClient] = []  # joined flows waiting for the peer's "done" (sent())
         self.on_failure: Callable[[], None] = lambda: None  # called once the flows failed (the owner wakes)
         self._start(opener)
 
@@ -229,12 +235,18 @@ class Flows:
         for task in workers:
             task.cancel("every piece went out")  # each waits for a piece, or pings
         await asyncio.gather(*workers, return_exceptions=True)
-        for client in workers.values():
-            if client is not self.opener:
+        finishing = self._finishing = [client for client in workers.values() if client is not self.opener]
+        try:
+            for client in finishing:
                 try:
                     await client.finish()
-                finally:
-                    await client.close()
+                except (OSError, wire.PeerError):
+                    self.raise_if_failed()  # the watch ended it: say why
+                    raise
+        finally:
+            self._finishing = []
+            for client in finishing:
+                await client.close()
 
     async def grow(self) -> bool:
         """One more flow, if the bound allows and the peer takes it; whether one was added."""
@@ -282,28 +294,56 @@ class Flows:
                 )  # fmt: skip
 
     async def watch(self, limit: Callable[[], float]) -> None:
-        """Until cancelled: fail the flows once the peer has acknowledged nothing for ``limit()``
-        seconds while they had a piece to send. A peer whose VM vanished (no FIN, no RST: a host
-        reclaimed or cut off) is otherwise noticed only when the kernel gives up on the unacknowledged
-        bytes, ``io_timeout`` later: past a 30 s notice's deadline. Where the OS does not say what was
-        acknowledged, it returns (``io_timeout`` rules, as before)."""
+        """Until cancelled: leave a peer that is gone, or one that takes nothing for too long.
+
+        A peer whose VM vanished (no FIN, no RST: a host reclaimed or cut off) is otherwise noticed
+        only when the kernel gives up on the unacknowledged bytes, ``io_timeout`` later: past a 30 s
+        notice's deadline. Once a flow's bytes in flight got no acknowledgement for :data:`GONE_AFTER`
+        seconds the peer is gone, and the flows fail (:meth:`_leave_if_gone`). A peer that
+        acknowledges what it is sent but takes nothing more (its disk stalls) fails them once nothing
+        was acknowledged for ``limit()`` seconds while they had a piece to send. Where the OS does not
+        say what was acknowledged, it returns (``io_timeout`` rules, as before)."""
         acked, since = -1, time.monotonic()
         while self._error is None:
             await asyncio.sleep(WATCH_INTERVAL)
+            self._leave_if_gone()
             counts = [client.channel.delivered() for client in self._workers.values()]
-            if not counts or any(count is None for count in counts):
+            if any(count is None for count in counts):
                 return
+            if not counts:
+                continue  # the joined flows finish, or the opener commits: only a gone host is looked for
             now, total = time.monotonic(), sum(count for count in counts if count is not None)
             if total != acked or not self._sending:  # progress, or nothing to send (the trainer is the limit)
                 acked, since = total, now
             elif now - since > limit():
                 self.fail(TimeoutError(f"the peer acknowledged nothing for {now - since:.1f} s while bytes waited"))
 
+    def _leave_if_gone(self) -> None:
+        """Fail the flows once one of them had bytes in flight unanswered for :data:`GONE_AFTER` seconds.
+
+        All of them, not that one alone: the pieces a flow sent before its last may still be in flight
+        with it, and are counted as sent, so the replica on that peer could not be completed. The flows
+        finishing and the opener waiting for the commit's answer are looked at too."""
+        for client in self._watched():
+            quiet = client.channel.unanswered()
+            if quiet is not None and quiet >= GONE_AFTER:
+                self.fail(
+                    TimeoutError(
+                        f"{client.address} acknowledged nothing for {quiet:.1f} s with bytes in flight (its host, "
+                        "or the way to it, is gone)"
+                    )
+                )
+                return
+
+    def _watched(self) -> list[PeerClient]:
+        return list(dict.fromkeys([self.opener, *self._workers.values(), *self._finishing]))
+
     def fail(self, error: BaseException) -> None:
-        """End every flow with ``error`` (what :meth:`sent` raises from now on)."""
+        """End every flow with ``error`` (what :meth:`sent` raises from now on), the opener's
+        connection with them (a commit waiting on it ends too)."""
         if self._error is None:
             self._error = error
-        for client in self._workers.values():
+        for client in self._watched():
             client.channel.abort()  # each flow's send or wait ends; _ended keeps the first error
         self._progress.set()
         self.on_failure()

@@ -8,8 +8,9 @@ configured peer that answers, shares the bucket and has no hard notice of its ow
 for the newest checkpoint announced (telling the plan's size: a peer without a free slot or the room
 refuses at once, and the next peer that answers is asked, nothing having been sent), and sends every
 announced range as it comes, alongside the trainer's writing and the bucket upload. A peer that fails
-once bytes went (its disk filled, it went away, it got a notice of its own), or goes silent (nothing
-acknowledged for :data:`STALL_SHARE` of the time left while bytes wait), is left for the next one
+once bytes went (its disk filled, it went away, it got a notice of its own), whose host is gone (what
+is in flight unanswered for :data:`~spotguard.peer.flows.GONE_AFTER` seconds), or that takes nothing
+(nothing acknowledged for :data:`STALL_SHARE` of the time left while bytes wait), is left for the next one
 that answers, which is sent the replica again from its first byte: at most :data:`MAX_MOVES` times,
 and not past the deadline. A file's ``file`` message only confirms it: what none of its ranges
 covered (a file written without ranges: all of it) goes then. After the trainer's commit it sends
@@ -55,9 +56,10 @@ _WARM_WORKERS = 2
 MAX_MOVES = 2
 
 # A handoff racing a deadline takes a peer that acknowledged nothing for this share of the time left
-# (at least STALL_MIN seconds, at most the channel's io_timeout) while bytes waited as gone
-# (Flows.watch), and moves on: a peer VM reclaimed at once with this one sends no FIN, and the kernel
-# would give up on it only io_timeout (30 s) later, a whole GCP or Azure notice.
+# (at least STALL_MIN seconds, at most the channel's io_timeout) while bytes waited as lost
+# (Flows.watch), and moves on: its host still answers, but its disk or its daemon has stalled, and the
+# kernel would give up on it only io_timeout (30 s) later, a whole GCP or Azure notice. A host that
+# answers nothing at all (a VM reclaimed at once sends no FIN) is left sooner, after GONE_AFTER.
 STALL_SHARE = 0.25
 STALL_MIN = 5.0
 
@@ -327,7 +329,11 @@ class Handoff:
                 if flows is not None and await self._queue_announced(flows):
                     assert self.name is not None
                     await flows.sent()
-                    await client.commit(self._announced[self.name][0])
+                    try:
+                        await client.commit(self._announced[self.name][0])
+                    except (OSError, wire.PeerError):
+                        flows.raise_if_failed()  # the watch ended it (the peer's host is gone): say so
+                        raise
                     return
                 try:
                     await asyncio.wait_for(self._wake.wait(), KEEPALIVE)

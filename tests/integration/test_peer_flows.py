@@ -20,10 +20,12 @@ from spotguard.harness import Vm, wait_for
 from spotguard.manifest import load_manifest
 from spotguard.peer import wire
 from spotguard.peer.client import PeerClient
+from spotguard.peer.flows import GONE_AFTER, Flows
 from spotguard.peer.handoff import Handoff, HandoffState
 from spotguard.storage.checkpoints import list_remote
-from spotguard.storage.s3 import S3Storage
+from spotguard.storage.schemes import open_storage
 from tests.checkpoints import write_checkpoint
+from tests.netns import Island, island
 from tests.pacedrelay import PacedRelay
 from tests.peers import TOKEN, address, receiving_daemon, urgent_handoff
 from tests.servers import moto_s3, point_at
@@ -32,7 +34,7 @@ MiB = 1 << 20
 
 
 def committed_steps(url: str) -> list[int]:
-    storage = S3Storage(url)
+    storage = open_storage(url)
     try:
         return [info.step for info in list_remote(storage) if info.status == "complete"]
     finally:
@@ -199,11 +201,139 @@ def test_a_peer_that_goes_silent_mid_stream_is_left_well_before_the_kernel_gives
     assert handoff.peer == receiver_vm.status()["peers"]["listen"] and handoff.moves == 1
     assert handoff.bytes_sent == sum(len(data) for data in files.values())
     said = [record.getMessage() for record in caplog.records]
-    assert any("acknowledged nothing for" in line for line in said), said
+    assert any("acknowledged nothing for" in line and "while bytes waited" in line for line in said), said
+    # The relay's kernel still acknowledged what reached it: a slow peer, not a vanished one.
+    assert not any("with bytes in flight" in line for line in said), said
     print(f"handed to the next peer {after_freeze:.1f} s after the first went silent")
     # Left after 5 s (a quarter of the ~18 s left, at least 5 s), not after the kernel's 30 s.
     assert after_freeze < 15.0, f"handed to the next peer {after_freeze:.1f} s after the first went silent"
     wait_for(lambda: 17 in committed_steps(url), 30, "B's commit in the bucket")
+
+
+def test_a_peer_whose_host_vanishes_is_left_within_seconds_while_a_slow_one_gets_the_stall_limit(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The peer taking the replica is a daemon in a network namespace, and the link to it is cut
+    mid-stream: its kernel acknowledges nothing any more (a VM reclaimed at once). With 60 s to the
+    deadline the stall limit is 15 s, time a receiver whose disk stalls is given; a host that answers
+    nothing is left once what is in flight went unanswered for GONE_AFTER seconds."""
+    url = f"file://{tmp_path / 'bucket'}"
+    first, rest = {"shard-0.bin": os.urandom(8 * MiB)}, {f"shard-{i}.bin": os.urandom(8 * MiB) for i in (1, 2)}
+    step_dir = write_checkpoint(tmp_path / "vm-a", 19, {**first, **rest})
+    manifest = load_manifest(step_dir)
+    caplog.set_level("WARNING", logger="spotguard.handoff")
+
+    async def hand_over_while_cut(place: Island, vanishing: tuple[str, int], rescuer: tuple[str, int]) -> float:
+        async def candidates() -> list[tuple[str, int]]:
+            return [vanishing, rescuer]
+
+        handoff = Handoff(candidates, TOKEN.encode(), url, max_flows=1)
+        handoff.file_ready(step_dir, "shard-0.bin", manifest.files["shard-0.bin"])
+        handoff.start(expected_bytes=manifest.total_bytes, deadline=time.monotonic() + 60.0)
+        try:
+            async with asyncio.timeout(45):
+                # The trainer is still writing: the first file went to the peer, then its host vanishes.
+                while not (handoff.peer == f"{vanishing[0]}:{vanishing[1]}" and handoff.bytes_sent >= 8 * MiB):
+                    await asyncio.sleep(0.02)
+                await asyncio.to_thread(place.cut)
+                cut = time.monotonic()
+                for rel in rest:
+                    handoff.file_ready(step_dir, rel, manifest.files[rel])
+                handoff.saved(step_dir)
+                while handoff.moves == 0 and handoff.state is not HandoffState.FAILED:
+                    await asyncio.sleep(0.05)
+                left_after = time.monotonic() - cut
+                while handoff.state not in (HandoffState.HANDED, HandoffState.FAILED):
+                    await asyncio.sleep(0.05)
+        finally:
+            await handoff.close()
+        assert handoff.state is HandoffState.HANDED, handoff.error
+        assert handoff.peer == f"{rescuer[0]}:{rescuer[1]}" and handoff.moves == 1
+        assert handoff.bytes_sent == manifest.total_bytes  # sent again from its first byte
+        return left_after
+
+    with island() as place, receiving_daemon(tmp_path / "vm-c", url) as vm_c:
+        vm_v = Vm(
+            tmp_path, "vm-v", url, ["--provider", "none", "--peer-listen", f"{place.address}:0"], prefix=place.prefix
+        )
+        vm_v.start_daemon(env={"SPOTGUARD_PEER_TOKEN": TOKEN})
+        try:
+            left_after = asyncio.run(hand_over_while_cut(place, address(vm_v), address(vm_c)))
+        finally:
+            vm_v.kill_daemon()
+        wait_for(lambda: 19 in committed_steps(url), 30, "C's commit in the bucket")
+    said = [record.getMessage() for record in caplog.records]
+    assert any("with bytes in flight (its host, or the way to it, is gone)" in line for line in said), said
+    assert not any("while bytes waited" in line for line in said), said  # not the stall limit
+    print(f"left the vanished peer {left_after:.1f} s after its link was cut")
+    assert left_after < GONE_AFTER + 5.0, f"left the vanished peer {left_after:.1f} s after the cut (stall limit 15 s)"
+
+
+@pytest.mark.parametrize("phase", ["sending", "committing"])
+def test_a_flow_whose_way_to_the_peer_is_cut_fails_the_flows_within_seconds(tmp_path: Path, phase: str) -> None:
+    """Two ways to the same peer (one path of several failing). ``sending``: the flow that opened the
+    replica goes over the first, a joined flow over the second, which is cut mid-replica; whether the
+    joined flow is sending a piece then or only telling the peer it is done, what it sent stays in
+    flight unanswered. The flows fail whole, since what that flow sent before may be lost with it.
+    ``committing``: every piece went, and the opener's way is cut as it sends the manifest. Either
+    way the flows fail GONE_AFTER later, not after the stall limit (60 s here), io_timeout or the
+    commit's 600 s, with an error that says so."""
+    url = f"file://{tmp_path / 'bucket'}"
+    files = {f"shard-{i}.bin": os.urandom(8 * MiB) for i in range(3)}
+    step_dir = write_checkpoint(tmp_path / "vm-a", 23, files)
+    cut_way = 1 if phase == "sending" else 0
+
+    async def send_while_cut(place: Island, port: int) -> tuple[BaseException | None, float]:
+        token = TOKEN.encode()
+        opener = await PeerClient.connect(place.addresses[0], port, token)
+
+        async def over_the_second_way() -> PeerClient:
+            return await PeerClient.connect(place.addresses[1], port, token)
+
+        try:
+            flows = Flows(opener, await opener.open_replica(step_dir.name, url), over_the_second_way, max_flows=2)
+            watch = asyncio.create_task(flows.watch(lambda: 60.0))  # the stall limit far off
+            try:
+                assert await flows.grow()
+                await flows.send_file(step_dir / "shard-0.bin", "shard-0.bin")
+                while flows.backlog:
+                    await asyncio.sleep(0.02)
+                if phase == "sending":
+                    await asyncio.to_thread(place.cut, cut_way)
+                    cut = time.monotonic()
+                for rel in ("shard-1.bin", "shard-2.bin"):
+                    await flows.send_file(step_dir / rel, rel)
+                with pytest.raises((OSError, TimeoutError, wire.PeerError)):
+                    async with asyncio.timeout(30):
+                        await flows.sent()
+                        if phase == "committing":
+                            await asyncio.to_thread(place.cut, cut_way)
+                            cut = time.monotonic()
+                        await opener.commit(step_dir)
+                failed_after = time.monotonic() - cut
+                try:
+                    flows.raise_if_failed()
+                except TimeoutError as exc:
+                    return exc, failed_after
+                return None, failed_after
+            finally:
+                watch.cancel()
+                await flows.close()
+        finally:
+            await opener.close()
+
+    with island(ways=2) as place:
+        vm = Vm(tmp_path, "vm-v", url, ["--provider", "none", "--peer-listen", "0.0.0.0:0"], prefix=place.prefix)
+        vm.start_daemon(env={"SPOTGUARD_PEER_TOKEN": TOKEN})
+        try:
+            error, failed_after = asyncio.run(send_while_cut(place, address(vm)[1]))
+        finally:
+            vm.kill_daemon()
+    print(f"{phase}: the flows failed {failed_after:.1f} s after the cut: {error}")
+    assert error is not None and f"{place.addresses[cut_way]}:" in str(error), error
+    assert "with bytes in flight (its host, or the way to it, is gone)" in str(error), error
+    assert failed_after < GONE_AFTER + 3.0, f"the flows failed {failed_after:.1f} s after the cut"
+    assert committed_steps(url) == []
 
 
 def test_only_authenticated_connections_of_the_same_sender_join_a_replica(
