@@ -357,10 +357,26 @@ class Handoff:
             self._token,
             io_timeout=self._io_timeout,
             max_flows=self.max_flows,
-            nbytes=max(self._expected, self._announced_bytes()) or None,  # a peer short of room says so now
+            nbytes=await self._replica_bytes() or None,  # a peer short of room says so now
         )
         self._move(HandoffState.SENDING, f"replica of {self.name} opened")
         return flows
+
+    async def _replica_bytes(self) -> int:
+        """What the replica will take: once the trainer committed the checkpoint, what this disk holds
+        of it; before, the plan's size, or what the trainer announced so far where that is more. (A
+        plan sized from a larger checkpoint than this one would have the peers that have room for it
+        refuse it: at a soft notice, or at a move, the checkpoint is most often committed already.)"""
+        assert self.name is not None
+        if self.name in self._saved:
+            step_dir = self._announced[self.name][0]
+            try:
+                files = await asyncio.to_thread(_committed_files, step_dir)
+            except (ManifestError, OSError):
+                pass  # the sending says what is wrong with it
+            else:
+                return sum(entry.size for entry in files.values())
+        return max(self._expected, self._announced_bytes())
 
     def _announced_bytes(self) -> int:
         """Bytes the trainer announced of the replica's checkpoint so far (finished files and files

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,8 +23,10 @@ from spotguard.control import request
 from spotguard.crc32c import crc32c_of_bytes
 from spotguard.harness import Vm, wait_for
 from spotguard.localstore import scan_local
+from spotguard.manifest import load_manifest
 from spotguard.peer import wire
 from spotguard.peer.client import PeerClient
+from spotguard.peer.handoff import Handoff, HandoffState
 from spotguard.peer.replicas import AREA
 from spotguard.storage.base import Storage
 from spotguard.storage.checkpoints import list_remote, restore
@@ -184,6 +187,44 @@ def test_a_handoff_a_peer_has_no_room_for_goes_to_the_next_peer(
         assert replica["name"] == name
     assert "no-space" in vm_c.log.read_text() and replica_area(vm_c) == []
     assert "did not open the replica (no-space" in vm_a.log.read_text()
+
+
+def test_the_open_of_a_committed_checkpoint_tells_its_size_not_the_plans(
+    tmp_path: Path, url: str, tmpfs: Callable[[int], Path]
+) -> None:
+    """The plan sized the handoff from a larger checkpoint than the one saved (the last was 24 MiB,
+    this one is 2 MiB: a soft notice's checkpoint, or one sent again after a move, is committed by
+    the open). The only peer has room for the replica but not for the plan's size: told the
+    replica's own size, it takes it, where it refused the plan's (no-space) and the handoff failed."""
+    step_dir = write_checkpoint(tmp_path / "vm-a", 7, {"state.bin": os.urandom(2 * MiB)})
+    vm_c = Vm(tmp_path, "vm-c", url, extra_args=["--provider", "none", "--peer-listen", "127.0.0.1:0"])
+    vm_c.root = tmpfs(8 * MiB)
+    vm_c.start_daemon(env={"SPOTGUARD_PEER_TOKEN": TOKEN})
+
+    async def hand_over_committed() -> Handoff:
+        async def candidates() -> list[tuple[str, int]]:
+            return [address(vm_c)]
+
+        handoff = Handoff(candidates, TOKEN.encode(), url)
+        for rel, entry in load_manifest(step_dir).files.items():
+            handoff.file_ready(step_dir, rel, entry)
+        handoff.saved(step_dir)
+        handoff.start(expected_bytes=24 * MiB, deadline=time.monotonic() + 20.0)
+        try:
+            async with asyncio.timeout(30):
+                while handoff.state not in (HandoffState.HANDED, HandoffState.FAILED):
+                    await asyncio.sleep(0.05)
+        finally:
+            await handoff.close()
+        return handoff
+
+    try:
+        handoff = asyncio.run(hand_over_committed())
+        assert handoff.state is HandoffState.HANDED, handoff.error
+        wait_for(lambda: f"{step_dir.name}/manifest.json" in bucket_keys(url), 30, "the replica committed")
+    finally:
+        vm_c.kill_daemon()
+    assert "no-space" not in vm_c.log.read_text()
 
 
 @pytest.mark.parametrize("going", ["killed", "hard-notice"])
