@@ -28,6 +28,7 @@ connection ends before its manifest), so there is nothing to clean up there.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -249,9 +250,21 @@ class Handoff:
         self._move(HandoffState.CHOOSING, f"asking {len(addresses)} peer(s)")
         refused: list[str] = []  # peers that would not open the replica: nothing was sent to them
         failed: list[str] = []  # peers that failed once bytes went to them
+        asked_again = False
         while True:
             left = [(host, port) for host, port in addresses if f"{host}:{port}" not in refused + failed]
             client = await choose_peer(left, self._token, self.bucket, io_timeout=self._io_timeout)
+            if client is None and refused and not asked_again and await self._committed_since_refused():
+                # Each refused the plan's size, sized from the last checkpoint: the one committed now
+                # may be smaller, and its open tells its own size.
+                logger.warning(
+                    "peer handoff: %d peer(s) had no room for the plan's size; asking again with the committed "
+                    "checkpoint's",
+                    len(refused),
+                )
+                asked_again = True
+                refused.clear()
+                continue
             if client is None:
                 if failed:  # what the last one failed with says more than that no other answered
                     self.error = f"{self.error}; no other peer took the replica"
@@ -349,7 +362,7 @@ class Handoff:
 
     async def _open(self, client: PeerClient) -> Flows:
         """The replica of the newest checkpoint announced, and its flows (one, to begin with)."""
-        self.name = max(self._announced, key=lambda name: parse_step_dir(name) or 0)
+        self.name = self._newest()
         flows = await open_flows(
             client,
             self.name,
@@ -361,6 +374,24 @@ class Handoff:
         )
         self._move(HandoffState.SENDING, f"replica of {self.name} opened")
         return flows
+
+    def _newest(self) -> str:
+        """The newest checkpoint announced: the one a replica is opened for."""
+        return max(self._announced, key=lambda name: parse_step_dir(name) or 0)
+
+    async def _committed_since_refused(self) -> bool:
+        """Wait until the trainer commits a checkpoint, if none was committed when the peers refused
+        its replica (the open told them the plan's size then); whether one was, before the deadline."""
+        if self._newest() in self._saved:
+            return False  # the open told them the committed size already
+        while self._newest() not in self._saved:
+            left = self._deadline_at() - time.monotonic()
+            if left <= 0:
+                return False
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), min(left, KEEPALIVE))
+        return True
 
     async def _replica_bytes(self) -> int:
         """What the replica will take: once the trainer committed the checkpoint, what this disk holds

@@ -189,29 +189,38 @@ def test_a_handoff_a_peer_has_no_room_for_goes_to_the_next_peer(
     assert "did not open the replica (no-space" in vm_a.log.read_text()
 
 
-def test_the_open_of_a_committed_checkpoint_tells_its_size_not_the_plans(
-    tmp_path: Path, url: str, tmpfs: Callable[[int], Path]
+@pytest.mark.parametrize("committed", ["before-the-open", "after-a-refusal"])
+def test_a_peer_with_room_for_the_committed_checkpoint_but_not_the_plans_size_takes_it(
+    tmp_path: Path, url: str, tmpfs: Callable[[int], Path], committed: str
 ) -> None:
     """The plan sized the handoff from a larger checkpoint than the one saved (the last was 24 MiB,
-    this one is 2 MiB: a soft notice's checkpoint, or one sent again after a move, is committed by
-    the open). The only peer has room for the replica but not for the plan's size: told the
-    replica's own size, it takes it, where it refused the plan's (no-space) and the handoff failed."""
+    this one is 2 MiB). The only peer has room for the replica, not for the plan's size.
+    ``before-the-open`` (a soft notice's checkpoint, or one sent again after a move): the open tells
+    the replica's own size, and the peer takes it. ``after-a-refusal`` (an urgent save still being
+    written): the peer refuses the plan's size; once the trainer commits, it is asked again with the
+    checkpoint's, and takes it. Before, the handoff failed either way, no peer having room."""
     step_dir = write_checkpoint(tmp_path / "vm-a", 7, {"state.bin": os.urandom(2 * MiB)})
     vm_c = Vm(tmp_path, "vm-c", url, extra_args=["--provider", "none", "--peer-listen", "127.0.0.1:0"])
     vm_c.root = tmpfs(8 * MiB)
     vm_c.start_daemon(env={"SPOTGUARD_PEER_TOKEN": TOKEN})
 
-    async def hand_over_committed() -> Handoff:
+    async def hand_over() -> Handoff:
         async def candidates() -> list[tuple[str, int]]:
             return [address(vm_c)]
 
         handoff = Handoff(candidates, TOKEN.encode(), url)
         for rel, entry in load_manifest(step_dir).files.items():
             handoff.file_ready(step_dir, rel, entry)
-        handoff.saved(step_dir)
+        if committed == "before-the-open":
+            handoff.saved(step_dir)
         handoff.start(expected_bytes=24 * MiB, deadline=time.monotonic() + 20.0)
         try:
             async with asyncio.timeout(30):
+                if committed == "after-a-refusal":
+                    while "no-space" not in vm_c.log.read_text():
+                        await asyncio.sleep(0.05)
+                    assert handoff.state is HandoffState.CHOOSING  # waiting for the commit, not failed
+                    handoff.saved(step_dir)
                 while handoff.state not in (HandoffState.HANDED, HandoffState.FAILED):
                     await asyncio.sleep(0.05)
         finally:
@@ -219,12 +228,12 @@ def test_the_open_of_a_committed_checkpoint_tells_its_size_not_the_plans(
         return handoff
 
     try:
-        handoff = asyncio.run(hand_over_committed())
+        handoff = asyncio.run(hand_over())
         assert handoff.state is HandoffState.HANDED, handoff.error
         wait_for(lambda: f"{step_dir.name}/manifest.json" in bucket_keys(url), 30, "the replica committed")
     finally:
         vm_c.kill_daemon()
-    assert "no-space" not in vm_c.log.read_text()
+    assert vm_c.log.read_text().count("no-space") == (committed == "after-a-refusal")
 
 
 @pytest.mark.parametrize("going", ["killed", "hard-notice"])
