@@ -5,8 +5,10 @@ While a notice is pending the daemon tells :class:`Handoff` of every range the t
 ``O_NOFOLLOW`` at its first range and followed across the rename), of every file it finishes
 (``file``) and of the commit (``saved``). Once the plan's route is ``peer`` a task picks the first
 configured peer that answers, shares the bucket and has no hard notice of its own, opens a replica
-for the newest checkpoint announced (telling the plan's size: a peer without a free slot or the room
-refuses at once, and the next peer that answers is asked, nothing having been sent), and sends every
+for the newest checkpoint announced (telling its size, or the plan's while the trainer writes: a peer
+without a free slot or the room refuses at once, and the next peer that answers is asked, nothing
+having been sent; where room was short for the plan's size, the refused peers are asked again once
+the trainer commits), and sends every
 announced range as it comes, alongside the trainer's writing and the bucket upload. A peer that fails
 once bytes went (its disk filled, it went away, it got a notice of its own), whose host is gone (what
 is in flight unanswered for :data:`~spotguard.peer.flows.GONE_AFTER` seconds), or that takes nothing
@@ -63,6 +65,9 @@ MAX_MOVES = 2
 # answers nothing at all (a VM reclaimed at once sends no FIN) is left sooner, after GONE_AFTER.
 STALL_SHARE = 0.25
 STALL_MIN = 5.0
+
+# Refusals of an open for the room the replica was said to need (the bytes told at the open).
+_ROOM = frozenset({"no-space", "too-large"})
 
 # Refusals that say something of the peer (its disk, its slots, its own notice, its going away), not of
 # the replica: another peer may take it. The rest (a file that does not match its manifest, a bad
@@ -250,16 +255,15 @@ class Handoff:
         self._move(HandoffState.CHOOSING, f"asking {len(addresses)} peer(s)")
         refused: list[str] = []  # peers that would not open the replica: nothing was sent to them
         failed: list[str] = []  # peers that failed once bytes went to them
-        asked_again = False
+        short_of_room = asked_again = False  # a peer refused for room; the refused were asked again
         while True:
             left = [(host, port) for host, port in addresses if f"{host}:{port}" not in refused + failed]
             client = await choose_peer(left, self._token, self.bucket, io_timeout=self._io_timeout)
-            if client is None and refused and not asked_again and await self._committed_since_refused():
-                # Each refused the plan's size, sized from the last checkpoint: the one committed now
-                # may be smaller, and its open tells its own size.
+            if client is None and short_of_room and not asked_again and await self._committed_since_refused():
+                # Room was short for the plan's size, sized from the last checkpoint: the one committed
+                # now may be smaller, and its open tells its own size.
                 logger.warning(
-                    "peer handoff: %d peer(s) had no room for the plan's size; asking again with the committed "
-                    "checkpoint's",
+                    "peer handoff: %d peer(s) refused the plan's size; asking again with the committed checkpoint's",
                     len(refused),
                 )
                 asked_again = True
@@ -285,6 +289,8 @@ class Handoff:
                 # short: nothing went to it yet, so the next peer takes the replica from the start.
                 logger.warning("peer handoff: %s did not open the replica (%s); asking the others", client.address, exc)
                 refused.append(client.address)
+                cause = exc.__cause__
+                short_of_room |= isinstance(cause, wire.PeerError) and cause.code in _ROOM
             except (OSError, TimeoutError, wire.PeerError) as exc:
                 self.error = str(exc)
                 if not self._may_move(exc):
