@@ -259,13 +259,7 @@ class Handoff:
         while True:
             left = [(host, port) for host, port in addresses if f"{host}:{port}" not in refused + failed]
             client = await choose_peer(left, self._token, self.bucket, io_timeout=self._io_timeout)
-            if client is None and short_of_room and not asked_again and await self._committed_since_refused():
-                # Room was short for the plan's size, sized from the last checkpoint: the one committed
-                # now may be smaller, and its open tells its own size.
-                logger.warning(
-                    "peer handoff: %d peer(s) refused the plan's size; asking again with the committed checkpoint's",
-                    len(refused),
-                )
+            if client is None and short_of_room and not asked_again and await self._committed_since_refused(refused):
                 asked_again = True
                 refused.clear()
                 continue
@@ -385,9 +379,11 @@ class Handoff:
         """The newest checkpoint announced: the one a replica is opened for."""
         return max(self._announced, key=lambda name: parse_step_dir(name) or 0)
 
-    async def _committed_since_refused(self) -> bool:
-        """Wait until the trainer commits a checkpoint, if none was committed when the peers refused
-        its replica (the open told them the plan's size then); whether one was, before the deadline."""
+    async def _committed_since_refused(self, refused: list[str]) -> bool:
+        """Wait until the trainer commits a checkpoint, if none was committed when the ``refused``
+        peers had no room for its replica (the open told them the plan's size then); whether one was,
+        before the deadline. The plan is sized from the last checkpoint: this one may be smaller, and
+        its open tells its own size."""
         if self._newest() in self._saved:
             return False  # the open told them the committed size already
         while self._newest() not in self._saved:
@@ -397,6 +393,10 @@ class Handoff:
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), min(left, KEEPALIVE))
+        logger.warning(
+            "peer handoff: %d peer(s) refused the plan's size; asking again with the committed checkpoint's",
+            len(refused),
+        )
         return True
 
     async def _replica_bytes(self) -> int:
