@@ -307,6 +307,8 @@ class Flows:
         while self._error is None:
             await asyncio.sleep(WATCH_INTERVAL)
             self._leave_if_gone()
+            if self._error is not None:
+                return
             counts = [client.channel.delivered() for client in self._workers.values()]
             if any(count is None for count in counts):
                 return

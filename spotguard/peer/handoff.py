@@ -136,6 +136,7 @@ class Handoff:
         self.totals = {"handed": 0, "failed": 0, "moves": 0}
         self._announced: dict[str, tuple[Path, dict[str, FileEntry]]] = {}  # step name -> (dir, files)
         self._saved: set[str] = set()
+        self._committed: dict[str, dict[str, FileEntry]] = {}  # a saved checkpoint's files on this disk, once read
         self._streams: dict[tuple[str, str], _Streamed] = {}  # (step name, file) -> its ranges
         self._queued_files: set[str] = set()  # files of the replica wholly handed to its flows
         self._flows: Flows | None = None  # the current (or last) handoff's
@@ -221,6 +222,7 @@ class Handoff:
             self._drop(key)
         self._announced.clear()
         self._saved.clear()
+        self._committed.clear()
         self._queued_files.clear()
         self.state = HandoffState.IDLE
 
@@ -380,10 +382,9 @@ class Handoff:
         return max(self._announced, key=lambda name: parse_step_dir(name) or 0)
 
     async def _committed_since_refused(self, refused: list[str]) -> bool:
-        """Wait until the trainer commits a checkpoint, if none was committed when the ``refused``
-        peers had no room for its replica (the open told them the plan's size then); whether one was,
-        before the deadline. The plan is sized from the last checkpoint: this one may be smaller, and
-        its open tells its own size."""
+        """Wait until the trainer commits the checkpoint the ``refused`` peers had no room for, if it was
+        not committed then (the open told them the plan's size, sized from the last checkpoint: this one
+        may be smaller, and its open tells its own size); whether it was, before the deadline."""
         if self._newest() in self._saved:
             return False  # the open told them the committed size already
         while self._newest() not in self._saved:
@@ -400,20 +401,25 @@ class Handoff:
         return True
 
     async def _replica_bytes(self) -> int:
-        """What the replica will take: once the trainer committed the checkpoint, what this disk holds
-        of it; before, the plan's size, or what the trainer announced so far where that is more. (A
-        plan sized from a larger checkpoint than this one would have the peers that have room for it
-        refuse it: at a soft notice, or at a move, the checkpoint is most often committed already.)"""
+        """What the replica will take: once committed, what this disk holds of it (a soft notice's, or at
+        a move: a plan sized from a larger checkpoint would have peers with room refuse it); before,
+        the plan's size, or what the trainer announced so far where that is more."""
         assert self.name is not None
         if self.name in self._saved:
-            step_dir = self._announced[self.name][0]
             try:
-                files = await asyncio.to_thread(_committed_files, step_dir)
+                files = await self._committed_files(self.name)
             except (ManifestError, OSError):
                 pass  # the sending says what is wrong with it
             else:
                 return sum(entry.size for entry in files.values())
         return max(self._expected, self._announced_bytes())
+
+    async def _committed_files(self, name: str) -> dict[str, FileEntry]:
+        """What the trainer committed of ``name`` here (:func:`_committed_files`), read once for the
+        open's size and the files never announced, at every move too: a committed checkpoint does not change."""
+        if name not in self._committed:
+            self._committed[name] = await asyncio.to_thread(_committed_files, self._announced[name][0])
+        return self._committed[name]
 
     def _announced_bytes(self) -> int:
         """Bytes the trainer announced of the replica's checkpoint so far (finished files and files
@@ -435,7 +441,7 @@ class Handoff:
             await self._finish_file(flows, step_dir, rel)
         if self.name not in self._saved:
             return False
-        listed = await asyncio.to_thread(_committed_files, step_dir)
+        listed = await self._committed_files(self.name)
         for rel in sorted(set(listed) - self._queued_files):  # files never announced
             await self._queue_file(flows, step_dir, rel)
         return True
