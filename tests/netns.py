@@ -40,6 +40,7 @@ class Island:
     name: str  # the namespace's
     inner: list[str]  # its end of each veth pair ("way")
     addresses: list[str]  # each end's address: a daemon listening on 0.0.0.0 is reached over any
+    outer: str  # this side's address on every way, which the island reaches over the first
 
     @property
     def address(self) -> str:
@@ -80,7 +81,7 @@ def island(ways: int = 1) -> Iterator[Island]:
         raise ValueError("1 to 6 ways")
     tag = secrets.token_hex(4)
     here, there = _addresses(ways)
-    place = Island(name=f"sg-{tag}", inner=[f"sgi{i}{tag}" for i in range(ways)], addresses=there)
+    place = Island(name=f"sg-{tag}", inner=[f"sgi{i}{tag}" for i in range(ways)], addresses=there, outer=here)
     try:
         _ip("netns", "add", place.name)
     except OSError as exc:

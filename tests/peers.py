@@ -17,6 +17,8 @@ from spotguard.peer import wire
 from spotguard.peer.client import PeerClient
 from spotguard.peer.flows import send_committed
 from spotguard.peer.replicas import AREA
+from spotguard.storage.checkpoints import list_remote
+from spotguard.storage.schemes import open_storage
 from tests.pacedrelay import PacedRelay
 from tests.servers import moto_s3, point_at
 from tests.streaming import ProgressiveWriter
@@ -96,6 +98,15 @@ def hand_over(where: tuple[str, int], step_dir: Path, url: str, token: str | byt
             await client.close()
 
     return asyncio.run(run())
+
+
+def committed_steps(url: str) -> list[int]:
+    """The steps committed whole in the bucket at ``url``."""
+    storage = open_storage(url)
+    try:
+        return [info.step for info in list_remote(storage) if info.status == "complete"]
+    finally:
+        storage.close()
 
 
 def address(vm: Vm) -> tuple[str, int]:

@@ -8,8 +8,11 @@ reordered, dropped or injected fails to decrypt and ends the connection.
 :class:`Channel` is a byte stream on top of that: what :func:`spotguard.peer.wire.encode` and
 :func:`~spotguard.peer.wire.read_frame` speak works on it unchanged. Every read of a record and
 every drain of a write has a deadline (:data:`IO_TIMEOUT`), and both sides set TCP keepalive and
-``TCP_USER_TIMEOUT``: a peer that goes silent, mid-payload or not, is dropped within that time. A data
-frame's payload may be handed to a worker process (spotguard/peer/workers.py) with the nonces it uses.
+``TCP_USER_TIMEOUT``: a peer that goes silent, mid-payload or not, is dropped within that time. A peer
+whose host answers nothing at all (reclaimed at once, or cut off) is told apart from one that is only
+slow (:meth:`Channel.unanswered`), and a channel that leaves such a peer (the receiver's, a fetch's)
+ends after :data:`GONE_AFTER` seconds of it. A data frame's payload may be handed to a worker process
+(spotguard/peer/workers.py) with the nonces it uses.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, Protocol
 
+from spotguard.errors import TransientError
 from spotguard.peer import noise, wire
 from spotguard.peer.records import (
     BATCH_BYTES,
@@ -53,12 +57,24 @@ IO_TIMEOUT = 30.0
 WATCH_INTERVAL = 1.0  # how often the record deadline is checked
 # The bound on how long a silent peer holds its connection (and a replica slot on a receiver).
 SILENT_PEER_RELEASE = IO_TIMEOUT + WATCH_INTERVAL
-_KEEPALIVE = {"TCP_KEEPIDLE": 10, "TCP_KEEPINTVL": 5, "TCP_KEEPCNT": 3}
+# Seconds a peer's host may answer nothing while something of ours waits for its answer (bytes in
+# flight, or keepalive probes) before it is taken for gone: its kernel answers within a round trip
+# unless the host is gone, and in 3 s a lost segment is sent again four times (0.2, 0.4, 0.8, 1.6 s).
+GONE_AFTER = 3.0
+# The bound on how long a peer whose host is gone holds a connection that leaves it (the receiver's,
+# and so a replica slot; a fetch's): GONE_AFTER, then the watch's next look.
+GONE_PEER_RELEASE = GONE_AFTER + WATCH_INTERVAL
+# A probe once a connection is idle for a second, then one a second: something the peer's host must
+# answer, so that a host that is gone is told while nothing of ours is in flight. The kernel ends the
+# connection only at TCP_USER_TIMEOUT (io_timeout), which takes over from TCP_KEEPCNT where it is set.
+_KEEPALIVE = {"TCP_KEEPIDLE": 1, "TCP_KEEPINTVL": 1, "TCP_KEEPCNT": 3}
+_GONE_PROBES = 2  # unanswered probes in a row: one answer lost, or a zero-window probe just sent, is not it
 
 
 # struct tcp_info (linux/tcp.h): 8 one-byte fields, 24 u32 (rto, ato, snd_mss, rcv_mss, unacked, ...,
 # last_ack_recv, ..., total_retrans), u64 pacing_rate, u64 max_pacing_rate, then u64 tcpi_bytes_acked.
 _U32 = struct.Struct("=I")
+_PROBES_AT = 3  # u8 tcpi_probes: keepalive or zero-window probes sent since the last acknowledgement
 _UNACKED_AT = 8 + 4 * 4  # segments sent and not acknowledged yet
 _LAST_ACK_RECV_AT = 8 + 12 * 4  # milliseconds since the peer's last acknowledgement
 _BYTES_ACKED_AT = 8 + 24 * 4 + 2 * 8
@@ -66,9 +82,15 @@ _BYTES_ACKED = struct.Struct("=Q")
 _TCP_INFO_SIZE = 256
 
 
+class PeerGone(TransientError, TimeoutError):
+    """The peer's host answered nothing for :data:`GONE_AFTER` seconds: the connection was ended (a
+    TimeoutError, as a deadline run into is: callers that handle one handle both)."""
+
+
 def tune_socket(sock: socket.socket | None, io_timeout: float = IO_TIMEOUT) -> None:
-    """Keepalive probes after 10 s of silence (a dead host is noticed in ~25 s), and unacknowledged
-    data for ``io_timeout`` seconds ends the connection (where the OS has these options)."""
+    """Keepalive probes once idle for a second (a host that is gone leaves them unanswered:
+    :meth:`Channel.unanswered`), and ``io_timeout`` seconds with nothing acknowledged ends the
+    connection in the kernel (where the OS has these options)."""
     if sock is None:
         return
     with contextlib.suppress(OSError):
@@ -107,6 +129,10 @@ class Channel:
         self._watchdog: asyncio.TimerHandle | None = None
         self._timed_out = False
         self._batch: bytearray | None = None  # full records of a payload, read at once
+        # End the connection once the peer's host is gone (:meth:`unanswered`). A handoff's flows
+        # leave it off: they fail together (spotguard/peer/flows.py), not one connection at a time.
+        self.leave_when_gone = False
+        self._gone: float | None = None  # seconds it had answered nothing, once ended for it
         # Authenticated with the previous token during a rotation (set by spotguard/peer/handshake.py).
         self.with_previous_token = False
 
@@ -123,17 +149,19 @@ class Channel:
         return int(_BYTES_ACKED.unpack_from(info, _BYTES_ACKED_AT)[0])
 
     def unanswered(self) -> float | None:
-        """Seconds the peer's host has acknowledged nothing while this connection had bytes in flight
-        (Linux ``TCP_INFO``); 0.0 with nothing in flight; None where the OS does not say.
+        """Seconds the peer's host has answered nothing while something of ours waited for its answer
+        (Linux ``TCP_INFO``): bytes in flight, or :data:`_GONE_PROBES` keepalive probes in a row; 0.0
+        with neither; None where the OS does not say.
 
-        It tells a peer that is gone from one that is slow. A receiver that stops reading (its disk
-        stalls, its process is stopped) still has a kernel that acknowledges what arrived and answers
-        the zero-window probes: nothing is left in flight. A host reclaimed at once, or cut off,
-        answers nothing: what was sent stays in flight and is sent again and again, unacknowledged."""
+        It tells a peer that is gone from one that is slow or idle. A receiver that stops reading (its
+        disk stalls, its process is stopped) still has a kernel that acknowledges what arrived and
+        answers the zero-window probes, and an idle peer's kernel answers the keepalive probes: nothing
+        stays unanswered. A host reclaimed at once, or cut off, answers nothing: what was sent stays in
+        flight and is sent again and again, and probe follows probe."""
         info = self._tcp_info()
         if info is None or len(info) < _LAST_ACK_RECV_AT + _U32.size:
             return None
-        if _U32.unpack_from(info, _UNACKED_AT)[0] == 0:
+        if _U32.unpack_from(info, _UNACKED_AT)[0] == 0 and info[_PROBES_AT] < _GONE_PROBES:
             return 0.0
         return float(_U32.unpack_from(info, _LAST_ACK_RECV_AT)[0]) / 1000
 
@@ -165,7 +193,8 @@ class Channel:
         self._reading_since = time.monotonic()
         self._watch()
         try:
-            yield
+            with self._ended_if_gone():
+                yield
         except asyncio.IncompleteReadError:
             if self._timed_out:
                 raise TimeoutError(f"no whole record for {self.io_timeout:g} s") from None
@@ -173,10 +202,22 @@ class Channel:
         finally:
             self._reading_since = None
 
+    @contextlib.contextmanager
+    def _ended_if_gone(self) -> Iterator[None]:
+        """Whatever a read, a drain or a worker's job inside raises once the watch ended the connection
+        for a peer that is gone, it is told as that (:class:`PeerGone`)."""
+        try:
+            yield
+        except Exception:
+            if self._gone is None:
+                raise
+            raise PeerGone(f"its host answered nothing for {self._gone:.1f} s (gone, or the way to it cut)") from None
+
     def _watch(self) -> None:
         """The deadline on records, checked every :data:`WATCH_INTERVAL` seconds while the connection
         is open (cheaper than a timeout around each of a payload's thousands of records): a record
-        begun and not finished within ``io_timeout`` ends the connection."""
+        begun and not finished within ``io_timeout`` ends the connection; so does a peer whose host is
+        gone, where the channel leaves one (``leave_when_gone``)."""
         transport = self.writer.transport
         if self._watchdog is not None or transport is None or transport.is_closing():
             return
@@ -184,6 +225,11 @@ class Channel:
         if since is not None and time.monotonic() - since > self.io_timeout:
             self._timed_out = True
             transport.abort()  # the pending read ends; it raises TimeoutError
+            return
+        quiet = self.unanswered() if self.leave_when_gone else None
+        if quiet is not None and quiet >= GONE_AFTER:
+            self._gone = quiet
+            self.abort()  # shut down too: a worker's job on its duplicate of the socket ends as well
             return
         self._watchdog = asyncio.get_running_loop().call_later(WATCH_INTERVAL, self._rewatch)
 
@@ -271,7 +317,8 @@ class Channel:
             "ahead": self.stream.hand_over(sealed_size(length)),
             "length": length,
         }
-        await run_handed(self.stream, handed, lambda: worker.call(job, [handed.sock.fileno()], more=True))
+        with self._ended_if_gone():
+            await run_handed(self.stream, handed, lambda: worker.call(job, [handed.sock.fileno()], more=True))
 
     async def send_frame_by(self, worker: Worker, header: bytes, fd: int, offset: int, length: int) -> None:
         """A data frame, ``header`` and ``length`` bytes of the file ``fd`` from ``offset``, read, sealed
@@ -291,7 +338,8 @@ class Channel:
             "offset": offset,
             "length": length,
         }
-        await run_handed(self.stream, handed, lambda: worker.call(job, [handed.sock.fileno(), fd]))
+        with self._ended_if_gone():
+            await run_handed(self.stream, handed, lambda: worker.call(job, [handed.sock.fileno(), fd]))
 
     def _handed(self, worker: Worker) -> HandedSocket:
         """A duplicate of the connection's socket for ``worker``'s job (given back if there is none)."""
@@ -360,8 +408,9 @@ class Channel:
         self.writer.write(records)
 
     async def drain(self) -> None:
-        async with asyncio.timeout(self.io_timeout):
-            await self.writer.drain()
+        with self._ended_if_gone():
+            async with asyncio.timeout(self.io_timeout):
+                await self.writer.drain()
 
     async def flush_to(self, pending: int) -> None:
         """Wait until at most ``pending`` bytes wait in the transport: everything written before them
@@ -401,7 +450,10 @@ class Channel:
 
 
 __all__ = [
+    "GONE_AFTER",
+    "GONE_PEER_RELEASE",
     "IO_TIMEOUT",
+    "PeerGone",
     "SILENT_PEER_RELEASE",
     "WATCH_INTERVAL",
     "Channel",

@@ -24,7 +24,7 @@ _CHOOSE_TIMEOUT = 2.0  # seconds a candidate has to connect, authenticate and an
 _PREFER_GRACE = 0.25  # seconds an earlier-listed candidate still answering may take once another is found
 # Seconds the receiver may take to answer a commit: it checks every file against the manifest first
 # (reading back those whose ranges overlapped), so this grows with the checkpoint; a dead host is
-# noticed sooner by TCP keepalive.
+# noticed sooner (spotguard/peer/flows.py: Flows.watch).
 COMMIT_TIMEOUT = 600.0
 
 
@@ -62,8 +62,12 @@ class PeerClient:
         *,
         timeout: float = HANDSHAKE_TIMEOUT,
         io_timeout: float = IO_TIMEOUT,
+        leave_when_gone: bool = False,
     ) -> PeerClient:
+        """``leave_when_gone``: the connection ends on its own once the peer's host is gone (a fetch's;
+        a handoff's flows are watched together instead: spotguard/peer/flows.py)."""
         channel = await open_channel(host, port, token, timeout=timeout, io_timeout=io_timeout)
+        channel.leave_when_gone = leave_when_gone
         # Enough in the socket's buffer that the next chunk is read and sealed while this one goes out,
         # and no more: what waits here is this connection's alone (a handoff's other flows cannot take it).
         channel.transport.set_write_buffer_limits(high=wire.SEND_CHUNK)

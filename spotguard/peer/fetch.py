@@ -416,13 +416,14 @@ async def resume_from_peers(
     for offer in sorted((o for o in offers if not o.share), key=lambda o: -o.step):
         if not fetch:
             break
+        # A holder whose host vanishes mid-fetch is left within seconds: the bucket, or the next offer.
+        connect = functools.partial(PeerClient.connect, *offer.peer, token, io_timeout=io_timeout, leave_when_gone=True)
         try:
-            client = await PeerClient.connect(*offer.peer, token, io_timeout=io_timeout)
+            client = await connect()
         except (OSError, TimeoutError, wire.PeerError) as exc:
             logger.warning("%s: not fetched: %s", offer.where, exc)
             continue
         flows = max(1, min(max_flows, MAX_FETCH_FLOWS, -(-offer.bytes // FETCH_BYTES_PER_FLOW)))
-        connect = functools.partial(PeerClient.connect, *offer.peer, token, io_timeout=io_timeout)
         try:
             found.path = await fetch_replica(
                 client, offer.id, root, name=offer.name, after=after, connect=connect, flows=flows

@@ -29,7 +29,7 @@ from typing import Any, BinaryIO
 
 from spotguard.manifest import load_manifest
 from spotguard.peer import wire, workers
-from spotguard.peer.channel import IO_TIMEOUT
+from spotguard.peer.channel import GONE_AFTER, IO_TIMEOUT
 from spotguard.peer.client import PeerClient
 from spotguard.peer.tokens import PeerToken
 from spotguard.safefile import open_nofollow
@@ -42,11 +42,6 @@ MAX_FLOWS = 8  # the default bound (a receiver takes 16 connections: two senders
 PACE_INTERVAL = 0.25  # seconds between looks at the rate
 COMMIT_RESERVE = 0.2  # share of the time left kept for the receiver's checks and the commit
 WATCH_INTERVAL = 0.5  # seconds between looks at what the peer acknowledged (Flows.watch)
-# Seconds a flow's bytes may stay in flight with no acknowledgement at all before its peer is taken for
-# gone (Flows.watch). A live host acknowledges within a round trip, and a lost segment is sent again
-# after 0.2 s, then 0.4, 0.8, 1.6: this is four such resends with none answered, no longer a lost
-# packet but a host or a path that is not there.
-GONE_AFTER = 3.0
 
 
 class FlowsFailed(wire.PeerError):
@@ -298,8 +293,8 @@ class Flows:
 
         A peer whose VM vanished (no FIN, no RST: a host reclaimed or cut off) is otherwise noticed
         only when the kernel gives up on the unacknowledged bytes, ``io_timeout`` later: past a 30 s
-        notice's deadline. Once a flow's bytes in flight got no acknowledgement for :data:`GONE_AFTER`
-        seconds the peer is gone, and the flows fail (:meth:`_leave_if_gone`). A peer that
+        notice's deadline. Once a flow's bytes in flight, or its keepalive probes, got no answer for
+        :data:`GONE_AFTER` seconds the peer is gone, and the flows fail (:meth:`_leave_if_gone`). A peer that
         acknowledges what it is sent but takes nothing more (its disk stalls) fails them once nothing
         was acknowledged for ``limit()`` seconds while they had a piece to send. Where the OS does not
         say what was acknowledged, it returns (``io_timeout`` rules, as before)."""
@@ -321,7 +316,8 @@ class Flows:
                 self.fail(TimeoutError(f"the peer acknowledged nothing for {now - since:.1f} s while bytes waited"))
 
     def _leave_if_gone(self) -> None:
-        """Fail the flows once one of them had bytes in flight unanswered for :data:`GONE_AFTER` seconds.
+        """Fail the flows once the peer's host answered nothing on one of them for :data:`GONE_AFTER`
+        seconds (:meth:`~spotguard.peer.channel.Channel.unanswered`: bytes in flight, or probes).
 
         All of them, not that one alone: the pieces a flow sent before its last may still be in flight
         with it, and are counted as sent, so the replica on that peer could not be completed. The flows
@@ -331,8 +327,8 @@ class Flows:
             if quiet is not None and quiet >= GONE_AFTER:
                 self.fail(
                     TimeoutError(
-                        f"{client.address} acknowledged nothing for {quiet:.1f} s with bytes in flight (its host, "
-                        "or the way to it, is gone)"
+                        f"{client.address} answered nothing for {quiet:.1f} s, with bytes in flight or probes "
+                        "(its host, or the way to it, is gone)"
                     )
                 )
                 return

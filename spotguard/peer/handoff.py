@@ -5,14 +5,14 @@ While a notice is pending the daemon tells :class:`Handoff` of every range the t
 ``O_NOFOLLOW`` at its first range and followed across the rename), of every file it finishes
 (``file``) and of the commit (``saved``). Once the plan's route is ``peer`` a task picks the first
 configured peer that answers, shares the bucket and has no hard notice of its own, opens a replica
-for the newest checkpoint announced (telling its size, or the plan's while the trainer writes: a peer
-without a free slot or the room refuses at once, and the next peer that answers is asked, nothing
-having been sent; where room was short for the plan's size, the refused peers are asked again once
-the trainer commits), and sends every
-announced range as it comes, alongside the trainer's writing and the bucket upload. A peer that fails
-once bytes went (its disk filled, it went away, it got a notice of its own), whose host is gone (what
-is in flight unanswered for :data:`~spotguard.peer.flows.GONE_AFTER` seconds), or that takes nothing
-(nothing acknowledged for :data:`STALL_SHARE` of the time left while bytes wait), is left for the next one
+for the newest checkpoint announced (telling its size, or the plan's while the trainer writes: a
+peer without a free slot or the room refuses at once, and the next peer that answers is asked,
+nothing having been sent; where room was short for the plan's size, the refused peers are asked
+again once the trainer commits), and sends every announced range as it comes, alongside the
+trainer's writing and the bucket upload. A peer that fails once bytes went (its disk filled, it went
+away, it got a notice of its own), whose host is gone (what is in flight, or a keepalive probe,
+unanswered for :data:`~spotguard.peer.channel.GONE_AFTER` seconds), or that takes nothing (nothing
+acknowledged for :data:`STALL_SHARE` of the time left while bytes wait), is left for the next one
 that answers, which is sent the replica again from its first byte: at most :data:`MAX_MOVES` times,
 and not past the deadline. A file's ``file`` message only confirms it: what none of its ranges
 covered (a file written without ranges: all of it) goes then. After the trainer's commit it sends

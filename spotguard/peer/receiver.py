@@ -36,7 +36,7 @@ from typing import Any
 from spotguard.manifest import parse_step_dir
 from spotguard.peer import noise, wire, workers
 from spotguard.peer.admission import Admission, ReplicaLimits
-from spotguard.peer.channel import IO_TIMEOUT, Channel, tune_socket
+from spotguard.peer.channel import IO_TIMEOUT, Channel, PeerGone, tune_socket
 from spotguard.peer.files import (
     Extents,
     check_bucket_key,
@@ -198,6 +198,7 @@ class PeerReceiver:
         self._writers.add(writer)
         try:
             channel = await self._handshake(stream, writer, who)
+            channel.leave_when_gone = True  # a sender's host gone frees its replica's slot in seconds
             self.handshakes["previous_token" if channel.with_previous_token else "token"] += 1
             self._connections += 1
             if self._connections > self.limits.max_connections:
@@ -215,6 +216,8 @@ class PeerReceiver:
             # once, and must find this one's slot and bytes free again.
             await self._drop_unfinished(session, f"refused: {exc}")
             self._refuse(writer, channel, who, exc)
+        except PeerGone as exc:
+            self._log_refusal("lost", logging.WARNING, "peer %s: connection lost: %s", who, exc)
         except TimeoutError:
             self.refused += 1
             slow = "peer %s: too slow (its handshake, a record, or idle); closing the connection"
