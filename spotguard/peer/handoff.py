@@ -1,25 +1,25 @@
 """The sending side of the peer tier: on a notice routed to ``peer``, hand the urgent checkpoint over.
 
 While a notice is pending the daemon tells :class:`Handoff` of every range the trainer has written
-(``file-range`` messages: the file's temporary name, validated by the daemon, is opened here with
+(``file-range`` messages: the file's temporary name, validated by the daemon, is opened with
 ``O_NOFOLLOW`` at its first range and followed across the rename), of every file it finishes
-(``file``) and of the commit (``saved``). Once the plan's route is ``peer`` a task picks the first
-configured peer that answers, shares the bucket and has no hard notice of its own, opens a replica
-for the newest checkpoint announced (telling its size, or the plan's while the trainer writes: a
-peer without a free slot or the room refuses at once, and the next peer that answers is asked,
-nothing having been sent; where room was short for the plan's size, the refused peers are asked
-again once the trainer commits), and sends every announced range as it comes, alongside the
-trainer's writing and the bucket upload. A peer that fails once bytes went (its disk filled, it went
-away, it got a notice of its own), whose host is gone (what is in flight, or a keepalive probe,
-unanswered for :data:`~spotguard.peer.channel.GONE_AFTER` seconds), or that takes nothing (nothing
-acknowledged for :data:`STALL_SHARE` of the time left while bytes wait), is left for the next one
-that answers, which is sent the replica again from its first byte: at most :data:`MAX_MOVES` times,
-and not past the deadline. A file's ``file`` message only confirms it: what none of its ranges
-covered (a file written without ranges: all of it) goes then. After the trainer's commit it sends
-whatever the manifest lists that was not sent yet, then the manifest. The peer checks every file
-against it (the CRC32C combined from the ranges it received, or the file read back where they
-overlap) and commits the checkpoint in the bucket; the handoff is ``handed`` once the peer answered
-``verified``.
+(``file``) and of the commit (``saved``): spotguard/peer/announced.py keeps it. Once the plan's
+route is ``peer`` a task picks the first configured peer that answers, shares the bucket and has no
+hard notice of its own, opens a replica for the newest checkpoint announced (telling its size, or
+the plan's while the trainer writes: a peer without a free slot or the room refuses at once, and the
+next peer that answers is asked, nothing having been sent; where room was short for the plan's size,
+the refused peers are asked again once the trainer commits), and sends every announced range as it
+comes, alongside the trainer's writing and the bucket upload. A peer that fails once bytes went (its
+disk filled, it went away, it got a notice of its own), whose host is gone (what is in flight, or a
+keepalive probe, unanswered for :data:`~spotguard.peer.channel.GONE_AFTER` seconds), or that takes
+nothing (nothing acknowledged for :data:`STALL_SHARE` of the time left while bytes wait), is left
+for the next one that answers, which is sent the replica again from its first byte: at most
+:data:`MAX_MOVES` times, and not past the deadline. A file's ``file`` message only confirms it: what
+none of its ranges covered (a file written without ranges: all of it) goes then. After the trainer's
+commit it sends whatever the manifest lists that was not sent yet, then the manifest. The peer
+checks every file against it (the CRC32C combined from the ranges it received, or the file read back
+where they overlap) and commits the checkpoint in the bucket; the handoff is ``handed`` once the
+peer answered ``verified``.
 
 Ranges of a file that never gets its ``file`` message (its writer gave up, removed or rewrote it)
 may reach the peer, but count for nothing: the peer checks against the manifest only at commit. A
@@ -35,18 +35,17 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from spotguard.manifest import FileEntry, ManifestError, node_holdings, parse_step_dir
+from spotguard.manifest import FileEntry, ManifestError
 from spotguard.peer import wire, workers
+from spotguard.peer.announced import Announced, Streamed
 from spotguard.peer.channel import IO_TIMEOUT
 from spotguard.peer.client import PeerClient, choose_peer
-from spotguard.peer.flows import KEEPALIVE, MAX_FLOWS, Flows, Piece, Source, open_flows
+from spotguard.peer.flows import KEEPALIVE, MAX_FLOWS, Flows, Piece, open_flows
 from spotguard.peer.tokens import PeerToken
-from spotguard.safefile import is_unlinked, open_nofollow
 
 logger = logging.getLogger("spotguard.handoff")
 
@@ -86,20 +85,6 @@ class HandoffState(StrEnum):
 Candidates = Callable[[], Awaitable[list[tuple[str, int]]]]  # the peers to ask, preferred first
 
 
-@dataclass
-class _Streamed:
-    """A file being written, sent by ranges as the trainer announces them."""
-
-    tmp: str
-    source: Source  # opened on the temporary name: it stays valid across the rename
-    todo: list[tuple[int, int]] = field(default_factory=list)  # (offset, length) announced, not yet queued
-    queued: list[tuple[int, int]] = field(default_factory=list)  # handed to the flows (they send it or fail)
-
-    @property
-    def size(self) -> int:
-        return self.source.size
-
-
 class _NotOpened(Exception):
     """The peer chosen did not open the replica (refused, or gone before it answered)."""
 
@@ -134,10 +119,7 @@ class Handoff:
         self.moves = 0  # peers this handoff left after bytes went to them
         # For the daemon's life (its metrics): handoffs ended, by outcome, and peers left mid-stream.
         self.totals = {"handed": 0, "failed": 0, "moves": 0}
-        self._announced: dict[str, tuple[Path, dict[str, FileEntry]]] = {}  # step name -> (dir, files)
-        self._saved: set[str] = set()
-        self._committed: dict[str, dict[str, FileEntry]] = {}  # a saved checkpoint's files on this disk, once read
-        self._streams: dict[tuple[str, str], _Streamed] = {}  # (step name, file) -> its ranges
+        self._announced = Announced()  # what the daemon told of the notice's checkpoints
         self._queued_files: set[str] = set()  # files of the replica wholly handed to its flows
         self._flows: Flows | None = None  # the current (or last) handoff's
         self._wake = asyncio.Event()
@@ -151,40 +133,17 @@ class Handoff:
         """Bytes ``[offset, offset + length)`` of ``rel`` are written under ``tmp`` (relative to
         ``step_dir``; the daemon validated both names). Never raises: a file that cannot be opened
         here goes whole at its ``file`` message."""
-        key = (step_dir.name, rel)
-        stream = self._streams.get(key)
-        if stream is not None and (
-            (stream.tmp, stream.size) != (tmp, size) or is_unlinked(stream.source.file.fileno())
-        ):  # given up and written again: what was sent of it counts for nothing (the peer checks at commit)
-            self._drop(key, stale=True)
-            stream = None
-        if stream is None:
-            try:
-                fd = open_nofollow(step_dir / tmp)
-            except OSError as exc:
-                logger.info("peer handoff: %s/%s goes whole at its file message (%s)", step_dir.name, rel, exc)
-                return
-            file = open(fd, "rb", buffering=0)  # noqa: SIM115  # closed by its Source once dropped and sent
-            stream = self._streams[key] = _Streamed(tmp, Source(file, rel, size))
-        stream.todo.append((offset, length))
-        self._announced.setdefault(step_dir.name, (step_dir, {}))
-        self._wake.set()
+        if self._announced.file_range(step_dir, rel, tmp=tmp, size=size, offset=offset, length=length):
+            self._wake.set()
 
     def file_ready(self, step_dir: Path, rel: str, entry: FileEntry) -> None:
-        self._announced.setdefault(step_dir.name, (step_dir, {}))[1][rel] = entry
+        self._announced.file_ready(step_dir, rel, entry)
         if self._task is None:
-            self._drop((step_dir.name, rel))  # not handing over (yet): the file goes whole if it must
+            self._announced.drop((step_dir.name, rel))  # not handing over (yet): the file goes whole if it must
         self._wake.set()
 
-    def _drop(self, key: tuple[str, str], *, stale: bool = False) -> None:
-        """Forget a file's stream; ``stale``: its pieces not sent yet need not go either."""
-        stream = self._streams.pop(key, None)
-        if stream is not None:
-            stream.source.drop(stale=stale)
-
     def saved(self, step_dir: Path) -> None:
-        self._announced.setdefault(step_dir.name, (step_dir, {}))
-        self._saved.add(step_dir.name)
+        self._announced.saved(step_dir)
         self._wake.set()
 
     def start(self, *, expected_bytes: int = 0, deadline: float | None = None) -> None:
@@ -205,7 +164,7 @@ class Handoff:
         with nothing saved is ended now: it would wait for a save that no longer comes, holding a
         replica slot on its peer, and the next notice would find it still running."""
         if self._task is not None and not self._task.done():
-            if self._saved:
+            if self._announced.any_saved():
                 self._reset_at_end = True
                 return
             why = "the notice ended before a checkpoint was saved for it"
@@ -218,11 +177,7 @@ class Handoff:
     def _forget(self) -> None:
         self._task = None
         self._reset_at_end = False
-        for key in list(self._streams):
-            self._drop(key)
-        self._announced.clear()
-        self._saved.clear()
-        self._committed.clear()
+        self._announced.forget()
         self._queued_files.clear()
         self.state = HandoffState.IDLE
 
@@ -231,8 +186,7 @@ class Handoff:
         for task in running:
             task.cancel("daemon shutting down")
         await asyncio.gather(*running, return_exceptions=True)
-        for key in list(self._streams):
-            self._drop(key)
+        self._announced.drop_streams()
 
     def _move(self, state: HandoffState, why: str) -> None:
         logger.warning(
@@ -316,7 +270,7 @@ class Handoff:
     def _send_again(self) -> None:
         """The next peer gets the replica from its first byte: every range sent (or queued) goes again,
         and every finished file whole, from its name on disk."""
-        for stream in self._streams.values():
+        for stream in self._announced.streams.values():
             stream.todo[:0] = stream.queued
             stream.queued = []
         self._queued_files.clear()
@@ -345,7 +299,7 @@ class Handoff:
                     assert self.name is not None
                     await flows.sent()
                     try:
-                        await client.commit(self._announced[self.name][0])
+                        await client.commit(self._announced.step_dir(self.name))
                     except (OSError, wire.PeerError):
                         flows.raise_if_failed()  # the watch ended it (the peer's host is gone): say so
                         raise
@@ -364,7 +318,7 @@ class Handoff:
 
     async def _open(self, client: PeerClient) -> Flows:
         """The replica of the newest checkpoint announced, and its flows (one, to begin with)."""
-        self.name = self._newest()
+        self.name = self._announced.newest()
         flows = await open_flows(
             client,
             self.name,
@@ -372,22 +326,19 @@ class Handoff:
             self._token,
             io_timeout=self._io_timeout,
             max_flows=self.max_flows,
-            nbytes=await self._replica_bytes() or None,  # a peer short of room says so now
+            # A peer short of room says so now.
+            nbytes=await self._announced.replica_bytes(self.name, self._expected) or None,
         )
         self._move(HandoffState.SENDING, f"replica of {self.name} opened")
         return flows
-
-    def _newest(self) -> str:
-        """The newest checkpoint announced: the one a replica is opened for."""
-        return max(self._announced, key=lambda name: parse_step_dir(name) or 0)
 
     async def _committed_since_refused(self, refused: list[str]) -> bool:
         """Wait until the trainer commits the checkpoint the ``refused`` peers had no room for, if it was
         not committed then (the open told them the plan's size, sized from the last checkpoint: this one
         may be smaller, and its open tells its own size); whether it was, before the deadline."""
-        if self._newest() in self._saved:
+        if self._announced.is_saved(self._announced.newest()):
             return False  # the open told them the committed size already
-        while self._newest() not in self._saved:
+        while not self._announced.is_saved(self._announced.newest()):
             left = self._deadline_at() - time.monotonic()
             if left <= 0:
                 return False
@@ -400,53 +351,24 @@ class Handoff:
         )
         return True
 
-    async def _replica_bytes(self) -> int:
-        """What the replica will take: once committed, what this disk holds of it (a soft notice's, or at
-        a move: a plan sized from a larger checkpoint would have peers with room refuse it); before,
-        the plan's size, or what the trainer announced so far where that is more."""
-        assert self.name is not None
-        if self.name in self._saved:
-            try:
-                files = await self._committed_files(self.name)
-            except (ManifestError, OSError):
-                pass  # the sending says what is wrong with it
-            else:
-                return sum(entry.size for entry in files.values())
-        return max(self._expected, self._announced_bytes())
-
-    async def _committed_files(self, name: str) -> dict[str, FileEntry]:
-        """What the trainer committed of ``name`` here (:func:`_committed_files`), read once for the
-        open's size and the files never announced, at every move too: a committed checkpoint does not change."""
-        if name not in self._committed:
-            self._committed[name] = await asyncio.to_thread(_committed_files, self._announced[name][0])
-        return self._committed[name]
-
-    def _announced_bytes(self) -> int:
-        """Bytes the trainer announced of the replica's checkpoint so far (finished files and files
-        being written): what a peer is told at the open where the plan guessed fewer."""
-        assert self.name is not None
-        files = self._announced[self.name][1]
-        writing = (s.size for (name, rel), s in self._streams.items() if name == self.name and rel not in files)
-        return sum(entry.size for entry in files.values()) + sum(writing)
-
     async def _queue_announced(self, flows: Flows) -> bool:
         """Hand the flows what was announced of the replica's checkpoint since the last call;
         whether it is all queued (the trainer committed it)."""
         assert self.name is not None
-        step_dir, files = self._announced[self.name]
-        for (name, rel), stream in list(self._streams.items()):
+        step_dir, files = self._announced.step_dir(self.name), self._announced.finished(self.name)
+        for (name, rel), stream in list(self._announced.streams.items()):
             if name == self.name and rel not in self._queued_files:
                 self._queue_ranges(flows, stream)
         for rel in [rel for rel in files if rel not in self._queued_files]:
             await self._finish_file(flows, step_dir, rel)
-        if self.name not in self._saved:
+        if not self._announced.is_saved(self.name):
             return False
-        listed = await self._committed_files(self.name)
+        listed = await self._announced.committed_files(self.name)
         for rel in sorted(set(listed) - self._queued_files):  # files never announced
             await self._queue_file(flows, step_dir, rel)
         return True
 
-    def _queue_ranges(self, flows: Flows, stream: _Streamed) -> None:
+    def _queue_ranges(self, flows: Flows, stream: Streamed) -> None:
         for offset, length in stream.todo:
             flows.send(stream.source, offset, length, self._count)
         stream.queued += stream.todo
@@ -463,15 +385,15 @@ class Handoff:
     async def _finish_file(self, flows: Flows, step_dir: Path, rel: str) -> None:
         """``rel`` is finished (its ``file`` message came): queue what its ranges did not cover."""
         assert self.name is not None
-        stream = self._streams.get((self.name, rel))
-        if stream is None or stream.size != self._announced[self.name][1][rel].size:
-            self._drop((self.name, rel), stale=True)
+        stream = self._announced.streams.get((self.name, rel))
+        if stream is None or stream.size != self._announced.finished(self.name)[rel].size:
+            self._announced.drop((self.name, rel), stale=True)
             await self._queue_file(flows, step_dir, rel)
             return
         self._queue_ranges(flows, stream)
         stream.todo.extend(_gaps(stream.queued, stream.size))  # the file message is the last word on it
         self._queue_ranges(flows, stream)
-        self._drop((self.name, rel))
+        self._announced.drop((self.name, rel))
         self._queued_files.add(rel)
 
     @property
@@ -521,16 +443,6 @@ def _gaps(ranges: list[tuple[int, int]], size: int) -> list[tuple[int, int]]:
     if end < size or not ranges:
         gaps.append((end, size - end))
     return gaps
-
-
-def _committed_files(step_dir: Path) -> dict[str, FileEntry]:
-    """What the trainer committed on this disk: the manifest's files, or (multi-node) this node's share."""
-    manifest, share = node_holdings(step_dir)
-    if share is not None:
-        return share
-    if manifest is None:
-        raise ManifestError(f"{step_dir.name}: neither a manifest nor this node's part")
-    return dict(manifest.files)
 
 
 __all__ = ["MAX_MOVES", "Handoff", "HandoffState"]
