@@ -35,8 +35,10 @@ from tests.peers import TOKEN, address, committed_steps, replica_area
 MiB = 1 << 20
 T = TypeVar("T")
 
-# A sender in the island: it opens a replica on the receiver, sends a data frame's header and most
-# of its first records, then nothing more (and never closes), as a VM reclaimed mid-record.
+# A sender in the island: it opens a replica on the receiver, then does what each line it reads says,
+# answering "sent": "full", the next 1 MiB data frame of the file (once the receiver has read it);
+# "partial", half of the next one, once it is in the kernel, and then nothing more (it never closes),
+# as a VM reclaimed mid-record.
 _SENDER = """
 import asyncio, os, sys
 from spotguard.peer import wire
@@ -45,15 +47,42 @@ from spotguard.peer.client import PeerClient
 async def main(host, port, token, url):
     client = await PeerClient.connect(host, int(port), token.encode())
     await client.open_replica("step-000000031", url)
-    header = {"t": "data", "name": "weights.bin", "size": 1 << 20, "offset": 0, "len": 1 << 20}
-    sealed = client.channel.seal(wire.encode(header), os.urandom(300 * 1024))
-    client.channel.write_sealed(sealed[:-1000])
-    await client.channel.drain()
-    print("sent", flush=True)
+    offset = 0
+    for line in sys.stdin:
+        length = 1 << 20
+        header = {"t": "data", "name": "weights.bin", "size": 64 << 20, "offset": offset, "len": length}
+        sealed = client.channel.seal(wire.encode(header), os.urandom(length))
+        if line.strip() == "full":
+            client.channel.write_sealed(sealed)
+            await client.query()  # answered once the frame before it was read
+        else:
+            client.channel.write_sealed(sealed[: len(sealed) // 2])
+            await client.channel.drain()
+        offset += length
+        print("sent", flush=True)
     await asyncio.sleep(3600)
 
 asyncio.run(main(*sys.argv[1:]))
 """
+
+
+class _Sender:
+    """:data:`_SENDER` run in ``place``, sending to the receiver at ``where``."""
+
+    def __init__(self, place: Island, where: tuple[str, int], url: str) -> None:
+        command = [*place.prefix, sys.executable, "-c", _SENDER, where[0], str(where[1]), TOKEN, url]
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def send(self, what: str) -> None:
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.write(what + "\n")
+        self.process.stdin.flush()
+        ready, _, _ = select.select([self.process.stdout], [], [], 30)
+        assert ready and self.process.stdout.readline().strip() == "sent", f"the sender did not send {what}"
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
 
 
 def _daemon(tmp_path: Path, url: str, listen: str, prefix: list[str] | None = None) -> Vm:
@@ -78,25 +107,37 @@ def _replicas(vm: Vm) -> int:
     return len(vm.status()["peers"]["replicas"])
 
 
-def test_a_sender_whose_host_vanishes_mid_record_frees_its_replica_slot_within_seconds(tmp_path: Path) -> None:
-    """The receiver is a daemon here, the sender a process in the island. While the island is
-    reachable, an idle sender keeps its connection past GONE_AFTER (its kernel answers the probes);
-    once it is cut, the receiver drops the connection and the unfinished replica within
-    GONE_PEER_RELEASE, where the record deadline alone took IO_TIMEOUT + 1 s."""
+def _workers(vm: Vm) -> dict[str, int]:
+    return dict(vm.status()["peers"]["workers"])
+
+
+@pytest.mark.parametrize("receiving", ["in-process", "in-a-worker"])
+def test_a_sender_whose_host_vanishes_mid_record_frees_its_replica_slot_within_seconds(
+    tmp_path: Path, receiving: str
+) -> None:
+    """The receiver is a daemon here, the sender a process in the island, which stops mid-record: in
+    the daemon's first frame (its workers not started yet), or in a frame a worker process receives.
+    While the island is reachable, the idle sender keeps its connection past GONE_AFTER (its kernel
+    answers the probes); once it is cut, the receiver drops the connection and the unfinished replica
+    within GONE_PEER_RELEASE, where the record deadline alone took IO_TIMEOUT + 1 s."""
     url = f"file://{tmp_path / 'bucket'}"
     with island() as place:
         vm = _daemon(tmp_path, url, place.outer)
-        sender: subprocess.Popen[str] | None = None
+        sender: _Sender | None = None
         try:
-            host, port = address(vm)
-            sender = subprocess.Popen(
-                [*place.prefix, sys.executable, "-c", _SENDER, host, str(port), TOKEN, url],
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-            assert sender.stdout is not None
-            ready, _, _ = select.select([sender.stdout], [], [], 30)
-            assert ready and sender.stdout.readline().strip() == "sent", "the sender in the island did not start"
+            sender = _Sender(place, address(vm), url)
+            if receiving == "in-a-worker":
+                for _ in range(60):  # the workers start on the first big frames, which go in-process meanwhile
+                    sender.send("full")
+                    if _workers(vm)["frames"]:
+                        break
+                # The next frame goes to a worker only if one is free (the last frame may still be written).
+                wait_for(lambda: (w := _workers(vm))["idle"] >= 1 and w["busy"] == 0, 10, "a free worker")
+            sender.send("partial")
+            if receiving == "in-a-worker":
+                wait_for(lambda: _workers(vm)["busy"] >= 1, 10, "a worker holding the frame")
+            else:
+                assert _workers(vm)["frames"] == 0 and _workers(vm)["busy"] == 0
             wait_for(lambda: _replicas(vm) == 1, 10, "the replica opened")
             time.sleep(GONE_AFTER + 2)  # the time itself is what is tested: idle and answering is not gone
             assert _replicas(vm) == 1
@@ -107,9 +148,8 @@ def test_a_sender_whose_host_vanishes_mid_record_frees_its_replica_slot_within_s
         finally:
             if sender is not None:
                 sender.kill()
-                sender.wait()
             vm.kill_daemon()
-    print(f"the receiver freed the slot {released_after:.1f} s after the cut")
+    print(f"{receiving}: the receiver freed the slot {released_after:.1f} s after the cut")
     assert released_after < GONE_PEER_RELEASE + 2.0, f"freed {released_after:.1f} s after the cut"
     log = vm.log.read_text()
     assert "connection lost: its host answered nothing for" in log and "(gone, or the way to it cut)" in log, log
