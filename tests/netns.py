@@ -28,11 +28,15 @@ import pytest
 _TEST_NETWORK = ipaddress.ip_network("198.18.0.0/15")
 
 
-def _ip(*args: str) -> str:
-    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=False)
+def _run(*command: str) -> str:
+    done = subprocess.run(command, capture_output=True, text=True, timeout=30, check=False)
     if done.returncode != 0:
-        raise OSError(f"ip {' '.join(args)}: {done.stderr.strip()}")
+        raise OSError(f"{' '.join(command)}: {done.stderr.strip()}")
     return done.stdout
+
+
+def _ip(*args: str) -> str:
+    return _run("ip", *args)
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,12 @@ class Island:
         up, so what is sent leaves this side and is lost beyond it, as on the way to a VM reclaimed
         at once. (Taking the link down instead would drop it here, before TCP counts it in flight.)"""
         _ip("-n", self.name, "addr", "del", f"{self.addresses[way]}/32", "dev", self.inner[way])
+
+    def pace(self, mbit: int) -> None:
+        """What the island sends over the first way goes out at ``mbit`` Mbit/s at most (tbf): a
+        transfer from it long enough to be cut midway."""
+        tbf = ["tbf", "rate", f"{mbit}mbit", "burst", "64kb", "latency", "200ms"]
+        _run(*self.prefix, "tc", "qdisc", "add", "dev", self.inner[0], "root", *tbf)
 
     def pids(self) -> list[int]:
         return [int(pid) for pid in _ip("netns", "pids", self.name).split()]

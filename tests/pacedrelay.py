@@ -20,16 +20,19 @@ _CATCH_UP = 0.5  # seconds of lateness a connection may make up at once (oversle
 
 
 class PacedRelay:
-    def __init__(self, upstream: str, bytes_per_s: float, *, buffer_bytes: int | None = None) -> None:
+    def __init__(
+        self, upstream: str, bytes_per_s: float, *, buffer_bytes: int | None = None, host: str = "127.0.0.1"
+    ) -> None:
         """``buffer_bytes``: the receive buffer of each paced connection (default: the kernel's,
-        which on loopback grows to megabytes and takes a burst far over the cap before it paces)."""
-        host, _, port = upstream.removeprefix("http://").rstrip("/").partition(":")
-        self.upstream = (host, int(port))
+        which on loopback grows to megabytes and takes a burst far over the cap before it paces);
+        ``host``: the address it listens on (a network namespace's way out, tests/netns.py)."""
+        upstream_host, _, port = upstream.removeprefix("http://").rstrip("/").partition(":")
+        self.upstream = (upstream_host, int(port))
         self.rate = bytes_per_s
-        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener = socket.create_server((host, 0))
         if buffer_bytes is not None:  # accepted connections take it from the listener
             self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
-        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.url = f"http://{host}:{self.listener.getsockname()[1]}"
         self._closed = threading.Event()
         self._frozen = threading.Event()
         self._sockets: list[socket.socket] = []

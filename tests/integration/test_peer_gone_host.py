@@ -27,10 +27,13 @@ from spotguard.harness import Vm, wait_for
 from spotguard.peer import wire
 from spotguard.peer.channel import GONE_AFTER, GONE_PEER_RELEASE, IO_TIMEOUT, PeerGone
 from spotguard.peer.client import PeerClient
+from spotguard.peer.fetch import STAGING, PeerResume, resume_from_peers
 from spotguard.peer.flows import Flows
 from tests.checkpoints import write_checkpoint
 from tests.netns import Island, island
-from tests.peers import TOKEN, address, committed_steps, replica_area
+from tests.pacedrelay import PacedRelay
+from tests.peers import TOKEN, address, committed_steps, hand_over, replica_area
+from tests.servers import S3Server
 
 MiB = 1 << 20
 T = TypeVar("T")
@@ -85,9 +88,11 @@ class _Sender:
         self.process.wait()
 
 
-def _daemon(tmp_path: Path, url: str, listen: str, prefix: list[str] | None = None) -> Vm:
+def _daemon(
+    tmp_path: Path, url: str, listen: str, prefix: list[str] | None = None, env: dict[str, str] | None = None
+) -> Vm:
     vm = Vm(tmp_path, "vm-b", url, ["--provider", "none", "--peer-listen", f"{listen}:0"], prefix=prefix or [])
-    vm.start_daemon(env={"SPOTGUARD_PEER_TOKEN": TOKEN})
+    vm.start_daemon(env={"SPOTGUARD_PEER_TOKEN": TOKEN, **(env or {})})
     return vm
 
 
@@ -226,3 +231,50 @@ def test_a_handoff_waiting_for_its_trainer_leaves_a_peer_whose_host_vanishes_mea
     print(f"the waiting flows failed {failed_after:.1f} s after the cut: {error}")
     assert "answered nothing for" in str(error) and "(its host, or the way to it, is gone)" in str(error), error
     assert failed_after < GONE_AFTER + 2.0, f"the flows failed {failed_after:.1f} s after the cut"
+
+
+def test_a_resume_leaves_a_holder_whose_host_vanishes_mid_fetch(
+    tmp_path: Path, server: S3Server, url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A fresh VM fetches the newer checkpoint a peer holds (its own upload held back: 2,000 bytes/s
+    to the bucket), at 40 Mbit/s; the holder's host is cut midway. The fetch leaves it GONE_AFTER
+    later (the bucket's checkpoint is what the VM then resumes from), where it waited for
+    ``peer_io_timeout`` before, and leaves no staging behind."""
+    step_dir = write_checkpoint(tmp_path / "dead-vm", 41, {f"shard-{i}.bin": os.urandom(8 * MiB) for i in range(3)})
+    fresh = tmp_path / "fresh-vm"
+    fresh.mkdir()
+
+    async def fetch_while_cut(place: Island, where: tuple[str, int]) -> tuple[PeerResume, float]:
+        fetching = asyncio.create_task(resume_from_peers([where], TOKEN.encode(), url, fresh, -1))
+        async with asyncio.timeout(30):
+            while _staged_bytes(fresh) < 4 * MiB:  # midway: 24 MiB take about 5 s at 40 Mbit/s
+                assert not fetching.done(), fetching
+                await asyncio.sleep(0.02)
+        await asyncio.to_thread(place.cut)
+        cut = time.monotonic()
+        async with asyncio.timeout(IO_TIMEOUT):
+            found = await fetching
+        return found, time.monotonic() - cut
+
+    caplog.set_level("WARNING", logger="spotguard.peers")
+    with island() as place, PacedRelay(server.endpoint_url, 2_000, host=place.outer) as held_back:
+        vm = _daemon(tmp_path, url, "0.0.0.0", place.prefix, env={"AWS_ENDPOINT_URL_S3": held_back.url})
+        try:
+            where = (place.address, address(vm)[1])
+            assert hand_over(where, step_dir, url)["state"] == "verified"
+            place.pace(40)
+            found, left_after = asyncio.run(fetch_while_cut(place, where))
+        finally:
+            vm.kill_daemon()
+    print(f"the fetch left the vanished holder {left_after:.1f} s after the cut")
+    assert found.path is None and found.offer is None
+    said = [record.getMessage() for record in caplog.records]
+    assert any("refused: its host answered nothing for" in line for line in said), said
+    assert left_after < GONE_PEER_RELEASE + 2.0, f"left {left_after:.1f} s after the cut"
+    assert list(fresh.iterdir()) == []  # no staging left, nothing committed
+
+
+def _staged_bytes(root: Path) -> int:
+    """Bytes on disk in ``root``'s fetch staging directories (sparse until written)."""
+    staged = (path for staging in root.glob(f"{STAGING}-*") for path in staging.rglob("*") if path.is_file())
+    return sum(path.stat().st_blocks * 512 for path in staged)
