@@ -3,8 +3,8 @@ only idle or slow by what its kernel leaves unanswered: bytes in flight, or the 
 go out once a connection is idle for a second. Each side that waits on such a peer leaves it within
 seconds: the receiver frees the replica slot of a sender that vanished mid-record, a fetch leaves a
 holder that vanished, and a handoff whose flows wait for the trainer leaves a peer that vanished
-meanwhile. Before, the first two held on for the record deadline (31 s) and the third until its next
-ping (10 s) plus the time its bytes stayed unanswered.
+meanwhile. Before, the first two held on until the kernel's keepalive or ``peer_io_timeout`` ended
+the connection (25-30 s), and the third until its next ping (10 s) put bytes in flight.
 
 The far side lives in a network namespace (tests/netns.py) whose address is cut.
 """
