@@ -279,6 +279,9 @@ class Handoff:
     async def _send(self, client: PeerClient) -> None:
         flows: Flows | None = None
         helpers: list[asyncio.Task[None]] = []  # the flows' pacer and watch, with a deadline
+        # A peer whose host goes while the trainer has not written yet (or with no deadline, while its
+        # one flow sends) ends the connection: the open fails within seconds, not io_timeout.
+        client.channel.leave_when_gone = True
         try:
             while True:
                 self._wake.clear()
@@ -289,6 +292,7 @@ class Handoff:
                         raise _NotOpened(str(exc)) from exc
                     flows.on_failure = self._wake.set  # a peer lost while the trainer writes: move now
                     if self._deadline is not None:
+                        client.channel.leave_when_gone = False  # the watch fails every flow at once instead
                         helpers.append(asyncio.create_task(flows.watch(self._stall_limit), name="peer-watch"))
                         if self.max_flows > 1:
                             pace = flows.pace(self._remaining, self._deadline_at)
@@ -308,7 +312,10 @@ class Handoff:
                     await asyncio.wait_for(self._wake.wait(), KEEPALIVE)
                 except TimeoutError:
                     if flows is None:  # else its flows ping while they wait for pieces
-                        await client.ping()  # the peer drops idle connections
+                        try:
+                            await client.ping()  # the peer drops idle connections
+                        except (OSError, wire.PeerError) as exc:  # gone, or closed: nothing was sent to it
+                            raise _NotOpened(str(exc)) from exc
         finally:
             for helper in helpers:
                 helper.cancel("handoff over")

@@ -24,15 +24,17 @@ from typing import TypeVar
 import pytest
 
 from spotguard.harness import Vm, wait_for
+from spotguard.manifest import load_manifest
 from spotguard.peer import wire
 from spotguard.peer.channel import GONE_AFTER, GONE_PEER_RELEASE, IO_TIMEOUT, PeerGone
 from spotguard.peer.client import PeerClient
 from spotguard.peer.fetch import STAGING, PeerResume, resume_from_peers
 from spotguard.peer.flows import Flows
+from spotguard.peer.handoff import Handoff, HandoffState
 from tests.checkpoints import write_checkpoint
 from tests.netns import Island, island
 from tests.pacedrelay import PacedRelay
-from tests.peers import TOKEN, address, committed_steps, hand_over, replica_area
+from tests.peers import TOKEN, address, committed_steps, hand_over, receiving_daemon, replica_area
 from tests.servers import S3Server
 
 MiB = 1 << 20
@@ -231,6 +233,51 @@ def test_a_handoff_waiting_for_its_trainer_leaves_a_peer_whose_host_vanishes_mea
     print(f"the waiting flows failed {failed_after:.1f} s after the cut: {error}")
     assert "answered nothing for" in str(error) and "(its host, or the way to it, is gone)" in str(error), error
     assert failed_after < GONE_AFTER + 2.0, f"the flows failed {failed_after:.1f} s after the cut"
+
+
+def test_a_handoff_whose_peer_vanishes_before_the_trainer_writes_opens_on_the_next_within_seconds(
+    tmp_path: Path,
+) -> None:
+    """A notice routed to a peer: the handoff chose its peer, and waits for the trainer's first byte.
+    The peer's host is cut then, and the trainer writes: the open gets no answer, and the handoff asks
+    the next peer GONE_AFTER later (nothing was sent: not a move), where the open's answer was waited
+    for ``peer_io_timeout`` (30 s, a whole GCP notice) before."""
+    url = f"file://{tmp_path / 'bucket'}"
+    step_dir = write_checkpoint(tmp_path / "vm-a", 43, {"shard-0.bin": os.urandom(4 * MiB)})
+    manifest = load_manifest(step_dir)
+
+    async def hand_over_after_cut(place: Island, vanishing: tuple[str, int], rescuer: tuple[str, int]) -> float:
+        async def candidates() -> list[tuple[str, int]]:
+            return [vanishing, rescuer]
+
+        handoff = Handoff(candidates, TOKEN.encode(), url, max_flows=1)
+        handoff.start(expected_bytes=manifest.total_bytes, deadline=time.monotonic() + 60.0)
+        try:
+            async with asyncio.timeout(45):
+                while handoff.peer != f"{vanishing[0]}:{vanishing[1]}":  # chosen; the trainer has not written
+                    await asyncio.sleep(0.02)
+                await asyncio.to_thread(place.cut)
+                cut = time.monotonic()
+                for rel, entry in manifest.files.items():
+                    handoff.file_ready(step_dir, rel, entry)
+                handoff.saved(step_dir)
+                while handoff.state not in (HandoffState.HANDED, HandoffState.FAILED):
+                    await asyncio.sleep(0.05)
+                handed_after = time.monotonic() - cut
+        finally:
+            await handoff.close()
+        assert handoff.state is HandoffState.HANDED, handoff.error
+        assert handoff.peer == f"{rescuer[0]}:{rescuer[1]}" and handoff.moves == 0
+        return handed_after
+
+    with island() as place, receiving_daemon(tmp_path / "vm-c", url) as vm_c:
+        vm_v = _daemon(tmp_path, url, place.address, place.prefix)
+        try:
+            handed_after = asyncio.run(hand_over_after_cut(place, address(vm_v), address(vm_c)))
+        finally:
+            vm_v.kill_daemon()
+    print(f"handed to the next peer {handed_after:.1f} s after the chosen one's host was cut")
+    assert handed_after < GONE_PEER_RELEASE + 3.0, f"handed {handed_after:.1f} s after the cut"
 
 
 def test_a_resume_leaves_a_holder_whose_host_vanishes_mid_fetch(
