@@ -165,6 +165,12 @@ class Channel:
             return 0.0
         return float(_U32.unpack_from(info, _LAST_ACK_RECV_AT)[0]) / 1000
 
+    def gone_for(self) -> float | None:
+        """Seconds the peer's host has answered nothing (:meth:`unanswered`) once that is
+        :data:`GONE_AFTER` or more, which makes it gone; None while it is not (or the OS does not say)."""
+        quiet = self.unanswered()
+        return quiet if quiet is not None and quiet >= GONE_AFTER else None
+
     def _tcp_info(self) -> bytes | None:
         sock = self.writer.get_extra_info("socket")
         if sock is None or not hasattr(socket, "TCP_INFO"):
@@ -226,8 +232,8 @@ class Channel:
             self._timed_out = True
             transport.abort()  # the pending read ends; it raises TimeoutError
             return
-        quiet = self.unanswered() if self.leave_when_gone else None
-        if quiet is not None and quiet >= GONE_AFTER:
+        quiet = self.gone_for() if self.leave_when_gone else None
+        if quiet is not None:
             self._gone = quiet
             self.abort()  # shut down too: a worker's job on its duplicate of the socket ends as well
             return

@@ -29,7 +29,7 @@ from typing import Any, BinaryIO
 
 from spotguard.manifest import load_manifest
 from spotguard.peer import wire, workers
-from spotguard.peer.channel import GONE_AFTER, IO_TIMEOUT
+from spotguard.peer.channel import IO_TIMEOUT
 from spotguard.peer.client import PeerClient
 from spotguard.peer.tokens import PeerToken
 from spotguard.safefile import open_nofollow
@@ -294,10 +294,11 @@ class Flows:
         A peer whose VM vanished (no FIN, no RST: a host reclaimed or cut off) is otherwise noticed
         only when the kernel gives up on the unacknowledged bytes, ``io_timeout`` later: past a 30 s
         notice's deadline. Once a flow's bytes in flight, or its keepalive probes, got no answer for
-        :data:`GONE_AFTER` seconds the peer is gone, and the flows fail (:meth:`_leave_if_gone`). A peer that
-        acknowledges what it is sent but takes nothing more (its disk stalls) fails them once nothing
-        was acknowledged for ``limit()`` seconds while they had a piece to send. Where the OS does not
-        say what was acknowledged, it returns (``io_timeout`` rules, as before)."""
+        ``GONE_AFTER`` seconds (:meth:`~spotguard.peer.channel.Channel.gone_for`) the peer is gone, and
+        the flows fail (:meth:`_leave_if_gone`). A peer that acknowledges what it is sent but takes
+        nothing more (its disk stalls) fails them once nothing was acknowledged for ``limit()`` seconds
+        while they had a piece to send. Where the OS does not say what was acknowledged, it returns
+        (``io_timeout`` rules, as before)."""
         acked, since = -1, time.monotonic()
         while self._error is None:
             await asyncio.sleep(WATCH_INTERVAL)
@@ -316,15 +317,15 @@ class Flows:
                 self.fail(TimeoutError(f"the peer acknowledged nothing for {now - since:.1f} s while bytes waited"))
 
     def _leave_if_gone(self) -> None:
-        """Fail the flows once the peer's host answered nothing on one of them for :data:`GONE_AFTER`
-        seconds (:meth:`~spotguard.peer.channel.Channel.unanswered`: bytes in flight, or probes).
+        """Fail the flows once the peer's host is gone on one of them: it answered nothing for
+        ``GONE_AFTER`` seconds (:meth:`~spotguard.peer.channel.Channel.gone_for`: bytes in flight, or probes).
 
         All of them, not that one alone: the pieces a flow sent before its last may still be in flight
         with it, and are counted as sent, so the replica on that peer could not be completed. The flows
         finishing and the opener waiting for the commit's answer are looked at too."""
         for client in self._watched():
-            quiet = client.channel.unanswered()
-            if quiet is not None and quiet >= GONE_AFTER:
+            quiet = client.channel.gone_for()
+            if quiet is not None:
                 self.fail(
                     TimeoutError(
                         f"{client.address} answered nothing for {quiet:.1f} s, with bytes in flight or probes "
