@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -27,10 +27,17 @@ TOKEN = "a-shared-secret-of-the-job-0123456789"
 
 
 @contextmanager
-def receiving_daemon(tmp_path: Path, url: str, env: dict[str, str] | None = None) -> Iterator[Vm]:
-    """Daemon "vm-b" committing to ``url``, its peer receiver on 127.0.0.1 (a free port), the job's
-    token :data:`TOKEN`; ``env`` adds settings."""
-    vm = Vm(tmp_path, "vm-b", url, extra_args=["--provider", "none", "--peer-listen", "127.0.0.1:0"])
+def receiving_daemon(
+    tmp_path: Path,
+    url: str,
+    env: dict[str, str] | None = None,
+    *,
+    listen: str = "127.0.0.1",
+    prefix: Sequence[str] = (),
+) -> Iterator[Vm]:
+    """Daemon "vm-b" committing to ``url``, its peer receiver on ``listen`` (a free port), the job's
+    token :data:`TOKEN`; ``env`` adds settings, ``prefix`` runs it in a network namespace (tests/netns.py)."""
+    vm = Vm(tmp_path, "vm-b", url, extra_args=["--provider", "none", "--peer-listen", f"{listen}:0"], prefix=prefix)
     vm.start_daemon(env={"SPOTGUARD_PEER_TOKEN": TOKEN, **(env or {})})
     try:
         yield vm

@@ -244,14 +244,8 @@ def test_a_peer_whose_host_vanishes_is_left_within_seconds_while_a_slow_one_gets
         return left_after
 
     with island() as place, receiving_daemon(tmp_path / "vm-c", url) as vm_c:
-        vm_v = Vm(
-            tmp_path, "vm-v", url, ["--provider", "none", "--peer-listen", f"{place.address}:0"], prefix=place.prefix
-        )
-        vm_v.start_daemon(env={"SPOTGUARD_PEER_TOKEN": TOKEN})
-        try:
+        with receiving_daemon(tmp_path, url, listen=place.address, prefix=place.prefix) as vm_v:
             left_after = asyncio.run(hand_over_while_cut(place, address(vm_v), address(vm_c)))
-        finally:
-            vm_v.kill_daemon()
         wait_for(lambda: 19 in committed_steps(url), 30, "C's commit in the bucket")
     said = [record.getMessage() for record in caplog.records]
     assert any("with bytes in flight or probes (its host, or the way to it, is gone)" in line for line in said), said
@@ -313,13 +307,8 @@ def test_a_flow_whose_way_to_the_peer_is_cut_fails_the_flows_within_seconds(tmp_
         finally:
             await opener.close()
 
-    with island(ways=2) as place:
-        vm = Vm(tmp_path, "vm-v", url, ["--provider", "none", "--peer-listen", "0.0.0.0:0"], prefix=place.prefix)
-        vm.start_daemon(env={"SPOTGUARD_PEER_TOKEN": TOKEN})
-        try:
-            error, failed_after = asyncio.run(send_while_cut(place, address(vm)[1]))
-        finally:
-            vm.kill_daemon()
+    with island(ways=2) as place, receiving_daemon(tmp_path, url, listen="0.0.0.0", prefix=place.prefix) as vm:
+        error, failed_after = asyncio.run(send_while_cut(place, address(vm)[1]))
     print(f"{phase}: the flows failed {failed_after:.1f} s after the cut: {error}")
     assert error is not None and f"{place.addresses[cut_way]}:" in str(error), error
     assert "with bytes in flight or probes (its host, or the way to it, is gone)" in str(error), error

@@ -90,24 +90,12 @@ class _Sender:
         self.process.wait()
 
 
-def _daemon(
-    tmp_path: Path, url: str, listen: str, prefix: list[str] | None = None, env: dict[str, str] | None = None
-) -> Vm:
-    vm = Vm(tmp_path, "vm-b", url, ["--provider", "none", "--peer-listen", f"{listen}:0"], prefix=prefix or [])
-    vm.start_daemon(env={"SPOTGUARD_PEER_TOKEN": TOKEN, **(env or {})})
-    return vm
-
-
 def _against_a_daemon_in_an_island(
     tmp_path: Path, url: str, go: Callable[[Island, tuple[str, int]], Awaitable[T]]
 ) -> T:
     """``go(island, where)`` run against a daemon listening in a fresh island, at ``where``."""
-    with island() as place:
-        vm = _daemon(tmp_path, url, "0.0.0.0", place.prefix)
-        try:
-            return asyncio.run(go(place, (place.address, address(vm)[1])))
-        finally:
-            vm.kill_daemon()
+    with island() as place, receiving_daemon(tmp_path, url, listen="0.0.0.0", prefix=place.prefix) as vm:
+        return asyncio.run(go(place, (place.address, address(vm)[1])))
 
 
 def _replicas(vm: Vm) -> int:
@@ -128,11 +116,9 @@ def test_a_sender_whose_host_vanishes_mid_record_frees_its_replica_slot_within_s
     answers the probes); once it is cut, the receiver drops the connection and the unfinished replica
     within GONE_PEER_RELEASE, where the record deadline alone took IO_TIMEOUT + 1 s."""
     url = f"file://{tmp_path / 'bucket'}"
-    with island() as place:
-        vm = _daemon(tmp_path, url, place.outer)
-        sender: _Sender | None = None
+    with island() as place, receiving_daemon(tmp_path, url, listen=place.outer) as vm:
+        sender = _Sender(place, address(vm), url)
         try:
-            sender = _Sender(place, address(vm), url)
             if receiving == "in-a-worker":
                 for _ in range(60):  # the workers start on the first big frames, which go in-process meanwhile
                     sender.send("full")
@@ -153,9 +139,7 @@ def test_a_sender_whose_host_vanishes_mid_record_frees_its_replica_slot_within_s
             wait_for(lambda: _replicas(vm) == 0, IO_TIMEOUT, "the receiver to drop the vanished sender's replica")
             released_after = time.monotonic() - cut
         finally:
-            if sender is not None:
-                sender.kill()
-            vm.kill_daemon()
+            sender.kill()
     print(f"{receiving}: the receiver freed the slot {released_after:.1f} s after the cut")
     assert released_after < GONE_PEER_RELEASE + 2.0, f"freed {released_after:.1f} s after the cut"
     log = vm.log.read_text()
@@ -270,12 +254,12 @@ def test_a_handoff_whose_peer_vanishes_before_the_trainer_writes_opens_on_the_ne
         assert handoff.peer == f"{rescuer[0]}:{rescuer[1]}" and handoff.moves == 0
         return handed_after
 
-    with island() as place, receiving_daemon(tmp_path / "vm-c", url) as vm_c:
-        vm_v = _daemon(tmp_path, url, place.address, place.prefix)
-        try:
-            handed_after = asyncio.run(hand_over_after_cut(place, address(vm_v), address(vm_c)))
-        finally:
-            vm_v.kill_daemon()
+    with (
+        island() as place,
+        receiving_daemon(tmp_path / "vm-c", url) as vm_c,
+        receiving_daemon(tmp_path, url, listen=place.address, prefix=place.prefix) as vm_v,
+    ):
+        handed_after = asyncio.run(hand_over_after_cut(place, address(vm_v), address(vm_c)))
     print(f"handed to the next peer {handed_after:.1f} s after the chosen one's host was cut")
     assert handed_after < GONE_PEER_RELEASE + 3.0, f"handed {handed_after:.1f} s after the cut"
 
@@ -304,15 +288,17 @@ def test_a_resume_leaves_a_holder_whose_host_vanishes_mid_fetch(
         return found, time.monotonic() - cut
 
     caplog.set_level("WARNING", logger="spotguard.peers")
-    with island() as place, PacedRelay(server.endpoint_url, 2_000, host=place.outer) as held_back:
-        vm = _daemon(tmp_path, url, "0.0.0.0", place.prefix, env={"AWS_ENDPOINT_URL_S3": held_back.url})
-        try:
-            where = (place.address, address(vm)[1])
-            assert hand_over(where, step_dir, url)["state"] == "verified"
-            place.pace(40)
-            found, left_after = asyncio.run(fetch_while_cut(place, where))
-        finally:
-            vm.kill_daemon()
+    with (
+        island() as place,
+        PacedRelay(server.endpoint_url, 2_000, host=place.outer) as held_back,
+        receiving_daemon(
+            tmp_path, url, {"AWS_ENDPOINT_URL_S3": held_back.url}, listen="0.0.0.0", prefix=place.prefix
+        ) as vm,
+    ):
+        where = (place.address, address(vm)[1])
+        assert hand_over(where, step_dir, url)["state"] == "verified"
+        place.pace(40)
+        found, left_after = asyncio.run(fetch_while_cut(place, where))
     print(f"the fetch left the vanished holder {left_after:.1f} s after the cut")
     assert found.path is None and found.offer is None
     said = [record.getMessage() for record in caplog.records]
