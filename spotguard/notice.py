@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -83,18 +84,36 @@ class Notice:
     received: datetime = field(default_factory=utcnow, compare=False)
     #: Not part of the event (equality, hash, ``to_dict``): a live handle that no restart carries over.
     acknowledgement: Acknowledgement | None = field(default=None, compare=False, repr=False)
+    #: ``deadline`` and ``received`` on this process's ``time.monotonic()`` clock, read against the
+    #: wall clock once, when the notice is made. The time left is counted on it: a step of the wall
+    #: clock during a race (NTP stepping a clock it found off, a VM thawed after a pause) moves
+    #: neither the deadline nor anything decided from it. A notice restored after a restart is read
+    #: against the wall clock again, then.
+    monotonic_deadline: float = field(init=False, compare=False, repr=False)
+    monotonic_received: float = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.deadline.tzinfo is None:
             raise ValueError("Notice.deadline must be timezone-aware (UTC)")
         object.__setattr__(self, "kind", Kind(self.kind))
+        steady, wall = time.monotonic(), utcnow()
+        object.__setattr__(self, "monotonic_deadline", steady + (self.deadline - wall).total_seconds())
+        object.__setattr__(self, "monotonic_received", steady + (self.received - wall).total_seconds())
 
     @property
     def is_hard(self) -> bool:
         return self.kind in HARD_KINDS
 
     def seconds_left(self, now: datetime | None = None) -> float:
-        return (self.deadline - (now or utcnow())).total_seconds()
+        """Seconds to the deadline: on the monotonic clock (see :attr:`monotonic_deadline`), or from
+        ``now`` on the wall clock."""
+        if now is None:
+            return self.monotonic_deadline - time.monotonic()
+        return (self.deadline - now).total_seconds()
+
+    def seconds_since_received(self) -> float:
+        """Seconds since the notice was received, on the monotonic clock."""
+        return time.monotonic() - self.monotonic_received
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -13,6 +13,7 @@ import functools
 import logging
 import os
 import signal
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -233,7 +234,7 @@ class Daemon:
             if tracked.state is not old:
                 self.last_notice[f"{tracked.state}_at"] = utcnow().isoformat()
         current = self.notices.peek()
-        self.uploader.set_deadline(None if current is None else current.notice.deadline)
+        self.uploader.set_deadline(None if current is None else current.notice.monotonic_deadline)
         if self.notices.current() is None:
             self._notice_live.clear()
             self.planner.end()
@@ -431,7 +432,7 @@ class Daemon:
             # Up to the deadline; past it (held), what is left of the grace: the VM is still here.
             left = current.notice.seconds_left()
             if left <= 0:
-                left = (current.ends - utcnow()).total_seconds()
+                left = current.seconds_to_end(time.monotonic())
             budget = max(0.0, min(budget, left))
         logger.info("shutting down: finishing uploads for up to %.0f s", budget)
         self.notifier.stopping(f"finishing uploads for up to {budget:.0f} s")

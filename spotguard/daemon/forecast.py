@@ -1,5 +1,6 @@
-"""Deadlines: a notice's deadline as the uploader counts it, whether the checkpoint uploading
-now will be in the bucket before it, and what a commit left of it."""
+"""Deadlines: whether the checkpoint uploading now will be in the bucket before a notice's deadline,
+and what a commit left of it. A deadline here is on ``time.monotonic()``'s clock, as the notice
+counts it (:attr:`spotguard.notice.Notice.monotonic_deadline`) and the store's calls do."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from datetime import datetime
 from typing import Any
 
 from spotguard.manifest import Manifest
@@ -17,16 +17,8 @@ from spotguard.storage.checkpoints import UploadProgress
 logger = logging.getLogger("spotguard.uploader")
 
 
-def monotonic_deadline(deadline: datetime | None) -> float | None:
-    """``deadline`` (wall clock) on ``time.monotonic()``'s clock, as the store's calls count time."""
-    if deadline is None:
-        return None
-    left = (deadline - utcnow()).total_seconds()
-    return time.monotonic() + left
-
-
 def forecast_report(
-    name: str, urgent: bool, progress: UploadProgress, *, total_known: bool, deadline: datetime | None
+    name: str, urgent: bool, progress: UploadProgress, *, total_known: bool, deadline: float | None
 ) -> dict[str, Any]:
     """How much of ``name`` is in the bucket, at what rate, and (if ``urgent`` and a ``deadline``
     is pending) whether it will be in before the deadline."""
@@ -42,7 +34,7 @@ def forecast_report(
         "eta_s": None if eta is None else round(eta, 2),
     }
     if deadline is not None and urgent:
-        left = (deadline - utcnow()).total_seconds()
+        left = deadline - time.monotonic()
         report["deadline_s_left"] = round(left, 2)
         report["will_meet_deadline"] = None if eta is None else eta <= left
     return report
@@ -88,12 +80,12 @@ async def watch_deadline(forecast: Callable[[], dict[str, Any] | None], interval
 
 
 def commit_report(
-    name: str, manifest: Manifest, elapsed: float, *, deadline: datetime | None, bucket: str
+    name: str, manifest: Manifest, elapsed: float, *, deadline: float | None, bucket: str
 ) -> dict[str, Any]:
     """Log the commit of ``name`` in ``bucket``, ``elapsed`` seconds from its first byte sent, with
     its margin to ``deadline``; returns the record of it."""
     now = utcnow()
-    margin = (deadline - now).total_seconds() if deadline else None
+    margin = deadline - time.monotonic() if deadline is not None else None
     if margin is not None and margin < 0:
         logger.error("%s committed in the bucket %.1f s AFTER the deadline", name, -margin)
     else:

@@ -6,7 +6,7 @@ Below both the notice book, which moves notices, and the event stream, which tel
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from enum import StrEnum
 
 from spotguard.notice import Action, Notice
@@ -23,11 +23,21 @@ class TrackedNotice:
     notice: Notice
     action: Action
     state: NoticeState
-    ends: datetime  # when it is over at the latest
+    after_deadline: float  # seconds it stays live past its deadline (a hard one's grace)
 
     @property
     def event_id(self) -> str:
         return self.notice.event_id
+
+    @property
+    def ends(self) -> datetime:
+        """When it is over at the latest, on the wall clock (for people: it is counted on the monotonic one)."""
+        return self.notice.deadline + timedelta(seconds=self.after_deadline)
+
+    def seconds_to_end(self, now: float) -> float:
+        """Seconds from ``now`` until it is over at the latest, both on the monotonic clock (see
+        Notice.monotonic_deadline)."""
+        return self.notice.monotonic_deadline + self.after_deadline - now
 
     def rank(self) -> tuple[bool, bool, datetime]:
         """Lower first: a hard notice before a soft one, pending before held, then the earlier deadline."""

@@ -22,6 +22,7 @@ import hashlib
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta
@@ -208,14 +209,16 @@ def _write_number(log: dict[str, Any]) -> int:
 
 
 class NoticeBook:
-    """The lifecycle of every notice the daemon acts on; ``clock`` is injected for tests. Each move
-    is told on ``bus`` as a :class:`~spotguard.daemon.events.NoticeMoved`."""
+    """The lifecycle of every notice the daemon acts on. Their time is counted on ``clock``, the
+    monotonic one (as :attr:`Notice.monotonic_deadline <spotguard.notice.Notice.monotonic_deadline>`
+    is): a step of the wall clock neither ends a race early nor holds a notice over. Tests inject a
+    clock of their own. Each move is told on ``bus`` as a :class:`~spotguard.daemon.events.NoticeMoved`."""
 
     def __init__(
-        self, log: EventLog, *, grace: float, bus: EventBus | None = None, clock: Callable[[], datetime] = utcnow
+        self, log: EventLog, *, grace: float, bus: EventBus | None = None, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self.log = log
-        self.grace = timedelta(seconds=grace)
+        self.grace = grace
         self.bus = bus if bus is not None else EventBus()
         self.clock = clock
         self._live: dict[str, TrackedNotice] = {}  # pending or held
@@ -228,14 +231,14 @@ class NoticeBook:
 
     def open(self, notice: Notice, action: Action) -> TrackedNotice:
         """A new notice the trainers must act on."""
-        tracked = TrackedNotice(notice, action, NoticeState.PENDING, self._ends(notice, action))
+        tracked = TrackedNotice(notice, action, NoticeState.PENDING, self._after_deadline(action))
         self._live[notice.event_id] = tracked
         self.log.record(notice, action=str(action), state=str(NoticeState.PENDING))
         return tracked
 
-    def _ends(self, notice: Notice, action: Action) -> datetime:
+    def _after_deadline(self, action: Action) -> float:
         # The VM outlives a hard notice only by accident: hold it a grace past the deadline first.
-        return notice.deadline + self.grace if action is Action.STOP else notice.deadline
+        return self.grace if action is Action.STOP else 0.0
 
     def checkpointed(self, event_id: object, **fields: Any) -> TrackedNotice | None:
         """A checkpoint was committed for this notice (locally: ``saved_step``; in the bucket: ``committed``)."""
@@ -260,7 +263,7 @@ class NoticeBook:
                 continue
             handled = entry.get("saved_step") is not None or entry.get("committed") is not None
             state = NoticeState.HELD if entry.get("state") == NoticeState.HELD or handled else NoticeState.PENDING
-            tracked = TrackedNotice(notice, action, state, self._ends(notice, action))
+            tracked = TrackedNotice(notice, action, state, self._after_deadline(action))
             if handled and action is not Action.STOP:
                 self._move(tracked, NoticeState.OVER, "checkpointed for before a restart")
                 continue
@@ -273,8 +276,8 @@ class NoticeBook:
         """Move every notice whose time is up to over."""
         now = self.clock()
         for tracked in list(self._live.values()):
-            if now >= tracked.ends and tracked.event_id in self._live:
-                late = (now - tracked.notice.deadline).total_seconds()
+            if tracked.seconds_to_end(now) <= 0 and tracked.event_id in self._live:
+                late = now - tracked.notice.monotonic_deadline
                 if tracked.action is not Action.STOP:
                     why = "its time passed"
                 elif tracked.state is NoticeState.HELD:
@@ -302,15 +305,15 @@ class NoticeBook:
         """Until the next notice is over by time; None when none is live."""
         if not self._live:
             return None
-        soonest = min(t.ends for t in self._live.values())
-        return max(0.0, (soonest - self.clock()).total_seconds())
+        now = self.clock()
+        return max(0.0, min(t.seconds_to_end(now) for t in self._live.values()))
 
     def _move(self, tracked: TrackedNotice, state: NoticeState, why: str) -> None:
         old = tracked.state
         tracked.state = state
         if state is NoticeState.OVER:
             self._live.pop(tracked.event_id, None)
-        self.log.record(tracked.notice, state=str(state), **{f"{state}_at": self.clock().isoformat()})
+        self.log.record(tracked.notice, state=str(state), **{f"{state}_at": utcnow().isoformat()})
         log = logger.warning if state is NoticeState.OVER and tracked.action is Action.STOP else logger.info
         log("%s notice %s: %s -> %s: %s", tracked.notice.kind, tracked.event_id, old, state, why)
         self.bus.emit(NoticeMoved(tracked, old))

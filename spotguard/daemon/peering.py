@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -167,8 +166,7 @@ class Peering:
 
     def follow_plan(self, notice: Notice, plan: Plan) -> None:
         if plan.route is Route.PEER and self.handoff is not None:
-            deadline = time.monotonic() + plan.seconds_left
-            self.handoff.start(expected_bytes=plan.bytes, deadline=deadline)
+            self.handoff.start(expected_bytes=plan.bytes, deadline=notice.monotonic_deadline)
 
     def status(self) -> dict[str, Any] | None:
         if not (self.config.peer_listen or self.config.peers):

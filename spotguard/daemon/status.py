@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -10,7 +11,6 @@ from spotguard.daemon.notices import NoticeBook, TrackedNotice
 from spotguard.daemon.plan import Planner
 from spotguard.daemon.server import Peer, SocketServer
 from spotguard.daemon.uploader import Uploader
-from spotguard.notice import utcnow
 from spotguard.providers.base import Monitor
 from spotguard.version import __version__
 
@@ -73,13 +73,12 @@ def trainer_status(peer: Peer, planner: Planner) -> dict[str, Any]:
 
 
 def notice_status(tracked: TrackedNotice) -> dict[str, Any]:
-    now = utcnow()
     return {
         **tracked.notice.to_dict(),
         "action": str(tracked.action),
         "state": str(tracked.state),
-        "seconds_left": round(max(0.0, tracked.notice.seconds_left(now)), 3),
-        "over_in_s": round(max(0.0, (tracked.ends - now).total_seconds()), 3),
+        "seconds_left": round(max(0.0, tracked.notice.seconds_left()), 3),
+        "over_in_s": round(max(0.0, tracked.seconds_to_end(time.monotonic())), 3),
     }
 
 

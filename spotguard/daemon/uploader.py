@@ -21,12 +21,12 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from spotguard.daemon.events import EventBus, UploadCommitted
-from spotguard.daemon.forecast import commit_report, forecast_report, monotonic_deadline, watch_deadline
+from spotguard.daemon.forecast import commit_report, forecast_report, watch_deadline
 from spotguard.daemon.retention import apply_retention
 from spotguard.daemon.streams import EarlyUploads
 from spotguard.daemon.upload_failures import UploadFailures
@@ -177,7 +177,7 @@ class Uploader:
         self._wake = asyncio.Event()
         self.idle = asyncio.Event()  # set while nothing is queued or uploading
         self._current: _Current | None = None
-        self._deadline: datetime | None = None  # the pending notice's, if any
+        self._deadline: float | None = None  # the pending notice's, if any, on time.monotonic()'s clock
         # Early uploads (at most `concurrency`) and the one checkpoint job; more would only wait.
         self._executor = ThreadPoolExecutor(max_workers=concurrency + 1, thread_name_prefix="upload")
         # What is in the bucket of each checkpoint not yet committed there, early uploads included.
@@ -282,11 +282,11 @@ class Uploader:
         current = self._current
         return frozenset() if current is None else frozenset({current.name})
 
-    def set_deadline(self, deadline: datetime | None) -> None:
+    def set_deadline(self, deadline: float | None) -> None:  # a notice's monotonic_deadline, or None
         self._deadline = deadline
         # The store's own retries (SDK attempts and timeouts) must fit in what is left too.
         if self.storage is not None:
-            self.storage.set_deadline(monotonic_deadline(deadline))
+            self.storage.set_deadline(deadline)
 
     async def rescan(self, *, bucket: bool = True) -> None:
         """Queue every complete local checkpoint not yet complete in the bucket. The bucket is listed
@@ -402,7 +402,7 @@ class Uploader:
         total = sum(entry.size for entry in files.values())
         current = _Current(job.name, job.priority == 0, self._ahead.progress_of(job.name), threading.Event())
         self._current = current
-        deadline = monotonic_deadline(self._deadline)
+        deadline = self._deadline
         logger.info("uploading %s (%d bytes, %s)", job.name, total, "urgent" if current.urgent else "periodic")
         try:
             await self._in_upload_thread(

@@ -45,7 +45,6 @@ import re
 import string
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from spotguard.backoff import backoff_delay
@@ -62,7 +61,7 @@ from spotguard.daemon.events import (
 )
 from spotguard.daemon.route import Route
 from spotguard.manifest import Manifest
-from spotguard.notice import Action, Notice, utcnow
+from spotguard.notice import Action, Notice
 
 if TYPE_CHECKING:
     import aiohttp
@@ -161,7 +160,6 @@ class WebhookNotifier:
         template: Any = None,
         bucket: str | None = None,
         retry: RetryPolicy = RetryPolicy(),
-        clock: Callable[[], datetime] = utcnow,
     ) -> None:
         self.url = url
         self.host = host
@@ -171,7 +169,6 @@ class WebhookNotifier:
         self.sent = 0
         self.dropped = 0
         self._session = session
-        self._clock = clock
         self._events: dict[str, _Event] = {}
         self._resolved: dict[str, None] = {}  # insertion-ordered set
         self._queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(_MAX_QUEUED)
@@ -198,7 +195,7 @@ class WebhookNotifier:
             return
         event = _Event(notice, action)
         self._events[notice.event_id] = event
-        left = notice.seconds_left(self._clock())
+        left = notice.seconds_left()
         what = "checkpoint and stop" if action is Action.STOP else "checkpoint, training goes on"
         plan = self._plan_of()
         self._enqueue(
@@ -276,9 +273,8 @@ class WebhookNotifier:
         if event is None:
             return
         event.checkpoint, event.step, event.bytes = name, manifest.step, manifest.total_bytes
-        now = self._clock()
-        margin = event.notice.seconds_left(now)
-        took = (now - event.notice.received).total_seconds()
+        margin = event.notice.seconds_left()
+        took = event.notice.seconds_since_received()
         extra = {"seconds": round(took, 3), "upload_seconds": round(upload_seconds, 3), "margin_s": round(margin, 3)}
         where = f"{name} committed in {self.bucket}"
         if margin >= 0:
@@ -334,7 +330,7 @@ class WebhookNotifier:
             kind=str(notice.kind),
             action=str(event.action),
             deadline=notice.deadline.isoformat(),
-            seconds_left=round(notice.seconds_left(self._clock()), 3),
+            seconds_left=round(notice.seconds_left(), 3),
             host=self.host,
             message=message,
             checkpoint=event.checkpoint,

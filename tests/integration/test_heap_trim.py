@@ -51,7 +51,11 @@ def test_an_idle_daemon_trims_its_heaps_and_not_while_uploading_or_under_a_notic
 ) -> None:
     monkeypatch.setattr(heap, "TRIM_INTERVAL", 0.05)
     config = DaemonConfig(
-        provider="none", socket=tmp_path / "daemon.sock", checkpoint_dir=tmp_path / "nvme", bucket=bucket
+        provider="none",
+        socket=tmp_path / "daemon.sock",
+        checkpoint_dir=tmp_path / "nvme",
+        state_dir=tmp_path / "state",  # not the default's: a rerun at the same path restored this run's drill
+        bucket=bucket,
     )
     storage = HeldCommitStorage(bucket)
     with TrimmingDaemon(config, storage) as running:

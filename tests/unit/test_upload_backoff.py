@@ -7,14 +7,12 @@ import logging
 import shutil
 import threading
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
 from spotguard.daemon.events import UploadCommitted
 from spotguard.daemon.uploader import Uploader
-from spotguard.notice import utcnow
 from spotguard.storage.base import Progress, StorageError
 from spotguard.storage.file import FileStorage
 from tests.checkpoints import write_checkpoint
@@ -50,7 +48,7 @@ def test_the_wait_doubles_per_failure_up_to_the_cap_and_urgent_uploads_keep_the_
         assert all(ceiling / 2 <= w <= ceiling for w in waits), (failed, waits)
         assert len(set(waits)) > 1  # jittered
     uploader._urgent.add("step-000000001")
-    uploader.set_deadline(utcnow() + timedelta(seconds=30))
+    uploader.set_deadline(time.monotonic() + 30)
     assert uploader.retry_delay("step-000000001") == 0.05
 
 
@@ -153,7 +151,7 @@ def test_what_an_upload_held_for_checkpoints_that_failed_until_retention_removed
     urgency) must go with it, or the months a daemon runs add one per save."""
     caplog.set_level(logging.INFO, logger="spotguard.uploader")
     uploader, _ = uploader_for(tmp_path)
-    uploader.set_deadline(utcnow() + timedelta(seconds=600))
+    uploader.set_deadline(time.monotonic() + 600)
     steps = [write_checkpoint(tmp_path / "local", step, {"w.bin": b"w" * 1024}) for step in (1, 2, 3)]
 
     async def scenario() -> tuple[set[str], set[str]]:

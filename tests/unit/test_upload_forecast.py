@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,6 @@ from spotguard.crc32c import crc32c_of_bytes
 from spotguard.daemon.events import UploadCommitted
 from spotguard.daemon.uploader import Uploader
 from spotguard.manifest import FileEntry
-from spotguard.notice import utcnow
 from spotguard.storage.base import Progress
 from spotguard.storage.checkpoints import UploadProgress, upload_files
 from spotguard.storage.file import FileStorage
@@ -108,7 +106,7 @@ async def run_urgent_upload(
     root = tmp_path / "local"
     step_dir = write_checkpoint(root, 7, {"a.bin": b"a" * (512 * KiB), "b.bin": b"b" * (512 * KiB)})
     uploader = Uploader(storage, root, scan_interval=60, forecast_interval=0.2)
-    uploader.set_deadline(utcnow() + timedelta(seconds=deadline_s))
+    uploader.set_deadline(time.monotonic() + deadline_s)
     committed = asyncio.Event()
 
     async def on_committed(*_: object) -> None:
@@ -169,7 +167,7 @@ def test_files_sent_before_the_commit_show_in_the_forecast(tmp_path: Path) -> No
         data = b"x" * (768 * KiB)
         (step_dir / "w.bin").write_bytes(data)
         uploader = Uploader(storage, root, scan_interval=60)
-        uploader.set_deadline(utcnow() + timedelta(seconds=30))
+        uploader.set_deadline(time.monotonic() + 30)
         uploader.file_ready(step_dir, "w.bin", FileEntry(len(data), crc32c_of_bytes(data)), urgent=True)
         reports = []
         deadline = time.monotonic() + 30
