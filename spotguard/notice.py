@@ -59,6 +59,26 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+def _boot_clock() -> int | None:
+    """CLOCK_BOOTTIME where the OS has it (Linux), else None."""
+    clock = getattr(time, "CLOCK_BOOTTIME", None)
+    try:
+        return None if clock is None else (time.clock_gettime(clock), clock)[1]
+    except OSError:  # a kernel or sandbox without it
+        return None
+
+
+_BOOT_CLOCK = _boot_clock()
+
+
+def steady_now() -> float:
+    """Seconds on the clock a notice's time is counted on: one no step of the wall clock moves, and
+    that runs on while the VM is suspended or hibernated (CLOCK_BOOTTIME), where ``time.monotonic()``
+    stands still; a VM resumed days after an AWS hibernation notice finds that notice long over, as
+    the cloud does. ``time.monotonic()`` where the OS has no such clock."""
+    return time.monotonic() if _BOOT_CLOCK is None else time.clock_gettime(_BOOT_CLOCK)
+
+
 @dataclass(frozen=True)
 class Acknowledgement:
     """What the source of a notice must be told once the notice's checkpoint is safe in the bucket.
@@ -84,36 +104,42 @@ class Notice:
     received: datetime = field(default_factory=utcnow, compare=False)
     #: Not part of the event (equality, hash, ``to_dict``): a live handle that no restart carries over.
     acknowledgement: Acknowledgement | None = field(default=None, compare=False, repr=False)
-    #: ``deadline`` and ``received`` on this process's ``time.monotonic()`` clock, read against the
-    #: wall clock once, when the notice is made. The time left is counted on it: a step of the wall
-    #: clock during a race (NTP stepping a clock it found off, a VM thawed after a pause) moves
-    #: neither the deadline nor anything decided from it. A notice restored after a restart is read
-    #: against the wall clock again, then.
-    monotonic_deadline: float = field(init=False, compare=False, repr=False)
-    monotonic_received: float = field(init=False, compare=False, repr=False)
+    #: ``deadline`` and ``received`` on :func:`steady_now`'s clock, read against the wall clock once,
+    #: when the notice is made. The time left is counted on it: a step of the wall clock during a
+    #: race (NTP stepping a clock it found off, a VM thawed after a pause) moves neither the deadline
+    #: nor anything decided from it. A notice restored after a restart is read against the wall
+    #: clock again, then.
+    steady_deadline: float = field(init=False, compare=False, repr=False)
+    steady_received: float = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.deadline.tzinfo is None:
             raise ValueError("Notice.deadline must be timezone-aware (UTC)")
         object.__setattr__(self, "kind", Kind(self.kind))
-        steady, wall = time.monotonic(), utcnow()
-        object.__setattr__(self, "monotonic_deadline", steady + (self.deadline - wall).total_seconds())
-        object.__setattr__(self, "monotonic_received", steady + (self.received - wall).total_seconds())
+        steady, wall = steady_now(), utcnow()
+        object.__setattr__(self, "steady_deadline", steady + (self.deadline - wall).total_seconds())
+        object.__setattr__(self, "steady_received", steady + (self.received - wall).total_seconds())
 
     @property
     def is_hard(self) -> bool:
         return self.kind in HARD_KINDS
 
     def seconds_left(self, now: datetime | None = None) -> float:
-        """Seconds to the deadline: on the monotonic clock (see :attr:`monotonic_deadline`), or from
+        """Seconds to the deadline: on the steady clock (see :attr:`steady_deadline`), or from
         ``now`` on the wall clock."""
         if now is None:
-            return self.monotonic_deadline - time.monotonic()
+            return self.steady_deadline - steady_now()
         return (self.deadline - now).total_seconds()
 
     def seconds_since_received(self) -> float:
-        """Seconds since the notice was received, on the monotonic clock."""
-        return time.monotonic() - self.monotonic_received
+        """Seconds since the notice was received, on the steady clock."""
+        return steady_now() - self.steady_received
+
+    @property
+    def monotonic_deadline(self) -> float:
+        """The deadline on ``time.monotonic()``'s clock, which the store's calls and the peer handoff
+        count on, as of now (the two clocks part only while the VM is suspended)."""
+        return time.monotonic() + self.seconds_left()
 
     def to_dict(self) -> dict[str, Any]:
         return {

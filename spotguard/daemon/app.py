@@ -13,7 +13,6 @@ import functools
 import logging
 import os
 import signal
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -40,7 +39,7 @@ from spotguard.daemon.stall import StallWatch
 from spotguard.daemon.status import plan_status_of, render_status
 from spotguard.daemon.supervise import keep_running
 from spotguard.daemon.uploader import Uploader
-from spotguard.notice import Action, Notice, utcnow
+from spotguard.notice import Action, Notice, steady_now, utcnow
 from spotguard.peer.discovery import PeerRegistry
 from spotguard.peer.handoff import Handoff
 from spotguard.peer.receiver import PeerReceiver
@@ -432,7 +431,7 @@ class Daemon:
             # Up to the deadline; past it (held), what is left of the grace: the VM is still here.
             left = current.notice.seconds_left()
             if left <= 0:
-                left = current.seconds_to_end(time.monotonic())
+                left = current.seconds_to_end(steady_now())
             budget = max(0.0, min(budget, left))
         logger.info("shutting down: finishing uploads for up to %.0f s", budget)
         self.notifier.stopping(f"finishing uploads for up to {budget:.0f} s")

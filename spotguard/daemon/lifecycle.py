@@ -31,13 +31,13 @@ class TrackedNotice:
 
     @property
     def ends(self) -> datetime:
-        """When it is over at the latest, on the wall clock (for people: it is counted on the monotonic one)."""
+        """When it is over at the latest, on the wall clock (for people: it is counted on the steady one)."""
         return self.notice.deadline + timedelta(seconds=self.after_deadline)
 
     def seconds_to_end(self, now: float) -> float:
-        """Seconds from ``now`` until it is over at the latest, both on the monotonic clock (see
-        Notice.monotonic_deadline)."""
-        return self.notice.monotonic_deadline + self.after_deadline - now
+        """Seconds from ``now`` until it is over at the latest, both on the steady clock (see
+        Notice.steady_deadline)."""
+        return self.notice.steady_deadline + self.after_deadline - now
 
     def rank(self) -> tuple[bool, bool, datetime]:
         """Lower first: a hard notice before a soft one, pending before held, then the earlier deadline."""

@@ -22,7 +22,6 @@ import hashlib
 import json
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta
@@ -32,7 +31,7 @@ from typing import Any
 from spotguard.daemon.events import EventBus, NoticeMoved
 from spotguard.daemon.lifecycle import NoticeState, TrackedNotice
 from spotguard.jsontext import parse_json
-from spotguard.notice import UNTIMED_NOTICE_WINDOW, Action, Notice, utcnow
+from spotguard.notice import UNTIMED_NOTICE_WINDOW, Action, Notice, steady_now, utcnow
 from spotguard.safefile import SpareFile, replace_file
 
 logger = logging.getLogger("spotguard.daemon")
@@ -210,12 +209,13 @@ def _write_number(log: dict[str, Any]) -> int:
 
 class NoticeBook:
     """The lifecycle of every notice the daemon acts on. Their time is counted on ``clock``, the
-    monotonic one (as :attr:`Notice.monotonic_deadline <spotguard.notice.Notice.monotonic_deadline>`
-    is): a step of the wall clock neither ends a race early nor holds a notice over. Tests inject a
-    clock of their own. Each move is told on ``bus`` as a :class:`~spotguard.daemon.events.NoticeMoved`."""
+    steady one (:func:`spotguard.notice.steady_now`, as :attr:`Notice.steady_deadline
+    <spotguard.notice.Notice.steady_deadline>` is): a step of the wall clock neither ends a race early
+    nor holds a notice over. Tests inject a clock of their own. Each move is told on ``bus`` as a
+    :class:`~spotguard.daemon.events.NoticeMoved`."""
 
     def __init__(
-        self, log: EventLog, *, grace: float, bus: EventBus | None = None, clock: Callable[[], float] = time.monotonic
+        self, log: EventLog, *, grace: float, bus: EventBus | None = None, clock: Callable[[], float] = steady_now
     ) -> None:
         self.log = log
         self.grace = grace
@@ -277,7 +277,7 @@ class NoticeBook:
         now = self.clock()
         for tracked in list(self._live.values()):
             if tracked.seconds_to_end(now) <= 0 and tracked.event_id in self._live:
-                late = now - tracked.notice.monotonic_deadline
+                late = now - tracked.notice.steady_deadline
                 if tracked.action is not Action.STOP:
                     why = "its time passed"
                 elif tracked.state is NoticeState.HELD:

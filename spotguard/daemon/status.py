@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -11,6 +10,7 @@ from spotguard.daemon.notices import NoticeBook, TrackedNotice
 from spotguard.daemon.plan import Planner
 from spotguard.daemon.server import Peer, SocketServer
 from spotguard.daemon.uploader import Uploader
+from spotguard.notice import steady_now
 from spotguard.providers.base import Monitor
 from spotguard.version import __version__
 
@@ -78,7 +78,7 @@ def notice_status(tracked: TrackedNotice) -> dict[str, Any]:
         "action": str(tracked.action),
         "state": str(tracked.state),
         "seconds_left": round(max(0.0, tracked.notice.seconds_left()), 3),
-        "over_in_s": round(max(0.0, tracked.seconds_to_end(time.monotonic())), 3),
+        "over_in_s": round(max(0.0, tracked.seconds_to_end(steady_now())), 3),
     }
 
 

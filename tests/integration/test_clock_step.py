@@ -1,9 +1,9 @@
 """A step of the wall clock during a race (NTP stepping a clock it found off, a VM thawed after a
-pause) moves no deadline: the daemon counts a notice's time on the monotonic clock from when the
-notice came (spotguard.notice.Notice.monotonic_deadline).
+pause) moves no deadline: the daemon counts a notice's time on a steady clock from when the notice
+came (spotguard.notice.Notice.steady_deadline).
 
 The daemon runs in this process (tests/daemonthread.py) so that ``time_machine`` can step the wall
-clock it reads, ``time.time()`` and ``datetime.now()``, while ``time.monotonic()`` runs on; its
+clock it reads, ``time.time()`` and ``datetime.now()``, while the steady clocks run on; its
 socket, trainer hook and file:// bucket are real. Before, a step forward past the deadline and the
 grace ended the race at once ("the VM outlived its deadline", training went back to normal on a VM
 going away), and a step back gave the race hours it did not have."""

@@ -13,24 +13,24 @@ import pytest
 
 from spotguard.daemon.events import NoticeMoved
 from spotguard.daemon.notices import CLOCK_AHEAD_AFTER, EventLog, NoticeBook, NoticeState, clock_checked
-from spotguard.notice import UNTIMED_NOTICE_WINDOW, Action, Kind, Notice, utcnow
+from spotguard.notice import UNTIMED_NOTICE_WINDOW, Action, Kind, Notice, steady_now, utcnow
 from tests.diskspace import fill
 
 
 class Clock:
-    """The wall clock's time, which the test's notices are dated by, and the monotonic clock's, which
+    """The wall clock's time, which the test's notices are dated by, and the steady clock's, which
     the book counts their time on: the test moves both."""
 
     def __init__(self) -> None:
         self.now = utcnow()
-        self.monotonic = time.monotonic()
+        self.steady = steady_now()
 
     def __call__(self) -> float:
-        return self.monotonic
+        return self.steady
 
     def advance(self, seconds: float) -> None:
         self.now += timedelta(seconds=seconds)
-        self.monotonic += seconds
+        self.steady += seconds
 
 
 def book(tmp_path: Path, clock: Clock, grace: float = 60.0) -> NoticeBook:
@@ -266,3 +266,14 @@ def test_a_start_reads_the_newer_of_the_state_directory_and_the_spare(tmp_path: 
     assert EventLog(state, root, spare_dir=spare).events == {}
     log.spare.write_text(json.dumps(dict(older, write=older["write"] - 1, events={})))
     assert EventLog(state, root, spare_dir=spare).events.keys() == older["events"].keys()
+
+
+def test_a_notice_counts_its_time_on_the_boot_clock_which_runs_on_through_a_suspend() -> None:
+    # time.monotonic() stands still while the VM is suspended or hibernated: a VM resumed days after
+    # an AWS hibernation notice would find it still pending. CLOCK_BOOTTIME runs on.
+    before = time.clock_gettime(time.CLOCK_BOOTTIME)
+    steady = steady_now()
+    assert before <= steady <= time.clock_gettime(time.CLOCK_BOOTTIME)
+    drill = Notice.in_seconds("none", Kind.DRILL, 30, "boot-clock")
+    assert drill.steady_deadline - steady_now() == pytest.approx(30, abs=0.5)
+    assert drill.monotonic_deadline - time.monotonic() == pytest.approx(drill.seconds_left(), abs=0.01)
