@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from spotguard.config import DEFAULT_CHECKPOINT_DIR, DEFAULT_STATE_DIR
 from spotguard.harness import Vm
 from tests.diskspace import mount_tmpfs
 
@@ -91,3 +92,26 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         ordered += lane + quick[:take]
         del quick[:take]
     items[:] = ordered + quick
+
+
+# The daemon's default paths on a real VM: a test that forgets to point its daemon elsewhere writes
+# there, and a rerun at the same tmp path then found that run's notices restored (a drill left
+# pending by the first run ended the second's wait for an idle daemon).
+_SYSTEM_PATHS = (DEFAULT_STATE_DIR.parent, DEFAULT_CHECKPOINT_DIR, Path("/run/spotguard"))
+_ABSENT_AT_START = [path for path in _SYSTEM_PATHS if not path.exists()]
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run if the tests created any of the daemon's system paths (checked where none existed)."""
+    if hasattr(session.config, "workerinput"):
+        return  # an xdist worker: the controller checks once, after every worker is done
+    created = [str(path) for path in _ABSENT_AT_START if path.exists()]
+    if created:
+        writer = session.config.get_terminal_writer()
+        writer.line()
+        writer.line(
+            f"the tests wrote to the daemon's system paths {created}: give every daemon a state_dir, "
+            "checkpoint_dir and socket under tmp_path",
+            red=True,
+        )
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
