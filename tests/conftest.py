@@ -8,12 +8,21 @@ from pathlib import Path
 
 import pytest
 
+from spotguard import cloudclock
 from spotguard.config import DEFAULT_CHECKPOINT_DIR, DEFAULT_STATE_DIR
 from spotguard.harness import Vm
 from tests.diskspace import mount_tmpfs
 
 # Tests spawn trainer subprocesses; one thread each keeps 2 cores from thrashing and reductions repeatable.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(autouse=True)
+def _no_clock_measurement_carried_over() -> Iterator[None]:
+    """A metadata emulator's skewed Date header, read by a monitor in this process, sets how far this
+    VM's clock runs ahead of the cloud's (spotguard/cloudclock.py): it must not age the next test's objects."""
+    yield
+    cloudclock.forget()
 
 
 @pytest.fixture

@@ -382,6 +382,8 @@ class Daemon:
             await asyncio.wait_for(first_checks, self.config.http_timeout * 2 + 1)
         except TimeoutError:
             logger.warning("the first metadata check took longer than %.0f s", self.config.http_timeout * 2 + 1)
+        if self.storage is not None:
+            await _sweep_store(self.storage, self.config)
         await asyncio.to_thread(self.events.flush)  # what READY promises is on disk too
         services: dict[str, Callable[[], Awaitable[None]]] = {
             "uploader": self.uploader.run,
@@ -457,18 +459,9 @@ class Daemon:
 
 
 async def _prepare_store(storage: Storage, config: DaemonConfig) -> None:
-    """Before the first notice: credentials and connections (not at notice time), the rate probes
-    and multipart uploads an earlier run left (billed; nobody resumes them) removed."""
+    """Before the first notice: credentials and connections (not at notice time), and the multipart
+    uploads a killed predecessor of this daemon opened (billed; nobody resumes them) aborted."""
     await asyncio.to_thread(storage.warm)
-    try:
-        swept = await asyncio.to_thread(
-            sweep_rate_probes, storage, older_than=timedelta(seconds=config.incomplete_grace)
-        )
-    except (StorageError, OSError) as exc:  # the next start tries again; nothing here is urgent
-        logger.warning("could not sweep old upload-rate probes from %s: %s", storage.url, exc)
-    else:
-        if swept:
-            logger.info("removed %d upload-rate probe object(s) an earlier run left in the bucket", swept)
     if Capability.STALE_SWEEP not in storage.capabilities:
         return
     # Exactly the uploads a killed predecessor opened, however young: they are ours to abort.
@@ -480,7 +473,23 @@ async def _prepare_store(storage: Storage, config: DaemonConfig) -> None:
     aborted = await asyncio.to_thread(storage.keep_journal, journal)
     if aborted:
         logger.info("aborted %d multipart upload(s) an earlier run of this daemon left open", aborted)
-    # Others' only when old: the other nodes of a job share the prefix and may be uploading right now.
+
+
+async def _sweep_store(storage: Storage, config: DaemonConfig) -> None:
+    """What earlier runs left in the bucket, removed by age: upload-rate probes, and others' multipart
+    uploads (only old ones: the other nodes of a job share the prefix and may be uploading right now).
+    After the first metadata check: ages are counted on the cloud's time (spotguard/cloudclock.py)."""
+    try:
+        swept = await asyncio.to_thread(
+            sweep_rate_probes, storage, older_than=timedelta(seconds=config.incomplete_grace)
+        )
+    except (StorageError, OSError) as exc:  # the next start tries again; nothing here is urgent
+        logger.warning("could not sweep old upload-rate probes from %s: %s", storage.url, exc)
+    else:
+        if swept:
+            logger.info("removed %d upload-rate probe object(s) an earlier run left in the bucket", swept)
+    if Capability.STALE_SWEEP not in storage.capabilities:
+        return
     aborted = await asyncio.to_thread(
         storage.abort_stale_multipart_uploads, older_than=timedelta(seconds=config.stale_upload_age)
     )

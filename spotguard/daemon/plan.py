@@ -37,10 +37,11 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from spotguard.cloudclock import cloud_now
 from spotguard.daemon.events import EventBus, PlanChanged
 from spotguard.daemon.route import FIT_FRACTION, UNKNOWN_SIZE, Plan, Route, SizeFrom, choose_route
 from spotguard.localstore import scan_local
@@ -226,7 +227,7 @@ def sweep_rate_probes(storage: Storage, older_than: timedelta, now: datetime | N
     """Delete the probe objects (and a file:// store's temporary copies of them) untouched for
     ``older_than``; how many. A daemon killed between a probe's upload and its delete leaves its
     object for good; a younger one may be another daemon's probe under way (a fleet starts at once)."""
-    now = now or datetime.now(UTC)
+    now = now or cloud_now()  # the store's stamps are the cloud's time (spotguard/cloudclock.py)
     prefix = f"{PROBE_PREFIX}/"
     objects, temporaries = storage.listing(prefix)
     found = objects + temporaries

@@ -15,9 +15,10 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 
+from spotguard.cloudclock import cloud_now
 from spotguard.crc32c import crc32c_of_bytes
 from spotguard.manifest import (
     FORMAT,
@@ -516,7 +517,7 @@ def prune_remote(
     The temporary files of a file:// store's copies go with the checkpoint they were written into,
     and a copy's write counts as a write to its checkpoint; one left anywhere else (by a writer
     killed mid-copy) is deleted once untouched for ``grace``, like an incomplete checkpoint."""
-    now = now or datetime.now(UTC)
+    now = now or cloud_now()  # the store's stamps are the cloud's time (spotguard/cloudclock.py)
     objects, temporaries = storage.listing()  # one listing serves the status, the keys and the copies
     groups = _group_by_checkpoint(objects)
     copies = _group_by_checkpoint(temporaries)

@@ -56,6 +56,7 @@ from google.api_core.retry import Retry
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage as gcs
 
+from spotguard.cloudclock import cloud_now
 from spotguard.crc32c import base64_to_hex
 from spotguard.crc32c import crc32c_hex_to_int as _hex_to_int
 from spotguard.crc32c import crc32c_int_to_base64 as _int_to_b64
@@ -530,7 +531,7 @@ class GcsStorage(StoreDefaults):
         """Delete parts left under ``<prefix>.spotguard-parts/`` by an interrupted upload;
         returns how many. Same name as the S3 backend's so the daemon calls either at start;
         ``older_than`` spares younger parts, which may be another writer's upload in flight."""
-        cutoff = dt.datetime.now(dt.UTC) - older_than if older_than is not None else None
+        cutoff = cloud_now() - older_than if older_than is not None else None  # GCS stamps the cloud's time
         try:
             stale = [
                 b.name

@@ -19,6 +19,7 @@ from typing import Any
 
 import google_crc32c
 
+from spotguard.cloudclock import cloud_now
 from spotguard.crc32c import crc32c_int_to_base64 as _int_to_b64
 from spotguard.storage.base import ChecksumMismatch, ObjectNotFound, RecentKeys, StorageError, read_exactly
 from spotguard.storage.journal import UploadJournal
@@ -334,7 +335,7 @@ class S3Multipart:
 
     def abort_stale(self, older_than: dt.timedelta | None) -> int:
         """Abort the unfinished multipart uploads under the prefix older than ``older_than``; how many."""
-        cutoff = dt.datetime.now(dt.UTC) - older_than if older_than is not None else None
+        cutoff = cloud_now() - older_than if older_than is not None else None  # S3 stamps the cloud's time
         aborted = 0
         for upload in self.open_uploads(self.api.prefix):
             initiated = upload.get("Initiated")

@@ -15,8 +15,10 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import os
 import re
 import socket
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +28,7 @@ import pytest
 
 from spotguard import Guard
 from spotguard.daemon.notices import EventLog
+from spotguard.daemon.plan import PROBE_PREFIX
 from spotguard.emulate.common import RunningEmulator
 from spotguard.emulate.gcp import GcpEmulator
 from spotguard.emulate.registry import start_emulator
@@ -34,6 +37,7 @@ from spotguard.providers.base import MAX_ANSWER
 from spotguard.storage.checkpoints import list_remote
 from spotguard.storage.file import FileStorage
 from spotguard.trainer.notices import NoticeFlags
+from tests.checkpoints import write_checkpoint
 
 POLL_INTERVAL = "0.2"
 HTTP_TIMEOUT = 0.3
@@ -560,6 +564,44 @@ def test_a_vm_clock_far_from_the_metadata_services_is_warned_about_before_any_no
     seen = polls(emu, case.polled_path)
     wait_for(lambda: polls(emu, case.polled_path) >= seen + 3, WAIT, "three more polls")
     assert len(warned()) == 1  # once an hour while it lasts, not at every poll
+
+
+def test_a_vm_clock_hours_ahead_of_the_clouds_ages_no_other_writers_objects_into_leftovers(
+    tmp_path: Path, emulators: Callable[..., RunningEmulator]
+) -> None:
+    """The daemon deletes upload-rate probes and incomplete checkpoints from the bucket once they are
+    ``incomplete_grace`` (an hour) untouched, by the store's stamps. Counted on a VM clock two hours
+    ahead of the cloud's, another daemon's probe and another node's checkpoint, both five minutes
+    old, were an hour past it and deleted; now their age is counted on the cloud's time, which the
+    metadata service's Date header gives (the emulator's, two hours behind this host's clock)."""
+    ahead = 7200.0
+    emu = emulators("aws")
+    emu.inject({"kind": "skew", "seconds": ahead})  # before the daemon's first poll
+    bucket = tmp_path / "bucket"
+    cloud_now = time.time() - ahead
+
+    def left_in_the_bucket(rel: str, age: float) -> Path:
+        path = bucket / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"x" * 1024)
+        os.utime(path, (cloud_now - age, cloud_now - age))
+        return path
+
+    young_probe = left_in_the_bucket(f"{PROBE_PREFIX}/another-daemons.bin", 300)
+    old_probe = left_in_the_bucket(f"{PROBE_PREFIX}/a-killed-daemons.bin", 3 * 3600)
+    young_share = left_in_the_bucket("step-000000005/__1_0.distcp", 300)  # another node's, uploading
+    old_share = left_in_the_bucket("step-000000003/__1_0.distcp", 3 * 3600)  # a node that died mid-upload
+    vm = Vm(tmp_path, "ahead", bucket.as_uri(), extra_args=daemon_args("aws", emu))
+    write_checkpoint(vm.root, 7, {"model.pt": b"w" * 4096})  # its commit runs the bucket's retention
+    try:
+        vm.start_daemon(env=DAEMON_ENV)
+        wait_for(lambda: remote_complete(bucket.as_uri()) == ["step-000000007"], WAIT, "the commit")
+        wait_for(lambda: not old_share.exists(), WAIT, "the retention after the commit")
+        assert not old_probe.exists()  # the leftovers go as before
+        assert young_probe.exists() and young_share.exists()
+        assert re.search(r"aws: this VM's clock is 7\d{3} s ahead of the metadata service's", vm.log.read_text())
+    finally:
+        vm.kill_daemon()
 
 
 def test_an_interruption_behind_the_vms_clock_is_acted_on_with_a_short_window(
