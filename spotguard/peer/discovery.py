@@ -12,7 +12,10 @@ deleted on a clean shutdown. A sender reads the prefix when it needs a peer: its
 skipped, an entry whose heartbeat is older than :data:`STALE_AFTER` periods is skipped (a VM
 preempted without a clean shutdown leaves its entry behind), and one older than
 :data:`PRUNE_AFTER` periods is deleted. Heartbeats are wall-clock times of the writer; VMs keep
-their clocks synchronised (NTP, the clouds' own time sources), well inside a period.
+their clocks synchronised (NTP, the clouds' own time sources), well inside a period. A VM whose clock
+the metadata service's ``Date`` header finds ahead writes and reads them on the cloud's time instead
+(spotguard/cloudclock.py): it neither deletes its live peers' entries as long dead nor writes its own
+in their future.
 
 Nothing in an entry is trusted as written (docs/security.md):
 
@@ -46,11 +49,11 @@ import json
 import logging
 import re
 import socket
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from spotguard.cloudclock import cloud_now
 from spotguard.jsontext import parse_json
 from spotguard.peer.networks import PeerNetworks
 from spotguard.peer.tokens import (
@@ -162,7 +165,7 @@ class PeerRegistry:
         address: str | None = None,
         heartbeat: float = HEARTBEAT,
         max_candidates: int = MAX_CANDIDATES,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = lambda: cloud_now().timestamp(),
     ) -> None:
         self.storage = storage
         self.address: str | None = None  # None: this daemon only sends, it is nobody's candidate

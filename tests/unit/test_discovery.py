@@ -9,12 +9,15 @@ import json
 import logging
 import os
 import tempfile
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+import time_machine
 
+from spotguard import cloudclock
 from spotguard.cli import main
 from spotguard.config import ConfigError, DaemonConfig
 from spotguard.peer.discovery import (
@@ -334,3 +337,19 @@ def test_what_is_remembered_of_previous_only_peers_is_bounded_and_kept_per_rotat
     alone = JobToken(TOKEN)
     peers.learn("10.0.1.8", 7140, alone, previous_only=True)
     assert not peers.first("10.0.1.8", 7140, alone) and not peers.first("10.0.1.7", 7145, alone)
+
+
+def test_a_reader_whose_clock_runs_hours_ahead_keeps_its_live_peers(storage: FileStorage) -> None:
+    """Heartbeats are compared with the reader's clock: one two hours ahead took every live peer's
+    entry for one long dead, skipped it and deleted it. The metadata service's Date header says how
+    far ahead the clock runs, and the registry counts on the cloud's time then (spotguard/cloudclock.py)."""
+    peer = PeerRegistry(storage, token=TOKEN, networks=NETWORKS, address="127.0.0.1:7141", clock=time.time)
+    peer.register()  # a peer whose clock is right
+    with time_machine.travel(datetime.now(UTC) + timedelta(hours=2), tick=True):
+        cloudclock.note_ahead(2 * 3600.0)  # what the monitors read from the metadata service's answers
+        reader = PeerRegistry(storage, token=TOKEN, networks=NETWORKS)
+        assert asyncio.run(reader.candidates()) == [("127.0.0.1", 7141)]
+        assert keys(storage) == [peer.key]  # not deleted as long dead
+        reader.advertise("127.0.0.1:7140")
+        reader.register()  # and its own heartbeat is not two hours in the peer's future
+    assert asyncio.run(peer.candidates()) == [("127.0.0.1", 7140)]
