@@ -9,6 +9,11 @@ VM's clock at every poll, spotguard.providers.base.note_clock): while they say t
 ahead, ages are counted from the cloud's time instead. A clock behind the cloud's makes objects look
 younger, which only keeps them longer, and is left as it is.
 
+The deadlines the cloud gives (a spot interruption's ``time``, an event's ``NotBefore``) are in the
+cloud's time too: on a clock off by more than :data:`CLOCK_OFF` they are moved onto this VM's clock
+(:func:`on_this_clock`), so that a VM whose clock runs 200 s ahead races its notice's true two
+minutes, not the 30 s window a notice dated in the VM's past got.
+
 Stdlib only: the stores import it.
 """
 
@@ -22,6 +27,11 @@ from spotguard.notice import steady_now, utcnow
 #: How long a measurement stands without a newer one (a monitor that stopped answering, a daemon
 #: without one): after that, this VM's clock is taken as it is, as before any measurement.
 MEASUREMENT_LASTS = 3600.0
+#: A clock further than this from the metadata service's is off (and warned about): a deadline the
+#: cloud gives is moved onto it. Closer, the two are taken to agree (a Date header has whole seconds).
+CLOCK_OFF = 30.0
+#: What a Date header's whole seconds (and the answer's way back) add to the lead measured at most.
+DATE_RESOLUTION = 1.0
 
 _lock = threading.Lock()
 _ahead: tuple[float, float] | None = None  # (seconds this VM's clock is ahead of the cloud's, steady_now() then)
@@ -41,15 +51,31 @@ def forget() -> None:
         _ahead = None
 
 
+def _lead() -> float | None:
+    """Seconds this VM's clock was last seen ahead of the cloud's (within :data:`MEASUREMENT_LASTS`)."""
+    with _lock:
+        ahead = _ahead
+    if ahead is None or steady_now() - ahead[1] > MEASUREMENT_LASTS:
+        return None
+    return ahead[0]
+
+
+def on_this_clock(cloud_time: datetime) -> datetime:
+    """A time the cloud gave (a notice's deadline) on this VM's clock: later by how far this clock was
+    last seen ahead of the cloud's, earlier by how far behind, where that is past :data:`CLOCK_OFF`.
+    Less :data:`DATE_RESOLUTION`, by which the measurement may overstate the lead: the deadline may
+    come a second early on this clock, never late."""
+    lead = _lead()
+    if lead is None or abs(lead) <= CLOCK_OFF:
+        return cloud_time
+    return cloud_time + timedelta(seconds=lead - DATE_RESOLUTION)
+
+
 def cloud_now() -> datetime:
     """Now on the cloud's clock as far as this VM knows: its own clock, less how far it was last seen
     ahead of the metadata service's (within :data:`MEASUREMENT_LASTS`); never later than its own."""
-    with _lock:
-        ahead = _ahead
-    now = utcnow()
-    if ahead is None or ahead[0] <= 0 or steady_now() - ahead[1] > MEASUREMENT_LASTS:
-        return now
-    return now - timedelta(seconds=ahead[0])
+    lead, now = _lead(), utcnow()
+    return now if lead is None or lead <= 0 else now - timedelta(seconds=lead)
 
 
-__all__ = ["MEASUREMENT_LASTS", "cloud_now", "forget", "note_ahead"]
+__all__ = ["CLOCK_OFF", "DATE_RESOLUTION", "MEASUREMENT_LASTS", "cloud_now", "forget", "note_ahead", "on_this_clock"]

@@ -45,6 +45,7 @@ from typing import Any, Unpack
 
 import aiohttp
 
+from spotguard.cloudclock import on_this_clock
 from spotguard.notice import UNTIMED_NOTICE_WINDOW, Acknowledgement, Kind, Notice, event_id_for, parse_iso
 from spotguard.providers import base
 from spotguard.providers.base import Monitor, MonitorError, MonitorSettings, PolledMonitor, Polling
@@ -91,7 +92,7 @@ def parse_instance_action(text: str, first_seen: datetime) -> Notice:
     if not isinstance(action, str) or action not in SPOT_KINDS or not isinstance(data.get("time"), str):
         raise ValueError(f"unexpected instance-action: {text[:120]!r}")
     kind = SPOT_KINDS[action]
-    announced = parse_iso(data["time"])
+    announced = on_this_clock(parse_iso(data["time"]))  # EC2's time, moved onto this VM's clock
     # EC2 fills "time" in for hibernation too, but promises no two-minute warning for it. For the
     # others it is two minutes after the notice: a "time" further than that from when the notice was
     # first seen says this VM's clock is behind EC2's, and the plan must not count on the difference.
@@ -106,7 +107,7 @@ def parse_rebalance(text: str) -> Notice:
     data = base.load_json(text)
     if not isinstance(data, dict) or not isinstance(data.get("noticeTime"), str):
         raise ValueError(f"unexpected rebalance recommendation: {text[:120]!r}")
-    notice_time = parse_iso(data["noticeTime"])
+    notice_time = on_this_clock(parse_iso(data["noticeTime"]))
     return Notice(
         provider="aws",
         kind=Kind.REBALANCE,
@@ -134,7 +135,7 @@ def parse_maintenance(text: str) -> list[Notice]:
             Notice(
                 provider="aws",
                 kind=Kind.MAINTENANCE,
-                deadline=parse_maintenance_time(str(event.get("NotBefore", ""))),
+                deadline=on_this_clock(parse_maintenance_time(str(event.get("NotBefore", "")))),
                 event_id=event_id_for("aws", Kind.MAINTENANCE, event["EventId"]),
                 raw={"maintenance": event},
             )

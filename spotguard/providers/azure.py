@@ -31,6 +31,7 @@ from typing import Any, Unpack
 
 import aiohttp
 
+from spotguard.cloudclock import on_this_clock
 from spotguard.notice import Acknowledgement, Kind, Notice, event_id_for
 from spotguard.providers import base
 from spotguard.providers.base import Monitor, MonitorError, MonitorSettings, PolledMonitor, Polling
@@ -146,7 +147,7 @@ class AzureMonitor(PolledMonitor):
         event_id = event_id_for("azure", kind, event["EventId"])
         not_before = str(event.get("NotBefore") or "").strip()
         # Blank NotBefore: the event has started, and "now" must not move between polls.
-        deadline = parse_not_before(not_before) if not_before else self.first_seen(event_id)
+        deadline = on_this_clock(parse_not_before(not_before)) if not_before else self.first_seen(event_id)
         azure_id = str(event["EventId"])
         acknowledgement = Acknowledgement(f"azure: StartRequests for {azure_id}", lambda: self.start_requests(azure_id))
         return Notice(

@@ -20,7 +20,7 @@ from email.utils import parsedate_to_datetime
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol, TypedDict, runtime_checkable
 
-from spotguard.cloudclock import note_ahead
+from spotguard.cloudclock import CLOCK_OFF, note_ahead
 from spotguard.errors import TransientError
 from spotguard.jsontext import parse_json
 from spotguard.notice import Acknowledgement, Notice, plausible_time, utcnow
@@ -128,7 +128,7 @@ MAX_ANSWER = 1 << 20
 # An answer's Date header further than this from this VM's clock: the cloud's deadlines are read against
 # a clock that disagrees with the cloud's (spotguard.daemon.notices.clock_checked catches the worst case
 # at notice time; this says so before any notice comes). Once an hour while it lasts.
-CLOCK_SKEW_WARN = 30.0
+CLOCK_SKEW_WARN = CLOCK_OFF
 _CLOCK_WARNINGS = RepeatedErrors(every=3600.0)
 
 

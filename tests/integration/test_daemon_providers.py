@@ -44,6 +44,7 @@ HTTP_TIMEOUT = 0.3
 LATENCY = 0.8  # > HTTP_TIMEOUT: the request times out on the daemon's side
 DAEMON_ENV = {"SPOTGUARD_HTTP_TIMEOUT": str(HTTP_TIMEOUT)}
 WAIT = 15.0  # seconds; a deadline for things that take one or a few polls
+NOTICE_S = 120  # a spot interruption's two-minute warning
 
 
 # --- what differs between providers ------------------------------------------------------------
@@ -622,6 +623,26 @@ def test_an_interruption_behind_the_vms_clock_is_acted_on_with_a_short_window(
     assert notice["kind"] == "terminate" and notice.get("state", "pending") == "pending"
     assert 15 < notice["seconds_left"] <= 30  # the untimed window from when it was seen, not -200 s
     assert re.search(r"its deadline \S+ is 20\d s behind this VM's clock, yet the VM runs", vm.log.read_text())
+
+
+def test_an_interruption_on_a_vm_clock_minutes_ahead_gets_its_true_two_minutes(
+    vm_factory: Callable[..., Vm],
+    emulators: Callable[..., RunningEmulator],
+    guards: Callable[[Vm], RecordingGuard],
+) -> None:
+    """The same VM clock 200 s ahead of EC2's, now measured: the metadata service's Date header says
+    so, and the interruption's "time" is moved onto this clock. The race gets the two minutes EC2
+    gives, not the 30 s window of a notice that looks long over."""
+    ahead = 200
+    emu = emulators("aws")
+    emu.inject({"kind": "skew", "seconds": ahead})  # EC2's clock, as its Date header gives it
+    vm = vm_factory("clock-ahead-measured", env=DAEMON_ENV, extra_args=daemon_args("aws", emu))
+    guard = guards(vm)
+    emu.trigger(kind="spot", action="terminate", **{"in": NOTICE_S - ahead})  # two minutes on EC2's clock
+    wait_for(lambda: guard.should_checkpoint(1), WAIT, "the daemon to tell the trainer")
+    notice = assert_alive(vm)["pending"]
+    assert NOTICE_S - 15 < notice["seconds_left"] <= NOTICE_S  # before: the untimed 30 s window
+    assert "behind this VM's clock, yet the VM runs" not in vm.log.read_text()
 
 
 def test_aws_without_a_lifecycle_hook_never_calls_auto_scaling(

@@ -1,0 +1,47 @@
+"""The cloud's time as the daemon knows it (spotguard/cloudclock.py): what a measured lead of this VM's
+clock does to the age of objects in the bucket and to the deadlines the cloud gives."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from spotguard import cloudclock
+from spotguard.cloudclock import CLOCK_OFF, DATE_RESOLUTION, cloud_now, note_ahead, on_this_clock
+from spotguard.notice import utcnow
+
+DEADLINE = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
+
+
+def test_without_a_measurement_this_vms_clock_is_the_clouds() -> None:
+    assert on_this_clock(DEADLINE) == DEADLINE
+    assert abs((cloud_now() - utcnow()).total_seconds()) < 0.5
+
+
+def test_a_clock_ahead_ages_objects_on_the_clouds_time_and_moves_its_deadlines_later() -> None:
+    note_ahead(7200.0)
+    assert (utcnow() - cloud_now()).total_seconds() == pytest.approx(7200.0, abs=0.5)
+    # A second less than the lead: a Date header's whole seconds may overstate it, and a deadline
+    # must not come later on this clock than on the cloud's.
+    assert on_this_clock(DEADLINE) == DEADLINE + timedelta(seconds=7200.0 - DATE_RESOLUTION)
+
+
+def test_a_clock_behind_keeps_objects_longer_and_moves_its_deadlines_earlier() -> None:
+    note_ahead(-600.0)
+    assert abs((cloud_now() - utcnow()).total_seconds()) < 0.5  # never later than this VM's clock
+    assert on_this_clock(DEADLINE) == DEADLINE - timedelta(seconds=600.0 + DATE_RESOLUTION)
+
+
+def test_clocks_within_the_warning_bound_agree_on_deadlines() -> None:
+    note_ahead(CLOCK_OFF)
+    assert on_this_clock(DEADLINE) == DEADLINE
+    note_ahead(-CLOCK_OFF)
+    assert on_this_clock(DEADLINE) == DEADLINE
+
+
+def test_a_measurement_nobody_renewed_stops_counting(monkeypatch: pytest.MonkeyPatch) -> None:
+    note_ahead(7200.0)
+    monkeypatch.setattr(cloudclock, "MEASUREMENT_LASTS", 0.0)  # an hour without a metadata answer
+    assert on_this_clock(DEADLINE) == DEADLINE
+    assert abs((cloud_now() - utcnow()).total_seconds()) < 0.5
