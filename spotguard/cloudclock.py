@@ -1,4 +1,5 @@
-"""The cloud's time as this VM best knows it, for telling how old an object in the bucket is.
+"""The cloud's time as this VM best knows it: what objects in the bucket are aged by, and where the
+cloud's deadlines and the peer registry's heartbeats fall on this VM's clock.
 
 The bucket stamps its objects with the cloud's clock; the daemon deletes some of them by age (an
 incomplete checkpoint untouched for ``incomplete_grace``, multipart uploads older than
@@ -14,7 +15,7 @@ cloud's time too: on a clock off by more than :data:`CLOCK_OFF` they are moved o
 (:func:`on_this_clock`), so that a VM whose clock runs 200 s ahead races its notice's true two
 minutes, not the 30 s window a notice dated in the VM's past got.
 
-Stdlib only: the stores import it.
+Stdlib only: the monitors, the stores and the peer registry import it.
 """
 
 from __future__ import annotations
