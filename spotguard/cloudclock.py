@@ -52,8 +52,9 @@ def forget() -> None:
         _ahead = None
 
 
-def _lead() -> float | None:
-    """Seconds this VM's clock was last seen ahead of the cloud's (within :data:`MEASUREMENT_LASTS`)."""
+def measured_lead() -> float | None:
+    """Seconds this VM's clock was last seen ahead of the cloud's (negative: behind), within
+    :data:`MEASUREMENT_LASTS`; None without such a measurement."""
     with _lock:
         ahead = _ahead
     if ahead is None or steady_now() - ahead[1] > MEASUREMENT_LASTS:
@@ -66,7 +67,7 @@ def on_this_clock(cloud_time: datetime) -> datetime:
     last seen ahead of the cloud's, earlier by how far behind, where that is past :data:`CLOCK_OFF`.
     Less :data:`DATE_RESOLUTION`, by which the measurement may overstate the lead: the deadline may
     come a second early on this clock, never late."""
-    lead = _lead()
+    lead = measured_lead()
     if lead is None or abs(lead) <= CLOCK_OFF:
         return cloud_time
     return cloud_time + timedelta(seconds=lead - DATE_RESOLUTION)
@@ -75,8 +76,17 @@ def on_this_clock(cloud_time: datetime) -> datetime:
 def cloud_now() -> datetime:
     """Now on the cloud's clock as far as this VM knows: its own clock, less how far it was last seen
     ahead of the metadata service's (within :data:`MEASUREMENT_LASTS`); never later than its own."""
-    lead, now = _lead(), utcnow()
+    lead, now = measured_lead(), utcnow()
     return now if lead is None or lead <= 0 else now - timedelta(seconds=lead)
 
 
-__all__ = ["CLOCK_OFF", "DATE_RESOLUTION", "MEASUREMENT_LASTS", "cloud_now", "forget", "note_ahead", "on_this_clock"]
+__all__ = [
+    "CLOCK_OFF",
+    "DATE_RESOLUTION",
+    "MEASUREMENT_LASTS",
+    "cloud_now",
+    "forget",
+    "measured_lead",
+    "note_ahead",
+    "on_this_clock",
+]

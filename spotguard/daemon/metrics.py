@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 
+from spotguard.cloudclock import measured_lead
 from spotguard.daemon.events import (
     CheckpointSaved,
     DaemonEvents,
@@ -85,6 +86,14 @@ class _LiveCollector:
             "Trainers told of the pending notice that have not reached a checkpoint point within the bound",
             value=self.stalled(),
         )
+        clock = GaugeMetricFamily(
+            "spotguard_clock_ahead_seconds",
+            "Seconds this VM's clock runs ahead of the metadata service's Date header (negative: behind), "
+            "as last measured; absent without a metadata service",
+        )
+        if (lead := measured_lead()) is not None:
+            clock.add_metric([], lead)
+        yield clock
         yield from self._plan_families()
         yield from _peer_families(self.peers())
 

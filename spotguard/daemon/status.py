@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 from typing import Any, Protocol
 
+from spotguard.cloudclock import measured_lead
 from spotguard.daemon.notices import NoticeBook, TrackedNotice
 from spotguard.daemon.plan import Planner
 from spotguard.daemon.server import Peer, SocketServer
@@ -56,6 +57,8 @@ def render_status(source: StatusSource, *, peers: dict[str, Any] | None, stoppin
         "peers": peers,
         "stopping": stopping,
         "metrics_url": source.metrics_url,
+        # Seconds this VM's clock runs ahead of the metadata service's (its Date header), last measured.
+        "clock_ahead_s": None if (lead := measured_lead()) is None else round(lead, 1),
     }
 
 

@@ -601,6 +601,7 @@ def test_a_vm_clock_hours_ahead_of_the_clouds_ages_no_other_writers_objects_into
         assert not old_probe.exists()  # the leftovers go as before
         assert young_probe.exists() and young_share.exists()
         assert re.search(r"aws: this VM's clock is 7\d{3} s ahead of the metadata service's", vm.log.read_text())
+        assert vm.status()["clock_ahead_s"] == pytest.approx(ahead, abs=2)
     finally:
         vm.kill_daemon()
 

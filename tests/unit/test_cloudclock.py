@@ -6,9 +6,11 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from spotguard import cloudclock
 from spotguard.cloudclock import CLOCK_OFF, DATE_RESOLUTION, cloud_now, note_ahead, on_this_clock
+from spotguard.daemon.metrics import DaemonMetrics
 from spotguard.notice import utcnow
 
 DEADLINE = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
@@ -45,3 +47,11 @@ def test_a_measurement_nobody_renewed_stops_counting(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(cloudclock, "MEASUREMENT_LASTS", 0.0)  # an hour without a metadata answer
     assert on_this_clock(DEADLINE) == DEADLINE
     assert abs((cloud_now() - utcnow()).total_seconds()) < 0.5
+
+
+def test_the_measured_lead_is_a_metric_absent_without_a_measurement() -> None:
+    registry = CollectorRegistry()
+    DaemonMetrics(registry)
+    assert registry.get_sample_value("spotguard_clock_ahead_seconds") is None
+    note_ahead(-42.0)
+    assert registry.get_sample_value("spotguard_clock_ahead_seconds") == -42.0
