@@ -73,6 +73,15 @@ def on_this_clock(cloud_time: datetime) -> datetime:
     return cloud_time + timedelta(seconds=lead - DATE_RESOLUTION)
 
 
+def cloud_time() -> datetime:
+    """Now on the cloud's clock as last measured, either way: what the peer registry's heartbeats are
+    written and compared on, so that VMs whose clocks disagree still agree on them. Not for deciding
+    what to delete: a ``Date`` header from the future would make everything look old (see
+    :func:`cloud_now`)."""
+    lead, now = measured_lead(), utcnow()
+    return now if lead is None else now - timedelta(seconds=lead)
+
+
 def cloud_now() -> datetime:
     """Now on the cloud's clock as far as this VM knows: its own clock, less how far it was last seen
     ahead of the metadata service's (within :data:`MEASUREMENT_LASTS`); never later than its own."""
@@ -85,6 +94,7 @@ __all__ = [
     "DATE_RESOLUTION",
     "MEASUREMENT_LASTS",
     "cloud_now",
+    "cloud_time",
     "forget",
     "measured_lead",
     "note_ahead",

@@ -13,9 +13,10 @@ skipped, an entry whose heartbeat is older than :data:`STALE_AFTER` periods is s
 preempted without a clean shutdown leaves its entry behind), and one older than
 :data:`PRUNE_AFTER` periods is deleted. Heartbeats are wall-clock times of the writer; VMs keep
 their clocks synchronised (NTP, the clouds' own time sources), well inside a period. A VM whose clock
-the metadata service's ``Date`` header finds ahead writes and reads them on the cloud's time instead
-(spotguard/cloudclock.py): it neither deletes its live peers' entries as long dead nor writes its own
-in their future.
+the metadata service's ``Date`` header finds off writes and reads them on the cloud's time instead
+(spotguard/cloudclock.py): ahead, it neither deletes its live peers' entries as long dead nor writes
+its own in their future; behind, it neither refuses theirs as from the future nor is passed over as
+stale. Entries are deleted by a clock never later than the VM's own.
 
 Nothing in an entry is trusted as written (docs/security.md):
 
@@ -53,7 +54,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from spotguard.cloudclock import cloud_now
+from spotguard.cloudclock import cloud_now, cloud_time
 from spotguard.jsontext import parse_json
 from spotguard.peer.networks import PeerNetworks
 from spotguard.peer.tokens import (
@@ -165,7 +166,7 @@ class PeerRegistry:
         address: str | None = None,
         heartbeat: float = HEARTBEAT,
         max_candidates: int = MAX_CANDIDATES,
-        clock: Callable[[], float] = lambda: cloud_now().timestamp(),
+        clock: Callable[[], float] = lambda: cloud_time().timestamp(),
     ) -> None:
         self.storage = storage
         self.address: str | None = None  # None: this daemon only sends, it is nobody's candidate
@@ -320,6 +321,9 @@ class PeerRegistry:
             read = [entry for entry in pool.map(self._entry, [info.key for info in listing]) if entry is not None]
         entries = [(entry, self._signer(entry)) for entry in read]
         now, limit = self.clock(), PRUNE_AFTER * self.heartbeat
+        # What is deleted is aged on a clock never later than this VM's own: a metadata Date header
+        # from the future must not make every live peer's entry look long dead (cloudclock).
+        now = min(now, cloud_now().timestamp())
         # A signed entry ages by its heartbeat; any other (unreadable, unsigned, a heartbeat in the
         # future) by the store's time of its last write: a forged heartbeat must not keep it forever.
         trusted = {e.key: e for e, signer in entries if signer is not None and e.heartbeat <= now + MAX_SKEW}

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from spotguard import cloudclock
-from spotguard.cloudclock import CLOCK_OFF, DATE_RESOLUTION, cloud_now, note_ahead, on_this_clock
+from spotguard.cloudclock import CLOCK_OFF, DATE_RESOLUTION, cloud_now, cloud_time, note_ahead, on_this_clock
 from spotguard.daemon.metrics import DaemonMetrics
 from spotguard.notice import utcnow
 
@@ -32,6 +32,7 @@ def test_a_clock_ahead_ages_objects_on_the_clouds_time_and_moves_its_deadlines_l
 def test_a_clock_behind_keeps_objects_longer_and_moves_its_deadlines_earlier() -> None:
     note_ahead(-600.0)
     assert abs((cloud_now() - utcnow()).total_seconds()) < 0.5  # never later than this VM's clock
+    assert (cloud_time() - utcnow()).total_seconds() == pytest.approx(600.0, abs=0.5)  # the registry's, either way
     assert on_this_clock(DEADLINE) == DEADLINE - timedelta(seconds=600.0 + DATE_RESOLUTION)
 
 

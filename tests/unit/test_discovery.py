@@ -353,3 +353,28 @@ def test_a_reader_whose_clock_runs_hours_ahead_keeps_its_live_peers(storage: Fil
         reader.advertise("127.0.0.1:7140")
         reader.register()  # and its own heartbeat is not two hours in the peer's future
     assert asyncio.run(peer.candidates()) == [("127.0.0.1", 7140)]
+
+
+def test_a_reader_whose_clock_runs_minutes_behind_still_finds_and_is_found_by_its_peers(storage: FileStorage) -> None:
+    """Ten minutes behind, every live peer's heartbeat lay in the reader's future and was refused, and
+    its own looked ten minutes old to them: the VM was cut off from the peer tier both ways."""
+    peer = PeerRegistry(storage, token=TOKEN, networks=NETWORKS, address="127.0.0.1:7141", clock=time.time)
+    peer.register()
+    with time_machine.travel(datetime.now(UTC) - timedelta(minutes=10), tick=True):
+        cloudclock.note_ahead(-600.0)
+        reader = PeerRegistry(storage, token=TOKEN, networks=NETWORKS, address="127.0.0.1:7140")
+        assert asyncio.run(reader.candidates()) == [("127.0.0.1", 7141)]
+        reader.register()
+    assert asyncio.run(peer.candidates()) == [("127.0.0.1", 7140)]
+
+
+def test_a_date_header_from_the_future_deletes_no_live_peers_entry(storage: FileStorage) -> None:
+    """A metadata service whose Date header lies two hours ahead (a clock right, a Date wrong) makes
+    every heartbeat look old to this reader: it asks nobody, and it deletes nothing, since what it
+    deletes is aged on a clock never later than its own."""
+    peer = PeerRegistry(storage, token=TOKEN, networks=NETWORKS, address="127.0.0.1:7141", clock=time.time)
+    peer.register()
+    cloudclock.note_ahead(-2 * 3600.0)
+    reader = PeerRegistry(storage, token=TOKEN, networks=NETWORKS)
+    assert asyncio.run(reader.candidates()) == []
+    assert keys(storage) == [peer.key]
