@@ -308,10 +308,11 @@ class WorkerPool:
                 )
             return
         with self._lock:
-            self._went_idle(worker)
             recovered, self._failing = self._failing, False
-        if recovered:
+        if recovered:  # told before the worker is handed out: the log has it before any use of it
             logger.info("peer worker processes start again")
+        with self._lock:
+            self._went_idle(worker)
 
 
 def _spawn(owner: WorkerPool) -> Worker:
