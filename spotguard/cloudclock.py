@@ -85,8 +85,7 @@ def cloud_time() -> datetime:
 def cloud_now() -> datetime:
     """Now on the cloud's clock as far as this VM knows: its own clock, less how far it was last seen
     ahead of the metadata service's (within :data:`MEASUREMENT_LASTS`); never later than its own."""
-    lead, now = measured_lead(), utcnow()
-    return now if lead is None or lead <= 0 else now - timedelta(seconds=lead)
+    return min(utcnow(), cloud_time())
 
 
 __all__ = [

@@ -61,11 +61,14 @@ def utcnow() -> datetime:
 
 def _boot_clock() -> int | None:
     """CLOCK_BOOTTIME where the OS has it (Linux), else None."""
-    clock = getattr(time, "CLOCK_BOOTTIME", None)
+    clock: int | None = getattr(time, "CLOCK_BOOTTIME", None)
+    if clock is None:
+        return None
     try:
-        return None if clock is None else (time.clock_gettime(clock), clock)[1]
+        time.clock_gettime(clock)
     except OSError:  # a kernel or sandbox without it
         return None
+    return clock
 
 
 _BOOT_CLOCK = _boot_clock()

@@ -6,7 +6,7 @@ Below both the notice book, which moves notices, and the event stream, which tel
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from enum import StrEnum
 
 from spotguard.notice import Action, Notice
@@ -28,11 +28,6 @@ class TrackedNotice:
     @property
     def event_id(self) -> str:
         return self.notice.event_id
-
-    @property
-    def ends(self) -> datetime:
-        """When it is over at the latest, on the wall clock (for people: it is counted on the steady one)."""
-        return self.notice.deadline + timedelta(seconds=self.after_deadline)
 
     def seconds_to_end(self, now: float) -> float:
         """Seconds from ``now`` until it is over at the latest, both on the steady clock (see

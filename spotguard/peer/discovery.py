@@ -320,10 +320,9 @@ class PeerRegistry:
         with ThreadPoolExecutor(max_workers=max(1, min(16, len(listing)))) as pool:
             read = [entry for entry in pool.map(self._entry, [info.key for info in listing]) if entry is not None]
         entries = [(entry, self._signer(entry)) for entry in read]
-        now, limit = self.clock(), PRUNE_AFTER * self.heartbeat
         # What is deleted is aged on a clock never later than this VM's own: a metadata Date header
         # from the future must not make every live peer's entry look long dead (cloudclock).
-        now = min(now, cloud_now().timestamp())
+        now, limit = min(self.clock(), cloud_now().timestamp()), PRUNE_AFTER * self.heartbeat
         # A signed entry ages by its heartbeat; any other (unreadable, unsigned, a heartbeat in the
         # future) by the store's time of its last write: a forged heartbeat must not keep it forever.
         trusted = {e.key: e for e, signer in entries if signer is not None and e.heartbeat <= now + MAX_SKEW}

@@ -125,9 +125,10 @@ def most_urgent_first(notices: list[Notice]) -> list[Notice]:
 MAX_ANSWER = 1 << 20
 
 
-# An answer's Date header further than this from this VM's clock: the cloud's deadlines are read against
-# a clock that disagrees with the cloud's (spotguard.daemon.notices.clock_checked catches the worst case
-# at notice time; this says so before any notice comes). Once an hour while it lasts.
+# An answer's Date header further than this from this VM's clock: the clocks disagree. The cloud's
+# deadlines are moved onto this VM's clock by what was measured (spotguard/cloudclock.py; where nothing
+# was, spotguard.daemon.notices.clock_checked catches the worst case at notice time), and NTP is broken:
+# this says so before any notice comes. Once an hour while it lasts.
 CLOCK_SKEW_WARN = CLOCK_OFF
 _CLOCK_WARNINGS = RepeatedErrors(every=3600.0)
 
@@ -142,13 +143,14 @@ def note_clock(source: str, date_header: str | None, now: datetime | None = None
     except ValueError:
         return None
     if now is None:  # a test's clock says nothing of this VM's
-        note_ahead(skew)  # ages of objects in the bucket are counted on the cloud's time
+        note_ahead(skew)  # the cloud's deadlines, the bucket's ages and the registry's heartbeats use it
     if abs(skew) <= CLOCK_SKEW_WARN:
         _CLOCK_WARNINGS.clear(source)
     elif _CLOCK_WARNINGS.due(source, "skewed"):
         logger.warning(
-            "%s: this VM's clock is %.0f s %s the metadata service's (its answers' Date header), and the "
-            "cloud's deadlines are read against it: check chronyd or NTP",
+            "%s: this VM's clock is %.0f s %s the metadata service's (its answers' Date header); the "
+            "daemon counts the cloud's deadlines and the bucket's ages on the cloud's time meanwhile: check "
+            "chronyd or NTP",
             source,
             abs(skew),
             "ahead of" if skew > 0 else "behind",
