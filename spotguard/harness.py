@@ -56,16 +56,10 @@ class Vm:
         wait_for(self._answers, 20, f"the daemon of {self.dir.name} to listen (log: {self.log})")
 
     def _answers(self) -> bool:
-        from spotguard.control import CommandError, request
-
         assert self.process is not None
         if self.process.poll() is not None:
             raise RuntimeError(f"the daemon exited with {self.process.returncode}; see {self.log}")
-        try:
-            request(self.socket, "status", timeout=1)
-        except CommandError as exc:
-            return str(exc).startswith("daemon:")  # it answered, if only to refuse us
-        return True
+        return daemon_answers(self.socket)
 
     def status(self) -> dict[str, Any]:
         from spotguard.control import request
@@ -122,6 +116,19 @@ def thread_heaps(pid: int) -> int:
         whole = end - start == _THREAD_HEAP_BYTES
         count += whole or (rest is not None and rest == (start + _THREAD_HEAP_BYTES, "---p"))
     return count
+
+
+def daemon_answers(socket: Path) -> bool:
+    """Whether a daemon answers a status request on ``socket``. Not whether the socket file is
+    there: the file exists from ``bind``, a moment before the daemon listens, and a connection in
+    that moment is refused."""
+    from spotguard.control import CommandError, request
+
+    try:
+        request(socket, "status", timeout=1)
+    except CommandError as exc:
+        return str(exc).startswith("daemon:")  # it answered, if only to refuse us
+    return True
 
 
 def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:

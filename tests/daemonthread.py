@@ -10,12 +10,12 @@ from typing import Self
 
 from spotguard.config import DaemonConfig
 from spotguard.daemon.app import Daemon
-from spotguard.harness import wait_for
+from spotguard.harness import daemon_answers, wait_for
 
 
 class DaemonThread:
     """``running()`` (a subclass's) makes the daemon on the thread's loop and holds what it uses
-    until it stops; ``with`` starts it, waits ``wait`` seconds at most for its socket, and stops it
+    until it stops; ``with`` starts it, waits ``wait`` seconds at most for it to answer, and stops it
     at the end.
 
     >>> class MyDaemon(DaemonThread):
@@ -43,8 +43,13 @@ class DaemonThread:
 
     def __enter__(self) -> Self:
         self.thread.start()
-        wait_for(self.config.socket.exists, self.wait, "the daemon to listen")
+        wait_for(self._answers, self.wait, "the daemon to answer")
         return self
+
+    def _answers(self) -> bool:
+        if not self.thread.is_alive():
+            raise RuntimeError("the daemon's thread ended before it answered; see the log above")
+        return daemon_answers(self.config.socket)
 
     def __exit__(self, *_exc: object) -> None:
         if self.daemon is not None:

@@ -25,7 +25,7 @@ from spotguard.cli import request
 from spotguard.config import DaemonConfig
 from spotguard.daemon.app import Daemon
 from spotguard.daemon.notices import EventLog
-from spotguard.harness import Vm, wait_for
+from spotguard.harness import Vm, daemon_answers, wait_for
 from spotguard.notice import parse_iso
 from spotguard.storage.checkpoints import list_remote
 from spotguard.storage.file import FileStorage
@@ -180,7 +180,7 @@ def test_after_a_notice_is_over_a_periodic_upload_gets_its_retries_and_is_not_la
     thread.start()
     guard = None
     try:
-        wait_for(config.socket.exists, 10, "the daemon to listen")
+        wait_for(lambda: daemon_answers(config.socket), 10, "the daemon to answer")
         guard = Guard(checkpoint_dir=config.checkpoint_dir, socket=config.socket, handle_sigterm=False)
         state = {"w": torch.arange(4.0)}
         wait_for(guard.client.welcomed.is_set, 10, "the trainer to be welcomed")
