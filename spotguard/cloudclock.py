@@ -13,7 +13,8 @@ younger, which only keeps them longer, and is left as it is.
 The deadlines the cloud gives (a spot interruption's ``time``, an event's ``NotBefore``) are in the
 cloud's time too: on a clock off by more than :data:`CLOCK_OFF` they are moved onto this VM's clock
 (:func:`on_this_clock`), so that a VM whose clock runs 200 s ahead races its notice's true two
-minutes, not the 30 s window a notice dated in the VM's past got.
+minutes, not the 30 s window a notice dated in the VM's past got; never later than the longest
+notice the event's kind gets, which a ``Date`` header dated hours back would otherwise override.
 
 Stdlib only: the monitors, the stores and the peer registry import it.
 """
@@ -62,15 +63,24 @@ def measured_lead() -> float | None:
     return ahead[0]
 
 
-def on_this_clock(cloud_time: datetime) -> datetime:
+def on_this_clock(cloud_time: datetime, *, no_later_than: datetime | None = None) -> datetime:
     """A time the cloud gave (a notice's deadline) on this VM's clock: later by how far this clock was
     last seen ahead of the cloud's, earlier by how far behind, where that is past :data:`CLOCK_OFF`.
     Less :data:`DATE_RESOLUTION`, by which the measurement may overstate the lead: the deadline may
-    come a second early on this clock, never late."""
+    come a second early on this clock, never late.
+
+    ``no_later_than``: the latest the deadline can truly be (when the event was first seen, plus the
+    longest notice the cloud gives for its kind). The lead is measured from a ``Date`` header, which a
+    proxy or a broken metadata host could date hours in the past; a correction past that bound would
+    have the daemon plan on time the VM does not have, so it stops there (never earlier than the
+    cloud's own time, which a bound cannot contradict)."""
     lead = measured_lead()
     if lead is None or abs(lead) <= CLOCK_OFF:
         return cloud_time
-    return cloud_time + timedelta(seconds=lead - DATE_RESOLUTION)
+    moved = cloud_time + timedelta(seconds=lead - DATE_RESOLUTION)
+    if no_later_than is not None and moved > no_later_than:
+        return max(cloud_time, no_later_than)
+    return moved
 
 
 def cloud_time() -> datetime:

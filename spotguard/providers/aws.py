@@ -102,12 +102,13 @@ def parse_instance_action(text: str, first_seen: datetime) -> Notice:
     return Notice(provider="aws", kind=kind, deadline=deadline, event_id=event_id, raw={"instance-action": data})
 
 
-def parse_rebalance(text: str) -> Notice:
+def parse_rebalance(text: str, first_seen: datetime) -> Notice:
     """``{"noticeTime": "2020-10-27T08:22:00Z"}`` -> a soft rebalance notice."""
     data = base.load_json(text)
     if not isinstance(data, dict) or not isinstance(data.get("noticeTime"), str):
         raise ValueError(f"unexpected rebalance recommendation: {text[:120]!r}")
-    notice_time = on_this_clock(parse_iso(data["noticeTime"]))
+    # Posted before it was first seen, whatever the Date header says of this VM's clock.
+    notice_time = on_this_clock(parse_iso(data["noticeTime"]), no_later_than=first_seen)
     return Notice(
         provider="aws",
         kind=Kind.REBALANCE,
@@ -261,7 +262,10 @@ class AwsMonitor(PolledMonitor):
 
     async def _rebalance(self) -> list[Notice]:
         text = await self._get(REBALANCE_PATH)
-        return [] if text is None else [self._parse(REBALANCE_PATH, lambda: parse_rebalance(text))]
+        if text is None:
+            return []
+        first_seen = self.first_seen(f"rebalance:{text.strip()}")
+        return [self._parse(REBALANCE_PATH, lambda: parse_rebalance(text, first_seen))]
 
     async def _maintenance(self) -> list[Notice]:
         text = await self._get(MAINTENANCE_PATH)

@@ -48,6 +48,15 @@ FINISHED_STATUSES = ("Completed", "Canceled")
 AZURE_ASSET_TAG = "7783-7084-3265-9085-8269-3286-77"
 # Spot eviction (Preempt) gives at least 30 s; the notice window doctor's estimate plans for.
 NOTICE_WINDOW = timedelta(seconds=30)
+#: The longest notice Azure documents for each event type (Terminate: a scale set's notBeforeTimeout,
+#: 5-15 min); what a correction for this VM's clock may not carry a NotBefore past (an unknown type: 15 min).
+LONGEST_NOTICE = {
+    "Preempt": NOTICE_WINDOW,
+    "Terminate": timedelta(minutes=15),
+    "Reboot": timedelta(minutes=15),
+    "Redeploy": timedelta(minutes=10),
+    "Freeze": timedelta(minutes=15),
+}
 
 
 def parse_not_before(text: str) -> datetime:
@@ -143,11 +152,16 @@ class AzureMonitor(PolledMonitor):
         self._incarnation = None
 
     def _notice(self, event: dict[str, Any]) -> Notice:
-        kind = kind_for(str(event.get("EventType")))
+        event_type = str(event.get("EventType"))
+        kind = kind_for(event_type)
         event_id = event_id_for("azure", kind, event["EventId"])
         not_before = str(event.get("NotBefore") or "").strip()
-        # Blank NotBefore: the event has started, and "now" must not move between polls.
-        deadline = on_this_clock(parse_not_before(not_before)) if not_before else self.first_seen(event_id)
+        if not_before:
+            # Its own key: the started event's "now" below is when it was first seen started.
+            latest = self.first_seen(f"scheduled:{event_id}") + LONGEST_NOTICE.get(event_type, timedelta(minutes=15))
+            deadline = on_this_clock(parse_not_before(not_before), no_later_than=latest)
+        else:  # the event has started, and "now" must not move between polls
+            deadline = self.first_seen(event_id)
         azure_id = str(event["EventId"])
         acknowledgement = Acknowledgement(f"azure: StartRequests for {azure_id}", lambda: self.start_requests(azure_id))
         return Notice(

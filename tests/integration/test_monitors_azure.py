@@ -62,6 +62,28 @@ def test_azure_preempt_is_hard_with_not_before_deadline_and_stable_id() -> None:
     run(scenario())
 
 
+def test_a_date_header_hours_in_the_past_gives_a_preemption_no_more_than_its_30_seconds() -> None:
+    """Azure's Date header two hours behind its own NotBefore (a proxy's, a broken host's clock) reads
+    as this VM's clock two hours ahead. Moved by that much, a spot eviction's NotBefore gave the plan
+    two hours; Azure gives a Preempt 30 s, counted from when the event is first seen."""
+
+    async def scenario() -> None:
+        with emulator("azure") as emu:
+            emu.inject({"kind": "skew", "seconds": 7200})
+            async with http_session() as session:
+                monitor = AzureMonitor(session, emu.url, vm_name="spotguard-vm")
+                assert await monitor.check() is None  # the first answer measures the lead
+                emu.trigger(type="Preempt", **{"in": 30})
+                notice = await monitor.check()
+                assert notice is not None and notice.kind is Kind.TERMINATE
+                assert 25 < notice.seconds_left() <= 30
+                emu.trigger(type="Reboot", **{"in": 300})
+                reboot = [n for n in await monitor.check_all() if n.kind is Kind.MAINTENANCE]
+                assert len(reboot) == 1 and 14 * 60 < reboot[0].seconds_left() <= 15 * 60  # its longest notice
+
+    run(scenario())
+
+
 @pytest.mark.parametrize(
     ("event_type", "kind"),
     [

@@ -36,6 +36,23 @@ def test_a_clock_behind_keeps_objects_longer_and_moves_its_deadlines_earlier() -
     assert on_this_clock(DEADLINE) == DEADLINE - timedelta(seconds=600.0 + DATE_RESOLUTION)
 
 
+def test_a_lead_moves_a_deadline_no_later_than_the_longest_notice_allows() -> None:
+    """A Date header two hours in the past (a proxy's, a broken host's) reads as a clock two hours
+    ahead: the correction stops where the event's kind says the deadline can be at the latest."""
+    note_ahead(7200.0)
+    latest = DEADLINE + timedelta(seconds=30)
+    assert on_this_clock(DEADLINE, no_later_than=latest) == latest
+    # A true lead of 20 s more than the warning bound stays well inside it and is applied in full.
+    note_ahead(CLOCK_OFF + 20.0)
+    moved = DEADLINE + timedelta(seconds=CLOCK_OFF + 20.0 - DATE_RESOLUTION)
+    assert on_this_clock(DEADLINE, no_later_than=DEADLINE + timedelta(minutes=15)) == moved
+    # The bound cannot pull a deadline before the cloud's own, nor limit a correction earlier.
+    note_ahead(7200.0)
+    assert on_this_clock(DEADLINE, no_later_than=DEADLINE - timedelta(seconds=60)) == DEADLINE
+    note_ahead(-600.0)
+    assert on_this_clock(DEADLINE, no_later_than=DEADLINE) == DEADLINE - timedelta(seconds=600.0 + DATE_RESOLUTION)
+
+
 def test_clocks_within_the_warning_bound_agree_on_deadlines() -> None:
     note_ahead(CLOCK_OFF)
     assert on_this_clock(DEADLINE) == DEADLINE

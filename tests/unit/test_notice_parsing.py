@@ -7,8 +7,10 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from spotguard import cloudclock
 from spotguard.notice import Kind, event_id_for, parse_iso
 from spotguard.providers.aws import (
+    REBALANCE_HORIZON,
     UNTIMED_NOTICE_WINDOW,
     parse_instance_action,
     parse_lifecycle,
@@ -79,10 +81,19 @@ def test_aws_bad_instance_action_is_value_error(body: str) -> None:
 
 
 def test_aws_rebalance_id_from_notice_time() -> None:
-    notice = parse_rebalance('{"noticeTime": "2020-10-27T08:22:00Z"}')
+    notice = parse_rebalance('{"noticeTime": "2020-10-27T08:22:00Z"}', NOW)
     assert notice.kind is Kind.REBALANCE and not notice.is_hard
     assert notice.deadline == datetime(2020, 10, 27, 8, 24, tzinfo=UTC)
-    assert notice.event_id == parse_rebalance('{"noticeTime": "2020-10-27T08:22:00Z"}').event_id
+    assert notice.event_id == parse_rebalance('{"noticeTime": "2020-10-27T08:22:00Z"}', NOW).event_id
+
+
+def test_aws_rebalance_is_dated_no_later_than_first_seen_whatever_the_date_header_says() -> None:
+    """A Date header two hours behind reads as this VM's clock two hours ahead; moved by that much,
+    a recommendation posted ten seconds ago would hold for two hours more than EC2's horizon."""
+    cloudclock.note_ahead(7200.0)
+    posted = (NOW - timedelta(seconds=10)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    notice = parse_rebalance(json.dumps({"noticeTime": posted}), NOW)
+    assert notice.deadline == NOW + REBALANCE_HORIZON
 
 
 def test_aws_maintenance_skips_finished_events_and_keys_on_event_id() -> None:

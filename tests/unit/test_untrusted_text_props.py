@@ -120,7 +120,7 @@ def _gcp_times(text: str) -> list[datetime]:
 
 METADATA_PARSERS: dict[str, Callable[[str], list[datetime]]] = {
     "aws instance-action": lambda text: [aws.parse_instance_action(text, NOW).deadline],
-    "aws rebalance": lambda text: [aws.parse_rebalance(text).deadline],
+    "aws rebalance": lambda text: [aws.parse_rebalance(text, NOW).deadline],
     "aws maintenance": lambda text: [notice.deadline for notice in aws.parse_maintenance(text)],
     "aws lifecycle": lambda text: [notice.deadline for notice in [aws.parse_lifecycle(text, NOW)] if notice],
     "gcp instance": _gcp_times,
