@@ -308,7 +308,8 @@ class DaemonMetrics:
             case NoticeSeen(notice=notice, action=action):
                 self.notices.labels(notice.provider, str(notice.kind), str(action)).inc()
             case CheckpointSaved(manifest=manifest):
-                self.checkpoints_saved.labels(manifest.reason).inc()
+                # The manifest's reason is what its writer put on disk: bounded as a socket client's are.
+                self.checkpoints_saved.labels(manifest.reason if manifest.reason in REASONS else "other").inc()
                 self.checkpoint_bytes.set(manifest.total_bytes)
             case UploadCommitted(manifest=manifest, seconds=seconds):
                 self.upload_bytes.observe(manifest.total_bytes)

@@ -179,15 +179,16 @@ def test_what_an_upload_held_for_checkpoints_that_failed_until_retention_removed
     assert uploader._progress == {} and uploader._urgent == set()
 
 
-def test_save_failure_metric_labels_stay_within_the_known_values(tmp_path: Path) -> None:
+def test_save_metric_labels_stay_within_the_known_values(tmp_path: Path) -> None:
     """A socket client's save-failed message names its reason and error; other strings than the known
     ones would each make a metric series of their own, for the daemon's life."""
     from prometheus_client import CollectorRegistry
 
     from spotguard.config import DaemonConfig
     from spotguard.daemon.app import Daemon
-    from spotguard.daemon.events import SaveFailed
+    from spotguard.daemon.events import CheckpointSaved, SaveFailed
     from spotguard.daemon.metrics import DaemonMetrics
+    from spotguard.manifest import Manifest
 
     config = DaemonConfig(
         provider="none", socket=tmp_path / "s.sock", checkpoint_dir=tmp_path / "nvme", state_dir=tmp_path / "state"
@@ -206,3 +207,14 @@ def test_save_failure_metric_labels_stay_within_the_known_values(tmp_path: Path)
         if s.name.endswith("_total")
     }
     assert series == {("urgent", "disk-full"): 1.0, ("other", "other"): 50.0}
+    # A manifest's reason is whatever its writer put on disk (a writer of its own, an older version).
+    for reason in ["periodic", *(f"step-{n}" for n in range(50))]:
+        daemon.bus.emit(CheckpointSaved("step-1", Manifest(step=1, reason=reason, world_size=1, files={})))
+    saved = {
+        s.labels["reason"]: s.value
+        for metric in registry.collect()
+        if metric.name == "spotguard_checkpoints_saved"
+        for s in metric.samples
+        if s.name.endswith("_total")
+    }
+    assert saved == {"periodic": 1.0, "other": 50.0}
