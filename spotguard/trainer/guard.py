@@ -266,9 +266,11 @@ class Guard:
         """Checkpoint ``state`` at ``step`` and return its directory.
 
         Urgent saves (a notice, SIGTERM) return once the checkpoint is committed locally, and
-        first cancel a periodic save still being written. Periodic saves return as soon as the
-        state is copied to host memory; a background thread writes and commits it (at most one
-        in flight: a new periodic save first waits for the previous one; :meth:`wait` waits too).
+        first cancel a periodic save still being written. Periodic saves of a single process
+        return as soon as the state is copied to host memory; a background thread writes and
+        commits it (at most one in flight: a new periodic save first waits for the previous one;
+        :meth:`wait` waits too). With several ranks they are written as urgent ones are: their
+        commit is agreed on with collectives, which must not run beside the training's own.
         The daemon (if any) is told of each commit and uploads it. A step that is already
         committed is not written again: checkpoints are never overwritten.
 
