@@ -195,6 +195,8 @@ class UploaderEvents(Protocol):
 
     def failing_streak(self) -> int: ...
 
+    def newest_in_bucket(self) -> float | None: ...  # Unix time the newest complete checkpoint there was made
+
 
 class DaemonEvents(Protocol):
     """The part of the daemon an observer sees: the event stream and a few live values."""

@@ -67,6 +67,7 @@ class _LiveCollector:
         self.plan: Callable[[], dict[str, Any] | None] = lambda: None
         self.measured_rate: Callable[[], float | None] = lambda: None
         self.peers: Callable[[], dict[str, Any] | None] = lambda: None
+        self.newest_in_bucket: Callable[[], float | None] = lambda: None
 
     def collect(self) -> Iterator[Metric]:
         yield GaugeMetricFamily(
@@ -94,6 +95,14 @@ class _LiveCollector:
         if (lead := measured_lead()) is not None:
             clock.add_metric([], lead)
         yield clock
+        newest = GaugeMetricFamily(
+            "spotguard_newest_bucket_checkpoint_timestamp_seconds",
+            "When the newest complete checkpoint in the bucket was made (its manifest's time, Unix seconds): "
+            "what a replacement VM resumes from; absent until the daemon has listed the bucket or committed one",
+        )
+        if (made := self.newest_in_bucket()) is not None:
+            newest.add_metric([], made)
+        yield newest
         yield from self._plan_families()
         yield from _peer_families(self.peers())
 
@@ -299,6 +308,7 @@ class DaemonMetrics:
         self._live.plan = daemon.plan_status
         self._live.measured_rate = daemon.measured_rate
         self._live.peers = daemon.peer_status
+        self._live.newest_in_bucket = uploader.newest_in_bucket
 
     # --- the event stream (on the daemon's loop; never blocks) ----------------------------
 

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -104,12 +104,30 @@ class BucketListings:
     listing that keeps failing (a bucket down for a weekend: a new or changed error, then every
     :data:`LIST_WARN_EVERY` seconds, and once when it answers again)."""
 
-    def __init__(self, interval: float) -> None:
+    def __init__(self, interval: float, bus: EventBus) -> None:
         self.interval = interval
         self.manifests = KnownManifests()
         self.count = 0
         self._at = -interval  # monotonic time of the last listing
         self._warnings = RepeatedErrors(LIST_WARN_EVERY)
+        # The newest complete checkpoint seen in the bucket (listed or committed): (step, created as
+        # Unix time, None where its manifest's time does not parse). What a replacement VM resumes from.
+        self.newest: tuple[int, float | None] | None = None
+        bus.subscribe(UploadCommitted, lambda event: self.saw_complete(event.manifest.step, event.manifest.created))
+
+    def saw_complete(self, step: int, created: str | None) -> None:
+        """A complete checkpoint of ``step``, made at ``created`` (its manifest's time), is in the bucket."""
+        if self.newest is not None and step < self.newest[0]:
+            return
+        try:
+            at = datetime.fromisoformat(created).timestamp() if created else None
+        except ValueError:
+            at = None
+        self.newest = (step, at)
+
+    def newest_created(self) -> float | None:
+        """When the newest complete checkpoint in the bucket was made (Unix time), as last listed or committed."""
+        return None if self.newest is None else self.newest[1]
 
     def failed(self, url: str, exc: Exception) -> None:
         error = f"cannot list {url}: {exc}"
@@ -128,7 +146,11 @@ class BucketListings:
         self.count += 1
         if self._warnings.clear("bucket"):
             logger.info("%s answers listings again", storage.url)
-        return {info.name: info for info in listing if info.status == "complete"}
+        complete = {info.name: info for info in listing if info.status == "complete"}
+        if complete:
+            newest = max(complete.values(), key=lambda info: info.step)
+            self.saw_complete(newest.step, newest.created)
+        return complete
 
 
 class Uploader:
@@ -158,7 +180,8 @@ class Uploader:
         self.incomplete_grace = timedelta(seconds=incomplete_grace)
         self.concurrency = concurrency
         self.scan_interval = scan_interval
-        self.listings = BucketListings(bucket_scan_interval)
+        self.listings = BucketListings(bucket_scan_interval, self.bus)
+        self.newest_in_bucket = self.listings.newest_created
         self.rescans = 0  # of the local root
         self.forecast_interval = forecast_interval
         self.committed: set[str] = set()  # complete in the bucket
@@ -184,7 +207,6 @@ class Uploader:
         self._progress: dict[str, UploadProgress] = {}
         # Files of checkpoints still being written, uploading ahead of the commit.
         self._ahead = EarlyUploads(storage, self._progress, self._in_upload_thread, slots=concurrency)
-        self._early = self._ahead.tasks
 
     # --- what to upload --------------------------------------------------------------------
 
@@ -385,14 +407,14 @@ class Uploader:
     async def _upload(self, job: _Job) -> None:
         assert self.storage is not None
         step_dir = self.root / job.name
-        early = self._early.pop(job.name, [])
+        early = self._ahead.tasks.pop(job.name, [])
         if early:
             await asyncio.gather(*early, return_exceptions=True)
         manifest, share = await asyncio.to_thread(node_holdings, step_dir)  # disk reads: off the loop
         listed = share if share is not None else manifest.files if manifest else {}
         if self._ahead.settle(step_dir, listed, committed=job.name in self.committed):
             # Streams whose file message never came but whose file the commit lists: finished now.
-            early = self._early.pop(job.name, [])
+            early = self._ahead.tasks.pop(job.name, [])
             await asyncio.gather(*early, return_exceptions=True)
         if manifest is None and share is None:
             logger.warning("not uploading %s: neither a complete checkpoint nor a node's committed share", job.name)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable, Iterator
+from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from spotguard.config import ConfigError, DaemonConfig, parse_webhook_template
 from spotguard.control import request
 from spotguard.daemon.webhook import render
 from spotguard.harness import Vm, wait_for
+from spotguard.manifest import load_manifest
 from tests.scrape import Samples, scrape, value
 
 
@@ -138,6 +140,33 @@ def test_metrics_and_webhook_follow_a_drill_a_save_and_a_missed_deadline(
     finally:
         guard.close()
     wait_for(lambda: value(scrape(url), "spotguard_trainers_connected") == 0, 10, "the trainer to be gone")
+
+
+def test_the_newest_checkpoint_in_the_bucket_is_dated_by_the_committing_vm_and_by_its_replacement(
+    vm_factory: Callable[..., Vm],
+) -> None:
+    """``time() - spotguard_newest_bucket_checkpoint_timestamp_seconds`` is the training a preemption
+    would cost now: the daemon that commits a checkpoint sets it, and a replacement VM's daemon reads it
+    from the bucket at its start, before any trainer of its own has saved."""
+    metrics = {"SPOTGUARD_METRICS_PORT": "0"}
+    first = vm_factory("vm-n1", env=metrics)
+    newest = "spotguard_newest_bucket_checkpoint_timestamp_seconds"
+    assert value(scrape(metrics_url(first)), newest) is None  # an empty bucket: nothing to resume from
+    guard = Guard(checkpoint_dir=first.root, socket=first.socket, handle_sigterm=False)
+    try:
+        wait_for(guard.client.welcomed.is_set, 10, "the trainer to be welcomed")
+        made = [load_manifest(guard.save({"w": [s] * 100}, s, reason="final")).created for s in (2, 1)]
+    finally:
+        guard.close()
+    two = datetime.fromisoformat(made[0]).timestamp()
+    # Step 1 came last, but step 2 is what a resume loads.
+    wait_for(lambda: value(scrape(metrics_url(first)), "spotguard_upload_bytes_count") == 2, 15, "both commits")
+    assert value(scrape(metrics_url(first)), newest) == pytest.approx(two, abs=1e-3)
+    first.kill_daemon()
+
+    replacement = vm_factory("vm-n2", env=metrics)
+    found = wait_for(lambda: value(scrape(metrics_url(replacement)), newest), 15, "the replacement's first listing")
+    assert found == pytest.approx(two, abs=1e-3)
 
 
 def test_failures_show_in_metrics_and_the_webhook_uses_the_template(

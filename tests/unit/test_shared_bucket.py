@@ -191,7 +191,7 @@ def test_files_ready_ahead_of_the_commit_never_overwrite_another_writers_checkpo
         uploader = Uploader(storage, tmp_path / "nvme", scan_interval=60)
         for rel, entry in load_manifest(ours).files.items():
             uploader.file_ready(ours, rel, entry, urgent=True)  # as a trainer reports them while saving
-        await asyncio.gather(*uploader._early[ours.name])
+        await asyncio.gather(*uploader._ahead.tasks[ours.name])
 
     asyncio.run(run())
     assert sorted(p.name for p in (storage.root / "step-000000001").iterdir()) == [MANIFEST, "w.pt"]
