@@ -209,6 +209,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     if uploads["last_committed"]:
         last = uploads["last_committed"]
         _say(f"last committed in bucket: {last['name']} at {last['at']} ({last['seconds']} s)")
+    if newest := uploads.get("newest_in_bucket"):
+        made = f", made {newest['made']}" if newest["made"] else ""
+        _say(f"newest in bucket (what a replacement resumes from): step {newest['step']}{made}")
     for failure in uploads["failures"]:
         _say(f"upload failure: {failure['name']}: {failure['error']}")
     for failure in reply.get("save_failures", []):

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +128,16 @@ class BucketListings:
     def newest_created(self) -> float | None:
         """When the newest complete checkpoint in the bucket was made (Unix time), as last listed or committed."""
         return None if self.newest is None else self.newest[1]
+
+    def status(self) -> dict[str, Any]:
+        newest = None
+        if self.newest is not None:
+            made = self.newest[1]
+            newest = {
+                "step": self.newest[0],
+                "made": None if made is None else datetime.fromtimestamp(made, UTC).isoformat(),
+            }
+        return {"bucket_listings": self.count, "manifests_read": self.manifests.reads, "newest_in_bucket": newest}
 
     def failed(self, url: str, exc: Exception) -> None:
         error = f"cannot list {url}: {exc}"
@@ -550,6 +560,5 @@ class Uploader:
             "failures": self.failures[-5:],
             "failing_streak": self.failing_streak(),
             "conflicts": sorted(self.conflicts)[-5:],
-            "bucket_listings": self.listings.count,
-            "manifests_read": self.listings.manifests.reads,
+            **self.listings.status(),
         }

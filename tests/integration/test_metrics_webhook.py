@@ -14,6 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from spotguard import Guard
+from spotguard.cli import main
 from spotguard.config import ConfigError, DaemonConfig, parse_webhook_template
 from spotguard.control import request
 from spotguard.daemon.webhook import render
@@ -143,7 +144,7 @@ def test_metrics_and_webhook_follow_a_drill_a_save_and_a_missed_deadline(
 
 
 def test_the_newest_checkpoint_in_the_bucket_is_dated_by_the_committing_vm_and_by_its_replacement(
-    vm_factory: Callable[..., Vm],
+    vm_factory: Callable[..., Vm], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``time() - spotguard_newest_bucket_checkpoint_timestamp_seconds`` is the training a preemption
     would cost now: the daemon that commits a checkpoint sets it, and a replacement VM's daemon reads it
@@ -167,6 +168,10 @@ def test_the_newest_checkpoint_in_the_bucket_is_dated_by_the_committing_vm_and_b
     replacement = vm_factory("vm-n2", env=metrics)
     found = wait_for(lambda: value(scrape(metrics_url(replacement)), newest), 15, "the replacement's first listing")
     assert found == pytest.approx(two, abs=1e-3)
+    said = replacement.status()["uploads"]["newest_in_bucket"]
+    assert said["step"] == 2 and datetime.fromisoformat(said["made"]).timestamp() == pytest.approx(two, abs=1e-3)
+    assert main(["status", "--socket", str(replacement.socket)]) == 0
+    assert f"newest in bucket (what a replacement resumes from): step 2, made {said['made']}" in capsys.readouterr().out
 
 
 def test_failures_show_in_metrics_and_the_webhook_uses_the_template(
