@@ -157,6 +157,7 @@ class BucketListings:
         if self._warnings.clear("bucket"):
             logger.info("%s answers listings again", storage.url)
         complete = {info.name: info for info in listing if info.status == "complete"}
+        self.newest = None  # what the bucket holds now: a job started over in its prefix, or deleted there
         if complete:
             newest = max(complete.values(), key=lambda info: info.step)
             self.saw_complete(newest.step, newest.created)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 from collections.abc import Callable, Iterator
 from datetime import datetime
@@ -165,13 +166,17 @@ def test_the_newest_checkpoint_in_the_bucket_is_dated_by_the_committing_vm_and_b
     assert value(scrape(metrics_url(first)), newest) == pytest.approx(two, abs=1e-3)
     first.kill_daemon()
 
-    replacement = vm_factory("vm-n2", env=metrics)
+    replacement = vm_factory("vm-n2", env={**metrics, "SPOTGUARD_BUCKET_SCAN_INTERVAL": "0.5"})
     found = wait_for(lambda: value(scrape(metrics_url(replacement)), newest), 15, "the replacement's first listing")
     assert found == pytest.approx(two, abs=1e-3)
     said = replacement.status()["uploads"]["newest_in_bucket"]
     assert said["step"] == 2 and datetime.fromisoformat(said["made"]).timestamp() == pytest.approx(two, abs=1e-3)
     assert main(["status", "--socket", str(replacement.socket)]) == 0
     assert f"newest in bucket (what a replacement resumes from): step 2, made {said['made']}" in capsys.readouterr().out
+    # The job starts over in an emptied prefix: what the bucket holds now, not what it once held.
+    shutil.rmtree(Path(replacement.bucket.removeprefix("file://")))
+    wait_for(lambda: value(scrape(metrics_url(replacement)), newest) is None, 15, "a listing of the emptied bucket")
+    assert replacement.status()["uploads"]["newest_in_bucket"] is None
 
 
 def test_failures_show_in_metrics_and_the_webhook_uses_the_template(
