@@ -6,6 +6,9 @@ ok, what to do. The exit status is 1 when any check FAILs, else 0. Checks, in or
 * **provider**: which cloud, and how it was decided (the config, or which DMI field said so);
 * **metadata**: the notice source answers (AWS: an IMDSv2 token can be had; a token PUT that
   times out while a plain GET answers is the container hop-limit trap: hop limit 2);
+* **clock**: this VM's clock against the metadata service's answers' ``Date`` header: past 30 s
+  apart, the cloud's deadlines and the bucket's ages are moved onto the cloud's time (and NTP wants
+  a look);
 * **socket directory** and **daemon**: where trainers connect, and whether a daemon answers there;
 * **state directory**: the daemon's event log and upload journal can be written there (it is on
   the root disk, which a VM running for months fills), and how much room is left;
@@ -37,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from spotguard import cloudclock
 from spotguard.config import DaemonConfig
 from spotguard.crc32c import crc32c_of_file
 from spotguard.oneline import one_line
@@ -162,8 +166,24 @@ def _check_metadata(config: DaemonConfig, findings: Findings, report: Callable[[
     if findings.provider == "none":
         report(Check(OK, "metadata", "skipped (no provider)"))
         return
+    cloudclock.forget()  # what this probe's answers say, nothing measured before
     result = asyncio.run(providers.run_probe(findings.provider, config.monitor_settings()))
     report(Check(str(result.status), "metadata", result.found, result.fix))
+    lead = cloudclock.measured_lead()
+    if lead is None:
+        report(Check(OK, "clock", "not compared (no metadata answer with a Date header)"))
+    elif abs(lead) <= cloudclock.CLOCK_OFF:
+        report(Check(OK, "clock", f"within {abs(lead):.0f} s of the metadata service's (its Date header)"))
+    else:
+        off = f"{abs(lead):.0f} s {'ahead of' if lead > 0 else 'behind'} the metadata service's (its Date header)"
+        report(
+            Check(
+                WARN,
+                "clock",
+                f"{off}: the daemon counts the cloud's deadlines and the bucket's ages on the cloud's time",
+                "check time sync (chronyc tracking, timedatectl): a trainer's manifests and logs carry this clock",
+            )
+        )
 
 
 # --- socket and daemon ----------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import io
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -140,6 +141,7 @@ def test_doctor_passes_on_a_ready_aws_vm_and_leaves_no_probe_behind(
     code, output = doctor(config, checkpoint_gb=0.05)
     assert code == 0, output
     assert line(output, "provider").startswith("ok    provider: aws")
+    assert line(output, "clock").startswith("ok    clock: within ")
     assert "IMDSv2 token obtained" in line(output, "metadata") and "no spot interruption pending" in output
     assert line(output, "daemon").startswith("ok") and f"pid {vm.process.pid}" in output  # type: ignore[union-attr]
     assert line(output, "socket directory").startswith("ok")
@@ -154,6 +156,17 @@ def test_doctor_passes_on_a_ready_aws_vm_and_leaves_no_probe_behind(
     imds.trigger(kind="spot", action="terminate")
     code, output = doctor(config, checkpoint_gb=0.05, upload_probe_bytes=1 * MiB)
     assert code == 0 and "a spot interruption is PENDING" in line(output, "metadata")
+
+
+def test_doctor_warns_of_a_clock_minutes_off_the_metadata_services(imds: RunningEmulator, tmp_path: Path) -> None:
+    imds.inject({"kind": "skew", "seconds": 200})  # EC2's Date header 200 s behind this VM's clock
+    config = DaemonConfig(
+        provider="aws", metadata_url=imds.url, socket=tmp_path / "spotguard.sock", checkpoint_dir=tmp_path / "nvme"
+    )
+    _, output = doctor(config)
+    clock = line(output, "clock")
+    assert re.match(r"warn  clock: (199|200|201) s ahead of the metadata service's", clock), clock
+    assert "chronyc tracking" in output and line(output, "metadata").startswith("ok")
 
 
 def test_doctor_fails_on_a_missing_delete_permission(imds: RunningEmulator, aws_env: S3Server, tmp_path: Path) -> None:
