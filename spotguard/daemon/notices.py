@@ -28,6 +28,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from spotguard.cloudclock import CLOCK_OFF, measured_lead
 from spotguard.daemon.events import EventBus, NoticeMoved
 from spotguard.daemon.lifecycle import NoticeState, TrackedNotice
 from spotguard.jsontext import parse_json
@@ -173,14 +174,25 @@ def clock_checked(notice: Notice, now: datetime | None = None) -> Notice:
     behind = -notice.seconds_left(now)
     if not notice.is_hard or behind <= CLOCK_AHEAD_AFTER:
         return notice
+    lead = measured_lead()
+    if lead is not None and abs(lead) > CLOCK_OFF:
+        # Already moved onto this clock by the measured lead: the Date header and the notice disagree.
+        way = "ahead of" if lead > 0 else "behind"
+        why = (
+            f"counted on the cloud's time (its Date header: this clock {abs(lead):.0f} s {way} it), "
+            "the notice or that header is off"
+        )
+    else:
+        why = "the clock is likely ahead of the cloud's (check chronyd or NTP)"
     logger.warning(
-        "%s %s notice %s: its deadline %s is %.0f s behind this VM's clock, yet the VM runs: the clock is "
-        "likely ahead of the cloud's (check chronyd or NTP); acting as if %.0f s were left",
+        "%s %s notice %s: its deadline %s is %.0f s behind this VM's clock, yet the VM runs: %s; acting as if "
+        "%.0f s were left",
         notice.provider,
         notice.kind,
         notice.event_id,
         notice.deadline.isoformat(),
         behind,
+        why,
         UNTIMED_NOTICE_WINDOW.total_seconds(),
     )
     return dataclasses.replace(notice, deadline=now + UNTIMED_NOTICE_WINDOW)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from spotguard import cloudclock
 from spotguard.daemon.events import NoticeMoved
 from spotguard.daemon.notices import CLOCK_AHEAD_AFTER, EventLog, NoticeBook, NoticeState, clock_checked
 from spotguard.notice import UNTIMED_NOTICE_WINDOW, Action, Kind, Notice, steady_now, utcnow
@@ -183,6 +184,21 @@ def test_a_hard_notice_behind_the_clock_gets_the_untimed_window_and_others_keep_
     late_poll = notice(clock, -CLOCK_AHEAD_AFTER, Kind.TERMINATE, "late")  # a slow poll, not a wrong clock
     old_rebalance = notice(clock, -3600, Kind.REBALANCE, "old")  # soft: long over, as it says
     assert clock_checked(late_poll, clock.now) is late_poll and clock_checked(old_rebalance, clock.now) is old_rebalance
+
+
+def test_a_hard_notice_behind_a_clock_already_corrected_blames_the_date_header_or_the_notice(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A Date header hours in the future reads as this VM's clock hours behind, and moves a true
+    deadline hours into the past: the warning must not send the operator to a clock that is right."""
+    clock = Clock()
+    cloudclock.note_ahead(-7200.0)
+    with caplog.at_level(logging.WARNING):
+        checked = clock_checked(notice(clock, -7170, Kind.TERMINATE, "moved"), clock.now)
+    assert checked.deadline == clock.now + UNTIMED_NOTICE_WINDOW
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert "counted on the cloud's time (its Date header: this clock 7200 s behind it), the notice or" in warning
+    assert "chronyd" not in warning
 
 
 def test_recording_does_not_wait_for_the_disk_and_writes_keep_their_order(tmp_path: Path) -> None:
