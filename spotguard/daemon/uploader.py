@@ -121,7 +121,7 @@ class BucketListings:
             return
         try:
             at = datetime.fromisoformat(created).timestamp() if created else None
-        except ValueError:
+        except (ValueError, OverflowError, OSError):  # a manifest's time is its writer's to get wrong
             at = None
         self.newest = (step, at)
 
