@@ -113,11 +113,17 @@ class BucketListings:
         # The newest complete checkpoint seen in the bucket (listed or committed): (step, created as
         # Unix time, None where its manifest's time does not parse). What a replacement VM resumes from.
         self.newest: tuple[int, float | None] | None = None
-        bus.subscribe(UploadCommitted, lambda event: self.saw_complete(event.manifest.step, event.manifest.created))
+        self.newest_committed: tuple[int, float | None] | None = None  # since the listing running began
+        bus.subscribe(UploadCommitted, self._committed)
+
+    def _committed(self, event: UploadCommitted) -> None:
+        self.saw_complete(event.manifest.step, event.manifest.created)
+        if self.newest is not None and self.newest[0] == event.manifest.step:
+            self.newest_committed = self.newest
 
     def saw_complete(self, step: int, created: str | None) -> None:
         """A complete checkpoint of ``step``, made at ``created`` (its manifest's time), is in the bucket."""
-        if self.newest is not None and step < self.newest[0]:
+        if self.newest is not None and step <= self.newest[0]:
             return
         try:
             at = datetime.fromisoformat(created).timestamp() if created else None
@@ -151,16 +157,18 @@ class BucketListings:
 
     async def complete(self, storage: Storage) -> dict[str, CheckpointInfo]:
         """List the bucket now; its complete checkpoints by name."""
+        self.newest_committed = None
         listing = await asyncio.to_thread(list_remote, storage, known=self.manifests)
         self._at = time.monotonic()
         self.count += 1
         if self._warnings.clear("bucket"):
             logger.info("%s answers listings again", storage.url)
         complete = {info.name: info for info in listing if info.status == "complete"}
-        self.newest = None  # what the bucket holds now: a job started over in its prefix, or deleted there
-        if complete:
-            newest = max(complete.values(), key=lambda info: info.step)
-            self.saw_complete(newest.step, newest.created)
+        # What the bucket holds now (a job started over in its prefix, or deleted there), plus what was
+        # committed while the listing ran, which it may not show.
+        self.newest = self.newest_committed
+        for info in complete.values():
+            self.saw_complete(info.step, info.created)
         return complete
 
 

@@ -336,3 +336,37 @@ def test_a_listing_taken_before_a_commit_does_not_make_the_uploader_send_that_ch
     assert caplog.text.count("uploading step-000000001") == 1, caplog.text
     assert storage.commits == 1
     assert "step-000000001" in uploader.committed
+
+
+def test_a_commit_while_the_bucket_is_listed_stays_the_newest_checkpoint(tmp_path: Path) -> None:
+    """Each listing says what the bucket holds now; one that began before a commit may not show it,
+    and must not make the newest checkpoint an older one (or none) until the next."""
+    from datetime import datetime
+
+    from spotguard.daemon.events import EventBus, UploadCommitted
+    from spotguard.daemon.uploader import BucketListings
+    from spotguard.manifest import Manifest
+
+    entered, gate = threading.Event(), threading.Event()
+
+    class SlowListing(FileStorage):
+        def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+            entered.set()
+            gate.wait(10)
+            return super().list(prefix)
+
+    (tmp_path / "bucket").mkdir()
+    storage = SlowListing((tmp_path / "bucket").as_uri())
+    manifest = Manifest(step=5, reason="periodic", world_size=1, files={})
+
+    async def scenario() -> float | None:
+        bus = EventBus()
+        listings = BucketListings(60.0, bus)
+        listing = asyncio.create_task(listings.complete(storage))
+        await asyncio.to_thread(entered.wait, 10)
+        await bus.emit_async(UploadCommitted("step-000000005", manifest, 1.0))
+        gate.set()
+        assert await listing == {}  # the listing began before the commit
+        return listings.newest_created()
+
+    assert asyncio.run(scenario()) == datetime.fromisoformat(manifest.created).timestamp()
