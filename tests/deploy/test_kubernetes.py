@@ -373,6 +373,48 @@ def test_the_peers_patch_advertises_the_pod_ip_from_the_downward_api(tmp_path: P
     assert pod.get("hostNetwork") is None
 
 
+def test_the_metrics_patch_serves_the_port_its_annotations_and_network_policy_name(tmp_path: Path) -> None:
+    """kubernetes/patches/metrics.yaml and metrics-networkpolicy.yaml on an overlay beside the peers
+    patch: the daemon's own loader reads the port and address the pod's annotations, container port
+    and added NetworkPolicy name, and the peer port's rule is still there (policies add up)."""
+    tree = tmp_path / "kubernetes"
+    shutil.copytree(KUBERNETES, tree)
+    overlay = tree / "overlays" / "aks"
+    for name in ("peers.yaml", "metrics.yaml", "metrics-networkpolicy.yaml"):
+        shutil.copy(tree / "patches" / name, overlay / name)
+    kustomization = yaml.safe_load((overlay / "kustomization.yaml").read_text())
+    kustomization["patchesStrategicMerge"] += ["peers.yaml", "metrics.yaml"]
+    kustomization["resources"] = ["metrics-networkpolicy.yaml"]
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    text = kustomize(overlay)
+    rendered = tmp_path / "rendered.yaml"
+    rendered.write_text(text)
+    checked = run(
+        [find_tool("kubernetes-validate"), "--strict", "--kubernetes-version", KUBERNETES_VERSIONS[-1], str(rendered)]
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    docs = documents(text)
+    policies = {doc["metadata"]["name"]: doc for doc in docs if doc["kind"] == "NetworkPolicy"}
+    (daemonset,) = [doc for doc in docs if doc["kind"] == "DaemonSet"]
+    (configmap,) = [doc for doc in docs if doc["kind"] == "ConfigMap"]
+    template = daemonset["spec"]["template"]
+    daemon = container(template["spec"], "spotguard")
+    env = {**env_of(daemon), "SPOTGUARD_PEER_ADVERTISE": "10.244.3.17:7140", "SPOTGUARD_PEER_TOKEN": "a" * 32}
+    (tmp_path / "spotguard.toml").write_text(configmap["data"]["spotguard.toml"])
+    config = load_config(env=env, config_file=tmp_path / "spotguard.toml")
+    assert (config.metrics_host, config.metrics_port) == ("0.0.0.0", 9464)
+    annotations = template["metadata"]["annotations"]
+    assert (
+        annotations["prometheus.io/scrape"] == "true" and int(annotations["prometheus.io/port"]) == config.metrics_port
+    )
+    ports = {p["name"]: p["containerPort"] for p in daemon["ports"]}
+    assert ports == {"peer": 7140, "metrics": config.metrics_port}
+    (metrics_rule,) = policies["spotguard-metrics"]["spec"]["ingress"]
+    assert metrics_rule["ports"] == [{"protocol": "TCP", "port": config.metrics_port}]
+    (peer_rule,) = policies["spotguard"]["spec"]["ingress"]
+    assert peer_rule["ports"] == [{"protocol": "TCP", "port": 7140}]
+
+
 def test_configmap_toml_is_the_daemons_and_documents_its_keys() -> None:
     text = (KUBERNETES / "base" / "spotguard.toml").read_text()
     keys = set(tomllib.loads(text))
