@@ -63,6 +63,11 @@ def measured_lead() -> float | None:
     return ahead[0]
 
 
+def how_far(lead: float) -> str:
+    """A measured lead in words: ``"200 s ahead of"`` or ``"200 s behind"`` (the metadata service's, ...)."""
+    return f"{abs(lead):.0f} s {'ahead of' if lead > 0 else 'behind'}"
+
+
 def on_this_clock(cloud_time: datetime, *, no_later_than: datetime | None = None) -> datetime:
     """A time the cloud gave (a notice's deadline) on this VM's clock: later by how far this clock was
     last seen ahead of the cloud's, earlier by how far behind, where that is past :data:`CLOCK_OFF`.
@@ -105,6 +110,7 @@ __all__ = [
     "cloud_now",
     "cloud_time",
     "forget",
+    "how_far",
     "measured_lead",
     "note_ahead",
     "on_this_clock",

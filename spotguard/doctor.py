@@ -175,12 +175,12 @@ def _check_metadata(config: DaemonConfig, findings: Findings, report: Callable[[
     elif abs(lead) <= cloudclock.CLOCK_OFF:
         report(Check(OK, "clock", f"within {abs(lead):.0f} s of the metadata service's (its Date header)"))
     else:
-        off = f"{abs(lead):.0f} s {'ahead of' if lead > 0 else 'behind'} the metadata service's (its Date header)"
         report(
             Check(
                 WARN,
                 "clock",
-                f"{off}: the daemon counts the cloud's deadlines and the bucket's ages on the cloud's time",
+                f"{cloudclock.how_far(lead)} the metadata service's (its Date header): the daemon counts the "
+                "cloud's deadlines and the bucket's ages on the cloud's time",
                 "check time sync (chronyc tracking, timedatectl): a trainer's manifests and logs carry this clock",
             )
         )

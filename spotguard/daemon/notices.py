@@ -28,7 +28,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from spotguard.cloudclock import CLOCK_OFF, measured_lead
+from spotguard.cloudclock import CLOCK_OFF, how_far, measured_lead
 from spotguard.daemon.events import EventBus, NoticeMoved
 from spotguard.daemon.lifecycle import NoticeState, TrackedNotice
 from spotguard.jsontext import parse_json
@@ -177,11 +177,8 @@ def clock_checked(notice: Notice, now: datetime | None = None) -> Notice:
     lead = measured_lead()
     if lead is not None and abs(lead) > CLOCK_OFF:
         # Already moved onto this clock by the measured lead: the Date header and the notice disagree.
-        way = "ahead of" if lead > 0 else "behind"
-        why = (
-            f"counted on the cloud's time (its Date header: this clock {abs(lead):.0f} s {way} it), "
-            "the notice or that header is off"
-        )
+        header = f"its Date header: this clock {how_far(lead)} it"
+        why = f"counted on the cloud's time ({header}), the notice or that header is off"
     else:
         why = "the clock is likely ahead of the cloud's (check chronyd or NTP)"
     logger.warning(

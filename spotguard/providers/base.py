@@ -20,7 +20,7 @@ from email.utils import parsedate_to_datetime
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol, TypedDict, runtime_checkable
 
-from spotguard.cloudclock import CLOCK_OFF, note_ahead
+from spotguard.cloudclock import CLOCK_OFF, how_far, note_ahead
 from spotguard.errors import TransientError
 from spotguard.jsontext import parse_json
 from spotguard.notice import Acknowledgement, Notice, plausible_time, utcnow
@@ -148,12 +148,10 @@ def note_clock(source: str, date_header: str | None, now: datetime | None = None
         _CLOCK_WARNINGS.clear(source)
     elif _CLOCK_WARNINGS.due(source, "skewed"):
         logger.warning(
-            "%s: this VM's clock is %.0f s %s the metadata service's (its answers' Date header); the "
-            "daemon counts the cloud's deadlines and the bucket's ages on the cloud's time meanwhile: check "
-            "chronyd or NTP",
+            "%s: this VM's clock is %s the metadata service's (its answers' Date header); the daemon counts "
+            "the cloud's deadlines and the bucket's ages on the cloud's time meanwhile: check chronyd or NTP",
             source,
-            abs(skew),
-            "ahead of" if skew > 0 else "behind",
+            how_far(skew),
         )
     return skew
 
