@@ -99,6 +99,21 @@ def _send(
     commit_remote(storage, step_dir, deadline=deadline)
 
 
+#: A complete checkpoint's step, and when it was made (Unix time; None where its manifest's time does not convert).
+Newest = tuple[int, float | None]
+
+
+def _newer(newest: Newest | None, step: int, created: str | None) -> Newest | None:
+    """``newest``, or the checkpoint of ``step`` made at ``created`` (its manifest's time) where that one is newer."""
+    if newest is not None and step <= newest[0]:
+        return newest
+    try:
+        at = datetime.fromisoformat(created).timestamp() if created else None
+    except (ValueError, OverflowError, OSError):  # a manifest's time is its writer's to get wrong
+        at = None
+    return (step, at)
+
+
 class BucketListings:
     """When the uploader lists the bucket next, the manifests it has read there, and the log of a
     listing that keeps failing (a bucket down for a weekend: a new or changed error, then every
@@ -110,26 +125,15 @@ class BucketListings:
         self.count = 0
         self._at = -interval  # monotonic time of the last listing
         self._warnings = RepeatedErrors(LIST_WARN_EVERY)
-        # The newest complete checkpoint seen in the bucket (listed or committed): (step, created as
-        # Unix time, None where its manifest's time does not parse). What a replacement VM resumes from.
-        self.newest: tuple[int, float | None] | None = None
-        self.newest_committed: tuple[int, float | None] | None = None  # since the listing running began
+        # The newest complete checkpoint in the bucket (listed or committed): what a replacement VM resumes from.
+        self.newest: Newest | None = None
+        self._committed_meanwhile: Newest | None = None  # commits since the listing under way began
         bus.subscribe(UploadCommitted, self._committed)
 
     def _committed(self, event: UploadCommitted) -> None:
-        self.saw_complete(event.manifest.step, event.manifest.created)
-        if self.newest is not None and self.newest[0] == event.manifest.step:
-            self.newest_committed = self.newest
-
-    def saw_complete(self, step: int, created: str | None) -> None:
-        """A complete checkpoint of ``step``, made at ``created`` (its manifest's time), is in the bucket."""
-        if self.newest is not None and step <= self.newest[0]:
-            return
-        try:
-            at = datetime.fromisoformat(created).timestamp() if created else None
-        except (ValueError, OverflowError, OSError):  # a manifest's time is its writer's to get wrong
-            at = None
-        self.newest = (step, at)
+        step, created = event.manifest.step, event.manifest.created
+        self.newest = _newer(self.newest, step, created)
+        self._committed_meanwhile = _newer(self._committed_meanwhile, step, created)
 
     def newest_created(self) -> float | None:
         """When the newest complete checkpoint in the bucket was made (Unix time), as last listed or committed."""
@@ -157,7 +161,7 @@ class BucketListings:
 
     async def complete(self, storage: Storage) -> dict[str, CheckpointInfo]:
         """List the bucket now; its complete checkpoints by name."""
-        self.newest_committed = None
+        self._committed_meanwhile = None
         listing = await asyncio.to_thread(list_remote, storage, known=self.manifests)
         self._at = time.monotonic()
         self.count += 1
@@ -166,9 +170,10 @@ class BucketListings:
         complete = {info.name: info for info in listing if info.status == "complete"}
         # What the bucket holds now (a job started over in its prefix, or deleted there), plus what was
         # committed while the listing ran, which it may not show.
-        self.newest = self.newest_committed
+        newest = self._committed_meanwhile
         for info in complete.values():
-            self.saw_complete(info.step, info.created)
+            newest = _newer(newest, info.step, info.created)
+        self.newest = newest
         return complete
 
 
