@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,27 @@ def documents(text: str) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(text) if doc]
 
 
+def validate_schemas(paths: list[Path], version: str = KUBERNETES_VERSIONS[-1]) -> subprocess.CompletedProcess[str]:
+    """kubernetes-validate --strict on rendered manifests, against one Kubernetes version's schemas."""
+    return run([find_tool("kubernetes-validate"), "--strict", "--kubernetes-version", version, *map(str, paths)])
+
+
+def patched_aks(tmp_path: Path, patches: list[str], resources: tuple[str, ...] = ()) -> str:
+    """The AKS overlay (no hostNetwork) rendered with files of kubernetes/patches added, as a user adds
+    them to an overlay: ``patches`` under patchesStrategicMerge, ``resources`` as resources."""
+    tree = tmp_path / "kubernetes"
+    shutil.copytree(KUBERNETES, tree)
+    overlay = tree / "overlays" / "aks"
+    for name in [*patches, *resources]:
+        shutil.copy(tree / "patches" / name, overlay / name)
+    kustomization = yaml.safe_load((overlay / "kustomization.yaml").read_text())
+    kustomization["patchesStrategicMerge"] += patches
+    if resources:
+        kustomization["resources"] = list(resources)
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    return kustomize(overlay)
+
+
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Each target rendered once, to a file: {"eks": .../eks.yaml, ..., "example-trainer": ...}."""
@@ -100,9 +122,12 @@ def host_paths(pod_spec: dict[str, Any], c: dict[str, Any]) -> dict[str, str]:
     }
 
 
-def daemon_config(objects: dict[str, dict[str, Any]], tmp_path: Path) -> DaemonConfig:
+def daemon_config(
+    objects: dict[str, dict[str, Any]], tmp_path: Path, env: dict[str, str] | None = None
+) -> DaemonConfig:
     """What `spotguard run` in the DaemonSet's container would run with: its --config file (from the
-    ConfigMap mounted there) and its environment, through the daemon's own config loader."""
+    ConfigMap mounted there) and its environment, through the daemon's own config loader; ``env``
+    stands for what the kubelet fills in (downward API, Secrets)."""
     pod = objects["DaemonSet"]["spec"]["template"]["spec"]
     daemon = container(pod, "spotguard")
     args = daemon["args"]
@@ -113,7 +138,7 @@ def daemon_config(objects: dict[str, dict[str, Any]], tmp_path: Path) -> DaemonC
     assert volume["configMap"]["name"] == configmap["metadata"]["name"], "the DaemonSet mounts this ConfigMap"
     local = tmp_path / config_path.name
     local.write_text(configmap["data"][config_path.name])
-    return load_config(env=env_of(daemon), config_file=local)
+    return load_config(env={**env_of(daemon), **(env or {})}, config_file=local)
 
 
 def dockerfile_arg(name: str) -> str:
@@ -135,8 +160,7 @@ def test_every_kustomization_renders(target: str) -> None:
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
 def test_rendered_manifests_match_the_kubernetes_schemas(rendered: dict[str, Path], version: str) -> None:
-    tool = find_tool("kubernetes-validate")
-    result = run([tool, "--strict", "--kubernetes-version", version, *map(str, rendered.values())])
+    result = validate_schemas(list(rendered.values()), version)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("passed for resource") == sum(
         len(documents(path.read_text())) for path in rendered.values()
@@ -147,9 +171,7 @@ def test_schema_validation_catches_a_misspelt_field(tmp_path: Path, rendered: di
     """The check above can fail: an unknown field in the DaemonSet is rejected."""
     broken = tmp_path / "broken.yaml"
     broken.write_text(rendered["eks"].read_text().replace("hostNetwork: true", "hostNetwrok: true"))
-    result = run(
-        [find_tool("kubernetes-validate"), "--strict", "--kubernetes-version", KUBERNETES_VERSIONS[-1], str(broken)]
-    )
+    result = validate_schemas([broken])
     assert result.returncode != 0 and "hostNetwrok" in result.stdout + result.stderr
 
 
@@ -344,14 +366,7 @@ def spot_selection(pod: dict[str, Any]) -> set[tuple[str, str]]:
 def test_the_peers_patch_advertises_the_pod_ip_from_the_downward_api(tmp_path: Path) -> None:
     """kubernetes/patches/peers.yaml on an overlay without hostNetwork: the address the daemon registers
     for other daemons is the pod's IP, as the kubelet expands it."""
-    tree = tmp_path / "kubernetes"
-    shutil.copytree(KUBERNETES, tree)
-    overlay = tree / "overlays" / "aks"
-    shutil.copy(tree / "patches" / "peers.yaml", overlay / "peers.yaml")
-    kustomization = yaml.safe_load((overlay / "kustomization.yaml").read_text())
-    kustomization["patchesStrategicMerge"].append("peers.yaml")
-    (overlay / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
-    objects = {doc["kind"]: doc for doc in documents(kustomize(overlay))}
+    objects = {doc["kind"]: doc for doc in documents(patched_aks(tmp_path, ["peers.yaml"]))}
     pod = objects["DaemonSet"]["spec"]["template"]["spec"]
     daemon = container(pod, "spotguard")
     names = [e["name"] for e in daemon["env"]]
@@ -361,10 +376,7 @@ def test_the_peers_patch_advertises_the_pod_ip_from_the_downward_api(tmp_path: P
     assert names.index("POD_IP") < names.index("SPOTGUARD_PEER_ADVERTISE")
     # The kubelet's expansion, then the daemon's own loader, with the token from the Secret.
     env = {name: value.replace("$(POD_IP)", "10.244.3.17") for name, value in env_of(daemon).items()}
-    env["SPOTGUARD_PEER_TOKEN"] = "a-token-of-at-least-16-bytes"
-    configmap = objects["ConfigMap"]
-    (tmp_path / "spotguard.toml").write_text(configmap["data"]["spotguard.toml"])
-    config = load_config(env=env, config_file=tmp_path / "spotguard.toml")
+    config = daemon_config(objects, tmp_path, {**env, "SPOTGUARD_PEER_TOKEN": "a-token-of-at-least-16-bytes"})
     assert config.peer_advertise == "10.244.3.17:7140" and config.peer_discovery
     port = int(config.peer_listen.rsplit(":", 1)[1]) if config.peer_listen else None
     assert [p["containerPort"] for p in daemon["ports"]] == [port]
@@ -377,31 +389,21 @@ def test_the_metrics_patch_serves_the_port_its_annotations_and_network_policy_na
     """kubernetes/patches/metrics.yaml and metrics-networkpolicy.yaml on an overlay beside the peers
     patch: the daemon's own loader reads the port and address the pod's annotations, container port
     and added NetworkPolicy name, and the peer port's rule is still there (policies add up)."""
-    tree = tmp_path / "kubernetes"
-    shutil.copytree(KUBERNETES, tree)
-    overlay = tree / "overlays" / "aks"
-    for name in ("peers.yaml", "metrics.yaml", "metrics-networkpolicy.yaml"):
-        shutil.copy(tree / "patches" / name, overlay / name)
-    kustomization = yaml.safe_load((overlay / "kustomization.yaml").read_text())
-    kustomization["patchesStrategicMerge"] += ["peers.yaml", "metrics.yaml"]
-    kustomization["resources"] = ["metrics-networkpolicy.yaml"]
-    (overlay / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
-    text = kustomize(overlay)
+    text = patched_aks(tmp_path, ["peers.yaml", "metrics.yaml"], ("metrics-networkpolicy.yaml",))
     rendered = tmp_path / "rendered.yaml"
     rendered.write_text(text)
-    checked = run(
-        [find_tool("kubernetes-validate"), "--strict", "--kubernetes-version", KUBERNETES_VERSIONS[-1], str(rendered)]
-    )
+    checked = validate_schemas([rendered])
     assert checked.returncode == 0, checked.stdout + checked.stderr
     docs = documents(text)
     policies = {doc["metadata"]["name"]: doc for doc in docs if doc["kind"] == "NetworkPolicy"}
     (daemonset,) = [doc for doc in docs if doc["kind"] == "DaemonSet"]
     (configmap,) = [doc for doc in docs if doc["kind"] == "ConfigMap"]
+    objects = {"DaemonSet": daemonset, "ConfigMap": configmap}  # what daemon_config reads
     template = daemonset["spec"]["template"]
     daemon = container(template["spec"], "spotguard")
-    env = {**env_of(daemon), "SPOTGUARD_PEER_ADVERTISE": "10.244.3.17:7140", "SPOTGUARD_PEER_TOKEN": "a" * 32}
-    (tmp_path / "spotguard.toml").write_text(configmap["data"]["spotguard.toml"])
-    config = load_config(env=env, config_file=tmp_path / "spotguard.toml")
+    config = daemon_config(
+        objects, tmp_path, {"SPOTGUARD_PEER_ADVERTISE": "10.244.3.17:7140", "SPOTGUARD_PEER_TOKEN": "a" * 32}
+    )
     assert (config.metrics_host, config.metrics_port) == ("0.0.0.0", 9464)
     annotations = template["metadata"]["annotations"]
     assert (
