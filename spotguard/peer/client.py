@@ -42,7 +42,7 @@ class PeerClient:
     def __init__(self, channel: Channel, address: str) -> None:
         self.channel = channel
         self.address = address
-        self._frames = [bytearray(), bytearray()]  # data frames are sealed in place, in these by turns
+        self._frames = [bytearray(), bytearray()]  # data frames are sealed into these by turns
         self._turn = 0
 
     @property
@@ -110,7 +110,7 @@ class PeerClient:
     ) -> None:
         """Bytes ``[offset, offset+length)`` of the open ``file`` (``rel``, ``size`` bytes in all) in data
         frames of at most ``chunk`` bytes. A big frame goes to a worker process (spotguard/peer/workers.py)
-        that reads, seals and sends it; otherwise it is read and sealed in a thread, in place in one of
+        that reads, seals and sends it; otherwise it is read and sealed in a thread into one of
         this connection's two frame buffers, while the previous one goes out (a buffer is sealed into
         again only once the transport has handed all of it to the kernel)."""
         end = offset + length

@@ -4,8 +4,8 @@ Every byte a side sends once the handshake is done goes in records: a 2-byte len
 transport message (at most 65535 bytes, tag included) under that direction's key and counter. A
 payload of ``n`` bytes is laid out as full records of :data:`MAX_PLAINTEXT` bytes and one shorter
 last record, each part of a frame in records of its own, so that both sides know where every record
-starts without reading it. This module lays them out, seals a data frame from a file (read into
-place, or straight from the file's mapped pages) and opens a payload batch by batch; the stream
+starts without reading it. This module lays them out, seals a data frame from a file (read a
+batch at a time, or straight from the file's mapped pages) and opens a payload batch by batch; the stream
 around them is :class:`spotguard.peer.channel.Channel`, and worker processes call these functions
 directly (spotguard/peer/workers.py).
 """
@@ -17,6 +17,7 @@ import contextlib
 import mmap
 import os
 import struct
+import threading
 from collections.abc import Callable, Iterator
 
 from spotguard.peer import noise, wire
@@ -31,8 +32,8 @@ _IOV_MAX = 1024  # buffers one preadv takes (POSIX's minimum for IOV_MAX is 16; 
 
 
 def seal_record(cipher: noise.CipherState, out: memoryview, at: int, plaintext: memoryview) -> None:
-    """One record at ``at`` of ``out``: its length, then ``plaintext`` sealed after it (``plaintext``
-    may be that very place: sealed in place). Takes the next nonce."""
+    """One record at ``at`` of ``out``: its length, then ``plaintext`` (elsewhere: never overlapping
+    ``out``) sealed after it. Takes the next nonce."""
     size = len(plaintext) + noise.TAGLEN
     LENGTH.pack_into(out, at, size)
     cipher.encrypt_into(plaintext, out[at + LENGTH.size : at + LENGTH.size + size])
@@ -49,10 +50,10 @@ def seal_frame(
     mapped: bool = False,
 ) -> memoryview:
     """A data frame: ``header`` and ``length`` bytes of the file ``fd`` from ``offset``, as records
-    laid out in ``out`` (at least :func:`sealed_size` bytes). The file's bytes are read straight into
-    their records' places and sealed there, in place: a frame costs one read, no copy and no
-    allocation. ``mapped``: sealed straight from the file's pages instead (see :func:`seal_batches`).
-    Raises :class:`EOFError` if the file ends first."""
+    laid out in ``out`` (at least :func:`sealed_size` bytes). The file's bytes are read a batch at a
+    time into a buffer of this thread's and sealed from there into their records' places: one read
+    and the sealing per byte, no allocation. ``mapped``: sealed straight from the file's pages
+    instead (see :func:`seal_batches`). Raises :class:`EOFError` if the file ends first."""
     records = list(layout([len(header), length]))
     end = records_end(records)
     if len(out) < end:
@@ -125,20 +126,34 @@ def _sealed_groups(
             view = place(first // BATCH_RECORDS, base, records_end(group) - base)
             # Each record's place in the batch's view, and where its plaintext goes (after its length).
             places = [(at - base, index, piece) for at, index, piece in group]
+            data = [piece for _, index, piece in places if index == 1]
+            plaintext = source
+            if source is None and data:  # the batch's file bytes, consecutive in the file: one read
+                plaintext = _batch_plaintext()[: data[-1].stop - data[0].start]
+                _preadv_full(fd, [plaintext], offset + data[0].start)
             for at, index, piece in places:
                 if index == 0:
-                    _body(view, at, len(piece))[:] = header[piece.start : piece.stop]
-            if source is None:  # the batch's file bytes read into their records' places, in one call
-                data = [(at, piece) for at, index, piece in places if index == 1]
-                if data:
-                    _preadv_full(fd, [_body(view, at, len(piece)) for at, piece in data], offset + data[0][1].start)
-            for at, index, piece in places:
-                if index == 1 and source is not None:
+                    seal_record(cipher, view, at, memoryview(header)[piece.start : piece.stop])
+                elif source is not None:
                     # A view of the mapping that outlived the call would keep it from being closed.
                     seal_record(cipher, view, at, source[piece.start : piece.stop])
                 else:
-                    seal_record(cipher, view, at, _body(view, at, len(piece)))  # in place: input and output coincide
+                    assert plaintext is not None
+                    seal_record(cipher, view, at, plaintext[piece.start - data[0].start : piece.stop - data[0].start])
             yield view
+
+
+_this_thread = threading.local()
+
+
+def _batch_plaintext() -> memoryview:
+    """This thread's buffer for a batch's plaintext, read from the file and sealed from there into the
+    records' places (~1 MiB, reused: it stays in the CPU's cache). Not sealed in place: AEAD
+    implementations may refuse input and output that overlap (cryptography 51 does)."""
+    buffer: memoryview | None = getattr(_this_thread, "plaintext", None)
+    if buffer is None:
+        buffer = _this_thread.plaintext = memoryview(bytearray(BATCH_RECORDS * MAX_PLAINTEXT))
+    return buffer
 
 
 def _body(view: memoryview, at: int, size: int) -> memoryview:
