@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,6 +18,8 @@ from spotguard.manifest import FileEntry
 from spotguard.space import SpotguardDiskFull, as_disk_full, disk_full_behind, full_disk_of
 
 T = TypeVar("T")
+
+_this_thread = threading.local()  # .group: the process group of this thread's collectives (None: the default)
 
 
 def active() -> bool:
@@ -45,9 +48,33 @@ def check_initialised() -> None:
         )
 
 
+def new_checkpoint_group() -> dist.ProcessGroup:
+    """A gloo group of every rank, for the collectives of a checkpoint written in a background thread
+    beside the training's own (as DCP's ``async_save`` wants one). Collective: every rank creates it,
+    at the same point (the first periodic save)."""
+    return dist.new_group(backend="gloo")
+
+
+@contextmanager
+def on_group(group: dist.ProcessGroup | None) -> Iterator[None]:
+    """This module's collectives in this thread (and DCP's, given :func:`group`) go to ``group``: a
+    background save's run on a group of their own, never interleaved with the training's."""
+    previous = group_of_this_thread()
+    _this_thread.group = group
+    try:
+        yield
+    finally:
+        _this_thread.group = previous
+
+
+def group_of_this_thread() -> dist.ProcessGroup | None:
+    """Where this thread's collectives go (:func:`on_group`); None: the default group."""
+    return getattr(_this_thread, "group", None)
+
+
 def barrier() -> None:
     if active():
-        dist.barrier()
+        dist.barrier(group=group_of_this_thread())
 
 
 def agree_any(flags: list[bool]) -> list[bool]:
@@ -58,11 +85,12 @@ def agree_any(flags: list[bool]) -> list[bool]:
     """
     if not active():
         return flags
+    group = group_of_this_thread()
     device = torch.device("cpu")
-    if dist.get_backend() == "nccl":
+    if dist.get_backend(group) == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
     tensor = torch.tensor([int(flag) for flag in flags], dtype=torch.int32, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return [bool(value) for value in tensor.tolist()]
 
 
@@ -113,7 +141,7 @@ def agree_ok(what: str, error: BaseException | None, disk: Path | None = None) -
             None if room is None else (str(room.path), room.bytes_needed, room.bytes_free),
         )
     reports: list[Any] = [None] * world_size()
-    dist.all_gather_object(reports, mine)
+    dist.all_gather_object(reports, mine, group=group_of_this_thread())
     failures = "; ".join(f"rank {r}: {report[0]}" for r, report in enumerate(reports) if report is not None)
     failures = failures or f"some rank ({error})"  # only FailedElsewhere, which names them
     message = f"spotguard: {what} failed on {failures}"
@@ -141,7 +169,7 @@ def broadcast_object(value: T) -> T:
     if not active():
         return value
     holder: list[Any] = [value]
-    dist.broadcast_object_list(holder, src=0)
+    dist.broadcast_object_list(holder, src=0, group=group_of_this_thread())
     return holder[0]
 
 
@@ -150,7 +178,7 @@ def all_gather(value: T) -> list[T]:
     if not active():
         return [value]
     values: list[Any] = [None] * world_size()
-    dist.all_gather_object(values, value)
+    dist.all_gather_object(values, value, group=group_of_this_thread())
     return values
 
 

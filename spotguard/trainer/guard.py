@@ -183,6 +183,8 @@ class Guard:
         in :meth:`save` (:attr:`last_checkpoint` tells the two apart).
         """
         reason, notice = self._flags.save_reason()
+        # A periodic save of save() still being written ends first: its directory is not a leftover.
+        self._saver.wait(raise_error=False)
         full_meta: dict[str, Any] = dict(meta)
         if notice is not None:
             full_meta["event_id"] = notice["notice"]["event_id"]
@@ -265,12 +267,13 @@ class Guard:
     def save(self, state: MutableMapping[str, Any], step: int, *, reason: str | None = None) -> Path:
         """Checkpoint ``state`` at ``step`` and return its directory.
 
-        Urgent saves (a notice, SIGTERM) return once the checkpoint is committed locally, and
-        first cancel a periodic save still being written. Periodic saves of a single process
-        return as soon as the state is copied to host memory; a background thread writes and
+        Urgent saves (a notice, SIGTERM) return once the checkpoint is committed locally. Periodic
+        saves return as soon as the state is copied to host memory; a background thread writes and
         commits it (at most one in flight: a new periodic save first waits for the previous one;
-        :meth:`wait` waits too). With several ranks they are written as urgent ones are: their
-        commit is agreed on with collectives, which must not run beside the training's own.
+        :meth:`wait` and :meth:`close` wait too). An urgent save first stops a periodic save still
+        being written; with several ranks it waits for it instead, since their background saves
+        agree on the commit with collectives (on a gloo group of their own, made at the first
+        periodic save). Call :meth:`close` (or :meth:`wait`) before ``destroy_process_group()``.
         The daemon (if any) is told of each commit and uploads it. A step that is already
         committed is not written again: checkpoints are never overwritten.
 
@@ -282,7 +285,7 @@ class Guard:
         check_state(state)
         decided, notice = self._flags.save_reason()
         reason = decided if reason is None else reason
-        in_background = reason == "periodic" and self.world_size == 1
+        in_background = reason == "periodic"
         if in_background:
             self._saver.wait(raise_error=False)
         else:

@@ -13,7 +13,7 @@ import shutil
 import threading
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spotguard.localstore import CheckpointExists, CheckpointWriter, prune_local, remove_incomplete, scan_local
 from spotguard.manifest import FileEntry, load_manifest_or_none, load_part
@@ -25,6 +25,11 @@ from spotguard.trainer.client import DaemonClient
 from spotguard.trainer.notices import Message
 from spotguard.trainer.state import Payloads, Stager, estimate_bytes, is_tensor, write_payloads
 from spotguard.trainer.writer import ParallelWriter
+
+if TYPE_CHECKING:  # DCP takes seconds to import: only multi-rank jobs do
+    from torch.distributed import ProcessGroup
+
+    from spotguard.trainer.sharded import ShardedStager, ShardedState
 
 # Saves at a notice, racing its deadline: they prune no older checkpoint before they return (the
 # next save does; one that is short of room makes its own).
@@ -60,6 +65,9 @@ class Saver:
         self.files_writer = ParallelWriter(io_threads)
         self._background: tuple[threading.Thread, threading.Event] | None = None
         self._background_error: Exception | None = None
+        # Several ranks: the gloo group of the background saves' collectives, and their stager.
+        self._group: ProcessGroup | None = None
+        self._sharded_stager: ShardedStager | None = None
         self.last_committed: Path | None = None  # the step directory of the newest commit
         self._last_bytes: int | None = None  # what the last checkpoint took on disk, to expect as much again
 
@@ -71,17 +79,38 @@ class Saver:
 
     def save_in_background(self, writer: CheckpointWriter, state: Mapping[str, Any], notice: Message | None) -> None:
         """Stage ``state`` (the only part that stalls training: a copy into reused host buffers), then
-        write and commit it in a background thread."""
-        staged = self.stager.stage(Payloads(state))
+        write and commit it in a background thread. With several ranks that thread's collectives go to
+        a gloo group of the checkpoint's own, never interleaved with the training's (as DCP's
+        ``async_save`` does): the group is made at the first such save, by every rank at once."""
+        staged: Mapping[str, Any] | ShardedState
+        if self.world_size > 1:
+            from spotguard.trainer.sharded import ShardedStager, split_state
+
+            if self._group is None:
+                self._group = dist.new_checkpoint_group()
+                self._sharded_stager = ShardedStager(self.stager)
+            assert self._sharded_stager is not None
+            with dist.settled(f"staging {writer.dir.name}"):  # a rank that cannot copy fails them all here
+                staged = self._sharded_stager.stage(split_state(state))
+            needed = self.expected_bytes(state)
+        else:
+            staged = self.stager.stage(Payloads(state))
+            needed = estimate_bytes(staged)
         thread = threading.Thread(
-            target=self.write_and_report,
-            args=(writer, staged, notice, estimate_bytes(staged)),
+            target=self._write_in_background,
+            args=(writer, staged, notice, needed),
             name=f"spotguard-save-{writer.step}",
             daemon=True,
         )
         assert writer.cancel is not None
         self._background = (thread, writer.cancel)
         thread.start()
+
+    def _write_in_background(
+        self, writer: CheckpointWriter, staged: Mapping[str, Any] | ShardedState, notice: Message | None, needed: int
+    ) -> None:
+        with dist.on_group(self._group):
+            self.write_and_report(writer, staged, notice, needed)
 
     def expected_bytes(self, state: Mapping[str, Any]) -> int:
         """The room an urgent save asks for before writing: what the last checkpoint took (this run's, or
@@ -105,17 +134,22 @@ class Saver:
             logger.error("spotguard: the previous periodic save failed: %s", error)
 
     def cancel_background(self) -> None:
+        """Before an urgent save: a periodic save still being written stops (one process), or is
+        finished first (several ranks: a rank that stopped would leave the others waiting for it in
+        the save's next collective; every rank finishes it alike, then saves again)."""
         if self._background is not None:
             thread, cancel = self._background
-            if thread.is_alive():
+            if thread.is_alive() and self.world_size == 1:
                 logger.info("spotguard: an urgent save pre-empts the periodic one being written")
                 cancel.set()
+            elif thread.is_alive():
+                logger.info("spotguard: an urgent save waits for the periodic one every rank is writing")
         self.wait(raise_error=False)
 
     def write_and_report(
         self,
         writer: CheckpointWriter,
-        payloads: Mapping[str, Any],
+        payloads: Mapping[str, Any] | ShardedState,
         notice: Message | None,
         needed: int,
         raise_error: bool = False,
@@ -196,7 +230,7 @@ class Saver:
             return None
         return frozenset(str(name) for name in reply["names"])
 
-    def write(self, writer: CheckpointWriter, payloads: Mapping[str, Any], needed: int) -> None:
+    def write(self, writer: CheckpointWriter, payloads: Mapping[str, Any] | ShardedState, needed: int) -> None:
         try:
             self.write_once(writer, payloads, needed)
         except OSError as exc:
@@ -211,7 +245,7 @@ class Saver:
             logger.warning("spotguard: %s ran out of room in %d bytes; retrying with more room", writer.dir, had)
             self.write_once(writer, payloads, 2 * max(needed, had))
 
-    def write_once(self, writer: CheckpointWriter, payloads: Mapping[str, Any], needed: int) -> None:
+    def write_once(self, writer: CheckpointWriter, payloads: Mapping[str, Any] | ShardedState, needed: int) -> None:
         self.open_step_dir(writer, needed)
 
         def announce(name: str, entry: FileEntry) -> None:
@@ -221,11 +255,13 @@ class Saver:
         if self.world_size > 1:
             from spotguard.trainer.sharded import save_sharded  # DCP: seconds to import, only multi-rank jobs
 
-            assert isinstance(payloads, Payloads), "distributed saves are written from the live state"
+            if isinstance(payloads, Payloads):
+                payloads = payloads.state  # the live state, split as it is written
             self.node_leader = save_sharded(
-                writer, payloads.state, announce=announce, threads=self.io_threads, parallel=self.files_writer
+                writer, payloads, announce=announce, threads=self.io_threads, parallel=self.files_writer
             )
         else:
+            assert isinstance(payloads, Mapping), "one process writes payloads, not a sharded state"
             write_payloads(
                 writer,
                 payloads,

@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as torch_dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -44,6 +44,7 @@ from spotguard.trainer.state import (
     DCP_LAYOUT,
     RNG_KEY,
     Payloads,
+    Stager,
     StateError,
     apply_saved,
     entry_file,
@@ -102,9 +103,49 @@ def _tensor_count(value: Any) -> int:
     return 0
 
 
+@dataclasses.dataclass(frozen=True)
+class ShardedState:
+    """A state as a sharded checkpoint writes it: the model's and optimizers' tree, which DCP writes,
+    and the rest with the RNG states, which go in per-rank files. Live (an urgent save, written from
+    the training's own tensors) or staged (a periodic one, copied into host memory first)."""
+
+    model: str | None
+    optimizers: list[str]
+    per_rank_keys: list[str]
+    tree: dict[str, Any]
+    per_rank: Mapping[str, Any]
+
+
+def split_state(state: Mapping[str, Any]) -> ShardedState:
+    """``state`` as :func:`save_sharded` writes it (the model's ``get_state_dict``, a collective under FSDP)."""
+    model, optimizers, rest = _parts(state)
+    per_rank = Payloads({key: state[key] for key in rest})
+    return ShardedState(model, optimizers, rest, _tree(state, model, optimizers), per_rank)
+
+
+class ShardedStager:
+    """Copies a :class:`ShardedState` into host memory reused from one save to the next: the tree as
+    DCP's ``async_save`` stages it (DTensor and sharded tensors keep their placement), the per-rank
+    payloads with the single-process :class:`Stager`. Only this copy blocks training."""
+
+    def __init__(self, payloads: Stager) -> None:
+        self._payloads = payloads
+        self._tree: DefaultStager | None = None
+
+    def stage(self, live: ShardedState) -> ShardedState:
+        if self._tree is None:
+            # Pinned host buffers where CUDA is, as the payloads' are; a synchronous copy: the
+            # training's next step may change every tensor.
+            options = StagingOptions(torch.cuda.is_available(), False, False, False)
+            self._tree = DefaultStager(options)
+        tree = self._tree.stage(live.tree)
+        assert isinstance(tree, dict), "a synchronous stager returns the staged tree"
+        return dataclasses.replace(live, tree=tree, per_rank=self._payloads.stage(live.per_rank))
+
+
 def save_sharded(
     writer: CheckpointWriter,
-    state: Mapping[str, Any],
+    state: Mapping[str, Any] | ShardedState,
     *,
     announce: Callable[[str, FileEntry], None],
     threads: int = 1,
@@ -112,9 +153,11 @@ def save_sharded(
 ) -> bool:
     """Write this rank's part of a sharded checkpoint; rank 0 then commits the manifest.
 
-    Collective: every rank must call it for the same step. Returns whether this rank leads its
-    node (the lowest rank writing to this disk): the leader tells the node's daemon. With several
-    nodes the leader first commits the node's share locally (``part-<node>.json``).
+    Collective (on the thread's group: :func:`spotguard.trainer.dist.on_group`): every rank must call
+    it for the same step. ``state``: the live state, or one :class:`ShardedStager` staged. Returns
+    whether this rank leads its node (the lowest rank writing to this disk): the leader tells the
+    node's daemon. With several nodes the leader first commits the node's share locally
+    (``part-<node>.json``).
 
     DCP writes this rank's tensors with ``threads`` threads, one file each
     (``__<rank>_0.distcp`` .. ``__<rank>_<threads-1>.distcp``, balanced by size); every one of them
@@ -122,15 +165,13 @@ def save_sharded(
     The other entries go through ``parallel`` (the caller's writer, whose staging buffers are kept
     across saves; a fresh one with ``write_threads()`` threads when None).
     """
-    model, optimizers, rest = _parts(state)
     # Every rank hears of a rank whose write failed, instead of waiting for it in the gather below.
     with dist.settled(f"writing {writer.dir.name}", writer.root):
-        tree = _tree(state, model, optimizers)
-        mine = _write_dcp(writer, tree, announce, threads)
-        per_rank = Payloads({key: state[key] for key in rest})
+        sharded = state if isinstance(state, ShardedState) else split_state(state)
+        mine = _write_dcp(writer, sharded.tree, announce, threads)
         write_payloads(
             writer,
-            per_rank,
+            sharded.per_rank,
             rank=dist.rank(),
             on_file=lambda name: announce(name, writer.files[name]),
             parallel=parallel,
@@ -142,14 +183,14 @@ def save_sharded(
             writer.files.update(entries)
         writer.meta.update(
             layout=LAYOUT,
-            model=model,
-            optimizers=optimizers,
-            per_rank=rest,
+            model=sharded.model,
+            optimizers=sharded.optimizers,
+            per_rank=sharded.per_rank_keys,
             world_size=dist.world_size(),
             nodes=len(dict.fromkeys(key for key, _ in shares)),
         )
-        if writer.contents is not None and model is not None:
-            writer.contents["entries"][model]["keys"] = flatten(tree[model])
+        if writer.contents is not None and sharded.model is not None:
+            writer.contents["entries"][sharded.model]["keys"] = flatten(sharded.tree[sharded.model])
     return dist.rank() == leader
 
 
@@ -163,7 +204,7 @@ def _write_dcp(
         thread_count = max(1, min(threads, _tensor_count(tree)))
         dcp_writer = dcp.FileSystemWriter(writer.dir, sync_files=True, overwrite=False, thread_count=thread_count)
         with dcp_errors(noting_full_disk(dcp_writer)):
-            dcp.save(tree, storage_writer=dcp_writer)
+            dcp.save(tree, storage_writer=dcp_writer, process_group=dist.group_of_this_thread())
     # On another node's disk the directory exists only once DCP (or the first file) made it.
     paths = sorted(writer.dir.iterdir()) if writer.dir.is_dir() else []
     written = [p for p in paths if p.name.startswith(f"__{rank}_") or (rank == 0 and p.name == ".metadata")]
@@ -179,9 +220,7 @@ def _share_by_node(writer: CheckpointWriter, mine: dict[str, FileEntry]) -> tupl
     the leader commits the node's share locally (``part-<node>.json``). Collective."""
     # A node is the set of ranks writing to one local disk: same host, same checkpoint root.
     node_key = dist.node_key(writer.root)
-    gathered: list[dist.NodeShare | None] = [None] * dist.world_size()
-    torch_dist.all_gather_object(gathered, (node_key, mine))
-    shares = [share for share in gathered if share is not None]
+    shares: list[dist.NodeShare] = dist.all_gather((node_key, mine))
     nodes = list(dict.fromkeys(key for key, _ in shares))  # in order of their lowest rank
     node = nodes.index(node_key)
     leader = [key for key, _ in shares].index(node_key)

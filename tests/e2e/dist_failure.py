@@ -54,6 +54,7 @@ def main() -> None:
         try:
             if not sys.argv[2].startswith("external"):
                 guard.save(state, int(step), reason=reason)
+                guard.wait()  # a periodic save is written in the background: its outcome, as an urgent one's
             else:
                 if reason == "urgent":
                     guard.notify_sigterm()

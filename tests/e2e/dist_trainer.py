@@ -7,7 +7,9 @@ lines (rank 0 only). ``--notice-at k`` holds every rank at step k, asking ``shou
 time round, until some rank's daemon delivers a notice: the ranks that got none learn it through the
 all-reduce, which is the behaviour under test. ``--ballast-mib M`` adds a per-rank tensor of M MiB to
 the state (a per-rank file in the checkpoint) that every step changes; a run that finishes checks it
-against an uninterrupted run's.
+against an uninterrupted run's. ``--hold-periodic`` holds each rank's periodic saves in the background,
+before DCP writes, until that rank has heard the notice of ``--notice-at``: the urgent save then
+certainly comes while every rank is still writing the periodic one.
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,6 +31,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from spotguard import Guard, SpotguardMismatch
+from spotguard.localstore import CheckpointWriter
+from spotguard.manifest import FileEntry
+from spotguard.trainer import sharded
 from spotguard.trainer.samplers import ResumableDistributedSampler
 
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
@@ -68,6 +76,21 @@ def mark(tensor: torch.Tensor, step: int) -> None:
     tensor[step % BALLAST_STRIDE :: BALLAST_STRIDE] += 1.0
 
 
+def hold_periodic_saves(until: threading.Event) -> None:
+    """Periodic saves' writes (in their background thread, after the ranks opened the step directory)
+    wait for ``until``."""
+    write = sharded._write_dcp
+
+    def held(
+        writer: CheckpointWriter, tree: dict[str, Any], announce: Callable[[str, FileEntry], None], threads: int
+    ) -> dict[str, FileEntry]:
+        if writer.reason == "periodic":
+            assert until.wait(60), "the notice never came"
+        return write(writer, tree, announce, threads)
+
+    sharded._write_dcp = held
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--root", type=Path, help="the checkpoint root of every rank")
@@ -83,9 +106,13 @@ def main() -> None:
     parser.add_argument("--sgd-on-rank", type=int, help="this rank resumes with SGD instead of AdamW")
     parser.add_argument("--mismatch-out", type=Path, help="each rank writes the resume mismatch it got here")
     parser.add_argument("--ballast-mib", type=float, default=0, help="a per-rank tensor of this size in the state")
+    parser.add_argument("--hold-periodic", action="store_true", help="periodic saves wait for --notice-at's notice")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
+    noticed = threading.Event()
+    if args.hold_periodic:
+        hold_periodic_saves(noticed)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         init_process_group()
@@ -143,6 +170,7 @@ def main() -> None:
                 while not guard.should_checkpoint(step):  # collective: every rank goes round together
                     assert time.monotonic() < deadline, "no notice arrived"
                     time.sleep(0.01)
+                noticed.set()
                 checkpoint = True
             else:
                 checkpoint = guard.should_checkpoint(step)
@@ -150,7 +178,8 @@ def main() -> None:
                 path = guard.save(state, step)
                 if args.dump_saved and rank == 0:
                     torch.save(snapshot(model, optimizer), args.dump_saved)
-                emit("saved", step=step, path=str(path), stop=guard.stop_requested)
+                committed = guard.last_checkpoint == path  # False: it returned before its commit (a periodic one)
+                emit("saved", step=step, path=str(path), stop=guard.stop_requested, committed=committed)
             if guard.stop_requested or step >= args.steps:
                 break
         else:

@@ -141,6 +141,59 @@ def test_ddp_resumed_from_an_epochs_last_step_trains_the_next_epoch_whole(refere
     assert compare_final(reference, resumed) == []
 
 
+@pytest.mark.slow
+def test_periodic_saves_of_two_ranks_are_written_while_training_goes_on_and_resume_bitwise(
+    reference: Path, tmp_path: Path
+) -> None:
+    """A periodic save returns once the state is copied to host memory, with several ranks too: each
+    rank's background thread writes it and the ranks agree on its commit on a group of their own,
+    while the training's collectives go on. What was copied is what is written: the model and
+    optimizer resume bit for bit, and the ballast (changed in place by every later step, a per-rank
+    file) holds the saved step's values (the trainer checks it at the end)."""
+    root, resumed = tmp_path / "nvme", tmp_path / "resumed.pt"
+    ballast = ["--ballast-mib", "8"]
+    events = launch(2, "--root", str(root), "--steps", "14", "--every-steps", "6", *ballast)
+    saved = [e for e in events if e["event"] == "saved"]
+    assert [(e["step"], e["committed"]) for e in saved] == [(6, False), (12, False)]  # returned before its commit
+    assert [(info.step, info.status) for info in scan_local(root)] == [(6, "complete"), (12, "complete")]
+    assert all(verify_dir(root / info.name) == [] for info in scan_local(root))
+    events = launch(2, "--root", str(root), "--steps", str(STEPS), "--out", str(resumed), *ballast)
+    assert events[0] == {"event": "resumed", "step": 12}
+    assert events[-1] == {"event": "finished", "step": STEPS}  # the ballast matched on both ranks
+    assert compare_final(reference, resumed) == []
+
+
+@pytest.mark.slow
+def test_a_notice_during_a_periodic_save_of_two_ranks_is_saved_after_it_on_every_rank(
+    reference: Path, vm_factory: Callable[..., Vm], tmp_path: Path
+) -> None:
+    """A notice while every rank writes a periodic save (held there until the notice is heard): an
+    urgent save on one rank may not stop it (the others would wait for that rank in its next
+    collective), so every rank finishes it, then writes the urgent one. Both commit, nothing hangs,
+    and the urgent one resumes bit for bit."""
+    vm = vm_factory("vm-a")
+    periodic, k = 6, 7
+
+    def drill_as_the_periodic_save_is_written(event: dict) -> None:
+        if event["event"] == "saved" and event["step"] == periodic:
+            request(vm.socket, "drill", deadline_s=120)
+
+    ballast = ["--ballast-mib", "4"]
+    events = launch(
+        2, "--root", str(vm.root), "--sockets", str(vm.socket), "--steps", str(STEPS), "--every-steps", str(periodic),
+        "--notice-at", str(k), "--hold-periodic", *ballast, on_event=drill_as_the_periodic_save_is_written,
+    )  # fmt: skip
+    assert [(e["step"], e["committed"]) for e in events if e["event"] == "saved"] == [(periodic, False), (k, True)]
+    assert events[-1] == {"event": "stopped", "step": k}
+    assert [(info.step, info.status) for info in scan_local(vm.root)] == [(periodic, "complete"), (k, "complete")]
+    vm.stop_daemon()
+    resumed = tmp_path / "resumed.pt"
+    events = launch(2, "--root", str(vm.root), "--steps", str(STEPS), "--out", str(resumed), *ballast)
+    assert events[0] == {"event": "resumed", "step": k}
+    assert events[-1] == {"event": "finished", "step": STEPS}
+    assert compare_final(reference, resumed) == []
+
+
 @pytest.fixture(scope="module")
 def saved_by_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A checkpoint of step 12 saved by 2 ranks, and the state they saved (once for the module)."""
