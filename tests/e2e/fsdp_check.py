@@ -1,10 +1,13 @@
 """FSDP2 (``fully_shard``, DTensor parameters) through Guard, on CPU with gloo.
 
-    save:  RANK=r WORLD_SIZE=2 ... python -m tests.e2e.fsdp_check save ROOT FULL.pt
+    save:  RANK=r WORLD_SIZE=2 ... python -m tests.e2e.fsdp_check save ROOT FULL.pt [urgent|periodic]
     load:  python -m tests.e2e.fsdp_check load ROOT FULL.pt       (one plain process: resharding)
 
-``save`` trains a step, saves urgently, writes the full (unsharded) parameters and optimizer moments
-to FULL.pt from rank 0, then resumes into a fresh FSDP model and checks it equals what was saved.
+``save`` trains a step, saves (urgently by default), writes the full (unsharded) parameters and
+optimizer moments to FULL.pt from rank 0, then resumes into a fresh FSDP model and checks it equals
+what was saved. A periodic save is written in the background: the next step, which changes every
+sharded parameter and moment in place, runs before it is waited for, so what it wrote is what was
+staged when it was taken.
 ``load`` resumes the same checkpoint into an unsharded model and checks it against FULL.pt.
 """
 
@@ -58,7 +61,11 @@ def main() -> None:
         optimizer.step()
         saved = unsharded(model, optimizer)
         guard = Guard(**guard_kwargs)
-        guard.save({"model": model, "optimizer": optimizer}, 3, reason="urgent")
+        reason = sys.argv[4] if len(sys.argv) > 4 else "urgent"
+        guard.save({"model": model, "optimizer": optimizer}, 3, reason=reason)
+        model(torch.randn(4, 8)).sum().backward()
+        optimizer.step()  # the training goes on; a periodic save is being written meanwhile
+        guard.wait()
         if dist.get_rank() == 0:
             torch.save(saved, reference)
         fresh, fresh_optimizer = build()

@@ -462,14 +462,17 @@ def remote_files(bucket: str, name: str) -> set[str]:
 
 
 @pytest.mark.slow
-def test_fsdp_sharded_state_round_trips_and_reshards_into_one_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("reason", ["urgent", "periodic"])
+def test_fsdp_sharded_state_round_trips_and_reshards_into_one_process(reason: str, tmp_path: Path) -> None:
+    """FSDP2's DTensor state, written from the live state (urgent) or staged and written in the
+    background while the next step changes it (periodic), resumes as saved, sharded and in one process."""
     root, reference = tmp_path / "ckpt", tmp_path / "full.pt"
     stack = contextlib.ExitStack()
     env = rendezvous_env(stack, 2)
     command = [sys.executable, "-m", "tests.e2e.fsdp_check"]
     ranks = [
         subprocess.Popen(
-            [*command, "save", str(root), str(reference)],
+            [*command, "save", str(root), str(reference), reason],
             env={**env, "RANK": str(r)},
             stdout=subprocess.PIPE,
             text=True,
