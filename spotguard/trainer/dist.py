@@ -48,6 +48,12 @@ def check_initialised() -> None:
         )
 
 
+def can_save_in_background() -> bool:
+    """Whether a save may run its collectives in a background thread: one process, or gloo to make
+    :func:`new_checkpoint_group` with (a torch built without it writes in the foreground)."""
+    return not active() or dist.is_gloo_available()
+
+
 def new_checkpoint_group() -> dist.ProcessGroup:
     """A gloo group of every rank, for the collectives of a checkpoint written in a background thread
     beside the training's own (as DCP's ``async_save`` wants one). Collective: every rank creates it,

@@ -285,7 +285,7 @@ class Guard:
         check_state(state)
         decided, notice = self._flags.save_reason()
         reason = decided if reason is None else reason
-        in_background = reason == "periodic"
+        in_background = reason == "periodic" and dist.can_save_in_background()
         if in_background:
             self._saver.wait(raise_error=False)
         else:
