@@ -2,8 +2,8 @@
 of a checkpoint file, against ``sendfile`` of the same bytes, each to a process that discards them.
 
 - plain: ``socket.sendfile`` of the file (the plain copy's sender in bench/peer_channel.py);
-- read: each frame read into its records' places (``preadv``), sealed there in place, sent (the
-  daemon's in-process way);
+- read: each frame read a batch at a time into a buffer (``preadv``) and sealed from there into its
+  records' places, sent (the daemon's in-process way);
 - mapped: each frame sealed from the file's pages through a read-only mapping, each batch of records
   sealed into one of two batch buffers in turn and sent as soon as it is sealed (a worker's way);
 - mapped-frame: the same, but each batch sealed at its place in one frame-sized buffer (a worker's
