@@ -68,11 +68,13 @@ def run_two_ranks(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("reason", ["urgent", "periodic"])
 def test_a_rank_whose_write_fails_takes_every_rank_down_with_the_same_error(
-    tmp_path: Path, read_only_dir: Path
+    reason: str, tmp_path: Path, read_only_dir: Path
 ) -> None:
+    """Urgent, or periodic and written in the background (its error raised by ``guard.wait()``)."""
     good = tmp_path / "nvme0"
-    outcomes = [lines[0] for lines in run_two_ranks(tmp_path, [good, read_only_dir], "files", "5:urgent")]
+    outcomes = [lines[0] for lines in run_two_ranks(tmp_path, [good, read_only_dir], "files", f"5:{reason}")]
     assert [o["raised"] for o in outcomes] == ["RankFailed", "RankFailed"], outcomes
     assert outcomes[0]["message"] == outcomes[1]["message"]
     message = outcomes[0]["message"]
