@@ -63,8 +63,8 @@ def new_checkpoint_group() -> dist.ProcessGroup:
 
 @contextmanager
 def on_group(group: dist.ProcessGroup | None) -> Iterator[None]:
-    """This module's collectives in this thread (and DCP's, given :func:`group`) go to ``group``: a
-    background save's run on a group of their own, never interleaved with the training's."""
+    """This module's collectives in this thread (and DCP's, given :func:`group_of_this_thread`) go to
+    ``group``: a background save's run on a group of their own, never interleaved with the training's."""
     previous = group_of_this_thread()
     _this_thread.group = group
     try:
