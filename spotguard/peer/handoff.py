@@ -109,6 +109,7 @@ class Handoff:
         self._io_timeout = io_timeout  # the channel's record deadline (spotguard/peer/channel.py)
         self.max_flows = max_flows  # connections one replica may use (spotguard/peer/flows.py)
         self._expected = 0  # bytes the plan expects the checkpoint to hold
+        self._sized_from_commit = False  # whether the last open told a peer the committed checkpoint's size
         self._deadline: float | None = None  # monotonic; None: no deadline known (one flow)
         self.state = HandoffState.IDLE
         self.peer: str | None = None
@@ -240,7 +241,9 @@ class Handoff:
                 logger.warning("peer handoff: %s did not open the replica (%s); asking the others", client.address, exc)
                 refused.append(client.address)
                 cause = exc.__cause__
-                short_of_room |= isinstance(cause, wire.PeerError) and cause.code in _ROOM
+                # Short of room for the plan's size, told before the commit: the committed size may fit.
+                room = isinstance(cause, wire.PeerError) and cause.code in _ROOM
+                short_of_room |= room and not self._sized_from_commit
             except (OSError, TimeoutError, wire.PeerError) as exc:
                 self.error = str(exc)
                 if not self._may_move(exc):
@@ -326,6 +329,8 @@ class Handoff:
     async def _open(self, client: PeerClient) -> Flows:
         """The replica of the newest checkpoint announced, and its flows (one, to begin with)."""
         self.name = self._announced.newest()
+        # Before the size is read: a commit in between only has the refused asked once more.
+        self._sized_from_commit = self._announced.is_saved(self.name)
         flows = await open_flows(
             client,
             self.name,
@@ -340,11 +345,10 @@ class Handoff:
         return flows
 
     async def _committed_since_refused(self, refused: list[str]) -> bool:
-        """Wait until the trainer commits the checkpoint the ``refused`` peers had no room for, if it was
-        not committed then (the open told them the plan's size, sized from the last checkpoint: this one
-        may be smaller, and its open tells its own size); whether it was, before the deadline."""
-        if self._announced.is_saved(self._announced.newest()):
-            return False  # the open told them the committed size already
+        """Wait until the trainer commits the checkpoint the ``refused`` peers had no room for (their
+        open told them the plan's size, sized from the last checkpoint: this one may be smaller, and its
+        open tells its own size), if it is not committed yet; whether it is, before the deadline. The
+        commit may have come since they refused: that is no reason not to ask them again."""
         while not self._announced.is_saved(self._announced.newest()):
             left = self._deadline_at() - time.monotonic()
             if left <= 0:

@@ -8,6 +8,7 @@ only. Each refusal leaves nothing on disk nor in the bucket.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import subprocess
 import time
@@ -189,7 +190,7 @@ def test_a_handoff_a_peer_has_no_room_for_goes_to_the_next_peer(
     assert "did not open the replica (no-space" in vm_a.log.read_text()
 
 
-@pytest.mark.parametrize("committed", ["before-the-open", "after-a-refusal"])
+@pytest.mark.parametrize("committed", ["before-the-open", "after-a-refusal", "as-it-is-refused"])
 def test_a_peer_with_room_for_the_committed_checkpoint_but_not_the_plans_size_takes_it(
     tmp_path: Path, url: str, tmpfs: Callable[[int], Path], committed: str
 ) -> None:
@@ -198,7 +199,10 @@ def test_a_peer_with_room_for_the_committed_checkpoint_but_not_the_plans_size_ta
     ``before-the-open`` (a soft notice's checkpoint, or one sent again after a move): the open tells
     the replica's own size, and the peer takes it. ``after-a-refusal`` (an urgent save still being
     written): the peer refuses the plan's size; once the trainer commits, it is asked again with the
-    checkpoint's, and takes it. Before, the handoff failed either way, no peer having room."""
+    checkpoint's, and takes it. Before, the handoff failed either way, no peer having room.
+    ``as-it-is-refused``: the commit comes while the handoff takes in the refusal (at its log line,
+    before it looks again); the refusal was still of the plan's size, so the peer is asked again.
+    This order failed the handoff in one CI run ("after-a-refusal" can meet it too)."""
     step_dir = write_checkpoint(tmp_path / "vm-a", 7, {"state.bin": os.urandom(2 * MiB)})
     vm_c = Vm(tmp_path, "vm-c", url, extra_args=["--provider", "none", "--peer-listen", "127.0.0.1:0"])
     vm_c.root = tmpfs(8 * MiB)
@@ -213,6 +217,8 @@ def test_a_peer_with_room_for_the_committed_checkpoint_but_not_the_plans_size_ta
             handoff.file_ready(step_dir, rel, entry)
         if committed == "before-the-open":
             handoff.saved(step_dir)
+        elif committed == "as-it-is-refused":
+            refusal.on_record = lambda: handoff.saved(step_dir)
         handoff.start(expected_bytes=24 * MiB, deadline=time.monotonic() + 20.0)
         try:
             async with asyncio.timeout(30):
@@ -227,13 +233,33 @@ def test_a_peer_with_room_for_the_committed_checkpoint_but_not_the_plans_size_ta
             await handoff.close()
         return handoff
 
+    refusal = OnLogRecord("did not open the replica")
+    logging.getLogger("spotguard.handoff").addHandler(refusal)
     try:
         handoff = asyncio.run(hand_over())
         assert handoff.state is HandoffState.HANDED, handoff.error
         wait_for(lambda: f"{step_dir.name}/manifest.json" in bucket_keys(url), 30, "the replica committed")
     finally:
+        logging.getLogger("spotguard.handoff").removeHandler(refusal)
         vm_c.kill_daemon()
-    assert vm_c.log.read_text().count("no-space") == (committed == "after-a-refusal")
+    assert vm_c.log.read_text().count("no-space") == (committed != "before-the-open")
+    assert refusal.seen == (committed != "before-the-open")
+
+
+class OnLogRecord(logging.Handler):
+    """Calls ``on_record`` (once) at the first record whose message holds ``text``, in the thread and at
+    the moment the record is made: a point of the code under test, without changing it."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+        self.seen = False
+        self.on_record: Callable[[], None] = lambda: None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.seen and self.text in record.getMessage():
+            self.seen = True
+            self.on_record()
 
 
 @pytest.mark.parametrize("going", ["killed", "hard-notice"])
