@@ -75,6 +75,7 @@ def test_a_peer_rescues_an_urgent_checkpoint_the_bucket_cannot_take_in_time(
         monkeypatch.setenv("SPOTGUARD_PEER_TOKEN", TOKEN)
         vm_b = Vm(tmp_path, "vm-b", url, extra_args=["--provider", "none", "--peer-listen", "127.0.0.1:0"])
         vm_b.start_daemon(env={"SPOTGUARD_UPLOAD_CONCURRENCY": "48"})  # a VM with more streams to the bucket
+        request.addfinalizer(vm_b.kill_daemon)  # also when the handoff's checks fail before B's own block
         vm_a = Vm(tmp_path, "vm-a", url, extra_args=["--provider", "none", "--peers", vm_b.status()["peers"]["listen"]])
         vm_a.start_daemon()
         train_a: subprocess.Popen[str] | None = None
