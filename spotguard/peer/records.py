@@ -124,22 +124,23 @@ def _sealed_groups(
             group = records[first : first + BATCH_RECORDS]
             base = group[0][0]
             view = place(first // BATCH_RECORDS, base, records_end(group) - base)
-            # Each record's place in the batch's view, and where its plaintext goes (after its length).
+            # Each record's place in the batch's view.
             places = [(at - base, index, piece) for at, index, piece in group]
             data = [piece for _, index, piece in places if index == 1]
-            plaintext = source
-            if source is None and data:  # the batch's file bytes, consecutive in the file: one read
-                plaintext = _batch_plaintext()[: data[-1].stop - data[0].start]
-                _preadv_full(fd, [plaintext], offset + data[0].start)
+            # The payload's bytes, and the payload position its first byte holds: the whole mapped
+            # range, or the batch's bytes (consecutive in the file) read in one call.
+            plaintext, start = source, 0
+            if source is None and data:
+                start = data[0].start
+                plaintext = _batch_plaintext()[: data[-1].stop - start]
+                _preadv_full(fd, [plaintext], offset + start)
             for at, index, piece in places:
                 if index == 0:
                     seal_record(cipher, view, at, memoryview(header)[piece.start : piece.stop])
-                elif source is not None:
-                    # A view of the mapping that outlived the call would keep it from being closed.
-                    seal_record(cipher, view, at, source[piece.start : piece.stop])
                 else:
                     assert plaintext is not None
-                    seal_record(cipher, view, at, plaintext[piece.start - data[0].start : piece.stop - data[0].start])
+                    # A slice of the mapping that outlived the call would keep it from being closed.
+                    seal_record(cipher, view, at, plaintext[piece.start - start : piece.stop - start])
             yield view
 
 
@@ -154,11 +155,6 @@ def _batch_plaintext() -> memoryview:
     if buffer is None:
         buffer = _this_thread.plaintext = memoryview(bytearray(BATCH_RECORDS * MAX_PLAINTEXT))
     return buffer
-
-
-def _body(view: memoryview, at: int, size: int) -> memoryview:
-    """Where the plaintext of ``size`` bytes of the record at ``at`` of ``view`` goes (after its length)."""
-    return view[at + LENGTH.size : at + LENGTH.size + size]
 
 
 @contextlib.contextmanager
