@@ -109,10 +109,10 @@ def raw_http(method: str, url: str, headers: dict[str, str] | None = None) -> tu
 
 
 def assert_lead_of_skew(text: str, before: str, skew: int, waited: float) -> None:
-    """``text`` says ``<before><N> s ahead of`` with the lead a ``skew`` fault (the emulator's Date
-    header ``skew`` s behind) can give: at least ``skew`` (the header's whole seconds only take from
-    the emulator's clock), at most a second more plus ``waited``, the seconds between the fault and
-    reading ``text``, the most an answer can have spent on its way to being read."""
-    found = re.search(rf"{re.escape(before)}(\d+) s ahead of", text)
+    """``text`` says ``<before><N> s ahead of the metadata service's`` with the lead a ``skew`` fault
+    (the emulator's Date header ``skew`` s behind) can give: at least ``skew`` (the header's whole
+    seconds only take from the emulator's clock), at most a second more plus ``waited``, the seconds
+    between the fault and reading ``text``, the most an answer can have spent on its way to being read."""
+    found = re.search(rf"{re.escape(before)}(\d+) s ahead of the metadata service's", text)
     assert found, text
     assert skew <= int(found[1]) <= skew + 1 + math.ceil(waited), (text, waited)

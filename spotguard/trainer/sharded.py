@@ -130,14 +130,11 @@ class ShardedStager:
 
     def __init__(self, payloads: Stager) -> None:
         self._payloads = payloads
-        self._tree: DefaultStager | None = None
+        # Pinned host buffers where CUDA is, as the payloads' are; a synchronous copy: the training's
+        # next step may change every tensor.
+        self._tree = DefaultStager(StagingOptions(torch.cuda.is_available(), False, False, False))
 
     def stage(self, live: ShardedState) -> ShardedState:
-        if self._tree is None:
-            # Pinned host buffers where CUDA is, as the payloads' are; a synchronous copy: the
-            # training's next step may change every tensor.
-            options = StagingOptions(torch.cuda.is_available(), False, False, False)
-            self._tree = DefaultStager(options)
         tree = self._tree.stage(live.tree)
         assert isinstance(tree, dict), "a synchronous stager returns the staged tree"
         return dataclasses.replace(live, tree=tree, per_rank=self._payloads.stage(live.per_rank))

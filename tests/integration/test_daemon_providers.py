@@ -563,8 +563,7 @@ def test_a_vm_clock_far_from_the_metadata_services_is_warned_about_before_any_no
     emu.inject({"kind": "skew", "seconds": 200})
     injected = time.monotonic()
     [line] = wait_for(warned, WAIT, "the clock warning")
-    assert f"{provider}: this VM's clock is " in line and "ahead of the metadata service's" in line, line
-    assert_lead_of_skew(line, "this VM's clock is ", 200, waited=time.monotonic() - injected)
+    assert_lead_of_skew(line, f"{provider}: this VM's clock is ", 200, waited=time.monotonic() - injected)
     seen = polls(emu, case.polled_path)
     wait_for(lambda: polls(emu, case.polled_path) >= seen + 3, WAIT, "three more polls")
     assert len(warned()) == 1  # once an hour while it lasts, not at every poll

@@ -167,8 +167,8 @@ def test_doctor_warns_of_a_clock_minutes_off_the_metadata_services(imds: Running
     started = time.monotonic()
     _, output = doctor(config)
     clock = line(output, "clock")
-    assert clock.startswith("warn  clock: ") and "ahead of the metadata service's" in clock, clock
-    assert_lead_of_skew(clock, "clock: ", 200, waited=time.monotonic() - started)
+    assert clock.startswith("warn  clock: "), clock
+    assert_lead_of_skew(clock, "warn  clock: ", 200, waited=time.monotonic() - started)
     assert "chronyc tracking" in output and line(output, "metadata").startswith("ok")
 
 
