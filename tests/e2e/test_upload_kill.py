@@ -246,7 +246,7 @@ def test_daemon_sigkilled_mid_upload_never_exposes_a_partial_checkpoint_and_fini
         for kill in range(KILLS):
             # Files already in the bucket are not sent again: aim inside what is left to send.
             left = 1 - data_bytes_in_bucket(s3, step_dir.name) / manifest.total_bytes
-            vm.start_daemon(env=env)  # returns once it answers: warmed, stale multipart uploads aborted
+            vm.start_daemon(env=env)  # returns once it answers: warmed, its predecessor's uploads aborted
             wait_for(lambda: upload_started(vm, bucket, step_dir.name), 30, f"restart {kill}: the upload to start")
             delay = rng.uniform(0.0, 0.5) * expected * left
             time.sleep(delay)  # the kill point: random, not a synchronisation
