@@ -22,6 +22,9 @@ Client -> daemon:
   save-failed {step, reason, error, message,         a save failed and nothing was committed (no reply);
            bytes_needed?, bytes_free?, path?,         error says what kind of failure: "disk-full", "write-failed"
            event_id?}
+  save-cancelled {step, reason}                      a save was cancelled (an urgent one pre-empted a periodic
+                                                     one) and nothing was committed: its files sent ahead go
+                                                     (no reply)
   safe-steps {}                                      which local checkpoints are complete in the bucket
   peer-resume {after, fetch?}                        before a resume: fetch the newest checkpoint a peer holds
                                                      verified if it is newer than step after (the newest
@@ -81,6 +84,7 @@ REQUIRED_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "saved": {"path": str, "step": int, "reason": str},
     "checkpoint-started": {"event_id": str, "step": int},
     "save-failed": {"step": int, "reason": str, "error": str, "message": str},
+    "save-cancelled": {"step": int, "reason": str},
     "safe-steps": {},  # the request is empty; the reply carries names (a list of str) and bucket
     "peer-resume": {"after": int},  # request and reply: the reply's after is the step it compared with
     "drill": {},  # deadline_s optional: the daemon's drill_deadline when absent
@@ -101,8 +105,8 @@ OPTIONAL_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
 }
 CLIENT_TYPES = frozenset(
     {
-        "hello", "state-size", "file", "file-range", "saved", "checkpoint-started", "save-failed", "safe-steps",
-        "peer-resume", "drill", "status",
+        "hello", "state-size", "file", "file-range", "saved", "checkpoint-started", "save-failed",
+        "save-cancelled", "safe-steps", "peer-resume", "drill", "status",
     }
 )  # fmt: skip
 # What a save-failed message's "error" names (a trainer's own words are in its "message").

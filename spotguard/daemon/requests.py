@@ -94,7 +94,7 @@ class RequestHandler:
     def __init__(self, host: RequestHost, *, stopping: Callable[[], bool]) -> None:
         self.host = host
         self._stopping = stopping
-        self._discards: set[asyncio.Task[list[str]]] = set()  # failed saves being removed from the bucket
+        self._discards: set[asyncio.Task[list[str]]] = set()  # failed or cancelled saves being removed
 
     async def handle(self, peer: Peer, message: dict[str, Any]) -> list[Reply]:
         kind = message["type"]
@@ -117,6 +117,11 @@ class RequestHandler:
         if kind == "save-failed":
             self._save_failed(peer, message)
             return []  # nothing to answer: the trainer goes on (or stops) either way
+        if kind == "save-cancelled":
+            step, reason = message["step"], message["reason"]
+            logger.info("trainer pid %d: %s checkpoint at step %d cancelled", peer.pid, reason, step)
+            self._discard(step, "the save was cancelled")
+            return []
         if kind == "safe-steps":
             # Local copies of these may be dropped when the disk is short of room. (A name bucket
             # retention removed since stays listed until the next rescan: it is older than
@@ -285,6 +290,16 @@ class RequestHandler:
         if self.host.pending is not None:
             self.host.planner.revise(self.host.uploader.forecast())
 
+    def _discard(self, step: int, why: str) -> None:
+        """A save that committed nothing: its files already streamed or sent ahead of the commit must
+        not stay in the bucket (nor keep uploading beside the next save's)."""
+        if self.host.storage is None or not 0 <= step <= MAX_STEP:
+            return
+        name = step_dir_name(step)
+        task = asyncio.create_task(self.host.uploader.discard(name, why), name=f"discard-{name}")
+        self._discards.add(task)
+        task.add_done_callback(self._discards.discard)
+
     def _save_failed(self, peer: Peer, message: dict[str, Any]) -> None:
         failure = {name: message.get(name) for name in _SAVE_FAILED_FIELDS}
         failure.update(pid=peer.pid, at=utcnow().isoformat())
@@ -296,12 +311,7 @@ class RequestHandler:
             message["error"],
             message["message"],
         )
-        if self.host.storage is not None and 0 <= message["step"] <= MAX_STEP:
-            # Its files already streamed or sent ahead of the commit must not stay in the bucket.
-            name = step_dir_name(message["step"])
-            task = asyncio.create_task(self.host.uploader.discard(name, "the save failed"), name=f"discard-{name}")
-            self._discards.add(task)
-            task.add_done_callback(self._discards.discard)
+        self._discard(message["step"], "the save failed")
         self.host.save_failures.append(failure)
         del self.host.save_failures[:-20]
         event_id = message.get("event_id")

@@ -307,10 +307,10 @@ class Uploader:
         self._ahead.abort(why, name=name, owner=owner, every=every)
 
     async def discard(self, name: str, why: str) -> list[str]:
-        """A save of ``name`` failed: nothing of it will ever be committed. Abort its streamed uploads,
-        let its uploads ahead of the commit settle, and remove from the bucket every file of it this
-        daemon sent (never another node's share, and nothing once a manifest is there: a committed
-        checkpoint of that name is not ours to touch). Returns the keys removed."""
+        """A save of ``name`` failed or was cancelled: nothing of it will ever be committed. Abort its
+        streamed uploads, let its uploads ahead of the commit settle, and remove from the bucket every
+        file of it this daemon sent (never another node's share, and nothing once a manifest is there:
+        a committed checkpoint of that name is not ours to touch). Returns the keys removed."""
         self._queued.pop(name, None)
         self._urgent.discard(name)
         self._failures.forget(name)

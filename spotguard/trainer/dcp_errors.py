@@ -12,7 +12,9 @@ rank, and :func:`dcp_errors` raises this rank's own error (that one first), or
 
 from __future__ import annotations
 
+import io
 import os
+import threading
 from collections.abc import Generator, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -21,30 +23,56 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+from spotguard.safefile import SaveCancelled
 from spotguard.space import disk_full_behind
 from spotguard.trainer import dist
 
 
 class FullDiskNoted(FileSystem):
-    """DCP's own file system, keeping the first full-disk error raised under any of its streams."""
+    """DCP's own file system, keeping the first full-disk error raised under any of its streams; with
+    ``cancel``, its streams' writes raise :class:`SaveCancelled` once it is set (DCP then fails the
+    save on every rank alike: its write stage is collective)."""
 
-    def __init__(self) -> None:
+    def __init__(self, cancel: threading.Event | None = None) -> None:
         super().__init__()
         self.full: OSError | None = None
+        self.cancel = cancel
+        self.cancelled = False  # a write here was refused for ``cancel`` (DCP's writer threads only print it)
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[Any, None, None]:
         try:
-            with super().create_stream(path, mode) as stream:
-                yield stream
+            if self.cancel is None or "w" not in mode:
+                with super().create_stream(path, mode) as stream:
+                    yield stream
+            else:
+                with _CancellableWriter(io.FileIO(path, mode), self.cancel) as stream:
+                    yield stream
+        except SaveCancelled:
+            self.cancelled = True
+            raise
         except Exception as exc:
             self.full = self.full or disk_full_behind(exc)
             raise
 
 
-def noting_full_disk(writer: FileSystemWriter) -> FullDiskNoted:
+class _CancellableWriter(io.BufferedWriter):
+    """A file DCP writes, which refuses each write once ``cancel`` is set: a periodic save pre-empted
+    by an urgent one stops within one of DCP's writes (a tensor, at most), not at the save's end."""
+
+    def __init__(self, raw: io.FileIO, cancel: threading.Event) -> None:
+        super().__init__(raw)
+        self._cancel = cancel
+
+    def write(self, data: Any) -> int:
+        if self._cancel.is_set():
+            raise SaveCancelled("save cancelled")
+        return super().write(data)
+
+
+def noting_full_disk(writer: FileSystemWriter, cancel: threading.Event | None = None) -> FullDiskNoted:
     """Put a :class:`FullDiskNoted` under ``writer`` (DCP keeps its file system in ``fs``)."""
-    noted = FullDiskNoted()
+    noted = FullDiskNoted(cancel)
     writer.fs = noted
     return noted
 
@@ -58,6 +86,8 @@ def dcp_errors(noted: FullDiskNoted | None = None) -> Iterator[None]:
     except CheckpointException as exc:
         if noted is not None and noted.full is not None:
             raise noted.full from None
+        if noted is not None and noted.cancelled:
+            raise SaveCancelled("save cancelled") from None
         failed = sorted(exc.failures)
         own = exc.failures.get(dist.rank())
         if own is not None and isinstance(own[0], Exception):

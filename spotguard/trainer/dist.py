@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from spotguard.errors import FatalError
 from spotguard.manifest import FileEntry
+from spotguard.safefile import SaveCancelled
 from spotguard.space import SpotguardDiskFull, as_disk_full, disk_full_behind, full_disk_of
 
 T = TypeVar("T")
@@ -126,8 +127,9 @@ def agree_ok(what: str, error: BaseException | None, disk: Path | None = None) -
     group times out. If any rank failed, every rank raises the same :class:`RankFailed` naming each
     failed rank and its error (a :class:`RankDiskFull` when one of them was a full disk: an ENOSPC
     behind its error, or, where ``what`` wrote to ``disk``, that disk left nearly full, whatever the
-    error said; each rank judges its own disk and all ranks decide on the same reports). Without
-    ``torch.distributed`` the error is raised as it is.
+    error said; each rank judges its own disk and all ranks decide on the same reports). Where every
+    error was a :class:`SaveCancelled` (an urgent save pre-empting a periodic one), every rank raises
+    that instead. Without ``torch.distributed`` the error is raised as it is.
     """
     if not active():
         if error is not None:
@@ -135,7 +137,7 @@ def agree_ok(what: str, error: BaseException | None, disk: Path | None = None) -
         return
     if not agree_any([error is not None])[0]:
         return
-    mine: tuple[str, tuple[str, int, int] | None] | None = None
+    mine: tuple[str, tuple[str, int, int] | None, bool] | None = None
     if error is not None and not isinstance(error, FailedElsewhere):
         if disk is not None:
             room = full_disk_of(error, disk)
@@ -145,6 +147,7 @@ def agree_ok(what: str, error: BaseException | None, disk: Path | None = None) -
         mine = (
             f"{type(error).__name__}: {error}",
             None if room is None else (str(room.path), room.bytes_needed, room.bytes_free),
+            isinstance(error, SaveCancelled),
         )
     reports: list[Any] = [None] * world_size()
     dist.all_gather_object(reports, mine, group=group_of_this_thread())
@@ -155,6 +158,9 @@ def agree_ok(what: str, error: BaseException | None, disk: Path | None = None) -
     if rooms:
         path, needed, free = rooms[0]
         raise RankDiskFull(message, Path(path), needed, free) from error
+    if all(report[2] for report in reports if report is not None) and any(reports):
+        # An urgent save pre-empted it (on every rank: each saves at the same step): not a failure.
+        raise SaveCancelled(f"spotguard: {what} cancelled") from error
     raise RankFailed(message) from error
 
 

@@ -2,8 +2,8 @@
 
 An urgent save writes in the caller's thread and returns once committed locally; a periodic one is
 staged into host memory and written by one background thread (at most one in flight, cancelled by an
-urgent save). Either way the daemon hears of each finished file (it may start uploading) and of the
-commit, or of the failure.
+urgent save, with several ranks too). Either way the daemon hears of each finished file (it may start
+uploading) and of the commit, or of the failure.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
+import weakref
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,22 @@ if TYPE_CHECKING:  # DCP takes seconds to import: only multi-rank jobs do
 HURRIED = frozenset({"urgent", "soft"})
 
 logger = logging.getLogger("spotguard.trainer")
+
+
+def _before_executors_shut_down(method: weakref.WeakMethod[Callable[[], None]]) -> None:
+    """Call ``method`` (while its object lives) when the interpreter starts to shut down, before the
+    thread pools the writes use refuse new work: plain atexit handlers run too late, after that. The
+    hook is the one concurrent.futures registers with; without it a save in flight at exit is lost."""
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:
+        return
+
+    def call() -> None:
+        bound = method()
+        if bound is not None:
+            bound()
+
+    register(call)
 
 
 class Saver:
@@ -70,6 +87,7 @@ class Saver:
         self._sharded_stager: ShardedStager | None = None
         self.last_committed: Path | None = None  # the step directory of the newest commit
         self._last_bytes: int | None = None  # what the last checkpoint took on disk, to expect as much again
+        self._finished_at_exit = False  # whether _finish_at_exit is registered
 
     # --- the two paths -------------------------------------------------------------------
 
@@ -100,11 +118,21 @@ class Saver:
             target=self._write_in_background,
             args=(writer, staged, notice, needed),
             name=f"spotguard-save-{writer.step}",
-            daemon=True,
+            daemon=True,  # finished at exit all the same: _finish_at_exit
         )
         assert writer.cancel is not None
         self._background = (thread, writer.cancel)
         thread.start()
+        if not self._finished_at_exit:
+            _before_executors_shut_down(weakref.WeakMethod(self._finish_at_exit))
+            self._finished_at_exit = True
+
+    def _finish_at_exit(self) -> None:
+        """A script that ends without close() still gets the periodic save it started, as it would
+        from DCP's async_save or Lightning's AsyncCheckpointIO (their executors are waited for)."""
+        if self._background is not None and self._background[0].is_alive():
+            logger.info("spotguard: the script ended while %s was written; finishing it", self._background[0].name)
+            self.wait(raise_error=False)
 
     def _write_in_background(
         self, writer: CheckpointWriter, staged: Mapping[str, Any] | ShardedState, notice: Message | None, needed: int
@@ -134,16 +162,16 @@ class Saver:
             logger.error("spotguard: the previous periodic save failed: %s", error)
 
     def cancel_background(self) -> None:
-        """Before an urgent save: a periodic save still being written stops (one process), or is
-        finished first (several ranks: a rank that stopped would leave the others waiting for it in
-        the save's next collective; every rank finishes it alike, then saves again)."""
+        """Before an urgent save: a periodic save still being written stops at its next write, and
+        what it wrote is removed. With several ranks each rank's urgent save (every rank saves at the
+        same step) cancels its own, and the ranks agree on it where they agree on a failure: in DCP's
+        collective write stage, and after this rank's own files (:func:`dist.agree_ok`). Past the
+        last such point (its commit under way), the periodic save is finished instead."""
         if self._background is not None:
             thread, cancel = self._background
-            if thread.is_alive() and self.world_size == 1:
+            if thread.is_alive():
                 logger.info("spotguard: an urgent save pre-empts the periodic one being written")
                 cancel.set()
-            elif thread.is_alive():
-                logger.info("spotguard: an urgent save waits for the periodic one every rank is writing")
         self.wait(raise_error=False)
 
     def write_and_report(
@@ -160,8 +188,11 @@ class Saver:
             logger.info("spotguard: %s is already committed; not writing it again", writer.dir.name)
         except SaveCancelled:
             # Pre-empted by an urgent save, which waits for this thread: what it wrote goes now (the
-            # urgent save may need the room, and does no housekeeping of its own).
-            shutil.rmtree(writer.dir, ignore_errors=True)
+            # urgent save may need the room, and does no housekeeping of its own). Several ranks
+            # agreed on it, so none is still writing; each node's leader removes its disk's part.
+            if self.node_leader:
+                shutil.rmtree(writer.dir, ignore_errors=True)
+                self.client.send("save-cancelled", step=writer.step, reason=writer.reason)
             return
         except Exception as exc:
             failure = self.save_failed(writer, exc, needed, notice)

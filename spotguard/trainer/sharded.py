@@ -37,6 +37,7 @@ from torch.futures import Future
 from spotguard.crc32c import crc32c_of_files
 from spotguard.localstore import CheckpointWriter
 from spotguard.manifest import FileEntry, Manifest, write_part
+from spotguard.safefile import SaveCancelled
 from spotguard.trainer import dist
 from spotguard.trainer.contents import flatten
 from spotguard.trainer.dcp_errors import dcp_errors, noting_full_disk
@@ -200,8 +201,11 @@ def _write_dcp(
         # No more threads than tensors: DCP writes one file per thread, an empty one for an idle thread.
         thread_count = max(1, min(threads, _tensor_count(tree)))
         dcp_writer = dcp.FileSystemWriter(writer.dir, sync_files=True, overwrite=False, thread_count=thread_count)
-        with dcp_errors(noting_full_disk(dcp_writer)):
+        noted = noting_full_disk(dcp_writer, writer.cancel)
+        with dcp_errors(noted):
             dcp.save(tree, storage_writer=dcp_writer, process_group=dist.group_of_this_thread())
+        if noted.cancelled:  # refused in one of DCP's writer threads, which DCP does not notice
+            raise SaveCancelled(f"{writer.dir.name}: save cancelled")
     # On another node's disk the directory exists only once DCP (or the first file) made it.
     paths = sorted(writer.dir.iterdir()) if writer.dir.is_dir() else []
     written = [p for p in paths if p.name.startswith(f"__{rank}_") or (rank == 0 and p.name == ".metadata")]

@@ -8,8 +8,8 @@ time round, until some rank's daemon delivers a notice: the ranks that got none 
 all-reduce, which is the behaviour under test. ``--ballast-mib M`` adds a per-rank tensor of M MiB to
 the state (a per-rank file in the checkpoint) that every step changes; a run that finishes checks it
 against an uninterrupted run's. ``--hold-periodic`` holds each rank's periodic saves in the background,
-before DCP writes, until that rank has heard the notice of ``--notice-at``: the urgent save then
-certainly comes while every rank is still writing the periodic one.
+before DCP writes, until that rank's urgent save (for the notice of ``--notice-at``) has cancelled it:
+the cancellation then certainly comes while every rank is still writing the periodic one.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import sys
-import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -76,16 +75,16 @@ def mark(tensor: torch.Tensor, step: int) -> None:
     tensor[step % BALLAST_STRIDE :: BALLAST_STRIDE] += 1.0
 
 
-def hold_periodic_saves(until: threading.Event) -> None:
+def hold_periodic_saves() -> None:
     """Periodic saves' writes (in their background thread, after the ranks opened the step directory)
-    wait for ``until``."""
+    wait until an urgent save cancels them."""
     write = sharded._write_dcp
 
     def held(
         writer: CheckpointWriter, tree: dict[str, Any], announce: Callable[[str, FileEntry], None], threads: int
     ) -> dict[str, FileEntry]:
         if writer.reason == "periodic":
-            assert until.wait(60), "the notice never came"
+            assert writer.cancel is not None and writer.cancel.wait(60), "no urgent save cancelled it"
         return write(writer, tree, announce, threads)
 
     sharded._write_dcp = held
@@ -106,13 +105,12 @@ def main() -> None:
     parser.add_argument("--sgd-on-rank", type=int, help="this rank resumes with SGD instead of AdamW")
     parser.add_argument("--mismatch-out", type=Path, help="each rank writes the resume mismatch it got here")
     parser.add_argument("--ballast-mib", type=float, default=0, help="a per-rank tensor of this size in the state")
-    parser.add_argument("--hold-periodic", action="store_true", help="periodic saves wait for --notice-at's notice")
+    parser.add_argument("--hold-periodic", action="store_true", help="periodic saves wait to be cancelled")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
-    noticed = threading.Event()
     if args.hold_periodic:
-        hold_periodic_saves(noticed)
+        hold_periodic_saves()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         init_process_group()
@@ -170,7 +168,6 @@ def main() -> None:
                 while not guard.should_checkpoint(step):  # collective: every rank goes round together
                     assert time.monotonic() < deadline, "no notice arrived"
                     time.sleep(0.01)
-                noticed.set()
                 checkpoint = True
             else:
                 checkpoint = guard.should_checkpoint(step)

@@ -80,6 +80,16 @@ def test_save_failed_carries_the_numbers_and_safe_steps_goes_both_ways() -> None
     assert reply["names"] == ["step-000000005"]
 
 
+def test_save_cancelled_is_a_client_message_naming_the_step_and_reason() -> None:
+    line = protocol.encode("save-cancelled", step=6, reason="periodic")
+    message = protocol.decode(line.strip(), allowed=protocol.CLIENT_TYPES)
+    assert (message["step"], message["reason"]) == (6, "periodic")
+    with pytest.raises(protocol.ProtocolError):
+        protocol.decode(b'{"v": 1, "type": "save-cancelled", "step": "6", "reason": "periodic"}')
+    with pytest.raises(protocol.ProtocolError):  # a daemon never sends it
+        protocol.decode(line.strip(), allowed=protocol.DAEMON_TYPES)
+
+
 def test_file_range_is_a_client_message_with_every_field_checked() -> None:
     fields = {"path": "/c/step-000000002", "name": "model.pt", "tmp": ".model.pt.tmp-7", "size": 100}
     line = protocol.encode("file-range", **fields, offset=64, length=36)

@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import copy
 import random
+import subprocess
+import sys
 import threading
 import warnings
 from collections.abc import Callable
@@ -246,6 +248,44 @@ def test_urgent_save_cancels_a_periodic_save_in_flight(tmp_path: Path) -> None:
         assert [(i.step, i.status) for i in scan_local(tmp_path / "c")] == [(2, "complete")]
     finally:
         guard.close()
+
+
+# A script that ends without guard.close(): its periodic save writes only once the interpreter has
+# begun to shut down (the script's own hook there, run before spotguard's, lets it go).
+ENDS_WITHOUT_CLOSE = """
+import sys, threading
+from pathlib import Path
+import torch
+from spotguard import Guard
+from spotguard.trainer.saving import Saver
+
+exiting = threading.Event()
+
+class AtExit(Saver):
+    def write(self, writer, payloads, *rest):
+        exiting.wait()
+        super().write(writer, payloads, *rest)
+
+class ScriptGuard(Guard):
+    saver_type = AtExit
+
+root = Path(sys.argv[1])
+guard = ScriptGuard(checkpoint_dir=root, socket=root.parent / "none.sock", daemon_wait=0.1, handle_sigterm=False)
+guard.save({"w": torch.arange(1 << 20, dtype=torch.float32), "b": torch.ones(1 << 20)}, 7)  # periodic
+threading._register_atexit(exiting.set)
+"""
+
+
+def test_a_script_that_ends_without_close_still_commits_its_periodic_save(tmp_path: Path) -> None:
+    script = [sys.executable, "-c", ENDS_WITHOUT_CLOSE, str(tmp_path / "c")]
+    done = subprocess.run(script, check=False, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert [(i.step, i.status) for i in scan_local(tmp_path / "c")] == [(7, "complete")]
+    state = {"w": torch.empty(1 << 20), "b": torch.empty(1 << 20)}
+    with Guard(checkpoint_dir=tmp_path / "c", socket=tmp_path / "none.sock", handle_sigterm=False) as guard:
+        assert guard.resume(state) == 7
+    assert torch.equal(state["w"], torch.arange(1 << 20, dtype=torch.float32))
+    assert torch.equal(state["b"], torch.ones(1 << 20))
 
 
 def test_sigterm_between_the_checks_never_stops_without_a_save(guard: Guard) -> None:
