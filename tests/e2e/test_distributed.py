@@ -20,6 +20,7 @@ from spotguard.control import request
 from spotguard.harness import Vm, bucket_status, compare_final, wait_for
 from spotguard.localstore import scan_local
 from spotguard.manifest import load_manifest, verify_dir
+from tests.preloaded import popen
 
 STEPS = 20  # 8 steps per epoch per rank with 2 ranks
 
@@ -56,12 +57,11 @@ def _run_ranks(
 ) -> list[dict]:
     world = len(logs)
     procs = [
-        subprocess.Popen(
+        popen(
             command,
             env={**env, "RANK": str(r)},
             stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
             stderr=logs[r],
-            text=True,
         )
         for r in range(world)
     ]
@@ -478,11 +478,10 @@ def test_fsdp_sharded_state_round_trips_and_reshards_into_one_process(reason: st
     env = rendezvous_env(stack, 2)
     command = [sys.executable, "-m", "tests.e2e.fsdp_check"]
     ranks = [
-        subprocess.Popen(
+        popen(
             [*command, "save", str(root), str(reference), reason],
             env={**env, "RANK": str(r)},
             stdout=subprocess.PIPE,
-            text=True,
         )
         for r in range(2)
     ]

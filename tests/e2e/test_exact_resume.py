@@ -12,13 +12,14 @@ import pytest
 from spotguard.control import request
 from spotguard.demo import BATCH, SAMPLES
 from spotguard.harness import Vm, collect_events, compare_final, trainer_command, wait_for
+from tests.preloaded import popen
 
 STEPS = 30  # 12 steps per epoch: the run crosses two epoch boundaries
 STEPS_PER_EPOCH = SAMPLES // BATCH
 
 
 def run_events(command: list[str], on_event: Callable[[dict], None] | None = None) -> list[dict]:
-    return collect_events(subprocess.Popen(command, stdout=subprocess.PIPE, text=True), on_event)
+    return collect_events(popen(command, stdout=subprocess.PIPE), on_event)
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ from spotguard.localstore import CheckpointWriter, scan_local
 from spotguard.manifest import load_manifest, verify_dir
 from tests.diskspace import fill
 from tests.e2e.integration_trainers import EVAL_BATCHES, STEPS_PER_EPOCH
+from tests.preloaded import popen
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 30  # 12 steps an epoch: two epoch boundaries
@@ -67,7 +68,7 @@ def resume_on_a_fresh_vm(
 
 
 def run_events(command: list[str], on_event: Callable[[subprocess.Popen[str], dict], None] | None = None) -> list[dict]:
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=REPO)
+    proc = popen(command, stdout=subprocess.PIPE, cwd=REPO)
     # The Trainer prints its metrics dict on stdout too: only our events count.
     return collect_events(proc, (lambda event: on_event(proc, event)) if on_event else None, marker='{"event"')
 
@@ -81,7 +82,7 @@ def test_drill_mid_epoch_then_fresh_vm_resumes_bitwise_identical(
     assert K % STEPS_PER_EPOCH != 0
     # The uninterrupted run, alongside VM A's (2 cores; each process uses one thread).
     reference_out = tmp_path / "reference.pt"
-    reference = subprocess.Popen(
+    reference = popen(
         trainer_command(framework, tmp_path / "ref", tmp_path / "none.sock", reference_out),
         stdout=subprocess.DEVNULL,
         cwd=REPO,
@@ -382,7 +383,7 @@ def test_drill_during_evaluation_checkpoints_the_last_finished_step_stops_and_re
 ) -> None:
     pytest.importorskip("lightning" if framework == "lightning" else "transformers")
     reference_out = tmp_path / "reference.pt"
-    reference = subprocess.Popen(
+    reference = popen(
         trainer_command(framework, tmp_path / "ref", tmp_path / "none.sock", reference_out, eval_every=EVAL_EVERY),
         stdout=subprocess.DEVNULL,
         cwd=REPO,

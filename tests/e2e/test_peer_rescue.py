@@ -26,6 +26,7 @@ from spotguard.harness import Vm, compare_final, wait_for
 from spotguard.storage.checkpoints import list_remote
 from spotguard.storage.s3 import S3Storage
 from tests.pacedrelay import PacedRelay
+from tests.preloaded import popen
 from tests.servers import S3Server, moto_s3, point_at
 
 STATE_MIB = 400
@@ -65,7 +66,7 @@ def test_a_peer_rescues_an_urgent_checkpoint_the_bucket_cannot_take_in_time(
     direct = {**os.environ, "AWS_ENDPOINT_URL_S3": server.endpoint_url}  # the fresh VM reads the bucket directly
     reference = tmp_path / "reference.pt"
     # The uninterrupted run goes on alongside the rest (each process uses one thread).
-    uninterrupted = subprocess.Popen(
+    uninterrupted = popen(
         trainer(tmp_path / "ref-nvme", tmp_path / "none.sock", None, reference), stdout=subprocess.DEVNULL
     )
     request.addfinalizer(uninterrupted.kill)  # a no-op once it has ended
@@ -81,9 +82,7 @@ def test_a_peer_rescues_an_urgent_checkpoint_the_bucket_cannot_take_in_time(
         train_a: subprocess.Popen[str] | None = None
         try:
             wait_for(lambda: vm_a.status()["upload_rate_bytes_s"], 30, "A's upload-rate probe")
-            train_a = subprocess.Popen(
-                trainer(vm_a.root, vm_a.socket, url, None, wait_notice_at=K), stdout=subprocess.PIPE, text=True
-            )
+            train_a = popen(trainer(vm_a.root, vm_a.socket, url, None, wait_notice_at=K), stdout=subprocess.PIPE)
             assert train_a.stdout is not None
             for line in train_a.stdout:
                 if line.startswith("{") and json.loads(line)["event"] == "waiting":

@@ -18,6 +18,7 @@ from spotguard.harness import Vm, bucket_status, wait_for
 from spotguard.localstore import scan_local
 from spotguard.manifest import load_manifest
 from tests.diskspace import fill
+from tests.preloaded import popen
 
 MiB = 1 << 20
 
@@ -45,12 +46,11 @@ def run_two_ranks(
     if sockets:
         env["SOCKETS"] = sockets
     procs = [
-        subprocess.Popen(
+        popen(
             [sys.executable, "-m", "tests.e2e.dist_failure", ",".join(map(str, roots)), kind, plan],
             env={**env, "RANK": str(rank)},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            text=True,
         )
         for rank in range(2)
     ]

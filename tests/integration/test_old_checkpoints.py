@@ -22,6 +22,7 @@ from spotguard import Guard
 from spotguard.cli import main as cli
 from spotguard.harness import compare_final
 from tests.data.make_old_checkpoints import OUT, STEP, build_state, draws
+from tests.preloaded import popen
 
 STEP_DIR = f"step-{STEP:09d}"
 
@@ -95,7 +96,7 @@ def test_a_two_rank_dcp_checkpoint_of_0_1_resumes_bitwise_into_two_ranks(tmp_pat
     root = copy_of("dcp", tmp_path / "nvme")
     with tempfile.TemporaryDirectory(prefix="rendezvous-") as scratch:
         command = [sys.executable, "-m", "tests.integration.test_old_checkpoints", str(root), scratch]
-        procs = [subprocess.Popen([*command, str(rank)], stderr=subprocess.PIPE, text=True) for rank in range(2)]
+        procs = [popen([*command, str(rank)], stderr=subprocess.PIPE) for rank in range(2)]
         with contextlib.ExitStack() as stack:
             for proc in procs:
                 stack.callback(proc.kill)
