@@ -30,14 +30,16 @@ from spotguard.trainer import dist
 
 class FullDiskNoted(FileSystem):
     """DCP's own file system, keeping the first full-disk error raised under any of its streams; with
-    ``cancel``, its streams' writes raise :class:`SaveCancelled` once it is set (DCP then fails the
-    save on every rank alike: its write stage is collective)."""
+    ``cancel``, its streams drop every write once it is set and note it in :attr:`cancelled`. Dropped,
+    not refused: an error in one of DCP's writer threads is only printed (a traceback per thread at
+    every cancellation), and DCP's remaining writes cost nothing; the caller then cancels the save,
+    and the ranks agree on it (:func:`spotguard.trainer.dist.agree_ok`)."""
 
     def __init__(self, cancel: threading.Event | None = None) -> None:
         super().__init__()
         self.full: OSError | None = None
         self.cancel = cancel
-        self.cancelled = False  # a write here was refused for ``cancel`` (DCP's writer threads only print it)
+        self.cancelled = False  # a write here was dropped for ``cancel``: the files are not the state
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[Any, None, None]:
@@ -46,27 +48,25 @@ class FullDiskNoted(FileSystem):
                 with super().create_stream(path, mode) as stream:
                     yield stream
             else:
-                with _CancellableWriter(io.FileIO(path, mode), self.cancel) as stream:
+                with _CancellableWriter(io.FileIO(path, mode), self) as stream:
                     yield stream
-        except SaveCancelled:
-            self.cancelled = True
-            raise
         except Exception as exc:
             self.full = self.full or disk_full_behind(exc)
             raise
 
 
 class _CancellableWriter(io.BufferedWriter):
-    """A file DCP writes, which refuses each write once ``cancel`` is set: a periodic save pre-empted
-    by an urgent one stops within one of DCP's writes (a tensor, at most), not at the save's end."""
+    """A file DCP writes, which drops each write once its file system's ``cancel`` is set: a periodic
+    save pre-empted by an urgent one stops writing within one of DCP's writes (a tensor, at most)."""
 
-    def __init__(self, raw: io.FileIO, cancel: threading.Event) -> None:
+    def __init__(self, raw: io.FileIO, noted: FullDiskNoted) -> None:
         super().__init__(raw)
-        self._cancel = cancel
+        self._noted = noted
 
     def write(self, data: Any) -> int:
-        if self._cancel.is_set():
-            raise SaveCancelled("save cancelled")
+        if self._noted.cancel is not None and self._noted.cancel.is_set():
+            self._noted.cancelled = True
+            return memoryview(data).nbytes
         return super().write(data)
 
 

@@ -164,9 +164,9 @@ class Saver:
     def cancel_background(self) -> None:
         """Before an urgent save: a periodic save still being written stops at its next write, and
         what it wrote is removed. With several ranks each rank's urgent save (every rank saves at the
-        same step) cancels its own, and the ranks agree on it where they agree on a failure: in DCP's
-        collective write stage, and after this rank's own files (:func:`dist.agree_ok`). Past the
-        last such point (its commit under way), the periodic save is finished instead."""
+        same step) cancels its own, and the ranks agree on it where they agree on a failure: after
+        DCP's files, and after this rank's own (:func:`dist.agree_ok`). Past the last such point (its
+        commit under way), the periodic save is finished instead."""
         if self._background is not None:
             thread, cancel = self._background
             if thread.is_alive():

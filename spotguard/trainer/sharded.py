@@ -204,7 +204,7 @@ def _write_dcp(
         noted = noting_full_disk(dcp_writer, writer.cancel)
         with dcp_errors(noted):
             dcp.save(tree, storage_writer=dcp_writer, process_group=dist.group_of_this_thread())
-        if noted.cancelled:  # refused in one of DCP's writer threads, which DCP does not notice
+        if noted.cancelled:  # its writes were dropped: the files are not the state
             raise SaveCancelled(f"{writer.dir.name}: save cancelled")
     # On another node's disk the directory exists only once DCP (or the first file) made it.
     paths = sorted(writer.dir.iterdir()) if writer.dir.is_dir() else []

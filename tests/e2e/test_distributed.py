@@ -169,10 +169,9 @@ def test_a_notice_during_a_periodic_save_of_two_ranks_cancels_it_on_every_rank(
     reference: Path, vm_factory: Callable[..., Vm], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, write_threads: str
 ) -> None:
     """A notice while every rank writes a periodic save (held before DCP writes until the urgent save
-    cancels it): each rank stops at its first write, the ranks agree on the cancellation in DCP's
-    collective write stage instead of one waiting for another, the periodic save's files go, and the
-    urgent one commits on time and resumes bit for bit. With 3 threads DCP's extra writer threads
-    are refused too, an error DCP itself only prints."""
+    cancels it): each rank drops DCP's writes from the first on, the ranks agree on the cancellation
+    instead of one waiting for another, the periodic save's files go, and the urgent one commits on
+    time and resumes bit for bit. With 3 threads, in DCP's own writer threads too."""
     monkeypatch.setenv("SPOTGUARD_WRITE_THREADS", write_threads)
     vm = vm_factory("vm-a")
     periodic, k = 6, 7
