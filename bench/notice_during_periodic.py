@@ -16,23 +16,15 @@ The notice comes at the periodic save's start: the worst case for waiting, the w
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
-import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import arguments, finish_rank, run_ranks, start_rank
 
-from spotguard import Guard
-
-RESULTS = Path(__file__).parent / "results"
 METHODS = [
     "urgent save, nothing in flight (the floor)",
     "urgent save cancelling the periodic one (now)",
@@ -40,25 +32,9 @@ METHODS = [
 ]
 
 
-def make_training(mib: float) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """A DDP model of ``mib`` MiB of parameters and AdamW after one step (its moments: twice as much again)."""
-    width = 1024
-    layers = max(1, int(mib * (1 << 20) / (width * width * 4)))
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
-    model = torch.nn.parallel.DistributedDataParallel(net)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    model(torch.randn(4, width)).sum().backward()
-    optimizer.step()
-    return model, optimizer
-
-
 def rank_main(rank: int, world: int, store: str, args: argparse.Namespace, work: Path) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    model, optimizer = make_training(args.mib)
+    model, optimizer, guard = start_rank(rank, world, store, args, work)
     state = {"model": model, "optimizer": optimizer}
-    guard = Guard(checkpoint_dir=work / "guard", socket=work / f"none-{rank}.sock", handle_sigterm=False, keep=1)
     steps = iter(range(1, 10**6))
 
     def urgent() -> None:
@@ -91,42 +67,11 @@ def rank_main(rank: int, world: int, store: str, args: argparse.Namespace, work:
             dist.barrier()
             os.sync()  # each save starts with the page cache written back
             dist.barrier()
-    guard.close()
-    dist.barrier()
-    if rank == 0:
-        nbytes = sum(t.numel() * t.element_size() for t in model.parameters()) * 3
-        report(times, nbytes, world, args)
-    dist.destroy_process_group()
-
-
-def report(times: dict[str, list[float]], nbytes: int, world: int, args: argparse.Namespace) -> None:
-    floor = statistics.median(times[METHODS[0]])
-    print(f"{world} ranks, each {nbytes / (1 << 20):.0f} MiB (model + AdamW); {args.runs} notices each, interleaved")
-    print(f"{'method':<48} {'median s':>9} {'min s':>7} {'/ floor':>8}")
-    methods: dict[str, Any] = {}
-    for name, samples in times.items():
-        median = statistics.median(samples)
-        print(f"{name:<48} {median:9.3f} {min(samples):7.3f} {median / floor:8.3f}")
-        methods[name] = {"median_s": median, "samples_s": samples, "x_floor": median / floor}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"bytes_per_rank": nbytes, "ranks": world, "runs": args.runs, "methods": methods}))
+    finish_rank(guard, model, times, METHODS[0], column="median s", what="notices", args=args)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--mib", type=float, default=256, help="parameters per rank (AdamW adds twice as much)")
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--dir", type=Path, default=None)
-    parser.add_argument("--out", type=Path, default=RESULTS / "notice_during_periodic.json")
-    args = parser.parse_args()
-    base = args.dir or RESULTS
-    base.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="notice-during-periodic-", dir=base))
-    try:
-        mp.spawn(rank_main, args=(args.ranks, str(work / "store"), args, work), nprocs=args.ranks)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    run_ranks(rank_main, arguments("notice_during_periodic"), "notice-during-periodic")
 
 
 if __name__ == "__main__":
