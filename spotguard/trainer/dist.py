@@ -105,6 +105,21 @@ class RankFailed(FatalError, RuntimeError):
     """One or more ranks failed a step every rank takes part in; every rank raises this, with the same text."""
 
 
+class GroupGone(FatalError, RuntimeError):
+    """A save of several ranks found ``torch.distributed`` no longer initialized (the process group
+    destroyed before ``guard.close()``): without its collectives each rank would write, and rank 0
+    commit, as if it were alone."""
+
+
+def require_group(world: int, what: str) -> None:
+    """Raise :class:`GroupGone` if a job of ``world`` ranks has lost its process group."""
+    if world > 1 and not active():
+        raise GroupGone(
+            f"spotguard: {what}: the process group was destroyed while it was being written; "
+            "call guard.close() before destroy_process_group()"
+        )
+
+
 class FailedElsewhere(FatalError, RuntimeError):
     """This rank's part went well, but a library that agrees on failures itself (DCP) failed the step
     because of another rank: :func:`agree_ok` counts it, and names only the ranks that failed."""

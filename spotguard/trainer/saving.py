@@ -130,9 +130,14 @@ class Saver:
     def _finish_at_exit(self) -> None:
         """A script that ends without close() still gets the periodic save it started, as it would
         from DCP's async_save or Lightning's AsyncCheckpointIO (their executors are waited for)."""
-        if self._background is not None and self._background[0].is_alive():
-            logger.info("spotguard: the script ended while %s was written; finishing it", self._background[0].name)
-            self.wait(raise_error=False)
+        if self._background is None or not self._background[0].is_alive():
+            return
+        name = self._background[0].name
+        if self.world_size > 1 and not dist.active():  # its collectives cannot finish it: lost, not waited for
+            logger.warning("spotguard: the process group was destroyed while %s was written: it is lost", name)
+            return
+        logger.info("spotguard: the script ended while %s was written; finishing it", name)
+        self.wait(raise_error=False)
 
     def _write_in_background(
         self, writer: CheckpointWriter, staged: Mapping[str, Any] | ShardedState, notice: Message | None, needed: int
@@ -277,6 +282,7 @@ class Saver:
             self.write_once(writer, payloads, 2 * max(needed, had))
 
     def write_once(self, writer: CheckpointWriter, payloads: Mapping[str, Any] | ShardedState, needed: int) -> None:
+        dist.require_group(self.world_size, writer.dir.name)
         self.open_step_dir(writer, needed)
 
         def announce(name: str, entry: FileEntry) -> None:
@@ -302,6 +308,7 @@ class Saver:
                 ),
                 parallel=self.files_writer,
             )
+        dist.require_group(self.world_size, writer.dir.name)  # never a commit of one rank's part alone
         with dist.settled(f"committing {writer.dir.name}"):  # nobody goes on (or exits) before the commit
             if self.rank == 0:
                 writer.commit()

@@ -197,3 +197,33 @@ def test_a_framework_save_on_nodes_with_disks_of_their_own_commits_each_nodes_sh
     assert "nodes" not in load_manifest(kept.parent).meta, "rank 1's disk holds nothing of its own"
     assert not (roots[1] / "step-000000007").exists(), "nor keeps its copy"
     wait_for(lambda: bucket_status(bucket, "step-000000007") == "complete", 60, "the commit in the bucket")
+
+
+def test_a_job_that_destroys_its_group_during_a_periodic_save_commits_nothing_and_exits(tmp_path: Path) -> None:
+    """``destroy_process_group()`` before ``guard.close()`` while a periodic save is written: without its
+    collectives each rank would write, and rank 0 commit, as if alone. The save is refused with a
+    message naming the fix; at the interpreter's exit it is given up, not waited for."""
+
+    def two_ranks(mode: str) -> list[tuple[str, str]]:
+        root = tmp_path / mode
+        env = {**os.environ, "WORLD_SIZE": "2", "RENDEZVOUS_FILE": str(tmp_path / f"rendezvous-{mode}")}
+        command = [sys.executable, "-m", "tests.e2e.dist_destroyed", str(root), mode]
+        ranks = [
+            popen(command, env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            for r in range(2)
+        ]
+        try:
+            outputs = [proc.communicate(timeout=120) for proc in ranks]
+        finally:
+            for proc in ranks:
+                proc.kill()
+        assert [proc.returncode for proc in ranks] == [0, 0], outputs
+        assert [info.step for info in scan_local(root) if info.status == "complete"] == []
+        return [(out or "", err or "") for out, err in outputs]
+
+    for out, _ in two_ranks("wait"):
+        refused = json.loads(out)
+        assert refused["raised"] == "GroupGone"
+        assert "call guard.close() before destroy_process_group()" in refused["message"]
+    for _, err in two_ranks("exit"):
+        assert "the process group was destroyed while spotguard-save-5 was written: it is lost" in err
