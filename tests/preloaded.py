@@ -125,9 +125,7 @@ class PreloadedProcess:
         self.wait(timeout)
         for reader in readers:
             reader.join(timeout)
-        for stream in (self.stdout, self.stderr):
-            if stream is not None:
-                stream.close()
+        self._close_pipes()
         return results.get("out"), results.get("err")
 
     def kill(self) -> None:
@@ -144,10 +142,13 @@ class PreloadedProcess:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._close_pipes()
+        self.wait()
+
+    def _close_pipes(self) -> None:
         for stream in (self.stdout, self.stderr):
             if stream is not None:
                 stream.close()
-        self.wait()
 
 
 def _child_end(target: int | IO[Any] | None, inherited: int, ends: list[int]) -> tuple[_Fd, IO[str] | None]:

@@ -48,7 +48,7 @@ class FullDiskNoted(FileSystem):
                 with super().create_stream(path, mode) as stream:
                     yield stream
             else:
-                with _CancellableWriter(io.FileIO(path, mode), self) as stream:
+                with _CancellableWriter(io.FileIO(path, mode), self.cancel, self) as stream:
                     yield stream
         except Exception as exc:
             self.full = self.full or disk_full_behind(exc)
@@ -59,12 +59,13 @@ class _CancellableWriter(io.BufferedWriter):
     """A file DCP writes, which drops each write once its file system's ``cancel`` is set: a periodic
     save pre-empted by an urgent one stops writing within one of DCP's writes (a tensor, at most)."""
 
-    def __init__(self, raw: io.FileIO, noted: FullDiskNoted) -> None:
+    def __init__(self, raw: io.FileIO, cancel: threading.Event, noted: FullDiskNoted) -> None:
         super().__init__(raw)
+        self._cancel = cancel
         self._noted = noted
 
     def write(self, data: Any) -> int:
-        if self._noted.cancel is not None and self._noted.cancel.is_set():
+        if self._cancel.is_set():
             self._noted.cancelled = True
             return memoryview(data).nbytes
         return super().write(data)

@@ -87,7 +87,7 @@ class Saver:
         self._sharded_stager: ShardedStager | None = None
         self.last_committed: Path | None = None  # the step directory of the newest commit
         self._last_bytes: int | None = None  # what the last checkpoint took on disk, to expect as much again
-        self._finished_at_exit = False  # whether _finish_at_exit is registered
+        _before_executors_shut_down(weakref.WeakMethod(self._finish_at_exit))
 
     # --- the two paths -------------------------------------------------------------------
 
@@ -123,9 +123,6 @@ class Saver:
         assert writer.cancel is not None
         self._background = (thread, writer.cancel)
         thread.start()
-        if not self._finished_at_exit:
-            _before_executors_shut_down(weakref.WeakMethod(self._finish_at_exit))
-            self._finished_at_exit = True
 
     def _finish_at_exit(self) -> None:
         """A script that ends without close() still gets the periodic save it started, as it would
