@@ -400,7 +400,10 @@ def _as_number(kind: type) -> Callable[[Any], Any]:
             raise ValueError(f"{value!r} is not a number")
         if kind is int:
             return _as_whole_number(value)
-        number = kind(value)
+        try:
+            number = kind(value)
+        except ValueError:  # float's own message ("could not convert string to float") is Python's, not the user's
+            raise ValueError("not a number") from None
         # float("inf") and float("1e999") parse: a poll interval of infinity left the monitor deaf
         # after its first look, and no check of "> 0" refuses it.
         if isinstance(number, float) and not math.isfinite(number):
@@ -417,7 +420,10 @@ def _as_whole_number(value: Any) -> int:
     if isinstance(value, str):
         with contextlib.suppress(ValueError):
             return int(value)
-        value = float(value)
+        try:
+            value = float(value)
+        except ValueError:  # as in _as_number: float's message is not the user's
+            raise ValueError("not a whole number") from None
     if isinstance(value, float) and math.isfinite(value) and value.is_integer():
         return int(value)
     raise ValueError("not a whole number")

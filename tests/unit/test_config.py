@@ -132,6 +132,8 @@ def test_the_ceilings_themselves_are_allowed() -> None:
         # int() cut these to 1 and to 70000 (which the port check then reported).
         ("keep_local = 1.7", "keep_local: cannot use 1.7: not a whole number"),
         ("metrics_port = 70000.5", "metrics_port: cannot use 70000.5: not a whole number"),
+        ('peer_max_replicas = "eight"', "peer_max_replicas: cannot use 'eight': not a whole number"),
+        ('poll_interval = "soon"', "poll_interval: cannot use 'soon': not a number"),
         # str() made a table the Auto Scaling group "{'a': 1}".
         ("asg_name = {a=1}", "asg_name: cannot use {'a': 1}: a table, where a string is wanted; quote it"),
         ("metrics_host = 5", "metrics_host: cannot use 5: an integer, where a string is wanted"),
@@ -273,7 +275,7 @@ def run_refused(*args: str) -> str:
 
 def test_cli_exits_2_with_one_line_naming_the_key(tmp_path: Path) -> None:
     assert run_refused("--poll-interval", "soon", "--socket", str(tmp_path / "s")) == (
-        "spotguard: config: --poll-interval: cannot use 'soon': could not convert string to float: 'soon'"
+        "spotguard: config: --poll-interval: cannot use 'soon': not a number"
     )
 
 
