@@ -157,8 +157,10 @@ class ReplicaStore:
             f" ({why})" if why else "",
         )  # fmt: skip
         if state is ReplicaState.DELETED:
-            self.replicas.pop(replica.id, None)
+            # Gone from the status and its slot free only once its files are: until then they are on
+            # the disk (and in its space), and a status read meanwhile said so.
             shutil.rmtree(replica.dir, ignore_errors=True)
+            self.replicas.pop(replica.id, None)
             self.admission.release(replica.id)
             return
         if state is ReplicaState.VERIFIED:
