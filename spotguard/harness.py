@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     from spotguard.storage.base import Storage
@@ -23,6 +23,10 @@ if TYPE_CHECKING:
 
 class Vm:
     """One simulated VM: a daemon subprocess with its own socket and local checkpoint root."""
+
+    #: What starts the daemon's process, with :class:`subprocess.Popen`'s arguments and the methods of
+    #: its result the harness uses (the tests fork theirs from a server that has its imports done).
+    spawn: ClassVar[Callable[..., Any]] = subprocess.Popen
 
     def __init__(
         self, base: Path, name: str, bucket: str, extra_args: list[str] | None = None, prefix: Sequence[str] = ()
@@ -50,7 +54,7 @@ class Vm:
             *self.extra_args,
         ]  # fmt: skip
         with self.log.open("ab") as log:
-            self.process = subprocess.Popen(
+            self.process = self.spawn(
                 command, stdout=log, stderr=log, env={**os.environ, "SPOTGUARD_SCAN_INTERVAL": "0.5", **(env or {})}
             )
         wait_for(self._answers, 20, f"the daemon of {self.dir.name} to listen (log: {self.log})")

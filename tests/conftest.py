@@ -12,9 +12,12 @@ from spotguard import cloudclock
 from spotguard.config import DEFAULT_CHECKPOINT_DIR, DEFAULT_STATE_DIR
 from spotguard.harness import Vm
 from tests.diskspace import mount_tmpfs
+from tests.preloaded import popen_daemon
 
 # Tests spawn trainer subprocesses; one thread each keeps 2 cores from thrashing and reductions repeatable.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Every simulated VM's daemon is forked from a server that has imported the daemon's modules.
+Vm.spawn = staticmethod(popen_daemon)
 
 
 @pytest.fixture(autouse=True)

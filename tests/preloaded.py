@@ -1,11 +1,15 @@
-"""Trainer processes forked from a server that has imported torch and DCP already.
+"""Trainer and daemon processes forked from servers that have imported their modules already.
 
 Each rank of a distributed test is a real process of its own (gloo between them, signals, exit codes),
-but importing torch and DCP takes every one of them 3-4 s of CPU, most of the suite's on 2 cores.
-``multiprocessing``'s fork server imports them once per test worker; each process is forked from it
-and runs its module as ``python -m`` would (``__main__``, ``sys.argv``, the environment given, its
-stdout and stderr where asked), and ends as the interpreter would: non-daemon threads joined, threading's
-exit hooks and then ``atexit``'s run.
+but importing torch and DCP takes every one of them 3-4 s of CPU, most of the suite's on 2 cores; each
+daemon a test starts (about 270 in the suite) pays 0.5-0.7 s for its own imports (aiohttp, boto3, the
+peer tier). ``multiprocessing``'s fork server imports them once per test worker; each process is
+forked from it and runs its module as ``python -m`` would (``__main__``, ``sys.argv``, the environment
+given, its stdout and stderr where asked), and ends as the interpreter would: non-daemon threads
+joined, threading's exit hooks and then ``atexit``'s run.
+
+Daemons come from a server of their own that never imports torch: the daemon must not, and the tests
+of its memory read its resident pages.
 """
 
 from __future__ import annotations
@@ -19,8 +23,11 @@ import signal
 import subprocess
 import sys
 import threading
+import types
 import weakref
 from collections.abc import Mapping
+from multiprocessing import forkserver, popen_forkserver
+from multiprocessing.context import ForkServerProcess
 from multiprocessing.reduction import DupFd
 from typing import IO, Any
 
@@ -35,8 +42,48 @@ PRELOAD = [
     "transformers.models.bert.modeling_bert",
 ]
 
+# What a daemon imports, for each kind of bucket and cloud the tests give it.
+DAEMON_PRELOAD = [
+    "spotguard.cli",
+    "spotguard.daemon.app",
+    "spotguard.providers.aws",
+    "spotguard.providers.gcp",
+    "spotguard.providers.azure",
+    "spotguard.storage.file",
+    "spotguard.storage.s3",
+    "spotguard.storage.gcs",
+    "boto3",
+    "s3transfer.manager",
+    "google.cloud.storage",
+]
+
 _context = multiprocessing.get_context("forkserver")
 _context.set_forkserver_preload(PRELOAD)
+
+
+# ``multiprocessing`` keeps one fork server per process; the daemons' is a second one. Its launcher is
+# the stdlib's own, run with its module's ``forkserver`` pointed at that server (the forked child's side
+# of a launch reads no state of the module's server).
+_daemon_server = forkserver.ForkServer()
+_daemon_server.set_forkserver_preload(DAEMON_PRELOAD)
+_launcher_globals = dict(vars(popen_forkserver))
+_launcher_globals["forkserver"] = types.SimpleNamespace(
+    connect_to_new_process=_daemon_server.connect_to_new_process, read_signed=forkserver.read_signed
+)
+
+
+class _DaemonPopen(popen_forkserver.Popen):
+    _launch = types.FunctionType(popen_forkserver.Popen._launch.__code__, _launcher_globals)
+
+
+class _DaemonProcess(ForkServerProcess):
+    """A process forked from the daemons' server (pickled to it: a class of this module)."""
+
+    @staticmethod
+    def _Popen(process_obj: Any) -> Any:
+        return _DaemonPopen(process_obj)
+
+
 _started: weakref.WeakSet[PreloadedProcess] = weakref.WeakSet()
 
 
@@ -63,13 +110,15 @@ def _run_module(argv: list[str], env: dict[str, str], cwd: str, stdout: Any, std
 
 
 class PreloadedProcess:
-    """What the tests use of :class:`subprocess.Popen` (text mode), for a process forked from the
-    preloaded server: ``stdout``/``stderr`` may each be PIPE, DEVNULL, a file or None (inherited)."""
+    """What the tests use of :class:`subprocess.Popen` (text mode), for a process forked from a
+    preloaded server (the trainers', or with ``daemon`` the daemons'): ``stdout``/``stderr`` may each
+    be PIPE, DEVNULL, a file or None (inherited)."""
 
     def __init__(
         self,
         module_argv: list[str],
         *,
+        daemon: bool = False,
         env: Mapping[str, str] | None = None,
         cwd: str | os.PathLike[str] | None = None,
         stdout: int | IO[Any] | None = None,
@@ -78,7 +127,8 @@ class PreloadedProcess:
         ends: list[int] = []  # this side's copies of what the child writes to: closed once it has them
         child_out, self.stdout = _child_end(stdout, 1, ends)
         child_err, self.stderr = _child_end(stderr, 2, ends)
-        self._process = _context.Process(
+        process_class = _DaemonProcess if daemon else _context.Process
+        self._process = process_class(
             target=_run_module,
             args=(
                 module_argv,
@@ -186,7 +236,21 @@ def _identity(value: Any) -> Any:
 def popen(command: list[str], *, text: bool = True, **kwargs: Any) -> Any:
     """``subprocess.Popen(command, text=True, **kwargs)``, forked preloaded where it is ``python -m
     module`` and asks nothing more than env, cwd, stdout and stderr."""
-    preloadable = command[:2] == [sys.executable, "-m"] and len(command) > 2 and text
-    if preloadable and set(kwargs) <= {"env", "cwd", "stdout", "stderr"}:
+    if text and _preloadable(command, kwargs):
         return PreloadedProcess(command[2:], **kwargs)
     return subprocess.Popen(command, text=text, **kwargs)
+
+
+def popen_daemon(command: list[str], **kwargs: Any) -> Any:
+    """``subprocess.Popen(command, **kwargs)`` for a daemon (``spotguard.harness.Vm.spawn``), forked
+    from the daemons' server where :func:`popen` would fork it (its output goes to a file: no text
+    mode to honour). A daemon run under a prefix (``ip netns exec``) is started as it asks."""
+    if _preloadable(command, kwargs) and subprocess.PIPE not in (kwargs.get("stdout"), kwargs.get("stderr")):
+        return PreloadedProcess(command[2:], daemon=True, **kwargs)
+    return subprocess.Popen(command, **kwargs)
+
+
+def _preloadable(command: list[str], kwargs: Mapping[str, Any]) -> bool:
+    """``python -m module ...`` asking nothing more than env, cwd, stdout and stderr."""
+    is_module = command[:2] == [sys.executable, "-m"] and len(command) > 2
+    return is_module and set(kwargs) <= {"env", "cwd", "stdout", "stderr"}
