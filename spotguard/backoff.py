@@ -5,6 +5,11 @@ from __future__ import annotations
 import math
 import random
 
+# Our own generator: the module's global one belongs to the trainer, whose checkpoints hold its state
+# (spotguard/trainer/state.py); a draw from it here, in a retry of the hook's bucket read, would move the
+# trainer's sequence off the one an uninterrupted run draws.
+_jitter = random.Random()
+
 # Past this many doublings every wait is at its cap; the exponent is bounded so that a daemon failing
 # for days (a revoked credential over a long weekend: thousands of failures) never overflows a float.
 _MOST_DOUBLINGS = 64
@@ -15,7 +20,12 @@ def backoff_delay(failures: int, first: float, most: float = math.inf) -> float:
     to ``most``, jittered over its upper half, so that the VMs of a fleet whose bucket (or peer, or
     webhook) failed at once do not all come back in step."""
     delay = min(most, first * 2.0 ** min(max(failures, 1) - 1, _MOST_DOUBLINGS))
-    return random.uniform(delay / 2, delay)
+    return jitter(delay / 2, delay)
 
 
-__all__ = ["backoff_delay"]
+def jitter(low: float, high: float) -> float:
+    """A random wait in [``low``, ``high``], drawn without touching :mod:`random`'s global state."""
+    return _jitter.uniform(low, high)
+
+
+__all__ = ["backoff_delay", "jitter"]

@@ -17,7 +17,6 @@ from __future__ import annotations
 import datetime as dt
 import enum
 import os
-import random
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Protocol, TypeVar, runtime_checkable
 from urllib.parse import urlsplit
 
+from spotguard.backoff import jitter
 from spotguard.crc32c import crc32c_of_bytes
 from spotguard.repeats import Latest
 from spotguard.storage.errors import (  # re-exported: the contract's errors
@@ -338,7 +338,7 @@ def retry(
         except Exception as exc:
             if not is_transient(exc) or attempt == attempts:
                 raise
-            delay = random.uniform(0, min(max_delay, base_delay * 2 ** (attempt - 1)))
+            delay = jitter(0, min(max_delay, base_delay * 2 ** (attempt - 1)))
             if deadline is not None and clock() + delay >= deadline:
                 raise StorageError(f"{what}: gave up at the deadline after {attempt} attempts: {exc}") from exc
             sleep(delay)
