@@ -28,9 +28,10 @@ from spotguard.space import disk_full_behind
 from spotguard.trainer import dist
 
 
-class FullDiskNoted(FileSystem):
-    """DCP's own file system, keeping the first full-disk error raised under any of its streams; with
-    ``cancel``, its streams drop every write once it is set and note it in :attr:`cancelled`. Dropped,
+class WatchedFileSystem(FileSystem):
+    """DCP's own file system, watched: it keeps the first full-disk error raised under any of its
+    streams (:attr:`full`) and, with ``cancel``, its streams drop every write once that is set and
+    note it (:attr:`cancelled`). Dropped,
     not refused: an error in one of DCP's writer threads is only printed (a traceback per thread at
     every cancellation), and DCP's remaining writes cost nothing; the caller then cancels the save,
     and the ranks agree on it (:func:`spotguard.trainer.dist.agree_ok`)."""
@@ -59,35 +60,35 @@ class _CancellableWriter(io.BufferedWriter):
     """A file DCP writes, which drops each write once its file system's ``cancel`` is set: a periodic
     save pre-empted by an urgent one stops writing within one of DCP's writes (a tensor, at most)."""
 
-    def __init__(self, raw: io.FileIO, cancel: threading.Event, noted: FullDiskNoted) -> None:
+    def __init__(self, raw: io.FileIO, cancel: threading.Event, watched: WatchedFileSystem) -> None:
         super().__init__(raw)
         self._cancel = cancel
-        self._noted = noted
+        self._watched = watched
 
     def write(self, data: Any) -> int:
         if self._cancel.is_set():
-            self._noted.cancelled = True
+            self._watched.cancelled = True
             return memoryview(data).nbytes
         return super().write(data)
 
 
-def noting_full_disk(writer: FileSystemWriter, cancel: threading.Event | None = None) -> FullDiskNoted:
-    """Put a :class:`FullDiskNoted` under ``writer`` (DCP keeps its file system in ``fs``)."""
-    noted = FullDiskNoted(cancel)
-    writer.fs = noted
-    return noted
+def watch_writes(writer: FileSystemWriter, cancel: threading.Event | None = None) -> WatchedFileSystem:
+    """Put a :class:`WatchedFileSystem` under ``writer`` (DCP keeps its file system in ``fs``)."""
+    watched = WatchedFileSystem(cancel)
+    writer.fs = watched
+    return watched
 
 
 @contextmanager
-def dcp_errors(noted: FullDiskNoted | None = None) -> Iterator[None]:
-    """Turn DCP's ``CheckpointException`` into this rank's own error: the full disk ``noted`` saw, else
+def dcp_errors(watched: WatchedFileSystem | None = None) -> Iterator[None]:
+    """Turn DCP's ``CheckpointException`` into this rank's own error: the full disk ``watched`` saw, else
     the copy DCP kept of this rank's error, else :class:`dist.FailedElsewhere`."""
     try:
         yield
     except CheckpointException as exc:
-        if noted is not None and noted.full is not None:
-            raise noted.full from None
-        if noted is not None and noted.cancelled:
+        if watched is not None and watched.full is not None:
+            raise watched.full from None
+        if watched is not None and watched.cancelled:
             raise SaveCancelled("save cancelled") from None
         failed = sorted(exc.failures)
         own = exc.failures.get(dist.rank())

@@ -40,7 +40,7 @@ from spotguard.manifest import FileEntry, Manifest, write_part
 from spotguard.safefile import SaveCancelled
 from spotguard.trainer import dist
 from spotguard.trainer.contents import flatten
-from spotguard.trainer.dcp_errors import dcp_errors, noting_full_disk
+from spotguard.trainer.dcp_errors import dcp_errors, watch_writes
 from spotguard.trainer.state import (
     DCP_LAYOUT,
     RNG_KEY,
@@ -201,10 +201,10 @@ def _write_dcp(
         # No more threads than tensors: DCP writes one file per thread, an empty one for an idle thread.
         thread_count = max(1, min(threads, _tensor_count(tree)))
         dcp_writer = dcp.FileSystemWriter(writer.dir, sync_files=True, overwrite=False, thread_count=thread_count)
-        noted = noting_full_disk(dcp_writer, writer.cancel)
-        with dcp_errors(noted):
+        watched = watch_writes(dcp_writer, writer.cancel)
+        with dcp_errors(watched):
             dcp.save(tree, storage_writer=dcp_writer, process_group=dist.group_of_this_thread())
-        if noted.cancelled:  # its writes were dropped: the files are not the state
+        if watched.cancelled:  # its writes were dropped: the files are not the state
             raise SaveCancelled(f"{writer.dir.name}: save cancelled")
     # On another node's disk the directory exists only once DCP (or the first file) made it.
     paths = sorted(writer.dir.iterdir()) if writer.dir.is_dir() else []
