@@ -180,7 +180,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         return EXIT_OK
     _say(f"spotguard {reply['version']} pid {reply['pid']}, provider {reply['provider']}")
     _say(f"checkpoints: {reply['checkpoint_dir']} -> {reply['uploads']['bucket'] or '(no bucket)'}")
-    _say(f"trainers connected: {len(reply['trainers'])}")
+    _say(f"trainers connected: {len(reply['trainers'])}{_other_versions(reply['trainers'], reply['version'])}")
     _say("notice: " + _notice_line(reply["pending"]))
     if reply.get("plan"):
         _say("deadline plan: " + _plan_line(reply["plan"]))
@@ -219,6 +219,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     for name, error in reply["monitor_errors"].items():
         _say(f"monitor {name}: {error}")
     return EXIT_OK
+
+
+def _other_versions(trainers: list[dict[str, Any]], daemon: str) -> str:
+    """What ``status`` adds to its trainers line where some run another spotguard than the daemon."""
+    others = [trainer.get("version") or "(older, unnamed)" for trainer in trainers if trainer.get("version") != daemon]
+    if not others:
+        return ""
+    return f" ({len(others)} on spotguard {', '.join(sorted(set(others)))}, this daemon {daemon}: upgrade the older)"
 
 
 def _notice_line(notice: dict[str, Any] | None) -> str:

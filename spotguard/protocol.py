@@ -5,7 +5,8 @@ Newline-delimited JSON objects, each ``{"v": 1, "type": ..., ...}``, at most
 
 Client -> daemon:
   hello   {rank, world_size, pid, checkpoint_dir,    a trainer introduces itself; state_bytes/sharded once it
-           state_bytes?, sharded?}                   knows its state's size (re-sent on every reconnect)
+           state_bytes?, sharded?, version?}         knows its state's size (re-sent on every reconnect);
+                                                     version: the hook's spotguard version
   state-size {bytes, sharded}                        the trainer's state now takes about bytes (its tensors'
                                                      storage, this rank's share when sharded); sent when it
                                                      changes by more than 5 % (no reply)
@@ -97,7 +98,7 @@ REQUIRED_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
 # Fields that may be absent, and their types when present.
 OPTIONAL_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "drill": {"deadline_s": (int, float)},
-    "hello": {"checkpoint_dir": str, "state_bytes": int, "sharded": bool},
+    "hello": {"checkpoint_dir": str, "state_bytes": int, "sharded": bool, "version": str},
     "saved": {"event_id": str},
     "save-failed": {"bytes_needed": int, "bytes_free": int, "path": str, "event_id": str},
     "peer-resume": {"fetch": bool},

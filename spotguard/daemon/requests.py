@@ -35,6 +35,7 @@ from spotguard.peer.handoff import Handoff
 from spotguard.safefile import TMP_MARK
 from spotguard.space import keep_room_for_one
 from spotguard.storage.base import Storage
+from spotguard.version import __version__
 
 logger = logging.getLogger("spotguard.daemon")
 
@@ -148,7 +149,18 @@ class RequestHandler:
                 "set the same directory on both sides"
             )
             logger.warning("trainer pid %d: %s", peer.pid, fields["warning"])
-        logger.info("trainer connected: pid %d rank %s/%s", peer.pid, message["rank"], message["world_size"])
+        hook = message.get("version")
+        logger.info(
+            "trainer connected: pid %d rank %s/%s (spotguard %s)",
+            peer.pid, message["rank"], message["world_size"], hook or "of a version that does not say it",
+        )  # fmt: skip
+        if hook != __version__:
+            # A fleet upgraded in turn: the protocol is the same, but what one side added since the other's
+            # version (a message, a field) the other refuses or ignores, and says so in its log.
+            logger.warning(
+                "trainer pid %d runs spotguard %s and this daemon %s: upgrade the older of the two so that "
+                "both sides know the same messages", peer.pid, hook or "(older, unnamed)", __version__,
+            )  # fmt: skip
         if isinstance(message.get("state_bytes"), int):
             self._state_size(peer, message["state_bytes"], sharded=bool(message.get("sharded")))
         replies: list[Reply] = [("welcome", fields)]

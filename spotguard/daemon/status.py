@@ -72,6 +72,7 @@ def trainer_status(peer: Peer, planner: Planner) -> dict[str, Any]:
         "world_size": hello.get("world_size"),
         "state_bytes": None if announced is None else announced[0],
         "sharded": None if announced is None else announced[1],
+        "version": hello.get("version"),  # the hook's spotguard (null: one from before hooks said it)
     }
 
 

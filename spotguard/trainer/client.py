@@ -27,6 +27,7 @@ from typing import Any
 
 from spotguard import protocol
 from spotguard.repeats import RepeatedErrors
+from spotguard.version import __version__
 
 logger = logging.getLogger("spotguard.trainer")
 
@@ -295,7 +296,7 @@ def root_of(client: DaemonClient, socket_path: Path, wait: float) -> Path:
 
 def ask_daemon_for_root(socket_path: Path, wait: float = 2.0) -> Path:
     """The daemon's checkpoint root, asked before any Guard exists (and before torch.distributed is up)."""
-    hello = {"rank": 0, "world_size": 1, "pid": os.getpid(), "checkpoint_dir": ""}
+    hello = {"rank": 0, "world_size": 1, "pid": os.getpid(), "checkpoint_dir": "", "version": __version__}
     client = DaemonClient(socket_path, hello, lambda _message: None).start()
     try:
         return root_of(client, socket_path, wait)

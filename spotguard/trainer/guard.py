@@ -32,6 +32,7 @@ from spotguard.trainer.saving import Saver
 from spotguard.trainer.schedule import Periodic
 from spotguard.trainer.settings import TrainerSettings
 from spotguard.trainer.state import StateError, check_state
+from spotguard.version import __version__
 
 logger = logging.getLogger("spotguard.trainer")
 
@@ -106,6 +107,7 @@ class Guard:
             "world_size": self.world_size,
             "pid": os.getpid(),
             "checkpoint_dir": str(root or ""),
+            "version": __version__,
         }
         client = DaemonClient(settings.socket, hello, self._flags.on_daemon_message).start()
         if root is None:

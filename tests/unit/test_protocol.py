@@ -155,6 +155,7 @@ def test_state_size_is_a_client_message_and_hello_may_carry_it() -> None:
     assert "state_bytes" not in protocol.decode(protocol.encode("hello", **hello))  # still optional
     told = protocol.decode(protocol.encode("hello", **hello, state_bytes=5, sharded=True))
     assert told["state_bytes"] == 5 and told["sharded"] is True
+    assert protocol.decode(protocol.encode("hello", **hello, version="0.1.0"))["version"] == "0.1.0"
 
 
 @pytest.mark.parametrize(
@@ -167,6 +168,7 @@ def test_state_size_is_a_client_message_and_hello_may_carry_it() -> None:
         b'{"v": 1, "type": "hello", "rank": 0, "world_size": 1, "pid": 1, "state_bytes": "96M"}',
         b'{"v": 1, "type": "hello", "rank": 0, "world_size": 1, "pid": 1, "state_bytes": -5}',
         b'{"v": 1, "type": "hello", "rank": 0, "world_size": 1, "pid": 1, "sharded": "yes"}',
+        b'{"v": 1, "type": "hello", "rank": 0, "world_size": 1, "pid": 1, "version": 1}',
     ],
 )
 def test_state_sizes_are_checked(line: bytes) -> None:

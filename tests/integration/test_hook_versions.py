@@ -1,0 +1,36 @@
+"""A fleet upgraded in turn: each trainer's hello says its hook's spotguard version, the status shows
+it, and a daemon whose trainer runs another version (or an older hook that does not say) says so."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from spotguard import Guard, protocol
+from spotguard.harness import Vm, wait_for
+from spotguard.version import __version__
+from tests.integration.test_daemon_notices import status_text
+
+
+def test_the_status_and_log_name_each_trainers_version_and_a_mismatch_is_warned_of(vm: Vm) -> None:
+    guard = Guard(socket=vm.socket, checkpoint_dir=vm.root)
+    try:
+        [trainer] = wait_for(lambda: vm.status()["trainers"], 10, "the trainer's hello")
+        assert trainer["version"] == __version__
+        log = vm.log.read_text()
+        assert f"rank 0/1 (spotguard {__version__})" in log and "upgrade the older" not in log
+        # An older hook: its hello has no version field. It is served as before, and named.
+        hello = {"rank": 0, "world_size": 1, "pid": 4242, "checkpoint_dir": str(vm.root)}
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as older_hook:
+            older_hook.settimeout(10)
+            older_hook.connect(os.fspath(vm.socket))
+            older_hook.sendall(protocol.encode("hello", **hello))
+            assert protocol.decode(older_hook.makefile("rb").readline())["type"] == "welcome"
+            trainers = wait_for(lambda: len(t := vm.status()["trainers"]) == 2 and t, 10, "both trainers")
+            assert sorted(str(trainer["version"]) for trainer in trainers) == sorted([__version__, "None"])
+            expected = f"trainers connected: 2 (1 on spotguard (older, unnamed), this daemon {__version__}: upgrade"
+            assert expected in status_text(vm)
+        log = vm.log.read_text()
+        assert f"runs spotguard (older, unnamed) and this daemon {__version__}: upgrade the older" in log
+    finally:
+        guard.close()
