@@ -6,8 +6,8 @@ import math
 import random
 
 # Our own generator: the module's global one belongs to the trainer, whose checkpoints hold its state
-# (spotguard/trainer/state.py); a draw from it here, in a retry of the hook's bucket read, would move the
-# trainer's sequence off the one an uninterrupted run draws.
+# (spotguard/trainer/state.py). A draw from it here, in a retry of the hook's bucket listing, moved the
+# sequence of a job that then started fresh off the one the same seeded job drew without the retry.
 _jitter = random.Random()
 
 # Past this many doublings every wait is at its cap; the exponent is bounded so that a daemon failing
