@@ -34,7 +34,8 @@ Client -> daemon:
   drill   {deadline_s?}                              inject a simulated hard notice (default: drill_deadline)
   status  {}                                         what the daemon sees
 Daemon -> client:
-  welcome          {checkpoint_dir, bucket, daemon_pid, peers}     reply to hello (peers: ask peer-resume)
+  welcome          {checkpoint_dir, bucket, daemon_pid, peers,     reply to hello (peers: ask peer-resume;
+                    version?}                                      version: the daemon's spotguard version)
   checkpoint-now   {notice, stop, deadline_s}                      write an urgent checkpoint now
   ok               {...}                                           reply to saved/drill
   safe-steps       {names, bucket}                                 reply to safe-steps: step directory names
@@ -103,6 +104,7 @@ OPTIONAL_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "save-failed": {"bytes_needed": int, "bytes_free": int, "path": str, "event_id": str},
     "peer-resume": {"fetch": bool},
     "error": {"re": str},  # the type of the request it answers, when that was known
+    "welcome": {"version": str},
 }
 CLIENT_TYPES = frozenset(
     {

@@ -141,6 +141,7 @@ class RequestHandler:
             "checkpoint_dir": str(self.host.root),
             "bucket": self.host.config.bucket,
             "daemon_pid": os.getpid(),
+            "version": __version__,
             "peers": self.host.peering.can_resume(),  # the hook asks (peer-resume) before a resume
         }
         if claimed and _resolved(claimed, "hello: checkpoint_dir") != self.host.root.resolve():

@@ -66,6 +66,7 @@ class DaemonClient:
         self.welcomed = threading.Event()
         self.connections = 0  # how many times a connection was made (reconnects show here)
         self._welcomes = 0  # connections the daemon took (answered with a welcome)
+        self._version_warned: str | None = __version__  # the daemon version last warned of (this hook's: none)
         self._errors = RepeatedErrors(_REPEAT_ERROR_AFTER)  # a refusal that lasts comes at every reconnect
         self._waiting: dict[str, tuple[threading.Event, list[dict[str, Any]]]] = {}  # reply type -> its slot
         # Tells the thread that the outbox has lines the socket did not take (to wait until it is writable).
@@ -259,6 +260,17 @@ class DaemonClient:
         else:
             logger.debug("%s (again)", text)
 
+    def _check_version(self, daemon: str | None) -> None:
+        """Warn, once per daemon version met, of a daemon whose spotguard is not this hook's (the daemon
+        warns of the same mismatch in its own log): one upgraded before the other."""
+        if daemon in (__version__, self._version_warned):
+            return
+        self._version_warned = daemon
+        logger.warning(
+            "spotguard: the daemon runs spotguard %s and this hook %s: upgrade the older of the two so that "
+            "both sides know the same messages", daemon or "(older, unnamed)", __version__,
+        )  # fmt: skip
+
     def _dispatch(self, line: bytes) -> None:
         try:
             message = protocol.decode(line, allowed=protocol.DAEMON_TYPES)
@@ -269,6 +281,7 @@ class DaemonClient:
             self.welcome = message
             self._welcomes += 1
             self.welcomed.set()
+            self._check_version(message.get("version"))
         elif message["type"] == "error":
             self._log_error(f"spotguard daemon: {message['code']}: {message['message']}")
         with self._lock:

@@ -3,11 +3,16 @@ it, and a daemon whose trainer runs another version (or an older hook that does 
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
+from pathlib import Path
+
+import pytest
 
 from spotguard import Guard, protocol
 from spotguard.harness import Vm, wait_for
+from spotguard.trainer.client import DaemonClient
 from spotguard.version import __version__
 from tests.integration.test_daemon_notices import status_text
 
@@ -34,3 +39,38 @@ def test_the_status_and_log_name_each_trainers_version_and_a_mismatch_is_warned_
         assert f"runs spotguard (older, unnamed) and this daemon {__version__}: upgrade the older" in log
     finally:
         guard.close()
+
+
+def test_the_hook_warns_once_of_a_daemon_of_another_version_and_not_of_its_own(
+    vm: Vm, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="spotguard")
+    hello = {"rank": 0, "world_size": 1, "pid": os.getpid(), "checkpoint_dir": str(vm.root), "version": __version__}
+    same = DaemonClient(vm.socket, hello, lambda message: None).start()
+    try:
+        assert same.welcomed.wait(10) and same.welcome is not None and same.welcome["version"] == __version__
+    finally:
+        same.close()
+    assert "upgrade the older" not in caplog.text
+    # An older daemon: its welcome has no version. Two connections to it (a reconnect): one warning.
+    path = tmp_path / "older.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(os.fspath(path))
+        listener.listen(2)
+        listener.settimeout(15)
+        client = DaemonClient(path, hello, lambda message: None).start()
+        try:
+            for _ in range(2):
+                conn, _ = listener.accept()
+                with conn:
+                    assert protocol.decode(conn.makefile("rb").readline())["type"] == "hello"
+                    client.welcomed.clear()
+                    conn.sendall(protocol.encode("welcome", checkpoint_dir=str(vm.root)))
+                    assert client.welcomed.wait(10)
+        finally:
+            client.close()
+    warned = [r.getMessage() for r in caplog.records if "upgrade the older" in r.getMessage()]
+    assert warned == [
+        f"spotguard: the daemon runs spotguard (older, unnamed) and this hook {__version__}: "
+        "upgrade the older of the two so that both sides know the same messages"
+    ]

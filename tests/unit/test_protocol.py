@@ -155,7 +155,17 @@ def test_state_size_is_a_client_message_and_hello_may_carry_it() -> None:
     assert "state_bytes" not in protocol.decode(protocol.encode("hello", **hello))  # still optional
     told = protocol.decode(protocol.encode("hello", **hello, state_bytes=5, sharded=True))
     assert told["state_bytes"] == 5 and told["sharded"] is True
+
+
+def test_hello_and_welcome_may_name_their_sides_version_as_text() -> None:
+    hello = {"rank": 0, "world_size": 1, "pid": 1, "checkpoint_dir": "/x"}
     assert protocol.decode(protocol.encode("hello", **hello, version="0.1.0"))["version"] == "0.1.0"
+    welcome = protocol.encode("welcome", checkpoint_dir="/x", version="0.1.0")
+    assert protocol.decode(welcome, allowed=protocol.DAEMON_TYPES)["version"] == "0.1.0"
+    numbered = [protocol.encode("hello", **hello, version=1), protocol.encode("welcome", checkpoint_dir="", version=1)]
+    for line in numbered:
+        with pytest.raises(protocol.ProtocolError, match="field 'version' is not str"):
+            protocol.decode(line)
 
 
 @pytest.mark.parametrize(
@@ -168,7 +178,6 @@ def test_state_size_is_a_client_message_and_hello_may_carry_it() -> None:
         b'{"v": 1, "type": "hello", "rank": 0, "world_size": 1, "pid": 1, "state_bytes": "96M"}',
         b'{"v": 1, "type": "hello", "rank": 0, "world_size": 1, "pid": 1, "state_bytes": -5}',
         b'{"v": 1, "type": "hello", "rank": 0, "world_size": 1, "pid": 1, "sharded": "yes"}',
-        b'{"v": 1, "type": "hello", "rank": 0, "world_size": 1, "pid": 1, "version": 1}',
     ],
 )
 def test_state_sizes_are_checked(line: bytes) -> None:
