@@ -169,6 +169,9 @@ class Daemon:
     def trainer_count(self) -> int:
         return len(self.server.trainers())
 
+    def trainers_on_another_version(self) -> int:
+        return sum(1 for peer in self.server.trainers() if (peer.hello or {}).get("version") != __version__)
+
     # --- notices -----------------------------------------------------------------------
 
     def action_for(self, notice: Notice) -> Action:

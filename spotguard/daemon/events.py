@@ -218,6 +218,8 @@ class DaemonEvents(Protocol):
 
     def trainer_count(self) -> int: ...
 
+    def trainers_on_another_version(self) -> int: ...  # hooks whose spotguard is not the daemon's, or unnamed
+
     def plan_status(self) -> dict[str, Any] | None: ...  # the pending notice's deadline plan (Plan.to_dict())
 
     def measured_rate(self) -> float | None: ...  # bytes/s of recent uploads and the start-up probe

@@ -62,6 +62,7 @@ class _LiveCollector:
 
     def __init__(self) -> None:
         self.trainers: Callable[[], int] = lambda: 0
+        self.other_versions: Callable[[], int] = lambda: 0
         self.pending_seconds: Callable[[], float | None] = lambda: None
         self.stalled: Callable[[], int] = lambda: 0
         self.plan: Callable[[], dict[str, Any] | None] = lambda: None
@@ -72,6 +73,12 @@ class _LiveCollector:
     def collect(self) -> Iterator[Metric]:
         yield GaugeMetricFamily(
             "spotguard_trainers_connected", "Trainer hooks connected to the daemon's socket", value=self.trainers()
+        )
+        yield GaugeMetricFamily(
+            "spotguard_trainers_on_another_version",
+            "Trainer hooks connected whose spotguard version is not the daemon's (or that do not say theirs): "
+            "a fleet half upgraded; upgrade the older side",
+            value=self.other_versions(),
         )
         pending = GaugeMetricFamily(
             "spotguard_pending_notice_seconds_left",
@@ -303,6 +310,7 @@ class DaemonMetrics:
             return left if left > 0 or pending[1] is Action.STOP else None
 
         self._live.trainers = daemon.trainer_count
+        self._live.other_versions = daemon.trainers_on_another_version
         self._live.pending_seconds = pending_seconds
         self._live.stalled = lambda: len(daemon.stalled)
         self._live.plan = daemon.plan_status

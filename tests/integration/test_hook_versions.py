@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,13 +16,20 @@ from spotguard.harness import Vm, wait_for
 from spotguard.trainer.client import DaemonClient
 from spotguard.version import __version__
 from tests.integration.test_daemon_notices import status_text
+from tests.integration.test_metrics_webhook import metrics_url
+from tests.scrape import scrape, value
 
 
-def test_the_status_and_log_name_each_trainers_version_and_a_mismatch_is_warned_of(vm: Vm) -> None:
+def test_the_status_and_log_name_each_trainers_version_and_a_mismatch_is_warned_of(
+    vm_factory: Callable[..., Vm],
+) -> None:
+    vm = vm_factory("vm-v", env={"SPOTGUARD_METRICS_PORT": "0"})
+    url = metrics_url(vm)
     guard = Guard(socket=vm.socket, checkpoint_dir=vm.root)
     try:
         [trainer] = wait_for(lambda: vm.status()["trainers"], 10, "the trainer's hello")
         assert trainer["version"] == __version__
+        assert value(scrape(url), "spotguard_trainers_on_another_version") == 0
         log = vm.log.read_text()
         assert f"rank 0/1 (spotguard {__version__})" in log and "upgrade the older" not in log
         # An older hook: its hello has no version field. It is served as before, and named.
@@ -35,6 +43,7 @@ def test_the_status_and_log_name_each_trainers_version_and_a_mismatch_is_warned_
             assert sorted(str(trainer["version"]) for trainer in trainers) == sorted([__version__, "None"])
             expected = f"trainers connected: 2 (1 on spotguard (older, unnamed), this daemon {__version__}: upgrade"
             assert expected in status_text(vm)
+            assert value(scrape(url), "spotguard_trainers_on_another_version") == 1
         log = vm.log.read_text()
         assert f"runs spotguard (older, unnamed) and this daemon {__version__}: upgrade the older" in log
     finally:
