@@ -23,7 +23,7 @@ from spotguard.cloudclock import cloud_now
 from spotguard.crc32c import crc32c_int_to_base64 as _int_to_b64
 from spotguard.storage.base import ChecksumMismatch, ObjectNotFound, RecentKeys, StorageError, read_exactly
 from spotguard.storage.journal import UploadJournal
-from spotguard.storage.s3_api import S3Api
+from spotguard.storage.s3_api import S3Api, error_code
 from spotguard.storage.stream import Plan, streamed_plan
 
 log = logging.getLogger(__name__)
@@ -266,15 +266,19 @@ class S3Multipart:
             self.api.on_key("abort_multipart_upload", full, UploadId=upload_id)
         except ObjectNotFound:
             pass
-        except Exception:
-            # The journal keeps it: retry_aborts tries again, and so does the next start (and its sweep by age).
-            with self._abort_lock:
-                again = upload_id in self._abort_failed  # its traceback was logged the first time
-                if not again:
-                    self._abort_failed[upload_id] = full
-                    self._abort_retry_at = time.monotonic() + self.abort_retry_interval
-            log.warning("s3: could not abort multipart upload %s of %s", upload_id, full, exc_info=not again)
-            return False
+        except Exception as exc:
+            # An upload already aborted or completed answers NoSuchUpload (a daemon killed between an
+            # upload's completion and its journal line): gone, as asked. Counted a failure, it stayed in
+            # the journal, was tried again every interval and warned of at every start.
+            if error_code(exc.__cause__ or exc) != "NoSuchUpload":
+                # The journal keeps it: retry_aborts tries again, and so does the next start (and its sweep by age).
+                with self._abort_lock:
+                    again = upload_id in self._abort_failed  # its traceback was logged the first time
+                    if not again:
+                        self._abort_failed[upload_id] = full
+                        self._abort_retry_at = time.monotonic() + self.abort_retry_interval
+                log.warning("s3: could not abort multipart upload %s of %s", upload_id, full, exc_info=not again)
+                return False
         with self._abort_lock:
             self._abort_failed.pop(upload_id, None)
         self.journal_done(upload_id)

@@ -122,6 +122,33 @@ def test_a_finished_or_aborted_upload_leaves_the_journal(url: str, tmp_path: Pat
         storage.close()
 
 
+def test_an_upload_completed_before_its_journal_line_leaves_the_journal_at_the_next_start(
+    server: S3Server, url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A daemon killed between an upload's completion and its "done" line: the restart's abort gets
+    NoSuchUpload, which means gone. It used to count as a failed abort: kept in the journal, tried
+    again every interval and warned of at every start, for as long as the daemon ran."""
+    client = boto3.client("s3", endpoint_url=server.endpoint_url)
+    bucket, prefix = parse_s3_url(url)
+    key = f"{prefix}{KEY}"
+    upload_id = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+    etag = client.upload_part(Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=1, Body=b"x" * MiB)["ETag"]
+    client.complete_multipart_upload(
+        Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": etag}]}
+    )
+    client.close()
+    journal = UploadJournal(tmp_path / "uploads.jsonl")
+    journal.opened(key, upload_id)  # and no "done": the kill came first
+    storage = S3Storage(url)
+    try:
+        assert storage.keep_journal(journal) == 1
+        assert journal.unfinished() == [] and UploadJournal(journal.path).unfinished() == []
+        assert storage.retry_aborts() == 0  # nothing kept to try again
+        assert "could not abort" not in caplog.text
+    finally:
+        storage.close()
+
+
 def test_a_torn_journal_line_is_ignored(tmp_path: Path) -> None:
     journal = UploadJournal(tmp_path / "uploads.jsonl")
     journal.opened("a/key", "upload-1")
