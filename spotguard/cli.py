@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from spotguard import protocol
 from spotguard.config import ConfigError, DaemonConfig, load_config
-from spotguard.control import CommandError, daemon_socket, request
+from spotguard.control import CommandError, daemon_socket, request, trainers_on_another_version
 from spotguard.localstore import scan_local
 from spotguard.manifest import MANIFEST, CheckpointInfo, load_manifest_or_none, parse_step_dir, verify_dir
 from spotguard.oneline import OneLineFormatter, one_line
@@ -180,7 +180,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         return EXIT_OK
     _say(f"spotguard {reply['version']} pid {reply['pid']}, provider {reply['provider']}")
     _say(f"checkpoints: {reply['checkpoint_dir']} -> {reply['uploads']['bucket'] or '(no bucket)'}")
-    _say(f"trainers connected: {len(reply['trainers'])}{_other_versions(reply['trainers'], reply['version'])}")
+    others = trainers_on_another_version(reply)
+    _say(f"trainers connected: {len(reply['trainers'])}" + (f" ({others}: upgrade the older)" if others else ""))
     _say("notice: " + _notice_line(reply["pending"]))
     if reply.get("plan"):
         _say("deadline plan: " + _plan_line(reply["plan"]))
@@ -219,14 +220,6 @@ def cmd_status(args: argparse.Namespace) -> int:
     for name, error in reply["monitor_errors"].items():
         _say(f"monitor {name}: {error}")
     return EXIT_OK
-
-
-def _other_versions(trainers: list[dict[str, Any]], daemon: str) -> str:
-    """What ``status`` adds to its trainers line where some run another spotguard than the daemon."""
-    others = [trainer.get("version") or "(older, unnamed)" for trainer in trainers if trainer.get("version") != daemon]
-    if not others:
-        return ""
-    return f" ({len(others)} on spotguard {', '.join(sorted(set(others)))}, this daemon {daemon}: upgrade the older)"
 
 
 def _notice_line(notice: dict[str, Any] | None) -> str:

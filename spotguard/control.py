@@ -47,3 +47,13 @@ def request(socket_path: Path, message_type: str, timeout: float = 5.0, **fields
 
 
 __all__ = ["CommandError", "daemon_socket", "request"]
+
+
+def trainers_on_another_version(status: dict[str, Any]) -> str:
+    """From a ``status`` reply: the connected trainers whose hook's spotguard is not the daemon's, as
+    ``"1 on spotguard 0.0.9, this daemon 0.1.0"``, or "" where there are none."""
+    daemon = status.get("version")
+    others = [t.get("version") or "(older, unnamed)" for t in status.get("trainers", []) if t.get("version") != daemon]
+    if not others:
+        return ""
+    return f"{len(others)} on spotguard {', '.join(sorted(set(others)))}, this daemon {daemon}"

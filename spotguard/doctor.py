@@ -190,7 +190,7 @@ def _check_metadata(config: DaemonConfig, findings: Findings, report: Callable[[
 
 
 def _check_socket(config: DaemonConfig, report: Callable[[Check], None]) -> None:
-    from spotguard.control import CommandError, request
+    from spotguard.control import CommandError, request, trainers_on_another_version
 
     directory = config.socket.parent
     if not directory.exists():
@@ -228,14 +228,17 @@ def _check_socket(config: DaemonConfig, report: Callable[[Check], None]) -> None
         )
         return
     trainers = len(reply.get("trainers", []))
-    report(
-        Check(
-            OK,
-            "daemon",
-            f"spotguard {reply.get('version')} pid {reply.get('pid')} answers at {config.socket}: "
-            f"provider {reply.get('provider')}, {trainers} trainer(s) connected",
-        )
+    answers = (
+        f"spotguard {reply.get('version')} pid {reply.get('pid')} answers at {config.socket}: "
+        f"provider {reply.get('provider')}, {trainers} trainer(s) connected"
     )
+    others = trainers_on_another_version(reply)
+    if others:
+        # Both work together, but what one side added since the other's version the other refuses or ignores.
+        fix = "upgrade the older of the two (the daemon's package or image, or the trainers' spotguard)"
+        report(Check(WARN, "daemon", f"{answers} ({others})", fix))
+    else:
+        report(Check(OK, "daemon", answers))
 
 
 # --- checkpoint root ------------------------------------------------------------------------------

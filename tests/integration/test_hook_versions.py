@@ -3,6 +3,7 @@ it, and a daemon whose trainer runs another version (or an older hook that does 
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import socket
@@ -12,12 +13,25 @@ from pathlib import Path
 import pytest
 
 from spotguard import Guard, protocol
+from spotguard.config import DaemonConfig
+from spotguard.doctor import run_doctor
 from spotguard.harness import Vm, wait_for
 from spotguard.trainer.client import DaemonClient
 from spotguard.version import __version__
 from tests.integration.test_daemon_notices import status_text
 from tests.integration.test_metrics_webhook import metrics_url
 from tests.scrape import scrape, value
+
+MiB = 1 << 20
+
+
+def doctor_says(vm: Vm) -> str:
+    """``spotguard doctor``'s line on the daemon (no provider: no metadata address is asked; no bucket)."""
+    out = io.StringIO()
+    config = DaemonConfig(provider="none", socket=vm.socket, checkpoint_dir=vm.root, state_dir=vm.dir / "state")
+    run_doctor(config, out=out, checkpoint_gb=0.01, write_probe_bytes=MiB)
+    [line] = [text for text in out.getvalue().splitlines() if text[6:].startswith("daemon:")]
+    return line
 
 
 def test_the_status_and_log_name_each_trainers_version_and_a_mismatch_is_warned_of(
@@ -30,6 +44,7 @@ def test_the_status_and_log_name_each_trainers_version_and_a_mismatch_is_warned_
         [trainer] = wait_for(lambda: vm.status()["trainers"], 10, "the trainer's hello")
         assert trainer["version"] == __version__
         assert value(scrape(url), "spotguard_trainers_on_another_version") == 0
+        assert doctor_says(vm).startswith("ok    daemon: ")
         log = vm.log.read_text()
         assert f"rank 0/1 (spotguard {__version__})" in log and "upgrade the older" not in log
         # An older hook: its hello has no version field. It is served as before, and named.
@@ -44,6 +59,9 @@ def test_the_status_and_log_name_each_trainers_version_and_a_mismatch_is_warned_
             expected = f"trainers connected: 2 (1 on spotguard (older, unnamed), this daemon {__version__}: upgrade"
             assert expected in status_text(vm)
             assert value(scrape(url), "spotguard_trainers_on_another_version") == 1
+            said = doctor_says(vm)
+            assert said.startswith("warn  daemon: ")
+            assert f"(1 on spotguard (older, unnamed), this daemon {__version__})" in said
         log = vm.log.read_text()
         assert f"runs spotguard (older, unnamed) and this daemon {__version__}: upgrade the older" in log
     finally:
