@@ -27,6 +27,13 @@ from spotguard.storage.s3_api import S3Api, error_code
 from spotguard.storage.stream import Plan, streamed_plan
 
 log = logging.getLogger(__name__)
+
+
+def _upload_gone(exc: BaseException) -> bool:
+    """Whether the store answered NoSuchUpload: that multipart upload was aborted or completed already."""
+    return error_code(exc.__cause__ or exc) == "NoSuchUpload"
+
+
 # ListMultipartUploads gives Initiated to the second: an upload begun in this client's first second
 # may be listed as older than the client, and is not ours to abort.
 _INITIATED_PRECISION = dt.timedelta(seconds=1)
@@ -230,7 +237,7 @@ class S3Multipart:
                 **checksums,
             )
         except StorageError as exc:
-            if "NoSuchUpload" in str(exc):
+            if _upload_gone(exc):
                 return False
             raise
         self.journal_done(upload_id)
@@ -267,10 +274,10 @@ class S3Multipart:
         except ObjectNotFound:
             pass
         except Exception as exc:
-            # An upload already aborted or completed answers NoSuchUpload (a daemon killed between an
-            # upload's completion and its journal line): gone, as asked. Counted a failure, it stayed in
-            # the journal, was tried again every interval and warned of at every start.
-            if error_code(exc.__cause__ or exc) != "NoSuchUpload":
+            # Already aborted or completed (a daemon killed between an upload's completion and its
+            # journal line): gone, as asked. Counted a failure, it stayed in the journal, was tried
+            # again every interval and warned of at every start.
+            if not _upload_gone(exc):
                 # The journal keeps it: retry_aborts tries again, and so does the next start (and its sweep by age).
                 with self._abort_lock:
                     again = upload_id in self._abort_failed  # its traceback was logged the first time
