@@ -46,9 +46,6 @@ def request(socket_path: Path, message_type: str, timeout: float = 5.0, **fields
     return reply
 
 
-__all__ = ["CommandError", "daemon_socket", "request"]
-
-
 def trainers_on_another_version(status: dict[str, Any]) -> str:
     """From a ``status`` reply: the connected trainers whose hook's spotguard is not the daemon's, as
     ``"1 on spotguard 0.0.9, this daemon 0.1.0"``, or "" where there are none."""
@@ -57,3 +54,6 @@ def trainers_on_another_version(status: dict[str, Any]) -> str:
     if not others:
         return ""
     return f"{len(others)} on spotguard {', '.join(sorted(set(others)))}, this daemon {daemon}"
+
+
+__all__ = ["CommandError", "daemon_socket", "request", "trainers_on_another_version"]

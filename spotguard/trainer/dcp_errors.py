@@ -31,10 +31,10 @@ from spotguard.trainer import dist
 class WatchedFileSystem(FileSystem):
     """DCP's own file system, watched: it keeps the first full-disk error raised under any of its
     streams (:attr:`full`) and, with ``cancel``, its streams drop every write once that is set and
-    note it (:attr:`cancelled`). Dropped,
-    not refused: an error in one of DCP's writer threads is only printed (a traceback per thread at
-    every cancellation), and DCP's remaining writes cost nothing; the caller then cancels the save,
-    and the ranks agree on it (:func:`spotguard.trainer.dist.agree_ok`)."""
+    note it (:attr:`cancelled`). Dropped, not refused: an error in one of DCP's writer threads is
+    only printed (a traceback per thread at every cancellation), and DCP's remaining writes cost
+    nothing; the caller then cancels the save, and the ranks agree on it
+    (:func:`spotguard.trainer.dist.agree_ok`)."""
 
     def __init__(self, cancel: threading.Event | None = None) -> None:
         super().__init__()
