@@ -9,13 +9,16 @@ this VM count. The VM's name is ``vm_name`` or, when not given, read once from I
 ``EventType``              kind                   deadline
 =========================  =====================  ==========================================
 ``Preempt``, ``Terminate``  terminate (hard)       ``NotBefore``; once ``Started`` (blank),
-``Reboot``, ``Redeploy``,   maintenance (soft)     the moment it was first seen blank
-``Freeze`` (and unknown)
+                                                   30 s from when it was first seen blank
+``Reboot``, ``Redeploy``,   maintenance (soft)     ``NotBefore``; once ``Started``, the moment
+``Freeze`` (and unknown)                           it was first seen blank
 =========================  =====================  ==========================================
 
-The event id comes from ``EventId``. Each notice carries its acknowledgement: approving the event
-(``StartRequests``) so Azure may go ahead before ``NotBefore``; the daemon sends it only once the
-checkpoint is committed remotely. ``check_all`` returns every event for this VM, most urgent first.
+The event id comes from ``EventId``. A notice of an event that names this VM alone carries its
+acknowledgement: approving the event (``StartRequests``) so Azure may go ahead before ``NotBefore``;
+the daemon sends it only once the checkpoint is committed remotely. Azure starts an approved event for
+every VM it names, so one naming others too is never approved here. ``check_all`` returns every event
+for this VM, most urgent first.
 
 Detection (DMI): ``sys_vendor`` ``Microsoft Corporation`` *and* the Azure chassis asset tag
 ``7783-7084-3265-9085-8269-3286-77`` (Hyper-V on a desk has the first, not the second). The doctor's
@@ -32,7 +35,7 @@ from typing import Any, Unpack
 import aiohttp
 
 from spotguard.cloudclock import on_this_clock
-from spotguard.notice import Acknowledgement, Kind, Notice, event_id_for
+from spotguard.notice import UNTIMED_NOTICE_WINDOW, Acknowledgement, Kind, Notice, event_id_for
 from spotguard.providers import base
 from spotguard.providers.base import Monitor, MonitorError, MonitorSettings, PolledMonitor, Polling
 
@@ -45,6 +48,7 @@ NAME_PATH = "/metadata/instance/compute/name"
 NAME_API_VERSION = "2021-02-01"
 HARD_TYPES = ("Preempt", "Terminate")
 FINISHED_STATUSES = ("Completed", "Canceled")
+MAX_SHARED_SAID = 64  # shared events remembered as already logged
 AZURE_ASSET_TAG = "7783-7084-3265-9085-8269-3286-77"
 # Spot eviction (Preempt) gives at least 30 s; the notice window doctor's estimate plans for.
 NOTICE_WINDOW = timedelta(seconds=30)
@@ -112,6 +116,7 @@ class AzureMonitor(PolledMonitor):
         super().__init__(session, base_url, **polling)
         self._vm_name = vm_name
         self._incarnation: int | None = None
+        self._shared_said: dict[str, None] = {}  # events said to be shared, oldest first (bounded)
 
     async def check_all(self) -> list[Notice]:
         vm_name = await self.vm_name()
@@ -160,10 +165,20 @@ class AzureMonitor(PolledMonitor):
             # Its own key: the started event's "now" below is when it was first seen started.
             latest = self.first_seen(f"scheduled:{event_id}") + LONGEST_NOTICE.get(event_type, timedelta(minutes=15))
             deadline = on_this_clock(parse_not_before(not_before), no_later_than=latest)
+        elif event_type in HARD_TYPES:
+            # Started before this VM saw it (a host failure, a daemon restarted or IMDS down for the
+            # Preempt's 30 s): the VM goes any moment, and a deadline of "now" would stop the upload's
+            # retries at once. Planned as AWS plans a notice without a time.
+            deadline = self.first_seen(event_id) + UNTIMED_NOTICE_WINDOW
         else:  # the event has started, and "now" must not move between polls
             deadline = self.first_seen(event_id)
         azure_id = str(event["EventId"])
-        acknowledgement = Acknowledgement(f"azure: StartRequests for {azure_id}", lambda: self.start_requests(azure_id))
+        shared = self._shared_with(event)
+        acknowledgement = (
+            None
+            if shared
+            else Acknowledgement(f"azure: StartRequests for {azure_id}", lambda: self.start_requests(azure_id))
+        )
         return Notice(
             provider="azure",
             kind=kind,
@@ -172,6 +187,26 @@ class AzureMonitor(PolledMonitor):
             raw=dict(event),
             acknowledgement=acknowledgement,
         )
+
+    def _shared_with(self, event: dict[str, Any]) -> list[str]:
+        """The other VMs ``event`` names (an availability set's Freeze or Reboot names several): Azure
+        starts an approved event for every VM it names, so this VM's committed checkpoint may not
+        approve theirs, whose uploads may still run (and a Redeploy wipes their local disks). Such an
+        event is not acknowledged and goes ahead at its ``NotBefore``; said once per event."""
+        name = (self._vm_name or "").casefold()
+        others = sorted({str(r) for r in event.get("Resources") or [] if str(r).casefold() != name})
+        event_id = str(event["EventId"])
+        if others and event_id not in self._shared_said:
+            if len(self._shared_said) >= MAX_SHARED_SAID:
+                self._shared_said.pop(next(iter(self._shared_said)))
+            self._shared_said[event_id] = None
+            logger.info(
+                "azure: event %s also names %s: not approved early (Azure would start it for every VM it "
+                "names); it goes ahead at its NotBefore",
+                event_id,
+                ", ".join(others[:8]) + (f" and {len(others) - 8} more" if len(others) > 8 else ""),
+            )
+        return others
 
     async def _request(
         self,

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime
+import logging
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -156,8 +157,66 @@ def test_azure_acknowledge_posts_start_requests() -> None:
                 assert started is not None and later is not None
                 assert started.raw["EventStatus"] == "Started"
                 assert started.event_id == later.event_id == notice.event_id
-                # Blank NotBefore: the deadline is when it was first seen started, and it stays put.
-                assert started.deadline == later.deadline == datetime(2026, 11, 22, 4, 0, tzinfo=UTC)
+                # Blank NotBefore: a hard event goes any moment, planned as 30 s from when it was first
+                # seen started (not 0 s, which would stop the upload's retries at once); it stays put.
+                first_seen_started = datetime(2026, 11, 22, 4, 0, tzinfo=UTC)
+                assert started.deadline == later.deadline == first_seen_started + timedelta(seconds=30)
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(("event_type", "window"), [("Preempt", 30), ("Terminate", 30), ("Reboot", 0), ("Freeze", 0)])
+def test_an_event_first_seen_started_gives_a_hard_notice_30_s_and_a_soft_one_none(event_type: str, window: int) -> None:
+    """An event already ``Started`` when first read (a host failure; a daemon restarted, or IMDS down,
+    for the whole of a Preempt's 30 s)."""
+
+    async def scenario() -> None:
+        clock = FakeClock()
+        with emulator("azure") as emu:
+            async with http_session() as session:
+                monitor = AzureMonitor(session, emu.url, vm_name="spotguard-vm", clock=clock)
+                emu.trigger(type=event_type, status="Started")
+                first = await monitor.check()
+                clock.advance(5)
+                again = await monitor.check()
+                assert first is not None and again is not None and first.event_id == again.event_id
+                assert (
+                    first.deadline
+                    == again.deadline
+                    == datetime(2026, 11, 22, 4, 0, tzinfo=UTC) + timedelta(seconds=window)
+                )
+                assert first.is_hard is (window > 0)
+
+    run(scenario())
+
+
+def test_an_event_that_names_other_vms_too_is_never_acknowledged(caplog: pytest.LogCaptureFixture) -> None:
+    """Azure starts an approved event for every VM it names: this VM's checkpoint must not approve an
+    availability set's Reboot for the others, whose uploads may still run."""
+
+    async def scenario() -> None:
+        with emulator("azure", vm_name="train-0") as emu:
+            shared, own_id = "5A4E0000-0000-4000-8000-000000000001", "5A4E0000-0000-4000-8000-000000000002"
+            emu.trigger(type="Reboot", event_id=shared, resources=["train-0", "train-1"])
+            emu.trigger(type="Preempt", event_id=own_id, resources=["TRAIN-0"])
+            async with http_session() as session:
+                monitor = AzureMonitor(session, emu.url)
+                for _ in range(3):
+                    notices = {n.raw["EventId"]: n for n in await monitor.check_all()}
+                    assert notices[shared].acknowledgement is None
+                    own = notices[own_id].acknowledgement
+                    assert own is not None  # naming this VM alone (in another case): still approved
+                await own.send()
+                assert emu.control("GET", "acks") == [{"StartRequests": [{"EventId": own_id}]}]
+                assert [e["EventStatus"] for e in emu.state()["Events"]] == ["Scheduled", "Started"]
+
+    with caplog.at_level(logging.INFO, logger="spotguard.providers.azure"):
+        run(scenario())
+    said = [r.getMessage() for r in caplog.records if "also names" in r.getMessage()]
+    assert said == [
+        "azure: event 5A4E0000-0000-4000-8000-000000000001 also names train-1: not approved early (Azure would "
+        "start it for every VM it names); it goes ahead at its NotBefore"
+    ]
 
     run(scenario())
 
