@@ -183,7 +183,7 @@ class Daemon:
     async def on_notice(self, notice: Notice) -> bool:
         """Act on a notice once per event id (also across restarts). True if it was acted on now."""
         self.acknowledgements.remember(notice)
-        if self.notices.seen(notice.event_id):
+        if self.notices.seen(notice.event_id) or self.notices.outlived(notice):
             return False
         notice = clock_checked(notice)
         action = self.action_for(notice)

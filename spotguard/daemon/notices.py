@@ -38,6 +38,13 @@ from spotguard.safefile import SpareFile, replace_file
 logger = logging.getLogger("spotguard.daemon")
 
 
+#: How long past its deadline the event log keeps a notice. A soft notice older than this when met is
+#: not acted on (:meth:`NoticeBook.outlived`): the log no longer remembers whether it was.
+FORGET_AFTER = timedelta(days=1)
+#: Notices met past :data:`FORGET_AFTER` remembered as already logged (each is logged once).
+MAX_OUTLIVED_SAID = 64
+
+
 class EventLog:
     """Event ids the daemon has acted on, kept in ``state_dir`` so a restart does not act twice.
 
@@ -100,11 +107,11 @@ class EventLog:
         digest = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:16]
         return state_dir / f"events-{digest}.json"
 
-    def _forget_old(self) -> None:
-        horizon = utcnow() - timedelta(days=1)
+    def _forget_old(self, keep: str | None = None) -> None:
+        horizon = utcnow() - FORGET_AFTER
         for event_id, entry in list(self.events.items()):
             with contextlib.suppress(ValueError, KeyError):
-                if Notice.from_dict(entry["notice"]).deadline < horizon:
+                if event_id != keep and Notice.from_dict(entry["notice"]).deadline < horizon:
                     del self.events[event_id]
 
     def __contains__(self, event_id: object) -> bool:
@@ -114,7 +121,7 @@ class EventLog:
         """Remember ``fields`` for the notice; the file is written off the caller's thread (see :meth:`_save`).
         Notices a day past their deadline are forgotten here too, not only at start: a daemon runs for
         months, and the whole log is written at every record."""
-        self._forget_old()
+        self._forget_old(keep=notice.event_id)  # what is recorded now keeps its action and state
         entry = self.events.setdefault(notice.event_id, {"notice": notice.to_dict()})
         entry.update(fields)
         self._save()
@@ -231,9 +238,35 @@ class NoticeBook:
         self.bus = bus if bus is not None else EventBus()
         self.clock = clock
         self._live: dict[str, TrackedNotice] = {}  # pending or held
+        self._outlived_said: dict[str, None] = {}  # oldest first, at most MAX_OUTLIVED_SAID
 
     def seen(self, event_id: str) -> bool:
         return event_id in self.log
+
+    def outlived(self, notice: Notice, now: datetime | None = None) -> bool:
+        """Whether ``notice`` is a soft one whose deadline lies more than :data:`FORGET_AFTER` back: a
+        signal the cloud keeps posting long after it sent it (EC2 keeps a rebalance recommendation in
+        the metadata for the instance's life). Acted on within that time, it has left the log since:
+        a checkpoint for it now, or a stop under ``on_rebalance = stop``, would answer a day-old signal
+        again after every restart, and after any other notice recorded. Logged once per event. A hard
+        notice is never outlived: one past its deadline on a VM that runs says the clock is off
+        (:func:`clock_checked`)."""
+        behind = -notice.seconds_left(now or utcnow())
+        if notice.is_hard or behind <= FORGET_AFTER.total_seconds():
+            return False
+        if notice.event_id not in self._outlived_said:
+            if len(self._outlived_said) >= MAX_OUTLIVED_SAID:
+                self._outlived_said.pop(next(iter(self._outlived_said)))
+            self._outlived_said[notice.event_id] = None
+            logger.info(
+                "%s %s notice %s: its deadline %s is %.1f h past; not acted on (any action on it was taken then)",
+                notice.provider,
+                notice.kind,
+                notice.event_id,
+                notice.deadline.isoformat(),
+                behind / 3600,
+            )
+        return True
 
     def ignore(self, notice: Notice) -> None:
         self.log.record(notice, action=str(Action.IGNORE))
@@ -334,6 +367,7 @@ def _fields(fields: dict[str, Any]) -> str:
 
 __all__ = [
     "CLOCK_AHEAD_AFTER",
+    "FORGET_AFTER",
     "EventLog",
     "NoticeBook",
     "NoticeState",

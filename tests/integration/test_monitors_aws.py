@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 
+from spotguard.config import DaemonConfig
+from spotguard.daemon.app import Daemon
+from spotguard.emulate.aws import iso_z
 from spotguard.emulate.common import RunningEmulator
-from spotguard.notice import Kind
+from spotguard.notice import Kind, Notice
 from spotguard.providers.aws import V2_RETRY_AFTER, AwsMonitor
 from spotguard.providers.base import Monitor, MonitorError
 from tests.emulators import (
@@ -373,3 +378,56 @@ def test_aws_imdsv1_fallback_goes_back_to_tokens_once_they_can_be_had() -> None:
                 assert count_requests(emu, "PUT", "token") == 2 and tokened_gets(emu) > 0
 
     run(scenario())
+
+
+def test_a_rebalance_recommendation_is_acted_on_once_and_never_again_once_a_day_old(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """EC2 keeps a rebalance recommendation in the metadata for the instance's life. The event log
+    forgets a notice a day past its deadline, and the daemon used to act on the same recommendation
+    again then: after every restart, and after any other notice recorded (a drill here)."""
+
+    def daemon() -> Daemon:
+        config = DaemonConfig(
+            provider="aws", socket=tmp_path / "s.sock", checkpoint_dir=tmp_path / "nvme", state_dir=tmp_path / "state"
+        )
+        return Daemon(config, provider="aws")
+
+    async def acted(monitor: AwsMonitor, on: Daemon) -> list[bool]:
+        return [await on.on_notice(n) for n in await monitor.check_all()]
+
+    async def scenario() -> None:
+        with emulator("aws") as emu:
+            async with http_session() as session:
+                monitor = AwsMonitor(session, emu.url)
+                recent = iso_z(datetime.now(UTC) - timedelta(hours=23))
+                emu.trigger(kind="rebalance", time=recent)
+                first = daemon()
+                try:
+                    assert await acted(monitor, first) == [True]
+                    assert await acted(monitor, first) == [False]
+                finally:
+                    first.events.close()
+                restarted = daemon()
+                try:
+                    assert await acted(monitor, restarted) == [False]  # the log remembers it
+                finally:
+                    restarted.events.close()
+
+                day_old = iso_z(datetime.now(UTC) - timedelta(hours=26))
+                emu.trigger(kind="rebalance", time=day_old)  # what the log has forgotten by now
+                for _ in range(2):
+                    again = daemon()
+                    try:
+                        assert await acted(monitor, again) == [False]
+                        assert await again.on_notice(Notice.in_seconds("none", Kind.DRILL, 60, f"drill-{_}")) is True
+                        assert await acted(monitor, again) == [False]
+                        assert again.last_notice is not None and again.last_notice["kind"] == "drill"
+                    finally:
+                        again.events.close()
+
+    with caplog.at_level(logging.INFO, logger="spotguard.daemon"):
+        run(scenario())
+    said = [r.getMessage() for r in caplog.records if "not acted on" in r.getMessage()]
+    assert len(said) == 2, said  # once per daemon (each restart says it once), not at every poll
+    assert all("rebalance" in line and "h past" in line for line in said), said

@@ -233,6 +233,25 @@ def test_a_running_daemon_forgets_notices_a_day_past_their_deadline_at_its_next_
     assert list(json.loads(log.path.read_bytes())["events"]) == ["none-drill-new"]
 
 
+def test_a_record_of_a_notice_past_the_horizon_keeps_what_was_recorded_of_it(tmp_path: Path) -> None:
+    """A commit recorded for a notice more than a day past its deadline (an upload that took that long):
+    the record used to forget the entry first and make it anew without its action, and a restarted
+    daemon then read the notice back as ignored."""
+    log = EventLog(tmp_path / "state", tmp_path / "root")
+    clock = Clock()
+    clock.advance(-2 * 86400)
+    late = notice(clock, 30, kind=Kind.TERMINATE, identity="late")
+    log.record(late, action="stop", state="held")
+    log.record(late, committed="step-000000007")
+    log.close()
+    assert json.loads(log.path.read_bytes())["events"][late.event_id] == {
+        "notice": late.to_dict(),
+        "action": "stop",
+        "state": "held",
+        "committed": "step-000000007",
+    }
+
+
 def test_a_full_state_directory_keeps_the_log_in_the_spare_until_it_takes_writes_again(
     tmpfs: Callable[[int], Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
