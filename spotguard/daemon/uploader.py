@@ -243,9 +243,14 @@ class Uploader:
             return
         if urgent:
             self._urgent.add(name)
+        current = self._current
+        if current is not None and current.name == name:
+            # Uploading already: a notice's save that found this periodic checkpoint on disk (the same
+            # step). It goes on, urgent now; cancelling it would send its files again in the deadline.
+            current.urgent = current.urgent or urgent
+            return
         job = _Job(0 if name in self._urgent else 1, -step, name)
         self._queued[name] = min(job, self._queued.get(name, job))
-        current = self._current
         if urgent and current is not None and not current.urgent:
             logger.info("urgent %s: cancelling the periodic upload of %s", name, current.name)
             current.cancel.set()
@@ -469,7 +474,7 @@ class Uploader:
         except (StorageError, OSError) as exc:
             racing = job.name in self._urgent and self._deadline is not None
             if self._failures.record(job.name, exc, racing=racing, bucket=self.storage.url):
-                self._queued.setdefault(job.name, job)
+                self._queued.setdefault(job.name, _Job(0 if current.urgent else job.priority, job.neg_step, job.name))
             return
         finally:
             self._current = None

@@ -186,3 +186,58 @@ def test_files_sent_before_the_commit_show_in_the_forecast(tmp_path: Path) -> No
     assert any(r["rate_bytes_s"] for r in reports) and any("deadline_s_left" in r for r in reports)
     assert "(still being written)" in _upload_line(reports[-1])
     assert (tmp_path / "bucket" / "step-000000009" / "w.bin").stat().st_size == 768 * KiB
+
+
+class CountingStorage(PacedStorage):
+    """:class:`PacedStorage` that counts each key's puts."""
+
+    def __init__(self, url: str, rate: float) -> None:
+        super().__init__(url, rate)
+        self.puts: dict[str, int] = {}
+
+    def put_file(self, local: Path, key: str, *, crc32c: str, progress: Progress | None = None) -> None:
+        super().put_file(local, key, crc32c=crc32c, progress=progress)
+        self.puts[key] = self.puts.get(key, 0) + 1
+
+
+def test_an_urgent_save_of_the_checkpoint_uploading_now_makes_it_urgent_and_sends_nothing_twice(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A notice during evaluation, right after a periodic save of the same step: the urgent save finds
+    the checkpoint on disk and reports it as urgent. The uploader cancelled that checkpoint's own
+    periodic upload and sent its file in flight again, inside the notice's deadline."""
+    caplog.set_level(logging.INFO, logger="spotguard.uploader")
+    (tmp_path / "bucket").mkdir()
+    storage = CountingStorage((tmp_path / "bucket").as_uri(), 1024 * KiB)
+    root = tmp_path / "local"
+    files = {f"shard{i}.bin": bytes([i]) * (384 * KiB) for i in range(4)}  # 1.5 s on the paced link
+    step_dir = write_checkpoint(root, 9, files, reason="periodic")
+    uploader = Uploader(storage, root, scan_interval=60)
+    committed = asyncio.Event()
+    uploader.bus.subscribe(UploadCommitted, lambda _event: committed.set())
+
+    async def scenario() -> tuple[bool, bool]:
+        task = asyncio.create_task(uploader.run())
+        try:
+            uploader.submit(step_dir, urgent=False)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:  # a file in flight, none finished: the worst case to cancel
+                report = uploader.status()["current"]
+                if report is not None and 0 < int(report["bytes_done"]) < 384 * KiB:
+                    break
+                await asyncio.sleep(0.005)
+            before = uploader.status()["current"]
+            uploader.submit(step_dir, urgent=True)
+            after = uploader.status()["current"]
+            await asyncio.wait_for(committed.wait(), 30)
+            return bool(before and not before["urgent"]), bool(after and after["urgent"])
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    was_periodic, now_urgent = asyncio.run(scenario())
+    assert was_periodic and now_urgent
+    assert not any("cancelling the periodic upload" in m for m in caplog.messages), caplog.messages
+    sent = {key.rsplit("/", 1)[-1]: count for key, count in storage.puts.items()}
+    assert sent == dict.fromkeys(files, 1), sent
+    assert step_dir.name in uploader.committed and uploader.status()["queued"] == []
