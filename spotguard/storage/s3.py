@@ -500,16 +500,16 @@ class _S3Upload:
 
     def complete(self, tokens: list[Part], crc: int) -> None:
         assert self._upload_id is not None
-        upload_id, self._upload_id = self._upload_id, None
+        upload_id = self._upload_id  # kept until completed: a completion that fails leaves it to abort
         if not self._multipart.complete(self._full, upload_id, tokens, crc, md5=self._md5):
             # A completion retried after a lost response finds the upload gone: if the object is
             # there with our size, the first attempt won.
             info = self._storage._stat_full(self._full)
             if info is None or info.size != self._size:
-                self._upload_id = upload_id
                 raise StorageError(f"s3: complete_multipart_upload {self._full}: NoSuchUpload")
             log.info("s3: %s completed by an earlier attempt", self._full)
             self._multipart.journal_done(upload_id)
+        self._upload_id = None
         if self._verify:
             try:
                 self._storage._verify_remote(self._full, self._size, crc, md5=self._md5)

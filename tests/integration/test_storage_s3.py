@@ -439,6 +439,30 @@ def test_s3_256mib_upload_downloads_identical_bytes(url: str, tmp_path: Path) ->
         assert (tmp_path / "back" / name).read_bytes() == data
 
 
+def test_a_multipart_upload_whose_completion_keeps_failing_is_aborted_not_left_open(
+    env: S3Server, raw: object, url: str, tmp_path: Path
+) -> None:
+    """The upload's id was dropped before the completion was sent: when the completion failed past
+    every retry (an outage, the deadline), the abort that follows found no id and the upload, with
+    every part's bytes, stayed open in the bucket; each attempt after it left one more."""
+    _, crc = write(tmp_path / "f", 12 * MiB, seed=21)
+    with FaultProxy(env.endpoint_url, fault_rate=0.0) as proxy:
+        storage = S3Storage(url, endpoint_url=proxy.url, part_size=5 * MiB, max_attempts=1, attempts=2)
+        try:
+            proxy.fail(lambda method, target: method == "POST" and "uploadId=" in target)  # CompleteMultipartUpload
+            for _ in range(2):
+                with pytest.raises(TransientStorageError, match="complete_multipart_upload"):
+                    storage.put_file(tmp_path / "f", "step-1/f", crc32c=crc)
+            assert proxy.injected["503"] == 4  # two attempts of each put reached the completion
+            assert uploads_under(raw, env.bucket, storage.prefix) == []
+            proxy.fail(None)
+            storage.put_file(tmp_path / "f", "step-1/f", crc32c=crc)  # the bucket is back
+            assert storage.stat("step-1/f") is not None
+            assert uploads_under(raw, env.bucket, storage.prefix) == []
+        finally:
+            storage.close()
+
+
 @pytest.mark.parametrize("fault", ["503", "500", "reset", "stall"])
 def test_s3_each_real_injected_fault_surfaces_as_transient(env: S3Server, fault: str, tmp_path: Path) -> None:
     _, crc = write(tmp_path / "f", 10, seed=8)
