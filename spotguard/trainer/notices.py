@@ -6,10 +6,13 @@ step boundaries, where every rank agrees on them (one all-reduce), so all ranks 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import math
 import threading
 import time
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from spotguard.notice import parse_iso
@@ -41,20 +44,29 @@ class NoticeFlags:
         self.timeline: dict[str, float] = {}  # wall-clock times of the last urgent save, for reports
 
     def on_daemon_message(self, message: Message) -> None:
-        """From the client's thread: a new ``checkpoint-now`` becomes the pending notice."""
+        """From the client's thread: a new ``checkpoint-now`` becomes the pending notice, unless a hard
+        one is pending and this one is soft. AWS may post a rebalance recommendation with, or after, a
+        spot interruption: the hard notice's save answers both, and the loop must still stop after it."""
         if message["type"] != "checkpoint-now":
             return
-        event_id = str(message["notice"].get("event_id", ""))
+        message = _checked(message)
+        event_id = message["notice"]["event_id"]
         with self._lock:
-            if event_id in self._handled_events or (self._notice and self._notice["notice"]["event_id"] == event_id):
+            current = self._notice
+            if event_id in self._handled_events or (current and current["notice"]["event_id"] == event_id):
                 return
-            self._notice = message
-            self.timeline = {"told": time.time()}
+            behind_a_hard_one = current is not None and current["stop"] and not message["stop"]
+            if behind_a_hard_one:
+                self._handled_events.put(event_id, None)  # the save of the hard one answers it
+            else:
+                self._notice = message
+                self.timeline = {"told": time.time()}
         logger.warning(
-            "spotguard: %s notice (%s), %.0f s to the deadline: checkpointing at the next step",
+            "spotguard: %s notice (%s), %.0f s to the deadline: %s",
             message["notice"].get("kind"),
             "stop" if message["stop"] else "keep training",
             message["deadline_s"],
+            "the pending stop's checkpoint answers it too" if behind_a_hard_one else "checkpointing at the next step",
         )
 
     @property
@@ -94,12 +106,14 @@ class NoticeFlags:
         return event_id
 
     def save_reason(self) -> tuple[str, Message | None]:
-        """The manifest ``reason`` of a save taken now, and the notice it answers."""
+        """The manifest ``reason`` of a save taken now, and the notice it answers: ``soft`` only for a
+        soft notice alone (a SIGTERM or a stop agreed with another rank makes the save urgent)."""
         notice = self.pending
-        if notice is not None and not notice["stop"]:
+        if self.sigterm or self.stop_agreed or (notice is not None and notice["stop"]):
+            return "urgent", notice
+        if notice is not None:
             return "soft", notice
-        urgent = notice is not None or self.sigterm or self.urgent_agreed
-        return ("urgent" if urgent else "periodic"), notice
+        return ("urgent" if self.urgent_agreed else "periodic"), notice
 
     def stop_if_hard(self, notice: Message | None) -> None:
         """A hard notice (or SIGTERM) ends the loop after its save, even a failed one."""
@@ -119,3 +133,31 @@ class NoticeFlags:
     def committed_locally(self) -> None:
         with self._lock:
             self.timeline["committed_local"] = time.time()
+
+
+def _checked(message: Message) -> Message:
+    """``message`` as the training thread may read it: its notice's ``event_id`` a non-empty text (one
+    without is named by its content, so that the daemon sending it again is still one notice) and its
+    ``deadline`` a time (else ``deadline_s`` from now), each logged. The protocol checks the message's
+    own fields, not the notice's, and the training thread reads both."""
+    notice = message["notice"]
+    event_id = notice.get("event_id")
+    if not isinstance(event_id, str) or not event_id:
+        text = json.dumps(notice, sort_keys=True, default=repr)
+        named = f"unnamed-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+        logger.warning(
+            "spotguard: a checkpoint-now whose notice has no event id (%.200s): acting on it as %s", text, named
+        )
+        notice = {**notice, "event_id": named}
+    try:
+        parse_iso(str(notice.get("deadline")))
+    except ValueError:
+        seconds = float(message["deadline_s"])
+        seconds = min(max(seconds, 0.0), 86400.0) if math.isfinite(seconds) else 0.0
+        logger.warning(
+            "spotguard: a checkpoint-now whose notice has no readable deadline (%.80r): taking %.0f s from now",
+            notice.get("deadline"),
+            seconds,
+        )
+        notice = {**notice, "deadline": (datetime.now(UTC) + timedelta(seconds=seconds)).isoformat()}
+    return message if notice is message["notice"] else {**message, "notice": notice}

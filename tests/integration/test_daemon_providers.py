@@ -721,3 +721,26 @@ def test_a_metadata_service_failing_at_every_poll_is_logged_once_then_its_recove
         assert vm.log.read_text().count("aws: the metadata service answers again") == 1
     finally:
         vm.kill_daemon()
+
+
+def test_a_rebalance_posted_after_a_spot_interruption_still_ends_the_loop_after_one_urgent_save(
+    vm_factory: Callable[..., Vm],
+    emulators: Callable[..., RunningEmulator],
+    guards: Callable[[Vm], RecordingGuard],
+) -> None:
+    """AWS may post a rebalance recommendation with, or after, the interruption notice. Both reached
+    the hook between two steps, the soft one took the hard one's place, and the loop never stopped."""
+    emu = emulators("aws")
+    vm = vm_factory("spot-then-rebalance", env=DAEMON_ENV, extra_args=daemon_args("aws", emu))
+    guard = guards(vm)
+    emu.trigger(kind="spot", action="terminate", **{"in": 120})
+    wait_for(lambda: len(guard.told) == 1, WAIT, "the interruption to reach the hook")
+    emu.trigger(kind="rebalance")
+    wait_for(lambda: len(guard.told) == 2, WAIT, "the rebalance recommendation to reach the hook")
+    assert [m["stop"] for m in guard.told] == [True, False]
+    assert guard.should_checkpoint(1)
+    save_for_notice(guard, 1)  # urgent, not soft
+    assert guard.stop_requested
+    spot_id = guard.told_ids()[0]
+    wait_for(lambda: handled_events(vm)[spot_id].get("saved_step") == 1, WAIT, "the daemon to record the save")
+    assert not guard.should_checkpoint(2)

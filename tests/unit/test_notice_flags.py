@@ -3,6 +3,7 @@ that a repeat is not saved for twice, and only the latest are kept."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 from spotguard.trainer.notices import HANDLED_KEPT, NoticeFlags
@@ -68,3 +69,61 @@ def test_a_sigterm_landing_while_the_flags_are_read_never_stops_the_loop_without
     assert urgent or not flags.stop_agreed  # a stop agreed comes with its urgent save
     urgent, _ = flags.agree(False)
     assert urgent and flags.stop_agreed
+
+
+def spot(event: int) -> dict[str, Any]:
+    notice = {"event_id": f"spot-{event}", "kind": "terminate", "deadline": "2026-11-27T00:00:00Z"}
+    return {"type": "checkpoint-now", "notice": notice, "stop": True, "deadline_s": 120.0}
+
+
+def test_a_soft_notice_behind_a_hard_one_leaves_the_hard_one_pending_and_the_loop_stops() -> None:
+    """AWS may post a rebalance recommendation with, or after, a spot interruption. The soft notice
+    replaced the hard one: the save was labelled soft and the loop never stopped."""
+    flags = NoticeFlags()
+    hard, soft = spot(1), checkpoint_now(1)
+    flags.on_daemon_message(hard)
+    flags.on_daemon_message(soft)
+    assert flags.pending is hard
+    assert flags.local() == (True, True)
+    assert flags.save_reason() == ("urgent", hard)
+    flags.saved(hard)
+    assert flags.stop_agreed and flags.pending is None
+    flags.on_daemon_message(soft)  # the daemon sends it again (a reconnect): answered already
+    assert flags.pending is None
+
+
+def test_a_hard_notice_behind_a_soft_one_takes_its_place() -> None:
+    flags = NoticeFlags()
+    soft, hard = checkpoint_now(2), spot(2)
+    flags.on_daemon_message(soft)
+    flags.on_daemon_message(hard)
+    assert flags.pending is hard and flags.save_reason() == ("urgent", hard)
+
+
+def test_a_sigterm_beside_a_soft_notice_makes_the_save_urgent() -> None:
+    flags = NoticeFlags()
+    soft = checkpoint_now(3)
+    flags.on_daemon_message(soft)
+    assert flags.save_reason() == ("soft", soft)
+    flags.sigterm = True
+    assert flags.save_reason() == ("urgent", soft)
+    flags.saved(soft)
+    assert flags.stop_agreed
+
+
+def test_a_notice_without_an_event_id_or_a_readable_deadline_is_still_acted_on_once() -> None:
+    """Only the message's own fields are checked by the protocol; the training thread read the notice's
+    ``event_id`` by index and a daemon's notice without one raised KeyError in ``should_checkpoint``."""
+    flags = NoticeFlags()
+    odd = {"type": "checkpoint-now", "notice": {"kind": "terminate"}, "stop": True, "deadline_s": 30.0}
+    flags.on_daemon_message(odd)
+    pending = flags.pending
+    assert pending is not None
+    named = pending["notice"]["event_id"]
+    assert named.startswith("unnamed-")
+    deadline = flags.deadline()
+    assert deadline is not None and 0 < (deadline - datetime.now(UTC)).total_seconds() <= 30
+    assert flags.to_acknowledge() == named
+    flags.saved(pending)
+    flags.on_daemon_message({**odd, "deadline_s": 20.0})  # sent again: the same notice, answered
+    assert flags.pending is None
