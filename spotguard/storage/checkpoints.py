@@ -117,12 +117,17 @@ def list_remote(
     progress: Callable[[int, int], None] | None = None,
     workers: int = 8,
     known: KnownManifests | None = None,
+    newer_than: int | None = None,
 ) -> list[CheckpointInfo]:
-    """Checkpoints in the bucket, oldest first. Complete: a valid manifest whose files are all there
-    with the right sizes (and checksums, where the store reports them). Manifests are read
-    ``workers`` at a time (those ``known`` already holds, not at all); ``progress(examined, found)``
-    is called after each checkpoint."""
-    return _examine(storage, _group_by_checkpoint(storage.list()), progress=progress, workers=workers, known=known)
+    """Checkpoints in the bucket, oldest first (only those of a step above ``newer_than``, when given:
+    the others' manifests are not read). Complete: a valid manifest whose files are all there with the
+    right sizes (and checksums, where the store reports them). Manifests are read ``workers`` at a time
+    (those ``known`` already holds, not at all); ``progress(examined, found)`` is called after each
+    checkpoint."""
+    groups = _group_by_checkpoint(storage.list())
+    if newer_than is not None:
+        groups = {name: objects for name, objects in groups.items() if (parse_step_dir(name) or -1) > newer_than}
+    return _examine(storage, groups, progress=progress, workers=workers, known=known)
 
 
 def _examine(

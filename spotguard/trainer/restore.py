@@ -145,25 +145,51 @@ class Resumer:
 
     def _candidates(self) -> list[tuple[str, Manifest, bool]]:
         """Checkpoints to resume from, best first, each with whether its local copy was verified
-        here: the newest verified local one; else the bucket's complete ones (their manifests only:
-        nothing else is fetched before the check). Where a newer local one was skipped as bad, the
-        bucket's complete ones newer than the verified local one come first: the bucket may hold an
-        intact copy of the very step found bad here."""
+        here: the bucket's complete ones newer than the newest verified local one, then that one;
+        without a local one, every complete one of the bucket (their manifests only: nothing else is
+        fetched before the check). A local root can hold an old step while the bucket went on (a
+        node's directory the job left, and came back to, or a newer local one skipped as bad, whose
+        intact copy the bucket may hold)."""
         local, skipped = newest_verified(
             self.checkpoint_dir,
             lambda info: None if info.manifest is None else (info.name, info.manifest, True),
             threads=self.io_threads,
             on_incomplete=lambda info: refuse_newer_format(load_manifest, self.checkpoint_dir / info.name),
         )
-        if local is not None and (not skipped or self.bucket is None):
-            return [local]
-        found = self._bucket_candidates()
         if local is None:
-            return found
-        return [candidate for candidate in found if candidate[1].step > local[1].step] + [local]
+            return self._bucket_candidates()
+        if skipped:
+            return [*self._bucket_candidates(newer_than=local[1].step), local]
+        return [*self._newer_in_bucket(local), local]
 
-    def _bucket_candidates(self) -> list[tuple[str, Manifest, bool]]:
-        """The bucket's complete checkpoints, newest first (none without a bucket)."""
+    def _newer_in_bucket(self, local: tuple[str, Manifest, bool]) -> list[tuple[str, Manifest, bool]]:
+        """The bucket's complete checkpoints newer than ``local`` (a good one: a bucket that cannot be
+        read, or a store whose SDK is not installed, leaves it the choice, logged)."""
+        from spotguard.storage.base import StorageError  # stdlib only
+
+        try:
+            newer = self._bucket_candidates(newer_than=local[1].step)
+        except (StorageError, OSError, ImportError) as exc:
+            logger.warning(
+                "spotguard: could not look in %s for a checkpoint newer than %s (%s): resuming from this disk's",
+                self.bucket,
+                local[0],
+                exc,
+            )
+            return []
+        if newer:
+            logger.warning(
+                "spotguard: %s holds %s, newer than this disk's newest %s (a root the job left and came back "
+                "to?): resuming from the bucket's",
+                self.bucket,
+                newer[0][0],
+                local[0],
+            )
+        return newer
+
+    def _bucket_candidates(self, newer_than: int | None = None) -> list[tuple[str, Manifest, bool]]:
+        """The bucket's complete checkpoints (of a step above ``newer_than``), newest first (none
+        without a bucket)."""
         if self.bucket is None:
             return []
         from spotguard.storage import open_storage  # imports a storage SDK only now, if at all
@@ -172,7 +198,7 @@ class Resumer:
         storage = open_storage(self.bucket)
         try:
             found = []
-            for info in reversed(list_remote(storage)):
+            for info in reversed(list_remote(storage, newer_than=newer_than)):
                 if info.status == "complete" and info.manifest is not None:
                     found.append((info.name, info.manifest, False))
                 elif not found:  # newer than every complete one: a format this reader cannot read?

@@ -7,6 +7,7 @@ counted, not assumed: the only objects read before the check are manifests.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -464,3 +465,45 @@ def test_a_framework_resume_path_takes_the_buckets_copy_of_a_newest_local_checkp
     assert found == step_dir / "lightning.ckpt"
     assert torch.load(found, weights_only=True)["step"] == 3  # the bucket's bytes: the copy verifies
     assert spotguard_cli("verify", str(root)).returncode == 0
+
+
+def test_a_root_the_job_left_and_came_back_to_resumes_from_the_buckets_newer_checkpoint(
+    tmp_path: Path, proxy: FaultProxy, server: S3Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A node's checkpoint root (a Kubernetes hostPath) holds step 6 from when the job ran there; the
+    job went on elsewhere to step 7, which is in the bucket. Coming back, the resume loaded the disk's
+    step 6 without looking at the bucket: progress lost, and the bucket's retention (newest steps
+    kept) would then prune the new run's checkpoints in favour of the old step 7."""
+    node_x, node_y = tmp_path / "node-x", tmp_path / "node-y"
+    state = make_state()
+    with Guard(checkpoint_dir=node_x, socket=tmp_path / "none.sock", handle_sigterm=False) as guard:
+        old = guard.save(state, STEP - 1, reason="urgent")
+    train_step(state)
+    with Guard(checkpoint_dir=node_y, socket=tmp_path / "none.sock", handle_sigterm=False) as guard:
+        newer = guard.save(state, STEP, reason="urgent")
+    url = uploaded(server, newer)
+    storage = open_storage(url)
+    try:
+        upload_checkpoint(storage, old)  # the bucket holds both
+    finally:
+        storage.close()
+
+    resumed = make_state()
+    caplog.set_level(logging.WARNING, logger="spotguard.trainer")
+    with Guard(checkpoint_dir=node_x, bucket=url, socket=tmp_path / "none.sock", handle_sigterm=False) as guard:
+        assert guard.resume(resumed) == STEP
+    for key, value in state["model"].state_dict().items():
+        assert torch.equal(resumed["model"].state_dict()[key], value), key
+    said = f"holds step-{STEP:09d}, newer than this disk's newest step-{STEP - 1:09d}"
+    assert any(said in m for m in caplog.messages), caplog.messages
+    assert sorted(p.name for p in node_x.glob("step-*")) == [old.name, newer.name]
+
+    # A bucket that refuses the listing leaves the disk's newest the choice, said so.
+    node_z = tmp_path / "node-z"
+    with Guard(checkpoint_dir=node_z, socket=tmp_path / "none.sock", handle_sigterm=False) as guard:
+        guard.save(make_state(), STEP - 2, reason="urgent")
+    proxy.fail(lambda method, target: True, status=403)
+    with Guard(checkpoint_dir=node_z, bucket=url, socket=tmp_path / "none.sock", handle_sigterm=False) as guard:
+        assert guard.resume(make_state()) == STEP - 2
+    assert proxy.injected["403"] > 0
+    assert any("could not look in" in m and "resuming from this disk's" in m for m in caplog.messages)
