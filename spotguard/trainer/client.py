@@ -213,7 +213,7 @@ class DaemonClient:
             self._flush_locked()
         self.connections += 1
         self.connected.set()
-        buffer = b""
+        lines = Lines(protocol.MAX_MESSAGE_BYTES)
         with selectors.DefaultSelector() as selector:
             selector.register(sock, selectors.EVENT_READ)
             selector.register(self._wake_reader, selectors.EVENT_READ)
@@ -236,10 +236,14 @@ class DaemonClient:
                         chunk = sock.recv(65536)
                         if not chunk:
                             return
-                        buffer += chunk
-                        while b"\n" in buffer:
-                            line, buffer = buffer.split(b"\n", 1)
+                        for line in lines.feed(chunk):
                             self._dispatch(line)
+                        if lines.dropped_one():
+                            logger.warning(
+                                "spotguard: dropping a message from the daemon over %d bytes (the limit), up to "
+                                "its end",
+                                protocol.MAX_MESSAGE_BYTES,
+                            )
 
     def _woken_by_error_locked(self, error: dict[str, Any]) -> list[tuple[threading.Event, list[dict[str, Any]]]]:
         """The requests an error ends: the one it names (``re``), or, from a daemon that names none (an
@@ -295,6 +299,44 @@ class DaemonClient:
             self._on_message(message)
         except Exception:  # one message the hook cannot handle must not cost the ones after it
             logger.exception("spotguard: handling a %r message from the daemon failed", message["type"])
+
+
+class Lines:
+    """Newline-ended lines out of a byte stream, a line longer than ``limit`` dropped as it comes
+    (what no reader would accept): bytes without a newline, from a broken or hostile daemon, kept
+    every byte and were copied whole at every read, holding the interpreter's lock from the training
+    thread for minutes (128 MiB: 150 s of CPU)."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._partial = bytearray()
+        self._dropping = False
+        self._dropped = 0  # lines dropped since dropped_one() last answered
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        """The lines ``chunk`` completes, without their newlines."""
+        lines = []
+        start = 0
+        while (end := chunk.find(b"\n", start)) >= 0:
+            if self._dropping:
+                self._dropping = False
+            else:
+                self._partial += chunk[start:end]
+                lines.append(bytes(self._partial))
+            self._partial.clear()
+            start = end + 1
+        if not self._dropping:
+            self._partial += chunk[start:]
+            if len(self._partial) > self._limit:
+                self._partial.clear()
+                self._dropping = True
+                self._dropped += 1
+        return lines
+
+    def dropped_one(self) -> bool:
+        """Whether a line began to be dropped since the last call."""
+        dropped, self._dropped = self._dropped > 0, 0
+        return dropped
 
 
 def root_of(client: DaemonClient, socket_path: Path, wait: float) -> Path:

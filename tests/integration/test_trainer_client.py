@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 
+from spotguard import protocol
 from spotguard.control import request
 from spotguard.harness import Vm
-from spotguard.trainer.client import DaemonClient
+from spotguard.trainer.client import DaemonClient, Lines
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 15.0) -> None:
@@ -203,3 +204,45 @@ def test_a_daemon_that_stops_reading_never_blocks_a_send_and_later_gets_every_ke
     assert [m["step"] for m in messages if m["type"] == "saved"] == list(range(steps)), "every commit arrives, in order"
     assert len(messages) - 1 + client.dropped == steps * (files_per_step + 1)
     assert not client._outbox
+
+
+def test_a_daemon_that_sends_megabytes_without_an_end_of_line_costs_the_hook_nothing_and_loses_no_message(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Bytes without a newline (a broken or hostile daemon behind the socket) were all kept and copied
+    whole at every read: 128 MiB held the interpreter's lock from the training thread for 150 s. Now
+    a line over the protocol's limit is dropped as it comes (never held: ``Lines``), once said, and the
+    next one is read."""
+    path = tmp_path / "noisy.sock"
+    hello = {"rank": 0, "world_size": 1, "pid": 1, "checkpoint_dir": str(tmp_path)}
+    got: list[dict[str, Any]] = []
+    caplog.set_level(logging.WARNING, logger="spotguard.trainer")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(str(path))
+        listener.listen(1)
+        listener.settimeout(15)
+        client = DaemonClient(path, hello, got.append).start()
+        try:
+            conn, _ = listener.accept()
+            with conn:
+                wait_until(client.connected.is_set)
+                noise = b"x" * (1 << 20)
+                for _ in range(32):
+                    conn.sendall(noise)
+                conn.sendall(b"\n" + protocol.encode("ok", step=1))
+                wait_until(lambda: len(got) == 1)
+        finally:
+            client.close()
+    assert [(m["type"], m.get("step")) for m in got] == [("ok", 1)]
+    said = [r.getMessage() for r in caplog.records if "over" in r.getMessage() and "dropping" in r.getMessage()]
+    assert len(said) == 1, said
+
+
+def test_lines_are_split_whole_across_reads_and_an_overlong_one_is_dropped_up_to_its_end() -> None:
+    lines = Lines(8)
+    assert lines.feed(b"ab") == [] and lines.feed(b"c\nde") == [b"abc"]
+    assert lines.feed(b"\n\n") == [b"de", b""]
+    assert lines.feed(b"123456789") == [] and lines.dropped_one() and not lines.dropped_one()
+    assert lines.feed(b"more of it") == [] and not lines.dropped_one()  # one line, dropped once
+    assert lines.feed(b"tail\nok\nlast") == [b"ok"]
+    assert lines.feed(b"!\n") == [b"last!"]
