@@ -108,7 +108,8 @@ class Resumer:
         reply = self.client.ask("peer-resume", timeout=protocol.PEER_RESUME_TIMEOUT + 30, after=newest, fetch=fetch)
         if reply is None or reply["type"] != "peer-resume":
             return
-        for where in reply.get("not_fetched") or []:
+        not_fetched = reply.get("not_fetched")
+        for where in not_fetched[:SHOWN] if isinstance(not_fetched, list) else ():  # the reply's fields are unchecked
             logger.warning(
                 "spotguard: %s is newer than step %s but was not fetched (a node's share, or a multi-node "
                 "job): resuming from the newest complete checkpoint instead",

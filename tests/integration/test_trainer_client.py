@@ -246,3 +246,36 @@ def test_lines_are_split_whole_across_reads_and_an_overlong_one_is_dropped_up_to
     assert lines.feed(b"more of it") == [] and not lines.dropped_one()  # one line, dropped once
     assert lines.feed(b"tail\nok\nlast") == [b"ok"]
     assert lines.feed(b"!\n") == [b"last!"]
+
+
+@pytest.mark.parametrize("not_fetched", ["step-000000009", {"a": 1}, 7])
+def test_a_peer_resume_reply_with_a_malformed_list_leaves_the_resume_to_go_on(tmp_path: Path, not_fetched: Any) -> None:
+    """The reply's own fields are not checked by the protocol: a ``not_fetched`` that is no list raised
+    TypeError out of ``Guard.resume``."""
+    from spotguard import Guard
+
+    path, root = tmp_path / "odd.sock", tmp_path / "root"
+    asked: list[dict[str, Any]] = []
+
+    def a_daemon_with_peers(listener: socket.socket) -> None:
+        conn, _ = listener.accept()
+        with conn, conn.makefile("rb") as lines:
+            json.loads(lines.readline())  # the hello
+            conn.sendall(protocol.encode("welcome", checkpoint_dir=str(root), bucket=None, daemon_pid=1, peers=True))
+            for line in lines:
+                request = json.loads(line)
+                if request["type"] == "peer-resume":
+                    asked.append(request)
+                    conn.sendall(
+                        protocol.encode("peer-resume", after=request["after"], path=None, not_fetched=not_fetched)
+                    )
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(str(path))
+        listener.listen(1)
+        listener.settimeout(15)
+        server = threading.Thread(target=a_daemon_with_peers, args=(listener,), daemon=True)
+        server.start()
+        with Guard(checkpoint_dir=root, socket=path, handle_sigterm=False) as guard:
+            assert guard.resume({"w": 1}) == 0  # nothing anywhere: a fresh start, not a TypeError
+    assert [r["after"] for r in asked] == [-1]
