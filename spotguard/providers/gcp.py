@@ -21,6 +21,13 @@ is therefore 0 (call again right away). After an error, the next ``check`` first
 ``poll_interval`` so a dead server is not hammered. 503 (the server during its own maintenance) is
 retried after ``retry_delay`` seconds, ``max_retries`` times.
 
+GCE gives its 60 s maintenance warning only to a VM that read the ``maintenance-event`` key itself
+(directly: the recursive read is not documented to count) since the last maintenance event; without
+one the event starts at once. So the key is also read on its own after the first check, after each
+event ends, and every :data:`MAINTENANCE_KEY_EVERY` seconds, never in a check that found a notice; its
+answer is not used (the long-poll's is), and a failed read is tried again a minute later without
+failing the check.
+
 Every answer must carry ``Metadata-Flavor: Google``; one without it did not come from the metadata
 server (a proxy, a captive portal) and is a :class:`MonitorError`.
 
@@ -36,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Unpack
@@ -50,6 +58,10 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_BASE_URL = "http://metadata.google.internal"
 INSTANCE_PATH = "/computeMetadata/v1/instance/"
+MAINTENANCE_KEY_PATH = INSTANCE_PATH + "maintenance-event"
+MAINTENANCE_KEY_EVERY = 600.0  # seconds between direct reads of the key (and after every event)
+MAINTENANCE_KEY_RETRY = 60.0  # seconds before a failed direct read is tried again
+MAINTENANCE_KEY_TIMEOUT = 1.0  # seconds a direct read may take (the long-poll just answered)
 FLAVOR = "Metadata-Flavor"
 PREEMPT_NOTICE = timedelta(seconds=30)
 MAINTENANCE_NOTICE = timedelta(seconds=60)
@@ -116,6 +128,7 @@ class GcpMonitor(PolledMonitor):
         self._pause = 0.0
         self._maintenance_value = "NONE"
         self._maintenance_count = 0
+        self._key_read_due = 0.0  # time.monotonic() when the maintenance key is read on its own next
 
     async def check_all(self) -> list[Notice]:
         if self._pause:
@@ -133,7 +146,10 @@ class GcpMonitor(PolledMonitor):
         if self._long_poll and not self._etag:
             # No ETag, no long-poll: the next check is a plain read, so pace it here (interval is 0).
             self._pause = self.poll_interval
-        return self._notices(instance_id, preempted, maintenance)
+        notices = self._notices(instance_id, preempted, maintenance)
+        if self._long_poll and not notices and time.monotonic() >= self._key_read_due:
+            await self._read_maintenance_key()  # after the answer, and never while a notice waits on it
+        return notices
 
     async def close(self) -> None:
         self._etag = None
@@ -147,6 +163,8 @@ class GcpMonitor(PolledMonitor):
             self._maintenance_value = maintenance
             if maintenance != "NONE":
                 self._maintenance_count += 1
+            else:
+                self._key_read_due = 0.0  # an event ended: read the key before the next one
         if maintenance != "NONE":
             raw_fields = {
                 "maintenance_event": maintenance,
@@ -167,6 +185,24 @@ class GcpMonitor(PolledMonitor):
         # GCP gives no deadline, only "N seconds from now": fix it when first seen so every poll agrees.
         first_seen = self.first_seen(event_id)
         return Notice(provider="gcp", kind=kind, deadline=first_seen + notice, event_id=event_id, raw=raw)
+
+    async def _read_maintenance_key(self) -> None:
+        """Read ``maintenance-event`` on its own, so that GCE gives the next event its 60 s warning."""
+        try:
+            async with self._session.get(
+                self._base + MAINTENANCE_KEY_PATH,
+                headers={FLAVOR: "Google"},
+                timeout=aiohttp.ClientTimeout(total=min(self._timeout_s, MAINTENANCE_KEY_TIMEOUT)),
+                allow_redirects=False,
+            ) as response:
+                await base.read_answer(response, "gcp: reading instance/maintenance-event")
+                if response.status != 200:
+                    raise MonitorError(f"HTTP {response.status}")
+        except (aiohttp.ClientError, TimeoutError, MonitorError) as exc:
+            logger.debug("gcp: reading instance/maintenance-event on its own: %s; again in a minute", exc)
+            self._key_read_due = time.monotonic() + MAINTENANCE_KEY_RETRY
+            return
+        self._key_read_due = time.monotonic() + MAINTENANCE_KEY_EVERY
 
     async def _fetch(self) -> str:
         for attempt in range(self._max_retries + 1):

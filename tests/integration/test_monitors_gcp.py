@@ -14,7 +14,6 @@ from spotguard.providers.base import Monitor, MonitorError
 from spotguard.providers.gcp import GcpMonitor
 from tests.emulators import (
     FakeClock,
-    count_requests,
     emulator,
     eventually,
     http_session,
@@ -192,7 +191,7 @@ def test_gcp_503_is_retried_after_a_pause() -> None:
                 started = time.monotonic()
                 assert await monitor.check() is None
                 assert time.monotonic() - started >= 0.1
-                assert count_requests(emu, "GET", INSTANCE) == 3
+                assert sum(1 for r in emu.requests() if r["path"] == INSTANCE) == 3
                 emu.inject({"kind": "status", "status": 503, "count": 4})
                 with pytest.raises(MonitorError, match="HTTP 503"):
                     await monitor.check()
@@ -258,5 +257,47 @@ def test_gcp_fault_mix_no_notice_before_same_id_after() -> None:
                 assert after.count("error") >= 4 and None not in after
                 assert len(notices) >= 3
                 assert len({n.event_id for n in notices}) == 1
+
+    run(scenario())
+
+
+def test_the_maintenance_key_is_read_on_its_own_at_the_first_check_and_after_each_event() -> None:
+    """GCE gives its 60 s maintenance warning only to a VM that read ``maintenance-event`` itself since
+    the last event; the monitor's one recursive long-poll is not documented to count."""
+
+    def direct_reads(emu: RunningEmulator) -> int:
+        return sum(1 for r in emu.requests() if r["path"].endswith("/instance/maintenance-event"))
+
+    async def scenario() -> None:
+        with emulator("gcp") as emu:
+            async with http_session() as session:
+                monitor = GcpMonitor(session, emu.url, long_poll_timeout=10, boot_id="boot-1")
+                assert await monitor.check() is None
+                assert direct_reads(emu) == 1
+                for value in ("MIGRATE_ON_HOST_MAINTENANCE", "NONE"):
+                    task = await start_long_poll(monitor, emu)
+                    emu.trigger(maintenance_event=value)
+                    await task
+                assert direct_reads(emu) == 2  # at the first check, then once the event had ended
+                task = await start_long_poll(monitor, emu)
+                emu.trigger(preempted=True)
+                assert (await task) is not None
+                assert direct_reads(emu) == 2  # not at every check, and never beside a notice
+                reads = [r for r in emu.requests() if r["path"].endswith("/instance/maintenance-event")]
+                assert all(r["headers"].get("Metadata-Flavor") == "Google" for r in reads)
+
+    run(scenario())
+
+
+def test_a_failed_read_of_the_maintenance_key_fails_no_check() -> None:
+    async def scenario() -> None:
+        with emulator("gcp") as emu:
+            emu.inject({"kind": "status", "status": 500, "count": 1, "path": "maintenance-event"})
+            async with http_session() as session:
+                monitor = GcpMonitor(session, emu.url, long_poll_timeout=10, boot_id="boot-1")
+                assert await monitor.check() is None
+                emu.trigger(preempted=True)
+                notice = await monitor.check()
+                assert notice is not None and notice.kind is Kind.TERMINATE
 
     run(scenario())
