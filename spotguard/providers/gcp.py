@@ -84,9 +84,15 @@ def parse_instance(text: str) -> tuple[str, bool, str]:
     if not isinstance(doc, dict):
         raise ValueError(f"not an instance document: {text[:80]!r}")
     preempted = doc.get("preempted")
-    maintenance = doc.get("maintenanceEvent")
-    if preempted not in ("TRUE", "FALSE") or not isinstance(maintenance, str) or not maintenance:
+    # GCE documents the key as filled only on VMs that migrate or have a GPU: a document without it
+    # has no maintenance event, and an unreadable one must not hide a preemption.
+    maintenance = doc.get("maintenanceEvent", "NONE")
+    if preempted not in ("TRUE", "FALSE") or (
+        preempted == "FALSE" and (not isinstance(maintenance, str) or not maintenance)
+    ):
         raise ValueError(f"unexpected preempted={preempted!r} maintenanceEvent={maintenance!r}")
+    if not isinstance(maintenance, str) or not maintenance:
+        maintenance = "NONE"
     return str(doc.get("id", "unknown-instance")), preempted == "TRUE", maintenance
 
 

@@ -133,9 +133,23 @@ def test_aws_lifecycle_states() -> None:
 def test_gcp_instance_document() -> None:
     doc = {"id": 123, "preempted": "TRUE", "maintenanceEvent": "NONE"}
     assert parse_instance(json.dumps(doc)) == ("123", True, "NONE")
-    for bad in ("TRUE", "[]", json.dumps({"preempted": "MAYBE", "maintenanceEvent": "NONE"})):
+    for bad in (
+        "TRUE",
+        "[]",
+        json.dumps({"preempted": "MAYBE", "maintenanceEvent": "NONE"}),
+        json.dumps({"preempted": "FALSE", "maintenanceEvent": 7}),
+    ):
         with pytest.raises(ValueError):
             parse_instance(bad)
+
+
+def test_a_gcp_document_without_a_readable_maintenance_event_still_says_preempted() -> None:
+    """GCE documents ``maintenanceEvent`` as filled only on VMs that migrate or have a GPU; a document
+    without it (or with a value that cannot be read) was refused whole, preemption and all."""
+    assert parse_instance(json.dumps({"id": 5, "preempted": "FALSE"})) == ("5", False, "NONE")
+    for maintenance in (None, "", 7):
+        doc = {"id": 5, "preempted": "TRUE", "maintenanceEvent": maintenance}
+        assert parse_instance(json.dumps(doc)) == ("5", True, "NONE")
 
 
 def test_azure_events_for_this_vm_only() -> None:
