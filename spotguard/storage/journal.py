@@ -26,6 +26,7 @@ rewrite that takes in the state directory removes the spare.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -130,11 +131,21 @@ def _entries(path: Path) -> list[dict[str, object]]:
 
 
 def _append_line(path: Path, line: bytes) -> None:
+    """Append ``line`` whole or not at all: a disk that fills mid-line takes part of it without an
+    error, and the next line, appended to the fragment, was lost with it (a killed daemon's fragment
+    too). A short write is undone and raised as a full disk (the journal then goes to its spare); a
+    file that does not end a line gets a newline first."""
     path.parent.mkdir(parents=True, exist_ok=True)
     created = not path.exists()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        os.write(fd, line)
+        start = os.fstat(fd).st_size
+        if start and os.pread(fd, 1, start - 1) != b"\n":
+            line = b"\n" + line
+        written = os.write(fd, line)
+        if written != len(line):
+            os.ftruncate(fd, start)
+            raise OSError(errno.ENOSPC, f"{written} of a journal line's {len(line)} bytes written", str(path))
         os.fsync(fd)
     finally:
         os.close(fd)

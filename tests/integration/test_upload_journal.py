@@ -25,7 +25,7 @@ import pytest
 from spotguard.harness import wait_for
 from spotguard.storage.journal import COMPACT_AT, OpenUpload, UploadJournal
 from spotguard.storage.s3 import S3Storage, parse_s3_url
-from tests.diskspace import make_read_only
+from tests.diskspace import fill, make_read_only
 from tests.servers import S3Server
 
 MiB = 1 << 20
@@ -157,6 +157,39 @@ def test_a_torn_journal_line_is_ignored(tmp_path: Path) -> None:
     with journal.path.open("ab") as handle:
         handle.write(b'{"open": "upload-3", "ke')  # a kill mid-append
     assert [(u.key, u.upload_id) for u in journal.unfinished()] == [("b/key", "upload-2")]
+
+
+def test_a_line_the_full_disk_takes_only_part_of_goes_whole_to_the_spare_and_loses_no_other(
+    tmp_path: Path, tmpfs: Callable[[int], Path]
+) -> None:
+    """A disk that fills mid-line takes part of it without an error: the fragment stayed, the next line
+    was appended to it, and a restart found neither upload to abort."""
+    state = tmpfs(256 * 1024)
+    journal = UploadJournal(state / "uploads.jsonl", spare=tmp_path / "run" / "uploads.jsonl")
+    journal.opened("step-000000001/f0.bin", "upload-0")
+    number = 1
+    while journal.path.stat().st_size % 4096 < 4096 - 80:  # until the last page has under 80 bytes free
+        journal.opened(f"step-000000001/f{number}.bin", f"upload-{number}")
+        number += 1
+    filler = fill(state, leave=0)  # the journal's last page still has a few bytes free: a short write
+    long_key = "step-000000002/" + "k" * 300 + ".bin"
+    journal.opened(long_key, "upload-long")
+    journal.opened("step-000000002/next.bin", "upload-next")
+    assert journal.path.read_bytes().endswith(b"\n")  # no fragment left behind
+    assert journal.spare is not None and b"upload-long" in journal.spare.read_bytes()
+    filler.unlink()
+    journal.done("upload-0")  # the state directory takes writes again
+    expected = {f"upload-{n}" for n in range(1, number)} | {"upload-long", "upload-next"}
+    assert {u.upload_id for u in UploadJournal(journal.path, spare=journal.spare).unfinished()} == expected
+
+
+def test_a_line_torn_by_a_kill_does_not_swallow_the_next_one(tmp_path: Path) -> None:
+    journal = UploadJournal(tmp_path / "uploads.jsonl")
+    journal.opened("a/key", "upload-1")
+    with journal.path.open("ab") as handle:
+        handle.write(b'{"open": "upload-2", "ke')  # a kill mid-append
+    journal.opened("c/key", "upload-3")
+    assert [u.upload_id for u in UploadJournal(journal.path).unfinished()] == ["upload-1", "upload-3"]
 
 
 def test_a_journal_of_many_finished_uploads_is_rewritten_with_only_the_open_ones(tmp_path: Path) -> None:
