@@ -91,6 +91,8 @@ _CHUNK_QUANTUM = 256 * 1024  # resumable chunk sizes must be multiples of 256 Ki
 _MAX_COMPOSE = 32  # sources per compose call
 _MIN_STREAMED_PART = 5 * MiB  # the last part of a streamed file (``streamed_plan``)
 PARTS_DIR = ".spotguard-parts"
+DELETE_RETRY_INTERVAL = 60.0  # seconds between tries to delete upload parts whose delete failed
+MAX_UNDELETED = 10_000  # such parts remembered (beyond: a start-up's sweep by age takes them)
 _TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
 
@@ -306,6 +308,11 @@ class GcsStorage(StoreDefaults):
         self._created = dt.datetime.now(dt.UTC)
         self._leftovers_lock = threading.Lock()
         self._leftovers_checked = RecentKeys()  # keys whose parts left by an earlier run are deleted
+        # Part objects an upload could not delete (the store failing then): tried again by retry_aborts.
+        self._undeleted: set[str] = set()
+        self._undeleted_lock = threading.Lock()
+        self._undeleted_retry_at = 0.0
+        self.abort_retry_interval = DELETE_RETRY_INTERVAL
         self._stream_pool = StreamPool(max_concurrency, "gcs-stream")
         self.retry = Retry(
             predicate=self.is_transient, initial=0.2, maximum=5.0, multiplier=2.0, timeout=retry_deadline
@@ -637,7 +644,28 @@ class GcsStorage(StoreDefaults):
             if strict:
                 assert exc is not None
                 raise self._wrap(f"delete {len(errors)} objects, first {name}", exc) from exc
-            log.warning("gcs: could not delete %d objects, first %s: %s", len(errors), name, exc)
+            with self._undeleted_lock:
+                if not self._undeleted:
+                    self._undeleted_retry_at = time.monotonic() + self.abort_retry_interval
+                room = MAX_UNDELETED - len(self._undeleted)
+                self._undeleted.update(sorted(n for n, _ in errors)[: max(0, room)])
+            log.warning("gcs: could not delete %d objects, first %s: %s; tried again later", len(errors), name, exc)
+
+    def retry_aborts(self) -> int:
+        """Delete again the part objects whose delete failed, once :attr:`abort_retry_interval` has
+        passed since the last try (a start-up's sweep by age takes what a killed daemon leaves); how
+        many are gone now. Upload parts are hidden from listings, so retention never sees them."""
+        with self._undeleted_lock:
+            if not self._undeleted or time.monotonic() < self._undeleted_retry_at:
+                return 0
+            self._undeleted_retry_at = time.monotonic() + self.abort_retry_interval
+            names, self._undeleted = self._undeleted, set()
+        self._delete_blobs(names)  # what fails again is put back
+        with self._undeleted_lock:
+            gone = len(names - self._undeleted)
+        if gone:
+            log.info("gcs: deleted %d upload parts whose delete had failed", gone)
+        return gone
 
 
 class _GcsUpload:

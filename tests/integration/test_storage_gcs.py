@@ -144,6 +144,31 @@ def test_gcs_large_file_goes_up_as_parallel_parts_then_compose(
         assert len(ranged) == 4  # one 10 MiB range per stream (never under the 8 MiB part size)
 
 
+def test_parts_the_failing_store_would_not_delete_are_deleted_once_it_answers_again(
+    env: GcsServer, url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The outage that fails a composed upload also fails the delete of its parts: they stayed in the
+    bucket for the daemon's life (hidden from listings, so retention never saw them) until a restart."""
+    _, crc = write(tmp_path / "big", 24 * MiB, seed=12)
+    with FaultProxy(env.endpoint_url, fault_rate=0.0, flavor="gcs") as proxy:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+        storage = GcsStorage(url, parallel_threshold=16 * MiB, part_size=8 * MiB, max_concurrency=4, retry_deadline=1.0)
+        storage.abort_retry_interval = 0.0  # the daemon's rescans call it; a minute apart at most
+        try:
+            proxy.fail(lambda method, target: (method == "POST" and "/compose" in target) or method == "DELETE")
+            with pytest.raises(StorageError):
+                storage.put_file(tmp_path / "big", "step-1/big", crc32c=crc)
+            parts = [name for name in all_names(storage) if name.startswith(PARTS_DIR)]
+            assert len(parts) == 3
+            assert storage.retry_aborts() == 0  # the store still fails: kept for the next try
+            proxy.fail(None)
+            assert storage.retry_aborts() == 3
+            assert all_names(storage) == []
+            assert storage.retry_aborts() == 0
+        finally:
+            storage.close()
+
+
 @pytest.mark.parametrize("size", [1000, 20 * MiB, 40 * MiB], ids=["multipart", "resumable", "composed"])
 def test_gcs_put_file_rejects_crc32c_mismatch_and_leaves_nothing(url: str, tmp_path: Path, size: int) -> None:
     storage = GcsStorage(url, parallel_threshold=32 * MiB, part_size=8 * MiB)
