@@ -20,14 +20,16 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 from spotguard.daemon.events import EventBus, UploadCommitted
 from spotguard.daemon.forecast import commit_report, forecast_report, watch_deadline
+from spotguard.daemon.jobs import Job, JobQueue
 from spotguard.daemon.retention import apply_retention
+from spotguard.daemon.shares import NodeShares
 from spotguard.daemon.streams import EarlyUploads
 from spotguard.daemon.upload_failures import UploadFailures
 from spotguard.localstore import scan_local
@@ -49,13 +51,6 @@ from spotguard.storage.checkpoints import (
 
 logger = logging.getLogger("spotguard.uploader")
 LIST_WARN_EVERY = 600.0  # seconds before the same listing error is logged again
-
-
-@dataclass(order=True)
-class _Job:
-    priority: int  # 0 urgent, 1 periodic
-    neg_step: int  # newest first within a priority
-    name: str = field(compare=False)
 
 
 @dataclass
@@ -209,18 +204,16 @@ class Uploader:
         self.rescans = 0  # of the local root
         self.forecast_interval = forecast_interval
         self.committed: set[str] = set()  # complete in the bucket
-        self.shares_uploaded: set[str] = set()  # multi-node: this node's share is in the bucket
+        self.shares = NodeShares()  # multi-node checkpoints: this node's share sent, others' missing
         # Another writer committed a different checkpoint under the same name: never sent again.
         self.conflicts: set[str] = set()
-        self.other_nodes_timeout = 600.0  # how long node 0 waits for the others' shares (without a notice)
         self.last_committed: dict[str, Any] | None = None
         self._failures = UploadFailures(
             retry_after=retry_after, retry_max=retry_max, alert_after=alert_after, bus=self.bus
         )
         self.failures = self._failures.recent
         self.refused = self._failures.refused  # checkpoints not retried until a restart
-        self._queued: dict[str, _Job] = {}
-        self._urgent: set[str] = set()
+        self._queue = JobQueue()
         self._wake = asyncio.Event()
         self.idle = asyncio.Event()  # set while nothing is queued or uploading
         self._current: _Current | None = None
@@ -242,15 +235,14 @@ class Uploader:
         if step is None:
             return
         if urgent:
-            self._urgent.add(name)
+            self._queue.urgent.add(name)
         current = self._current
         if current is not None and current.name == name:
             # Uploading already: a notice's save that found this periodic checkpoint on disk (the same
             # step). It goes on, urgent now; cancelling it would send its files again in the deadline.
             current.urgent = current.urgent or urgent
             return
-        job = _Job(0 if name in self._urgent else 1, -step, name)
-        self._queued[name] = min(job, self._queued.get(name, job))
+        self._queue.add(name, step)
         if urgent and current is not None and not current.urgent:
             logger.info("urgent %s: cancelling the periodic upload of %s", name, current.name)
             current.cancel.set()
@@ -267,7 +259,7 @@ class Uploader:
             return
         self._ahead.file_ready(step_dir, rel, entry)
         if urgent:
-            self._urgent.add(step_dir.name)
+            self._queue.urgent.add(step_dir.name)
 
     def file_range(
         self,
@@ -296,7 +288,7 @@ class Uploader:
         if upload is None:
             return
         if urgent:
-            self._urgent.add(step_dir.name)
+            self._queue.urgent.add(step_dir.name)
         upload.add(offset, length)
 
     async def close_streams(self) -> None:
@@ -316,8 +308,7 @@ class Uploader:
         streamed uploads, let its uploads ahead of the commit settle, and remove from the bucket every
         file of it this daemon sent (never another node's share, and nothing once a manifest is there:
         a committed checkpoint of that name is not ours to touch). Returns the keys removed."""
-        self._queued.pop(name, None)
-        self._urgent.discard(name)
+        self._queue.drop(name)
         self._failures.forget(name)
         return await self._ahead.discard(name, why, lambda checkpoint: checkpoint in self.committed)
 
@@ -376,7 +367,7 @@ class Uploader:
     def _unsettled(self, local: list[CheckpointInfo]) -> list[CheckpointInfo]:
         """The checkpoints held here that nothing has decided about yet: not in the bucket, not queued,
         not uploading, not refused, not in conflict, not a share already sent."""
-        settled = self.committed | self.conflicts | self.refused.keys() | self._queued.keys() | self.shares_uploaded
+        settled = self.committed | self.conflicts | self.refused.keys() | set(self._queue) | self.shares.settled()
         settled |= self.in_flight()
         return [info for info in local if info.held and info.name not in settled]
 
@@ -384,10 +375,10 @@ class Uploader:
         """Drop what is remembered per checkpoint for those gone from this disk (pruned, removed) and
         not in the queue: a name a save, for the months the daemon runs, otherwise. A checkpoint
         written again under a refused or conflicting name is judged afresh."""
-        keep = self._ahead.forget_gone(here | set(self._queued) | self.in_flight())
-        self.shares_uploaded &= keep
+        keep = self._ahead.forget_gone(here | set(self._queue) | self.in_flight())
+        self.shares.keep_only(keep)
         self.conflicts &= keep
-        self._urgent &= keep
+        self._queue.urgent &= keep
         self._failures.forget_refused(self.refused.keys() - keep)
 
     # --- the loop ----------------------------------------------------------------------------
@@ -401,11 +392,11 @@ class Uploader:
             await self._rescan_logged()
             next_scan = time.monotonic() + self.scan_interval
             while True:
-                job = self._next_job()
+                job = self._queue.next(self._failures.not_before, time.monotonic())
                 if job is None:
-                    if not self._queued:
+                    if not self._queue:
                         self.idle.set()
-                    retry = self._failures.next_retry(self._queued)
+                    retry = self._failures.next_retry(self._queue)
                     timeout = max(0.0, min(next_scan, retry if retry is not None else next_scan) - time.monotonic())
                     self._wake.clear()
                     with contextlib.suppress(TimeoutError):
@@ -424,16 +415,7 @@ class Uploader:
         except (StorageError, OSError) as exc:
             self.listings.failed(self.storage.url if self.storage else "-", exc)
 
-    def _next_job(self) -> _Job | None:
-        now = time.monotonic()
-        ready = [job for job in self._queued.values() if self._failures.not_before.get(job.name, 0) <= now]
-        if not ready:
-            return None
-        job = min(ready)
-        del self._queued[job.name]
-        return job
-
-    async def _upload(self, job: _Job) -> None:
+    async def _upload(self, job: Job) -> None:
         assert self.storage is not None
         step_dir = self.root / job.name
         early = self._ahead.tasks.pop(job.name, [])
@@ -458,10 +440,10 @@ class Uploader:
         try:
             await self._in_upload_thread(
                 _send, self.storage, step_dir, files, manifest, multi_node=share is not None, deadline=deadline,
-                current=current, concurrency=self.concurrency, other_nodes_wait=self.other_nodes_timeout,
+                current=current, concurrency=self.concurrency, other_nodes_wait=self.shares.wait_for(job.name),
             )  # fmt: skip
         except UploadCancelled:
-            self._queued.setdefault(job.name, _Job(1, job.neg_step, job.name))
+            self._queue.again(job, urgent=False)
             return
         except SymlinkRefused as exc:
             # Retrying cannot help, and the checkpoint is not what its manifest claims.
@@ -472,15 +454,16 @@ class Uploader:
             self._conflict(job.name, str(exc))
             return
         except (StorageError, OSError) as exc:
-            racing = job.name in self._urgent and self._deadline is not None
+            self.shares.failed(job.name, exc)
+            racing = job.name in self._queue.urgent and self._deadline is not None
             if self._failures.record(job.name, exc, racing=racing, bucket=self.storage.url):
-                self._queued.setdefault(job.name, _Job(0 if current.urgent else job.priority, job.neg_step, job.name))
+                self._queue.again(job, urgent=current.urgent or job.priority == 0)
             return
         finally:
             self._current = None
         if manifest is None:
             self._progress.pop(job.name, None)
-            self.shares_uploaded.add(job.name)  # node 0's daemon commits once every node's share is there
+            self.shares.uploaded.add(job.name)  # node 0's daemon commits once every node's share is there
             self._failures.succeeded(job.name)
             logger.info("%s: this node's share is in the bucket (%d bytes)", job.name, total)
             await self._retention(bucket=False)  # node 0 prunes the bucket; this disk is ours to prune
@@ -490,7 +473,7 @@ class Uploader:
 
     def retry_delay(self, name: str) -> float:
         """How long to wait after the last failure in a row of ``name`` (see ``UploadFailures``)."""
-        return self._failures.retry_delay(name, racing=name in self._urgent and self._deadline is not None)
+        return self._failures.retry_delay(name, racing=name in self._queue.urgent and self._deadline is not None)
 
     def failing_streak(self) -> int:
         """The most failures in a row of any checkpoint still to upload (0: none is failing)."""
@@ -504,14 +487,17 @@ class Uploader:
         self._ahead.manifest_seen.pop(name, None)
         self._failures.forget(name)
         self._progress.pop(name, None)
-        self._urgent.discard(name)
+        self._queue.urgent.discard(name)
 
     async def _committed(self, name: str, manifest: Manifest, elapsed: float) -> None:
         assert self.storage is not None
         self.committed.add(name)
+        for given_up in self.shares.committed(name):
+            self._queue.drop(given_up)
+            self._failures.forget(given_up)
         self._progress.pop(name, None)
         self._ahead.manifest_seen.pop(name, None)
-        self._urgent.discard(name)
+        self._queue.urgent.discard(name)
         self._failures.succeeded(name)
         self.last_committed = commit_report(name, manifest, elapsed, deadline=self._deadline, bucket=self.storage.url)
         await self.bus.emit_async(UploadCommitted(name, manifest, elapsed))
@@ -525,8 +511,8 @@ class Uploader:
             keep_remote=self.keep_remote,
             keep_local=self.keep_local,
             grace=self.incomplete_grace,
-            in_flight=frozenset(self._queued) | ({self._current.name} if self._current else set()),
-            settled=lambda: self.committed | self.conflicts | self.shares_uploaded,
+            in_flight=frozenset(self._queue) | ({self._current.name} if self._current else set()),
+            settled=lambda: self.committed | self.conflicts | self.shares.settled(),
             bucket=bucket,
             known=self.listings.manifests,
         )
@@ -546,7 +532,7 @@ class Uploader:
         return True
 
     async def _wait_idle(self) -> None:
-        while self._queued or self._current is not None:
+        while self._queue or self._current is not None:
             self.idle.clear()
             await self.idle.wait()
 
@@ -560,8 +546,8 @@ class Uploader:
             early = self._ahead.uploading()
             if not early:
                 return None
-            name = max(early, key=lambda n: (n in self._urgent, n))
-            urgent, progress = name in self._urgent, self._progress[name]
+            name = max(early, key=lambda n: (n in self._queue.urgent, n))
+            urgent, progress = name in self._queue.urgent, self._progress[name]
         return forecast_report(name, urgent, progress, total_known=current is not None, deadline=self._deadline)
 
     async def watch_deadline(self) -> None:
@@ -573,7 +559,7 @@ class Uploader:
         return {
             "bucket": self.storage.url if self.storage else None,
             "current": self.forecast(),
-            "queued": sorted(self._queued),
+            "queued": sorted(self._queue),
             "committed": sorted(self.committed)[-5:],
             "last_committed": self.last_committed,
             "failures": self.failures[-5:],

@@ -72,6 +72,7 @@ from spotguard.storage.base import (
     read_exactly,
     split_bucket_url,
 )
+from spotguard.storage.cleanups import FailedCleanups
 from spotguard.storage.errors import ChecksumMismatch, ObjectExists, ObjectNotFound, StorageError, TransientStorageError
 from spotguard.storage.stream import PartStream, StreamPool, send_file, streamed_plan
 from spotguard.storage.transfer import fetch_object
@@ -92,7 +93,6 @@ _MAX_COMPOSE = 32  # sources per compose call
 _MIN_STREAMED_PART = 5 * MiB  # the last part of a streamed file (``streamed_plan``)
 PARTS_DIR = ".spotguard-parts"
 DELETE_RETRY_INTERVAL = 60.0  # seconds between tries to delete upload parts whose delete failed
-MAX_UNDELETED = 10_000  # such parts remembered (beyond: a start-up's sweep by age takes them)
 _TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
 
@@ -305,14 +305,7 @@ class GcsStorage(StoreDefaults):
         # One budget of requests for the whole instance, parts and their deletes, shared by every file in flight.
         self._streams = threading.BoundedSemaphore(max_concurrency)
         self._deadline: float | None = None
-        self._created = dt.datetime.now(dt.UTC)
-        self._leftovers_lock = threading.Lock()
-        self._leftovers_checked = RecentKeys()  # keys whose parts left by an earlier run are deleted
-        # Part objects an upload could not delete (the store failing then): tried again by retry_aborts.
-        self._undeleted: set[str] = set()
-        self._undeleted_lock = threading.Lock()
-        self._undeleted_retry_at = 0.0
-        self.abort_retry_interval = DELETE_RETRY_INTERVAL
+        self.parts = _PartObjects(self)
         self._stream_pool = StreamPool(max_concurrency, "gcs-stream")
         self.retry = Retry(
             predicate=self.is_transient, initial=0.2, maximum=5.0, multiplier=2.0, timeout=retry_deadline
@@ -475,32 +468,6 @@ class GcsStorage(StoreDefaults):
             progress=progress,
         )
 
-    def _parts_prefix(self, full: str) -> str:
-        """Where the parts of one upload of ``full`` go: under the key, so that a later upload of
-        the same key finds what a killed one left (``_drop_leftovers``)."""
-        return f"{self.prefix}{PARTS_DIR}/{full[len(self.prefix) :]}/{uuid.uuid4().hex}/"
-
-    def _drop_leftovers(self, full: str) -> None:
-        """Delete the parts of ``full`` written before this instance was made (a killed daemon's).
-        Once per key; a failure only leaves them to ``abort_stale_multipart_uploads``."""
-        with self._leftovers_lock:
-            if full in self._leftovers_checked:
-                return
-            self._leftovers_checked.add(full)
-        where = f"{self.prefix}{PARTS_DIR}/{full[len(self.prefix) :]}/"
-        try:
-            stale = {
-                b.name
-                for b in self.client.list_blobs(self.bucket_name, prefix=where, timeout=self.timeout)
-                if b.time_created is None or b.time_created < self._created
-            }
-        except Exception as exc:
-            log.warning("gcs: cannot list the leftover parts of %s: %s", full, exc)
-            return
-        if stale:
-            log.info("gcs: deleting %d parts of %s left by an earlier run", len(stale), full)
-            self._delete_blobs(stale)
-
     def begin_stream(self, key: str, size: int, fd: int, *, progress: Progress | None = None) -> PartStream | None:
         """Parts uploaded as the file is written, composed at the finish; None for a file that
         ``put_file`` would send in one upload."""
@@ -526,7 +493,7 @@ class GcsStorage(StoreDefaults):
             problem = f"stored CRC32C {stored} != expected {expected:08x}"
             disagrees = True
         if problem:
-            self._delete_blobs({full})
+            self.parts.delete({full})
             message = f"gcs: {full}: {problem}; object deleted"
             if disagrees and stored is not None:
                 # GCS was told the CRC32C up front and refuses other bytes; a store that accepts
@@ -538,21 +505,10 @@ class GcsStorage(StoreDefaults):
         """Delete parts left under ``<prefix>.spotguard-parts/`` by an interrupted upload;
         returns how many. Same name as the S3 backend's so the daemon calls either at start;
         ``older_than`` spares younger parts, which may be another writer's upload in flight."""
-        cutoff = cloud_now() - older_than if older_than is not None else None  # GCS stamps the cloud's time
-        try:
-            stale = [
-                b.name
-                for b in self.client.list_blobs(
-                    self.bucket_name, prefix=f"{self.prefix}{PARTS_DIR}/", retry=self._retry_now(), timeout=self.timeout
-                )
-                if cutoff is None or b.time_created is None or b.time_created <= cutoff
-            ]
-        except Exception as exc:
-            raise self._wrap("list stale parts", exc) from exc
-        self._delete_blobs(set(stale))
-        if stale:
-            log.info("gcs: deleted %d stale upload parts under %s", len(stale), self.url)
-        return len(stale)
+        return self.parts.sweep(older_than)
+
+    def retry_aborts(self) -> int:
+        return self.parts.retry_deletes()
 
     # -- downloads and metadata -------------------------------------------------------
 
@@ -626,43 +582,102 @@ class GcsStorage(StoreDefaults):
 
     def delete(self, keys: Iterable[str]) -> None:
         """Delete ``keys``; missing keys are not an error."""
-        self._delete_blobs({self._key(k) for k in keys}, strict=True)
+        self.parts.delete({self._key(k) for k in keys}, strict=True)
 
-    def _delete_blobs(self, names: builtins.set[str], *, strict: bool = False) -> None:
+
+class _PartObjects:
+    """The temporary objects of one store's composed uploads (and any object it must delete): where an
+    upload's parts go, what a killed run left of a key's, what a sweep finds, and the deletes that
+    failed while the store did (tried again at the uploader's rescans: parts are hidden from
+    listings, so no retention would ever see them)."""
+
+    def __init__(self, storage: GcsStorage) -> None:
+        self._storage = storage
+        self._created = dt.datetime.now(dt.UTC)
+        self._leftovers_lock = threading.Lock()
+        self._leftovers_checked = RecentKeys()  # keys whose parts left by an earlier run are deleted
+        self.failed_deletes: FailedCleanups[None] = FailedCleanups(DELETE_RETRY_INTERVAL)
+
+    def prefix_for(self, full: str) -> str:
+        """Where the parts of one upload of ``full`` go: under the key, so that a later upload of
+        the same key finds what a killed one left (:meth:`drop_leftovers`)."""
+        storage = self._storage
+        return f"{storage.prefix}{PARTS_DIR}/{full[len(storage.prefix) :]}/{uuid.uuid4().hex}/"
+
+    def drop_leftovers(self, full: str) -> None:
+        """Delete the parts of ``full`` written before this store was made (a killed daemon's).
+        Once per key; a failure only leaves them to :meth:`sweep`."""
+        with self._leftovers_lock:
+            if full in self._leftovers_checked:
+                return
+            self._leftovers_checked.add(full)
+        storage = self._storage
+        where = f"{storage.prefix}{PARTS_DIR}/{full[len(storage.prefix) :]}/"
+        try:
+            stale = {
+                b.name
+                for b in storage.client.list_blobs(storage.bucket_name, prefix=where, timeout=storage.timeout)
+                if b.time_created is None or b.time_created < self._created
+            }
+        except Exception as exc:
+            log.warning("gcs: cannot list the leftover parts of %s: %s", full, exc)
+            return
+        if stale:
+            log.info("gcs: deleting %d parts of %s left by an earlier run", len(stale), full)
+            self.delete(stale)
+
+    def sweep(self, older_than: dt.timedelta | None) -> int:
+        """Delete every part under the prefix (older than ``older_than``); how many."""
+        storage = self._storage
+        cutoff = cloud_now() - older_than if older_than is not None else None  # GCS stamps the cloud's time
+        try:
+            stale = [
+                b.name
+                for b in storage.client.list_blobs(
+                    storage.bucket_name,
+                    prefix=f"{storage.prefix}{PARTS_DIR}/",
+                    retry=storage._retry_now(),
+                    timeout=storage.timeout,
+                )
+                if cutoff is None or b.time_created is None or b.time_created <= cutoff
+            ]
+        except Exception as exc:
+            raise storage._wrap("list stale parts", exc) from exc
+        self.delete(set(stale))
+        if stale:
+            log.info("gcs: deleted %d stale upload parts under %s", len(stale), storage.url)
+        return len(stale)
+
+    def delete(self, names: builtins.set[str], *, strict: bool = False) -> None:
+        """Delete ``names`` (missing ones are no error); ``strict``: raise on a failure, else note it
+        for :meth:`retry_deletes`."""
         if not names:
             return
+        storage = self._storage
 
         def one(name: str) -> None:
-            with self._streams, contextlib.suppress(gexc.NotFound):  # also when a retried delete already won
-                self.bucket.delete_blob(name, retry=self._retry_now(), timeout=self.timeout)
+            with storage._streams, contextlib.suppress(gexc.NotFound):  # also when a retried delete already won
+                storage.bucket.delete_blob(name, retry=storage._retry_now(), timeout=storage.timeout)
+            self.failed_deletes.cleaned(name)
 
-        with cf.ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(names))) as pool:
+        with cf.ThreadPoolExecutor(max_workers=min(storage.max_concurrency, len(names))) as pool:
             futures = {pool.submit(one, n): n for n in sorted(names)}
             errors = [(futures[f], f.exception()) for f in futures if f.exception() is not None]
         if errors:
             name, exc = errors[0]
             if strict:
                 assert exc is not None
-                raise self._wrap(f"delete {len(errors)} objects, first {name}", exc) from exc
-            with self._undeleted_lock:
-                if not self._undeleted:
-                    self._undeleted_retry_at = time.monotonic() + self.abort_retry_interval
-                room = MAX_UNDELETED - len(self._undeleted)
-                self._undeleted.update(sorted(n for n, _ in errors)[: max(0, room)])
+                raise storage._wrap(f"delete {len(errors)} objects, first {name}", exc) from exc
+            for failed, _ in errors:
+                self.failed_deletes.failed(failed, None)
             log.warning("gcs: could not delete %d objects, first %s: %s; tried again later", len(errors), name, exc)
 
-    def retry_aborts(self) -> int:
-        """Delete again the part objects whose delete failed, once :attr:`abort_retry_interval` has
-        passed since the last try (a start-up's sweep by age takes what a killed daemon leaves); how
-        many are gone now. Upload parts are hidden from listings, so retention never sees them."""
-        with self._undeleted_lock:
-            if not self._undeleted or time.monotonic() < self._undeleted_retry_at:
-                return 0
-            self._undeleted_retry_at = time.monotonic() + self.abort_retry_interval
-            names, self._undeleted = self._undeleted, set()
-        self._delete_blobs(names)  # what fails again is put back
-        with self._undeleted_lock:
-            gone = len(names - self._undeleted)
+    def retry_deletes(self) -> int:
+        """Delete again what could not be deleted, once ``failed_deletes.interval`` has passed since the
+        last try; how many are gone now."""
+        names = {name for name, _ in self.failed_deletes.due()}
+        self.delete(names)
+        gone = sum(1 for name in names if name not in self.failed_deletes)
         if gone:
             log.info("gcs: deleted %d upload parts whose delete had failed", gone)
         return gone
@@ -678,10 +693,10 @@ class _GcsUpload:
         self._full = full
         self._size = size
         self._fd = fd
-        self._parts_prefix = storage._parts_prefix(full)
+        self._parts_prefix = storage.parts.prefix_for(full)
         self._made: list[Any] = []
         self._made_lock = threading.Lock()
-        storage._drop_leftovers(full)
+        storage.parts.drop_leftovers(full)
 
     def put_part(self, number: int, offset: int, length: int) -> tuple[int, Any]:
         storage = self._storage
@@ -720,4 +735,4 @@ class _GcsUpload:
     def abort(self) -> None:
         with self._made_lock:
             made, self._made = self._made, []
-        self._storage._delete_blobs({blob.name for blob in made})
+        self._storage.parts.delete({blob.name for blob in made})

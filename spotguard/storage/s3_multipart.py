@@ -14,7 +14,6 @@ import datetime as dt
 import hashlib
 import logging
 import threading
-import time
 from typing import Any
 
 import google_crc32c
@@ -22,6 +21,7 @@ import google_crc32c
 from spotguard.cloudclock import cloud_now
 from spotguard.crc32c import crc32c_int_to_base64 as _int_to_b64
 from spotguard.storage.base import ChecksumMismatch, ObjectNotFound, RecentKeys, StorageError, read_exactly
+from spotguard.storage.cleanups import FailedCleanups
 from spotguard.storage.journal import UploadJournal
 from spotguard.storage.s3_api import S3Api, error_code
 from spotguard.storage.stream import Plan, streamed_plan
@@ -140,10 +140,7 @@ class S3Multipart:
         self._leftovers: dict[str, builtins.list[str]] = {}  # by key: upload ids listed, opened before us
         # Uploads given up whose abort failed too (the store was failing): their parts stay billed until
         # aborted, and a daemon runs for months between restarts, so they are tried again now and then.
-        self._abort_failed: dict[str, str] = {}  # upload id -> key
-        self._abort_lock = threading.Lock()
-        self.abort_retry_interval = ABORT_RETRY_INTERVAL
-        self._abort_retry_at = 0.0  # time.monotonic()
+        self.failed_aborts: FailedCleanups[str] = FailedCleanups(ABORT_RETRY_INTERVAL)  # upload id -> key
         self._journal_lock = threading.Lock()
         self._journal_failing = False  # the last upload could not be recorded (its warning logged)
 
@@ -279,27 +276,17 @@ class S3Multipart:
             # again every interval and warned of at every start.
             if not _upload_gone(exc):
                 # The journal keeps it: retry_aborts tries again, and so does the next start (and its sweep by age).
-                with self._abort_lock:
-                    again = upload_id in self._abort_failed  # its traceback was logged the first time
-                    if not again:
-                        self._abort_failed[upload_id] = full
-                        self._abort_retry_at = time.monotonic() + self.abort_retry_interval
+                again = self.failed_aborts.failed(upload_id, full)  # its traceback was logged the first time
                 log.warning("s3: could not abort multipart upload %s of %s", upload_id, full, exc_info=not again)
                 return False
-        with self._abort_lock:
-            self._abort_failed.pop(upload_id, None)
+        self.failed_aborts.cleaned(upload_id)
         self.journal_done(upload_id)
         return True
 
     def retry_aborts(self) -> int:
-        """Abort again the uploads whose abort failed, once :attr:`abort_retry_interval` has passed since
+        """Abort again the uploads whose abort failed, once ``failed_aborts.interval`` has passed since
         the last try; how many are gone now."""
-        with self._abort_lock:
-            if not self._abort_failed or time.monotonic() < self._abort_retry_at:
-                return 0
-            self._abort_retry_at = time.monotonic() + self.abort_retry_interval
-            failed = list(self._abort_failed.items())
-        aborted = sum(self.abort(full, upload_id) for upload_id, full in failed)
+        aborted = sum(self.abort(full, upload_id) for upload_id, full in self.failed_aborts.due())
         if aborted:
             log.info("s3: aborted %d multipart uploads whose abort had failed", aborted)
         return aborted

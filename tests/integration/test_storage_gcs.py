@@ -153,7 +153,7 @@ def test_parts_the_failing_store_would_not_delete_are_deleted_once_it_answers_ag
     with FaultProxy(env.endpoint_url, fault_rate=0.0, flavor="gcs") as proxy:
         monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
         storage = GcsStorage(url, parallel_threshold=16 * MiB, part_size=8 * MiB, max_concurrency=4, retry_deadline=1.0)
-        storage.abort_retry_interval = 0.0  # the daemon's rescans call it; a minute apart at most
+        storage.parts.failed_deletes.interval = 0.0  # the daemon's rescans call it; a minute apart at most
         try:
             proxy.fail(lambda method, target: (method == "POST" and "/compose" in target) or method == "DELETE")
             with pytest.raises(StorageError):

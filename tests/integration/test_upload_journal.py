@@ -227,7 +227,7 @@ def test_an_upload_whose_abort_failed_is_aborted_once_the_store_answers_again(
     with FaultProxy(server.endpoint_url, fault_rate=0.0, faults=("500",)) as proxy:
         storage = S3Storage(url, endpoint_url=proxy.url, part_size=5 * MiB, max_attempts=1, attempts=1)
         storage.keep_journal(journal)
-        storage._multipart.abort_retry_interval = 0.2  # a minute in the daemon
+        storage._multipart.failed_aborts.interval = 0.2  # a minute in the daemon
         fd = os.open(local, os.O_RDONLY)
         try:
             stream = storage.begin_stream(KEY, 6 * MiB, fd)

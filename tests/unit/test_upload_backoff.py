@@ -47,7 +47,7 @@ def test_the_wait_doubles_per_failure_up_to_the_cap_and_urgent_uploads_keep_the_
         waits = [uploader.retry_delay("step-000000001") for _ in range(50)]
         assert all(ceiling / 2 <= w <= ceiling for w in waits), (failed, waits)
         assert len(set(waits)) > 1  # jittered
-    uploader._urgent.add("step-000000001")
+    uploader._queue.urgent.add("step-000000001")
     uploader.set_deadline(time.monotonic() + 30)
     assert uploader.retry_delay("step-000000001") == 0.05
 
@@ -162,7 +162,7 @@ def test_what_an_upload_held_for_checkpoints_that_failed_until_retention_removed
             deadline = time.monotonic() + 30
             while len({f["name"] for f in uploader.failures}) < 3 and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
-            held = (set(uploader._progress), set(uploader._urgent))
+            held = (set(uploader._progress), set(uploader._queue.urgent))
             for step_dir in steps:
                 shutil.rmtree(step_dir)  # the trainer's retention, while the uploads wait out their backoff
             while caplog.text.count("neither a complete checkpoint") < 3 and time.monotonic() < deadline:
@@ -176,7 +176,7 @@ def test_what_an_upload_held_for_checkpoints_that_failed_until_retention_removed
     progress, urgent = asyncio.run(scenario())
     names = {step_dir.name for step_dir in steps}
     assert progress == names and urgent == names  # what the test is about was held while they failed
-    assert uploader._progress == {} and uploader._urgent == set()
+    assert uploader._progress == {} and uploader._queue.urgent == set()
 
 
 def test_save_metric_labels_stay_within_the_known_values(tmp_path: Path) -> None:
