@@ -493,9 +493,18 @@ async def _sweep_store(storage: Storage, config: DaemonConfig) -> None:
             logger.info("removed %d upload-rate probe object(s) an earlier run left in the bucket", swept)
     if Capability.STALE_SWEEP not in storage.capabilities:
         return
-    aborted = await asyncio.to_thread(
-        storage.abort_stale_multipart_uploads, older_than=timedelta(seconds=config.stale_upload_age)
-    )
+    try:
+        aborted = await asyncio.to_thread(
+            storage.abort_stale_multipart_uploads, older_than=timedelta(seconds=config.stale_upload_age)
+        )
+    except (StorageError, OSError) as exc:  # a daemon that does not start watches for no notice
+        logger.warning(
+            "could not sweep unfinished multipart uploads from %s: %s (the next start tries again; a refusal "
+            "means the role lacks the listing of multipart uploads)",
+            storage.url,
+            exc,
+        )
+        return
     if aborted:
         logger.info("aborted %d unfinished multipart upload(s) left by an earlier run", aborted)
 

@@ -294,3 +294,28 @@ def test_bucket_retention_keeps_newest_keep_remote_and_never_the_newest_complete
     assert gaps == [], f"the newest complete checkpoint vanished from the bucket: {gaps[:5]}"
     # Retention ran while the bucket held more than keep_remote complete ones, never fewer than 1.
     assert all(len(seen) <= 3 for seen in observations), max(observations, key=len)
+
+
+def test_a_store_refusing_the_start_up_sweep_of_unfinished_uploads_leaves_the_daemon_running(
+    vm_factory: Callable[..., Vm], bucket: str, store: Store
+) -> None:
+    """A role without the listing of multipart uploads (S3's s3:ListBucketMultipartUploads), or a store
+    failing at that moment, made the start-up sweep raise out of the daemon's start: it exited, and
+    under systemd started again to exit again, watching for no notice."""
+
+    def sweep_listing(method: str, target: str) -> bool:
+        query = target.partition("?")[2]
+        return method == "GET" and ("uploads" in query.split("&") or "spotguard-parts" in query)
+
+    with FaultProxy(store.endpoint, fault_rate=0.0, flavor=store.proxy_flavor) as proxy:
+        proxy.fail(sweep_listing, status=403)
+        vm = vm_factory("no-sweep", env=store.client_env(proxy.url))
+        wait_for(lambda: "could not sweep unfinished multipart uploads" in vm.log.read_text(), 30, "the sweep refused")
+        assert proxy.injected["403"] >= 1
+        guard = connected_guard(vm)
+        try:
+            guard.save({"w": torch.full((MiB,), 3.0)}, 3, reason="urgent")
+        finally:
+            guard.close()
+        wait_for(lambda: 3 in complete_steps(bucket), 60, "the checkpoint in the bucket")
+        assert vm.process is not None and vm.process.poll() is None
