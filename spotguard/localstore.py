@@ -31,7 +31,9 @@ from spotguard.manifest import (
     CheckpointInfo,
     FileEntry,
     Manifest,
+    ManifestError,
     check_relpath,
+    load_manifest,
     load_manifest_or_none,
     load_part,
     local_foreign_format,
@@ -39,7 +41,14 @@ from spotguard.manifest import (
     step_dir_name,
     verify_dir,
 )
-from spotguard.safefile import ChecksummingWriter, SaveCancelled, atomic_file, fsync_dir
+from spotguard.safefile import (
+    ChecksummingWriter,
+    NotARegularFile,
+    SaveCancelled,
+    SymlinkRefused,
+    atomic_file,
+    fsync_dir,
+)
 
 logger = logging.getLogger("spotguard.localstore")
 
@@ -204,9 +213,25 @@ def remove_incomplete(root: Path, *, except_names: frozenset[str] = frozenset())
             )  # fmt: skip
             continue
         if info.status == "incomplete" and info.node_files is None and info.name not in except_names:
+            if _manifest_unreadable(root / info.name):
+                continue
             shutil.rmtree(root / info.name, ignore_errors=True)
             removed.append(info.name)
     return removed
+
+
+def _manifest_unreadable(step_dir: Path) -> bool:
+    """Whether ``step_dir``'s manifest could not be read for a reason that says nothing of it (the
+    process out of descriptors, an I/O error, a permission): such a checkpoint may be complete, and
+    was removed as a killed writer's leftover. Logged."""
+    try:
+        load_manifest(step_dir)
+    except (ManifestError, SymlinkRefused, NotARegularFile):
+        return False  # none, or not one: a leftover
+    except OSError as exc:
+        logger.warning("%s: its manifest cannot be read (%s): not removed as a leftover", step_dir, exc)
+        return True
+    return False
 
 
 def prune_local(root: Path, keep: int, *, protected: frozenset[str] = frozenset()) -> list[str]:
