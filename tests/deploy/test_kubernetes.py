@@ -10,6 +10,7 @@ PATH), kubernetes-validate and checkov (in the tools venv). A missing tool skips
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -422,3 +423,34 @@ def test_configmap_toml_is_the_daemons_and_documents_its_keys() -> None:
     keys = set(tomllib.loads(text))
     assert keys <= {f for f in DaemonConfig.__dataclass_fields__}
     assert {"socket", "checkpoint_dir", "state_dir", "trainer_uids", "shutdown_grace"} <= keys
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="setpriv (util-linux) runs the command as the pod would")
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_init_container_leaves_the_checkpoint_root_setgid_as_its_identity_and_capabilities_allow(
+    overlay: str, rendered: dict[str, Path], tmp_path: Path
+) -> None:
+    """The kernel drops the setgid bit of a chmod by a process outside the file's group that lacks
+    CAP_FSETID: run as 0:0 with CHOWN and FOWNER only, the init container's chmod 2770 left the root
+    2770 without its s, so the trainer's step directories stayed in the trainer's group, unreadable
+    by the daemon. Its own command, under its declared uid, gid and capabilities, on stand-in dirs."""
+    if os.geteuid() != 0:
+        pytest.skip("runs the command as uid 0 with only the init container's capabilities (root only)")
+    ds_pod = load(rendered, overlay)["DaemonSet"]["spec"]["template"]["spec"]
+    (init,) = ds_pod["initContainers"]
+    ctx = init["securityContext"]
+    assert ctx["capabilities"]["drop"] == ["ALL"]
+    caps = ",".join(f"+{cap.lower()}" for cap in ctx["capabilities"]["add"])
+    command = init["command"][-1]
+    for mount in init["volumeMounts"]:
+        stand_in = tmp_path / mount["name"]
+        stand_in.mkdir()
+        command = command.replace(mount["mountPath"], str(stand_in))
+    identity = [f"--reuid={ctx['runAsUser']}", f"--regid={ctx['runAsGroup']}", "--clear-groups"]
+    limits = [f"--inh-caps=-all,{caps}", f"--ambient-caps=-all,{caps}", f"--bounding-set=-all,{caps}"]
+    done = subprocess.run(
+        ["setpriv", *identity, *limits, "/bin/sh", "-c", command], check=False, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    root = tmp_path / "checkpoints"
+    assert (root.stat().st_mode & 0o7777, root.stat().st_gid) == (0o2770, 10001)
