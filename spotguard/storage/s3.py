@@ -223,10 +223,19 @@ class S3Storage(StoreDefaults):
 
     def warm(self) -> None:
         """Create the client, resolve credentials and open a connection to the bucket now,
-        so that nothing slow (credential chains, DNS, TLS) happens at notice time."""
+        so that nothing slow (credential chains, DNS, TLS) happens at notice time. One listing of
+        a key under the prefix, not a HeadBucket: S3 authorises HeadBucket as s3:ListBucket with no
+        prefix, which a role allowed to list only its prefix (``s3:prefix`` condition, as the
+        Terraform module's) is refused, and the daemon would not start."""
         self._api.resolve_credentials()
         try:
-            self._api.call(f"head_bucket {self.bucket}", self.client.head_bucket, Bucket=self.bucket)
+            self._api.call(
+                f"list {self.bucket}/{self.prefix}",
+                self.client.list_objects_v2,
+                Bucket=self.bucket,
+                Prefix=self.prefix,
+                MaxKeys=1,
+            )
         except ObjectNotFound:
             raise StorageError(f"s3: bucket {self.bucket} does not exist") from None
 

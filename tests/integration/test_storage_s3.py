@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from urllib.parse import unquote
 
 import boto3
 import botocore.exceptions
@@ -265,6 +266,35 @@ def test_s3_warm_reaches_bucket_and_fails_fast_on_missing_bucket(env: S3Server) 
     with pytest.raises(StorageError, match="does not exist") as excinfo:
         S3Storage("s3://no-such-bucket-sg/p").warm()
     assert not isinstance(excinfo.value, ObjectNotFound)
+
+
+def test_s3_warm_needs_no_listing_outside_the_prefix(env: S3Server, url: str, tmp_path: Path) -> None:
+    """A role allowed to list only its prefix (an ``s3:prefix`` condition, as the Terraform module's)
+    is refused a HeadBucket (S3 authorises it as s3:ListBucket with no prefix): warm() raised at every
+    start and the daemon exited. Here a proxy refuses, as S3 would, every request of the bucket itself
+    that lists no key under the prefix."""
+    storage = S3Storage(url)
+    prefix = storage.prefix
+
+    def outside_the_prefix(method: str, target: str) -> bool:
+        path, _, query = target.partition("?")
+        of_the_bucket = path.rstrip("/") == f"/{env.bucket}"
+        params = dict(item.partition("=")[::2] for item in query.split("&") if item)
+        return of_the_bucket and "uploads" not in params and not unquote(params.get("prefix", "")).startswith(prefix)
+
+    _, crc = write(tmp_path / "f", 1000, seed=31)
+    with FaultProxy(env.endpoint_url, fault_rate=0.0) as proxy:
+        proxy.fail(outside_the_prefix, status=403)
+        scoped = S3Storage(url, endpoint_url=proxy.url)
+        try:
+            scoped.warm()
+            scoped.put_file(tmp_path / "f", "step-1/f", crc32c=crc)
+            assert [o.key for o in scoped.list()] == ["step-1/f"]
+            assert scoped.abort_stale_multipart_uploads() == 0
+        finally:
+            scoped.close()
+        assert proxy.injected["403"] == 0, proxy.seen
+        assert not any(method == "HEAD" and target.rstrip("/") == f"/{env.bucket}" for method, target in proxy.seen)
 
 
 def test_s3_warm_fails_at_start_without_credentials(

@@ -173,7 +173,7 @@ data "aws_iam_policy_document" "assume" {
 data "aws_iam_policy_document" "checkpoints" {
   statement {
     sid       = "ListOwnPrefix"
-    actions   = ["s3:ListBucket", "s3:ListBucketMultipartUploads"]
+    actions   = ["s3:ListBucket"]
     resources = [local.bucket_arn]
 
     condition {
@@ -181,6 +181,14 @@ data "aws_iam_policy_document" "checkpoints" {
       variable = "s3:prefix"
       values   = [var.checkpoint_prefix, "${var.checkpoint_prefix}/*"]
     }
+  }
+
+  # s3:prefix is no condition key of ListBucketMultipartUploads: under the condition above, the
+  # daemon's start-up sweep of unfinished uploads (under its prefix; it always sends one) is refused.
+  statement {
+    sid       = "ListUnfinishedUploads"
+    actions   = ["s3:ListBucketMultipartUploads"]
+    resources = [local.bucket_arn]
   }
 
   statement {
