@@ -502,10 +502,20 @@ def read_config_file(path: Path) -> dict[str, Any]:
         raise ConfigError(str(path), f"not UTF-8 text (byte {exc.start}): save it as UTF-8") from None
     except RecursionError:
         raise ConfigError(str(path), "not valid TOML: arrays or tables nested too deeply") from None
-    # Accept both top-level keys and a [daemon] table, the latter for files shared with other tools.
-    table = data.get("daemon", data)
-    if not isinstance(table, dict):
+    # Top-level keys, a [daemon] table (for files shared with other tools, whose tables are left
+    # alone), or both: a key after a [daemon] header belongs to the table, and the top-level ones
+    # before it (as the Terraform boot script writes them, with a user's extra lines after) were lost.
+    table = data.get("daemon")
+    if table is None:
+        table = data
+    elif not isinstance(table, dict):
         raise ConfigError(str(path), "[daemon] must be a table")
+    else:
+        top = {k: v for k, v in data.items() if k != "daemon" and not isinstance(v, dict)}
+        both = sorted(set(top) & set(table))
+        if both:
+            raise ConfigError(str(path), f"{both[0]} is set both at the top and in [daemon]: keep one")
+        table = {**top, **table}
     return {k.replace("-", "_"): v for k, v in table.items()}
 
 

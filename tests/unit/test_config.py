@@ -40,6 +40,18 @@ def test_config_file_from_environment_and_daemon_table(tmp_path: Path) -> None:
     assert config.imds_v1_fallback is True
 
 
+def test_top_level_keys_and_a_daemon_table_after_them_are_read_together(tmp_path: Path) -> None:
+    """As the Terraform boot script writes the file: its keys at the top, then a user's extra lines,
+    which may open [daemon]. Every top-level key was dropped then: the bucket among them, silently."""
+    file = tmp_path / "c.toml"
+    file.write_text('bucket = "s3://fleet/run"\nlog_level = "debug"\n[other_tool]\nx = 1\n[daemon]\nkeep_local = 1\n')
+    config = load_config({}, env={}, config_file=file)
+    assert (config.bucket, config.log_level, config.keep_local) == ("s3://fleet/run", "debug", 1)
+    file.write_text("keep_local = 2\n[daemon]\nkeep_local = 1\n")
+    with pytest.raises(ConfigError, match="keep_local is set both at the top and in \\[daemon\\]"):
+        load_config({}, env={}, config_file=file)
+
+
 @pytest.mark.parametrize(
     ("flags", "env", "key"),
     [
