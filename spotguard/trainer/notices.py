@@ -41,6 +41,8 @@ class NoticeFlags:
         self.sigterm = False  # set by a signal handler: a plain store, safe there
         self.stop_agreed = False
         self.urgent_agreed = False
+        # Several ranks: the reason and notice of the save the last agreement decided on, until taken.
+        self._agreed: tuple[str, Message | None] | None = None
         self.timeline: dict[str, float] = {}  # wall-clock times of the last urgent save, for reports
 
     def on_daemon_message(self, message: Message) -> None:
@@ -87,11 +89,21 @@ class NoticeFlags:
         return notice is not None or sigterm, bool(notice and notice["stop"]) or sigterm
 
     def agree(self, periodic_due: bool) -> tuple[bool, bool]:
-        """(urgent, periodic) as every rank agrees on them; a stop, once agreed, stays. Collective."""
+        """(urgent, periodic) as every rank agrees on them; a stop, once agreed, stays. Collective.
+
+        With several ranks, the save they agreed on keeps its reason and notice until it is taken
+        (:meth:`save_reason`): a SIGTERM or a notice reaching one rank between this agreement and its
+        save made that rank's save urgent and the others' periodic, whose collectives then never
+        matched (a hang at the very moment the VM goes away). What comes later is agreed on at the
+        next step boundary."""
+        notice = self.pending
         urgent, stop = self.local()
         urgent, stop, periodic = dist.agree_any([urgent, stop, periodic_due])
         self.urgent_agreed = urgent
         self.stop_agreed = self.stop_agreed or stop
+        if dist.active():
+            reason = "urgent" if stop else "soft" if urgent else "periodic" if periodic else None
+            self._agreed = None if reason is None else (reason, notice)
         return urgent, periodic
 
     def to_acknowledge(self) -> str | None:
@@ -107,7 +119,10 @@ class NoticeFlags:
 
     def save_reason(self) -> tuple[str, Message | None]:
         """The manifest ``reason`` of a save taken now, and the notice it answers: ``soft`` only for a
-        soft notice alone (a SIGTERM or a stop agreed with another rank makes the save urgent)."""
+        soft notice alone (a SIGTERM or a stop agreed with another rank makes the save urgent). With
+        several ranks, what their last agreement decided, until that save is taken."""
+        if self._agreed is not None:
+            return self._agreed
         notice = self.pending
         if self.sigterm or self.stop_agreed or (notice is not None and notice["stop"]):
             return "urgent", notice
@@ -116,7 +131,11 @@ class NoticeFlags:
         return ("urgent" if self.urgent_agreed else "periodic"), notice
 
     def stop_if_hard(self, notice: Message | None) -> None:
-        """A hard notice (or SIGTERM) ends the loop after its save, even a failed one."""
+        """A hard notice (or SIGTERM) ends the loop after its save, even a failed one. With several
+        ranks only an agreement stops it (:meth:`agree`, at every step boundary): one rank that left
+        on a signal come after the last agreement stranded the others in their next collective."""
+        if dist.active():
+            return
         if (notice is not None and notice["stop"]) or self.sigterm:
             self.stop_agreed = True
 
@@ -127,6 +146,7 @@ class NoticeFlags:
                 self._handled_events.put(str(notice["notice"]["event_id"]), None)
                 if self._notice is notice:
                     self._notice = None
+        self._agreed = None
         self.urgent_agreed = False
         self.stop_if_hard(notice)
 

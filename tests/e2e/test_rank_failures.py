@@ -227,3 +227,38 @@ def test_a_job_that_destroys_its_group_during_a_periodic_save_commits_nothing_an
         assert "call guard.close() before destroy_process_group()" in refused["message"]
     for _, err in two_ranks("exit"):
         assert "the process group was destroyed while spotguard-save-5 was written: it is lost" in err
+
+
+def test_a_signal_reaching_one_rank_after_the_agreement_changes_no_rank_s_save_and_stops_both_at_the_next(
+    tmp_path: Path,
+) -> None:
+    """The ranks agreed on a periodic save; a SIGTERM reached rank 1 before its save. Rank 1's save was
+    urgent and in the foreground, rank 0's periodic and in the background: their collectives never
+    matched, and the job hung where the VM was going away. Rank 1 then left the loop alone, and rank
+    0 waited for it in the next step's agreement. Now the save keeps the agreed reason, and the stop
+    is agreed at the next step boundary, on both ranks."""
+    env = {**os.environ, "WORLD_SIZE": "2", "RENDEZVOUS_FILE": str(tmp_path / "rendezvous")}
+    root = tmp_path / "nvme"
+    procs = [
+        popen(
+            [sys.executable, "-m", "tests.e2e.dist_late_signal", str(root)],
+            env={**env, "RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for rank in range(2)
+    ]
+    outcomes = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err
+            outcomes.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            proc.kill()
+    for outcome in outcomes:
+        assert outcome["saves"] == [[2, "periodic"], [3, "urgent"]], outcomes
+        assert outcome["left_at"] == 3, outcomes
+    assert [info.step for info in scan_local(root) if info.status == "complete"][-1] == 3
+    assert load_manifest(root / "step-000000003").reason == "urgent"
