@@ -89,12 +89,18 @@ class Announced:
         for key in list(self.streams):
             self.drop(key)
 
-    def forget(self) -> None:
-        """The notice is over: nothing it announced counts any more."""
-        self.drop_streams()
-        self._checkpoints.clear()
-        self._saved.clear()
-        self._committed.clear()
+    def forget(self, up_to: str | None = None) -> None:
+        """The notice is over: nothing it announced counts any more. ``up_to``: only the checkpoints
+        of that step and older (what a handoff sent), the next notice's newer ones staying."""
+        last = None if up_to is None else parse_step_dir(up_to)
+        for key in list(self.streams):
+            if last is None or (parse_step_dir(key[0]) or 0) <= last:
+                self.drop(key)
+        for name in list(self._checkpoints):
+            if last is None or (parse_step_dir(name) or 0) <= last:
+                self._checkpoints.pop(name, None)
+                self._saved.discard(name)
+                self._committed.pop(name, None)
 
     # --- what was announced ---------------------------------------------------------------
 
@@ -104,6 +110,11 @@ class Announced:
 
     def any_saved(self) -> bool:
         return bool(self._saved)
+
+    def saved_after(self, name: str | None) -> bool:
+        """Whether a checkpoint newer than ``name`` (any, for None) was saved."""
+        last = -1 if name is None else parse_step_dir(name) or 0
+        return any((parse_step_dir(saved) or 0) > last for saved in self._saved)
 
     def is_saved(self, name: str) -> bool:
         return name in self._saved

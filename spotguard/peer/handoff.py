@@ -126,6 +126,7 @@ class Handoff:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._reset_at_end = False  # the notice ended while the handoff sent its save: forget at its end
+        self._start_pending = False  # a notice came while a handoff still sent: its own starts at that one's end
         self._ending: asyncio.Task[None] | None = None  # one cancelled by reset, closing its connections
 
     # --- what the daemon tells it -------------------------------------------------------
@@ -152,12 +153,24 @@ class Handoff:
         plan's size) and ``deadline`` (monotonic) decide how many flows the handoff needs."""
         self._expected, self._deadline = expected_bytes, deadline
         workers.pool().warm(_WARM_WORKERS)  # ready by the time the trainer's first bytes are
-        if self._task is None:
-            # A new handoff: what the status says of the last one (and the pacer's count of bytes
-            # sent, which it takes from the plan's size) starts again.
-            self.peer = self.name = self.error = None
-            self.bytes_sent, self.seconds, self.moves = 0, None, 0
-            self._task = asyncio.create_task(self._run(), name="peer-handoff")
+        if self._task is not None and not self._task.done():
+            # Still sending a checkpoint of an earlier notice (a rebalance recommendation's, with the
+            # interruption right behind it): this notice's goes once that one ends. Ignored, it went
+            # nowhere, and the end of the earlier one forgot it.
+            self._start_pending = True
+            return
+        if self._task is not None:  # the last notice's handoff ended (handed or failed) and was not reset
+            self._announced.forget(up_to=self.name)
+            self._queued_files.clear()
+        self._begin()
+
+    def _begin(self) -> None:
+        """A new handoff: what the status says of the last one (and the pacer's count of bytes sent,
+        which it takes from the plan's size) starts again."""
+        self.peer = self.name = self.error = None
+        self.bytes_sent, self.seconds, self.moves = 0, None, 0
+        self._reset_at_end = self._start_pending = False
+        self._task = asyncio.create_task(self._run(), name="peer-handoff")
 
     def reset(self) -> None:
         """The notice is over: forget what it announced. A handoff in flight with a save to send goes
@@ -165,6 +178,8 @@ class Handoff:
         with nothing saved is ended now: it would wait for a save that no longer comes, holding a
         replica slot on its peer, and the next notice would find it still running."""
         if self._task is not None and not self._task.done():
+            if self._start_pending and not self._announced.saved_after(self.name):
+                self._start_pending = False  # the later notice ended with nothing saved for it
             if self._announced.any_saved():
                 self._reset_at_end = True
                 return
@@ -177,7 +192,7 @@ class Handoff:
 
     def _forget(self) -> None:
         self._task = None
-        self._reset_at_end = False
+        self._reset_at_end = self._start_pending = False
         self._announced.forget()
         self._queued_files.clear()
         self.state = HandoffState.IDLE
@@ -202,8 +217,15 @@ class Handoff:
     async def _run(self) -> None:
         try:
             await self._hand_over()
+        except asyncio.CancelledError:  # reset or shut down: nothing starts after it
+            self._start_pending = False
+            raise
         finally:
-            if self._reset_at_end:
+            if self._start_pending:  # a later notice's checkpoint: what this one sent (and older) goes
+                self._announced.forget(up_to=self.name)
+                self._queued_files.clear()
+                self._begin()
+            elif self._reset_at_end:
                 self._forget()
 
     async def _hand_over(self) -> None:

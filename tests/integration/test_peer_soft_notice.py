@@ -22,7 +22,9 @@ from spotguard.emulate.common import RunningEmulator
 from spotguard.emulate.registry import start_emulator
 from spotguard.harness import Vm, wait_for
 from tests.checkpoints import write_checkpoint
-from tests.peers import bucket_keys, peer_behind_a_slow_bucket
+from tests.pacedrelay import PacedRelay
+from tests.peers import TOKEN, bucket_keys, peer_behind_a_slow_bucket
+from tests.servers import moto_s3, point_at
 
 MiB = 1 << 20
 REBALANCE_HORIZON = 120  # seconds from a rebalance recommendation's noticeTime to its deadline
@@ -118,3 +120,61 @@ def test_a_handoff_whose_notice_ends_with_nothing_saved_ends_and_the_next_notice
     wait_for(lambda: f"{name}/manifest.json" in bucket_keys(url), 30, f"B to commit {name} in the bucket")
     wait_for(lambda: vm_a.status()["peers"]["handoff"]["seconds"], 10, "A's handoff to finish")
     assert vm_a.status()["peers"]["handoff"]["name"] == name
+
+
+def test_a_notice_that_comes_while_the_last_notices_checkpoint_is_still_handed_over_gets_its_own_handoff(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """AWS posts a rebalance recommendation, then the interruption, often close together. The handoff
+    of the recommendation's checkpoint was still sending when the hard notice's plan routed to the
+    peer: that start was ignored, the end of the first handoff forgot the urgent checkpoint announced
+    meanwhile, and nothing handed it over (the route stayed ``peer``, so nothing asked again)."""
+    emu = start_emulator("aws")
+    try:
+        with moto_s3() as server, PacedRelay(server.endpoint_url, 1_000_000) as bucket_link:
+            url = point_at(server, monkeypatch)
+            monkeypatch.setenv("AWS_ENDPOINT_URL_S3", bucket_link.url)
+            monkeypatch.setenv("SPOTGUARD_PEER_TOKEN", TOKEN)
+            vm_b = Vm(tmp_path, "vm-b", url, extra_args=["--provider", "none", "--peer-listen", "127.0.0.1:0"])
+            vm_b.start_daemon()
+            listen = vm_b.status()["peers"]["listen"]
+            # B behind 3 MB/s a connection: the first checkpoint's 24 MiB take some 8 s to hand over.
+            with PacedRelay(f"http://{listen}", 3_000_000, buffer_bytes=64 * 1024) as peer_link:
+                aws = ["--provider", "aws", "--metadata-url", emu.url, "--poll-interval", "0.2"]
+                peers = ["--peers", peer_link.url.removeprefix("http://")]
+                vm_a = Vm(tmp_path, "vm-a", url, extra_args=[*aws, *peers])
+                write_checkpoint(vm_a.root, 1, {"state.bin": bytes(24 * MiB)})
+                vm_a.start_daemon()
+                try:
+                    wait_for(lambda: vm_a.status()["upload_rate_bytes_s"], 30, "A's upload-rate probe")
+                    soft = rebalance(vm_a, emu, seconds_left=20)
+                    first = save_for(vm_a, soft, 5, size=24 * MiB)
+                    wait_for(
+                        lambda: (h := vm_a.status()["peers"]["handoff"])["name"] == first and h["state"] == "sending",
+                        10,
+                        f"A to be handing {first} over",
+                    )
+                    request(vm_a.socket, "drill", deadline_s=8)  # 24 MiB at 1 MB/s: the bucket cannot
+                    hard = wait_for(
+                        lambda: (n := vm_a.status()["last_notice"]) and n["kind"] == "drill" and n, 10, "the drill"
+                    )
+                    wait_for(lambda: (vm_a.status()["plan"] or {}).get("route") == "peer", 10, "the plan: peer")
+                    handoff = vm_a.status()["peers"]["handoff"]
+                    assert (handoff["name"], handoff["state"]) == (first, "sending"), handoff  # what is under test
+                    urgent = write_checkpoint(vm_a.root, 6, {"state.bin": os.urandom(12 * MiB)}, reason="urgent")
+                    request(vm_a.socket, "saved", path=str(urgent), step=6, reason="urgent", event_id=hard["event_id"])
+                    wait_for(
+                        lambda: (
+                            (h := vm_a.status()["peers"]["handoff"])["name"] == urgent.name
+                            and h["state"] in ("handed", "failed")
+                        ),
+                        60,
+                        f"A to hand {urgent.name} over too",
+                    )
+                    assert vm_a.status()["peers"]["handoff"]["state"] == "handed"
+                    assert vm_a.log.read_text().count("-> handed") == 2
+                finally:
+                    vm_a.kill_daemon()
+            vm_b.kill_daemon()
+    finally:
+        emu.stop()
