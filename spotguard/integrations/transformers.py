@@ -131,6 +131,10 @@ class SpotguardCallback(transformers.TrainerCallback):
         if self.guard is not None and self.guard.should_checkpoint(state.global_step):
             self._save_step = state.global_step
             control.should_save = True  # the Trainer writes checkpoint-N, then calls on_save
+            if self.guard.save_reason() != "periodic":
+                # No evaluation against a deadline; and after one, save_strategy="best" sets should_save
+                # to whether the metric improved, which dropped the notice's checkpoint.
+                control.should_evaluate = False
 
     def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._save_after_evaluation(state, control)
@@ -163,8 +167,7 @@ class SpotguardCallback(transformers.TrainerCallback):
                 # shards, under FSDP), which would otherwise be missing from the checkpoint and left
                 # behind in output_dir at every save.
                 if guard.node_leader and written.is_dir():
-                    # A rename when output_dir is the root (the usual case): nothing is copied.
-                    shutil.move(written, step_dir / relpath)
+                    _take(written, step_dir / relpath, keep=_same_dir(state.best_model_checkpoint, written))
                 elif guard.rank == 0:
                     # Raised inside the commit, so every rank hears of it instead of waiting for rank 0.
                     raise FileNotFoundError(f"spotguard: the Trainer's checkpoint {written} is not where it should be")
@@ -174,3 +177,24 @@ class SpotguardCallback(transformers.TrainerCallback):
             self.last_saved = step_dir
         if guard.stop_requested:
             control.should_training_stop = True
+
+
+def _same_dir(path: str | None, written: Path) -> bool:
+    return path is not None and Path(path).resolve() == written.resolve()
+
+
+def _take(written: Path, destination: Path, *, keep: bool) -> None:
+    """The Trainer's checkpoint into the step directory: a rename when output_dir is the root (the
+    usual case), nothing copied. ``keep``: the Trainer still points at it (its best model, which
+    load_best_model_at_end loads): linked file by file (copied across filesystems) and left in place."""
+    if not keep:
+        shutil.move(written, destination)
+        return
+
+    def link(source: str, target: str) -> None:
+        try:
+            os.link(source, target)
+        except OSError:
+            shutil.copy2(source, target)
+
+    shutil.copytree(written, destination, copy_function=link)
