@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Unpack
 
 import lightning.pytorch as pl
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
 from spotguard.integrations.common import ResumeAnswer, check_ranks_resume_alike, checked_options, resume_for
 from spotguard.trainer.external import AlreadyCommitted
@@ -78,6 +79,7 @@ def _save_checkpoint(trainer: pl.Trainer, path: Path) -> None:
         nonlocal write_failed
         try:
             write(*args, **kwargs)
+            _finish_queued_write(strategy)
         except BaseException:
             write_failed = True
             raise
@@ -302,3 +304,12 @@ class SpotguardCallback(pl.Callback):
         # Another number of ranks than the run that saved: every rank takes rank 0's states.
         rank = dist.rank() if len(states) == dist.world_size() else 0
         self._rng_to_restore = states[rank]
+
+
+def _finish_queued_write(strategy: Any) -> None:
+    """Lightning's AsyncCheckpointIO only queues the write (a thread of its own): wait for it, its
+    error raised here, before the step directory is committed. The commit listed no file, and a fresh
+    VM's resume found nothing to resume. Its teardown waits and raises; its next save sets it up again."""
+    io = getattr(strategy, "checkpoint_io", None)
+    if isinstance(io, AsyncCheckpointIO):
+        io.teardown()
