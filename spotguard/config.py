@@ -222,6 +222,13 @@ class DaemonConfig:
             raise ConfigError("stall_fraction", f"must be in (0, 1], got {self.stall_fraction}")
         if not self.notice_grace >= 0:
             raise ConfigError("notice_grace", f"must be >= 0, got {self.notice_grace}")
+        if not self.allowed_uids:
+            # An empty SPOTGUARD_ALLOWED_UIDS= (a template's unset value) did it: even the daemon's own
+            # uid was refused, its status command and a liveness probe with it.
+            raise ConfigError(
+                "allowed_uids", "is empty, which refuses every client, the daemon's own uid too; leave it "
+                "unset for the default (the daemon's own uid and root), or list the uids",
+            )  # fmt: skip
         for name in ("allowed_uids", "allowed_gids", "trainer_uids"):
             # (uid_t)-1 is no user: chown's "leave it" and setuid's error, never a peer's credential.
             wrong = [each for each in getattr(self, name) if not 0 <= each < 2**32 - 1]
@@ -385,8 +392,11 @@ def _as_bool(value: Any) -> bool:
 
 
 def _as_int_tuple(value: Any) -> tuple[int, ...]:
+    """Whole numbers (uids, gids): ``[true, 1000.9]`` read as (1, 1000), an id nobody asked for."""
     items = value if isinstance(value, list | tuple) else str(value).replace(",", " ").split()
-    return tuple(int(item) for item in items)
+    if any(isinstance(item, bool) for item in items):
+        raise ValueError("a list of whole numbers, not of booleans")
+    return tuple(_as_whole_number(item) for item in items)
 
 
 def _as_str_tuple(value: Any) -> tuple[str, ...]:

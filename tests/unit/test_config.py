@@ -40,6 +40,28 @@ def test_config_file_from_environment_and_daemon_table(tmp_path: Path) -> None:
     assert config.imds_v1_fallback is True
 
 
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"SPOTGUARD_ALLOWED_UIDS": "[true, 1000]"}, "not a whole number"),
+        ({"SPOTGUARD_ALLOWED_UIDS": "0 1000.9"}, "not a whole number"),
+        ({"SPOTGUARD_ALLOWED_UIDS": ""}, "refuses every client"),
+    ],
+)
+def test_uid_lists_are_whole_numbers_and_never_empty(env: dict[str, str], message: str) -> None:
+    """``[true, 1000.9]`` read as uids 1 and 1000, ids nobody asked for; an empty variable refused
+    every client, the daemon's own status command and liveness probe too."""
+    with pytest.raises(ConfigError, match=message):
+        load_config({}, env=env)
+
+
+def test_a_file_s_uid_list_of_booleans_is_refused(tmp_path: Path) -> None:
+    file = tmp_path / "c.toml"
+    file.write_text("allowed_uids = [true, 1000]\n")
+    with pytest.raises(ConfigError, match=r"allowed_uids.*booleans"):
+        load_config({}, env={}, config_file=file)
+
+
 def test_top_level_keys_and_a_daemon_table_after_them_are_read_together(tmp_path: Path) -> None:
     """As the Terraform boot script writes the file: its keys at the top, then a user's extra lines,
     which may open [daemon]. Every top-level key was dropped then: the bucket among them, silently."""
