@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from spotguard.notice import EXIT_STOPPED
 from spotguard.version import __version__
 
-__all__ = ["Guard", "SpotguardDiskFull", "SpotguardMismatch", "__version__"]
+__all__ = ["EXIT_STOPPED", "Guard", "SpotguardDiskFull", "SpotguardMismatch", "__version__"]
 
 if TYPE_CHECKING:
     from spotguard.space import SpotguardDiskFull

@@ -34,6 +34,11 @@ HARD_KINDS = frozenset({Kind.TERMINATE, Kind.STOP, Kind.HIBERNATE, Kind.DRILL, K
 # upload no retry budget at all, yet the VM still runs its shutdown for a while; this window (GCP's
 # preemption notice) is the budget they get.
 UNTIMED_NOTICE_WINDOW = timedelta(seconds=30)
+#: A training script's exit status once a hard notice stopped its loop (``sys.exit(guard.exit_code)``;
+#: sysexits' EX_TEMPFAIL): the run is not over and goes on elsewhere, from the checkpoint just saved.
+#: Exiting 0 there, a Kubernetes Job counted the run complete and started no replacement pod
+#: (kubernetes/example-trainer/job.yaml ignores this status in its podFailurePolicy, so one is started).
+EXIT_STOPPED = 75
 
 
 class Action(StrEnum):

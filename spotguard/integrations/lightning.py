@@ -52,6 +52,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
 from spotguard.integrations.common import ResumeAnswer, check_ranks_resume_alike, checked_options, resume_for
+from spotguard.notice import EXIT_STOPPED
 from spotguard.trainer.external import AlreadyCommitted
 from spotguard.trainer.settings import GuardOptions
 
@@ -149,6 +150,8 @@ class SpotguardCallback(pl.Callback):
         self._guard_options = checked_options(options)
         self.guard: Guard | None = None
         self.last_saved: Path | None = None  # the step directory of the last committed checkpoint
+        # ``sys.exit(callback.exit_code)`` after training: EXIT_STOPPED once a hard notice stopped it.
+        self.exit_code = 0
         self._checked_step: int | None = None
         self._rng_to_restore: dict[str, Any] | None = None
         self._resumed: ResumeAnswer = None  # what resume_path() found, compared across ranks in setup()
@@ -240,6 +243,7 @@ class SpotguardCallback(pl.Callback):
             self.last_saved = step_dir
         if guard.stop_requested:
             trainer.should_stop = True
+            self.exit_code = EXIT_STOPPED
 
     # --- between step boundaries: evaluation, before the first step -------------------------
 

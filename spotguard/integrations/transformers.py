@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any, Unpack
 import transformers
 
 from spotguard.integrations.common import ResumeAnswer, check_ranks_resume_alike, checked_options, resume_for
+from spotguard.notice import EXIT_STOPPED
 from spotguard.trainer.external import AlreadyCommitted
 from spotguard.trainer.settings import GuardOptions
 
@@ -76,6 +77,8 @@ class SpotguardCallback(transformers.TrainerCallback):
         self._guard_options = checked_options(options)
         self.guard: Guard | None = None
         self.last_saved: Path | None = None  # the step directory of the last committed checkpoint
+        # ``sys.exit(callback.exit_code)`` after training: EXIT_STOPPED once a hard notice stopped it.
+        self.exit_code = 0
         self._save_step: int | None = None  # the step this callback asked the Trainer to save
         self._resumed: ResumeAnswer = None  # what resume_path() found, compared across ranks at train begin
 
@@ -177,6 +180,7 @@ class SpotguardCallback(transformers.TrainerCallback):
             self.last_saved = step_dir
         if guard.stop_requested:
             control.should_training_stop = True
+            self.exit_code = EXIT_STOPPED
 
 
 def _same_dir(path: str | None, written: Path) -> bool:

@@ -20,6 +20,7 @@ from types import FrameType
 from typing import Any
 
 from spotguard.localstore import CheckpointWriter
+from spotguard.notice import EXIT_STOPPED
 from spotguard.space import SpotguardDiskFull
 from spotguard.trainer import dist, threads
 from spotguard.trainer.announce import SizeAnnouncer
@@ -226,6 +227,12 @@ class Guard:
         the two calls must not end the loop before the checkpoint it asked for is taken.
         """
         return self._flags.stop_agreed
+
+    @property
+    def exit_code(self) -> int:
+        """``sys.exit(guard.exit_code)`` at the end of a training script: 0, or :data:`EXIT_STOPPED`
+        once a hard notice stopped the loop (the run is to go on elsewhere)."""
+        return EXIT_STOPPED if self.stop_requested else 0
 
     @property
     def node_leader(self) -> bool:

@@ -454,3 +454,20 @@ def test_the_init_container_leaves_the_checkpoint_root_setgid_as_its_identity_an
     assert done.returncode == 0, done.stderr
     root = tmp_path / "checkpoints"
     assert (root.stat().st_mode & 0o7777, root.stat().st_gid) == (0o2770, 10001)
+
+
+def test_the_example_job_starts_a_new_pod_when_its_trainer_stops_for_a_notice(rendered: dict[str, Path]) -> None:
+    """A trainer that saved for a hard notice and left its loop exited 0: the Job was complete, with
+    the run unfinished and no replacement pod. It exits EXIT_STOPPED, which the Job ignores as a
+    failure (no count against backoffLimit), and a new pod resumes from the bucket."""
+    from spotguard import EXIT_STOPPED
+
+    job = load(rendered, "example-trainer")["Job"]["spec"]
+    trainer = container(job["template"]["spec"], "trainer")["name"]
+    ignored = [
+        rule["onExitCodes"]
+        for rule in job["podFailurePolicy"]["rules"]
+        if rule["action"] == "Ignore" and "onExitCodes" in rule
+    ]
+    assert {"containerName": trainer, "operator": "In", "values": [EXIT_STOPPED]} in ignored
+    assert job["template"]["spec"]["restartPolicy"] == "Never"  # what podFailurePolicy requires

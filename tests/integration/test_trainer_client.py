@@ -279,3 +279,16 @@ def test_a_peer_resume_reply_with_a_malformed_list_leaves_the_resume_to_go_on(tm
         with Guard(checkpoint_dir=root, socket=path, handle_sigterm=False) as guard:
             assert guard.resume({"w": 1}) == 0  # nothing anywhere: a fresh start, not a TypeError
     assert [r["after"] for r in asked] == [-1]
+
+
+def test_a_loop_stopped_by_a_hard_notice_exits_with_exit_stopped(tmp_path: Path) -> None:
+    from spotguard import EXIT_STOPPED, Guard
+
+    with Guard(checkpoint_dir=tmp_path / "root", socket=tmp_path / "none.sock", handle_sigterm=False) as guard:
+        assert guard.exit_code == 0
+        assert not guard.should_checkpoint(1)
+        guard.notify_sigterm()
+        assert guard.should_checkpoint(2)
+        guard.save({"w": 2}, 2)
+        assert guard.stop_requested
+    assert guard.exit_code == EXIT_STOPPED == 75

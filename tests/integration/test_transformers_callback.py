@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import transformers
 
+from spotguard import EXIT_STOPPED
 from spotguard.integrations.transformers import SpotguardCallback
 from tests.e2e.integration_trainers import TokenDataset
 
@@ -67,6 +68,7 @@ def test_a_notice_under_save_strategy_best_is_saved_though_the_metric_did_not_im
     trainer.train()
     assert trainer.state.global_step == 2
     assert callback.last_saved is not None and callback.last_saved.name == "step-000000002"
+    assert callback.exit_code == EXIT_STOPPED  # the run goes on elsewhere: no exit 0
 
 
 def test_the_trainers_best_model_stays_where_load_best_model_at_end_looks(tmp_path: Path) -> None:
@@ -91,3 +93,4 @@ def test_the_trainers_best_model_stays_where_load_best_model_at_end_looks(tmp_pa
     steps = sorted(p.name for p in out.glob("step-*"))
     assert steps[-1] == "step-000000006"
     assert (out / "step-000000002" / "checkpoint-2").is_dir() or "step-000000002" not in steps
+    assert callback.exit_code == 0
