@@ -154,7 +154,7 @@ def dockerfile_arg(name: str) -> str:
 def test_every_kustomization_renders(target: str) -> None:
     kinds = sorted(doc["kind"] for doc in documents(kustomize(KUBERNETES / target)))
     if target.startswith("overlays/"):
-        assert kinds == ["ConfigMap", "DaemonSet", "Namespace", "NetworkPolicy", "ServiceAccount"]
+        assert kinds == ["ConfigMap", "DaemonSet", "Namespace", "NetworkPolicy", "ResourceQuota", "ServiceAccount"]
     else:
         assert kinds == ["Job", "Namespace", "NetworkPolicy", "ServiceAccount"]
 
@@ -471,3 +471,17 @@ def test_the_example_job_starts_a_new_pod_when_its_trainer_stops_for_a_notice(re
     ]
     assert {"containerName": trainer, "operator": "In", "values": [EXIT_STOPPED]} in ignored
     assert job["template"]["spec"]["restartPolicy"] == "Never"  # what podFailurePolicy requires
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_a_quota_scopes_the_daemon_s_priority_class_in_its_namespace(overlay: str, rendered: dict[str, Path]) -> None:
+    """GKE admits a system-node-critical pod outside kube-system only where a ResourceQuota scopes that
+    class: without one the DaemonSet created no pod ("insufficient quota to match these scopes")."""
+    objects = load(rendered, overlay)
+    daemonset = objects["DaemonSet"]
+    priority = daemonset["spec"]["template"]["spec"]["priorityClassName"]
+    quota = objects["ResourceQuota"]
+    assert quota["metadata"]["namespace"] == daemonset["metadata"]["namespace"]
+    (scope,) = quota["spec"]["scopeSelector"]["matchExpressions"]
+    assert (scope["scopeName"], scope["operator"], scope["values"]) == ("PriorityClass", "In", [priority])
+    assert int(quota["spec"]["hard"]["pods"]) >= 1000  # a pod per node of a large cluster
