@@ -12,6 +12,7 @@ the GIL to whatever else the test runs (moto).
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 import time
 from types import TracebackType
@@ -37,6 +38,9 @@ class PacedRelay:
         self._frozen = threading.Event()
         self._sockets: list[socket.socket] = []
         self._lock = threading.Lock()
+        self._accepted = 0
+        self._reset: tuple[int, int] | None = None  # (connection, bytes): reset_after()
+        self.was_reset = threading.Event()
 
     def __enter__(self) -> PacedRelay:
         threading.Thread(target=self._accept, daemon=True).start()
@@ -60,6 +64,12 @@ class PacedRelay:
         acknowledged past them."""
         self._frozen.set()
 
+    def reset_after(self, connection: int, nbytes: int) -> None:
+        """Reset connection number ``connection`` (0 the first accepted) both ways once ``nbytes`` went
+        upstream through it, as one TCP connection lost (a middlebox, a NAT entry dropped); the
+        others go on. ``was_reset`` is set then."""
+        self._reset = (connection, nbytes)
+
     def _accept(self) -> None:
         while not self._closed.is_set():
             try:
@@ -69,11 +79,13 @@ class PacedRelay:
                 return
             with self._lock:
                 self._sockets += [client, server]
-            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
+                index, self._accepted = self._accepted, self._accepted + 1
+            threading.Thread(target=self._pump, args=(client, server, True, index), daemon=True).start()
             threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
 
-    def _pump(self, source: socket.socket, sink: socket.socket, paced: bool) -> None:
+    def _pump(self, source: socket.socket, sink: socket.socket, paced: bool, index: int | None = None) -> None:
         due = time.monotonic()  # when the bytes passed so far are due at the cap
+        passed = 0
         try:
             while data := source.recv(64 * 1024):
                 if self._frozen.is_set():
@@ -87,6 +99,13 @@ class PacedRelay:
                     if ahead > 0:
                         time.sleep(ahead)  # this connection's cap
                 sink.sendall(data)
+                passed += len(data)
+                if self._reset is not None and self._reset[0] == index and passed >= self._reset[1]:
+                    for each in (source, sink):  # RST both ways (linger 0): the bytes in flight are lost
+                        each.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                        each.close()
+                    self.was_reset.set()
+                    return
             sink.shutdown(socket.SHUT_WR)
         except OSError:
             pass

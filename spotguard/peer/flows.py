@@ -182,6 +182,10 @@ class Flows:
         self._error: BaseException | None = None
         self._workers: dict[asyncio.Task[None], PeerClient] = {}
         self._finishing: list[PeerClient] = []  # joined flows waiting for the peer's "done" (sent())
+        # What each joined flow sent that its peer has not yet confirmed reading (its "done", at sent()):
+        # a joined flow that fails alone gives them back, since the bytes still in its socket's buffers
+        # are lost with it (the replica was refused as never received in full, a healthy peer's).
+        self._unconfirmed: dict[PeerClient, list[Piece]] = {}
         self.on_failure: Callable[[], None] = lambda: None  # called once the flows failed (the owner wakes)
         self._start(opener)
 
@@ -219,29 +223,42 @@ class Flows:
     async def sent(self) -> None:
         """The last call before the commit: wait until every queued piece went out, stop the flows,
         and wait until the peer has read each joined flow's frames (it answers a ``done`` once the
-        frames before it are in). Raises :class:`FlowsFailed` (or the error that ended the opener)
-        if the flows could not carry them."""
-        while self._queue or self._sending:
+        frames before it are in). A joined flow lost before its ``done`` gives its pieces back, and
+        the opener sends them. Raises :class:`FlowsFailed` (or the error that ended the opener) if
+        the flows could not carry them."""
+        while True:
+            while self._queue or self._sending:
+                self.raise_if_failed()
+                self._progress.clear()
+                await self._progress.wait()
             self.raise_if_failed()
-            self._progress.clear()
-            await self._progress.wait()
-        self.raise_if_failed()
-        workers, self._workers = self._workers, {}
-        for task in workers:
-            task.cancel("every piece went out")  # each waits for a piece, or pings
-        await asyncio.gather(*workers, return_exceptions=True)
-        finishing = self._finishing = [client for client in workers.values() if client is not self.opener]
+            workers, self._workers = self._workers, {}
+            for task in workers:
+                task.cancel("every piece went out")  # each waits for a piece, or pings
+            await asyncio.gather(*workers, return_exceptions=True)
+            if not await self._finish([client for client in workers.values() if client is not self.opener]):
+                return
+            self._start(self.opener)  # what a joined flow lost goes again on the opener
+
+    async def _finish(self, finishing: list[PeerClient]) -> bool:
+        """Each joined flow's ``done`` from the peer; whether one was lost before it (its pieces
+        queued again)."""
+        self._finishing = finishing
+        lost = False
         try:
             for client in finishing:
                 try:
                     await client.finish()
-                except (OSError, wire.PeerError):
+                except (OSError, wire.PeerError) as exc:
                     self.raise_if_failed()  # the watch ended it: say why
-                    raise
+                    self._give_back(client, exc)
+                    lost = True
         finally:
             self._finishing = []
             for client in finishing:
                 await client.close()
+                self._release_unconfirmed(client)
+        return lost
 
     async def grow(self) -> bool:
         """One more flow, if the bound allows and the peer takes it; whether one was added."""
@@ -367,6 +384,25 @@ class Flows:
         for piece in self._queue.drain():
             self._queued_bytes -= piece.length
             piece.source.release()
+        for client in list(self._unconfirmed):
+            self._release_unconfirmed(client)
+
+    def _give_back(self, client: PeerClient, exc: BaseException | None) -> None:
+        """A joined flow failed alone: what it sent unconfirmed goes again, first (the receiver takes
+        overlapping ranges)."""
+        lost = self._unconfirmed.pop(client, [])
+        for piece in reversed(lost):
+            self._queue.push_front(Piece(piece.source, piece.offset, piece.length))
+            self._queued_bytes += piece.length
+        logger.warning(
+            "peer handoff: a flow to %s failed (%s); %d go on, sending again the %d piece(s) it had sent",
+            client.address, exc, self.count, len(lost),
+        )  # fmt: skip
+        self._more.set()
+
+    def _release_unconfirmed(self, client: PeerClient) -> None:
+        for piece in self._unconfirmed.pop(client, []):
+            piece.source.release()
 
     # --- one flow ------------------------------------------------------------------------
 
@@ -400,6 +436,11 @@ class Flows:
                 self.bytes_sent += piece.length
                 if piece.sent is not None:
                     piece.sent(piece)
+                if client is not self.opener:  # held until the peer says it read them (sent())
+                    self._unconfirmed.setdefault(client, []).append(piece)
+                    self._queued_bytes -= piece.length
+                    self._progress.set()
+                    continue
             self._queued_bytes -= piece.length
             source.release()
             self._progress.set()
@@ -414,7 +455,7 @@ class Flows:
                 self._error = exc if exc is not None else FlowsFailed("closed", "a flow ended")
             self.on_failure()
         else:
-            logger.warning("peer handoff: a flow to %s failed (%s); %d go on", client.address, exc, self.count)
+            self._give_back(client, exc)
             client.channel.close()  # its transport goes; nothing to wait for
         self._progress.set()
         self._more.set()  # the others take what it left

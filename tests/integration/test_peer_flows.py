@@ -79,6 +79,26 @@ def test_a_capped_flow_gets_company_until_the_deadline_can_be_met(receiver_vm: V
     wait_for(lambda: 11 in committed_steps(url), 30, "B's commit of the handed-over step in the bucket")
 
 
+@pytest.mark.slow
+def test_a_joined_flow_lost_alone_has_its_pieces_sent_again_by_the_others(
+    receiver_vm: Vm, url: str, tmp_path: Path
+) -> None:
+    """A flow's piece counts as sent once the kernel took it. A joined flow whose connection was reset
+    lost the tail of a piece still in the buffers; only the piece it was sending went back, the
+    peer refused the replica at the commit (bytes never received), and the handoff failed, as for a
+    replica unlike its manifest: no other peer, no resend, with a healthy peer."""
+    step_dir = write_checkpoint(tmp_path / "sender", 9, {f"part{i}.bin": os.urandom(16 * MiB) for i in range(3)})
+    host, port = address(receiver_vm)
+    with PacedRelay(f"http://{host}:{port}", 2_000_000) as relay:
+        relay.reset_after(1, 8 * MiB - 256 * 1024)  # the first joined flow, its first piece's tail unread
+        where = relay.url.removeprefix("http://").split(":")
+        handoff = asyncio.run(hand_over(step_dir, url, (where[0], int(where[1])), seconds_left=20))
+    assert relay.was_reset.is_set()
+    assert handoff.state is HandoffState.HANDED, handoff.status()
+    assert handoff.moves == 0
+    wait_for(lambda: 9 in committed_steps(url), 60, "B to commit the replica in the bucket")
+
+
 def test_a_fast_link_keeps_one_flow(receiver_vm: Vm, url: str, tmp_path: Path) -> None:
     step_dir = write_checkpoint(tmp_path / "vm-a", 12, {"weights.bin": os.urandom(8 * MiB)})
     handoff = asyncio.run(hand_over(step_dir, url, address(receiver_vm), seconds_left=60.0))
