@@ -115,13 +115,23 @@ class ShardedState:
     per_rank_keys: list[str]
     tree: dict[str, Any]
     per_rank: Mapping[str, Any]
+    fresh_optimizers: list[str] = dataclasses.field(default_factory=list)  # never stepped when saved
 
 
 def split_state(state: Mapping[str, Any]) -> ShardedState:
-    """``state`` as :func:`save_sharded` writes it (the model's ``get_state_dict``, a collective under FSDP)."""
+    """``state`` as :func:`save_sharded` writes it (the model's ``get_state_dict``, a collective under FSDP).
+
+    ``get_state_dict`` gives an optimizer that never stepped a state by stepping it once with zero
+    gradients and lr 0 (Adam's step count 1, its moments zero): a save before the first step (a notice
+    that early) changed training, and every run resumed from it, by one step of bias correction. Such
+    an optimizer is left as it was, and the checkpoint says so (its ``fresh_optimizers``)."""
     model, optimizers, rest = _parts(state)
     per_rank = Payloads({key: state[key] for key in rest})
-    return ShardedState(model, optimizers, rest, _tree(state, model, optimizers), per_rank)
+    fresh = [key for key in optimizers if not state[key].state]
+    tree = _tree(state, model, optimizers)
+    for key in fresh:
+        state[key].state.clear()  # the tree keeps what DCP writes; the live optimizer is fresh again
+    return ShardedState(model, optimizers, rest, tree, per_rank, fresh)
 
 
 class ShardedStager:
@@ -183,6 +193,7 @@ def save_sharded(
             layout=LAYOUT,
             model=sharded.model,
             optimizers=sharded.optimizers,
+            fresh_optimizers=sharded.fresh_optimizers,
             per_rank=sharded.per_rank_keys,
             world_size=dist.world_size(),
             nodes=len(dict.fromkeys(key for key, _ in shares)),
@@ -303,6 +314,8 @@ def load_sharded(
             optim_state_dict=tree.get(OPTIMIZERS_KEY, {}),
             options=StateDictOptions(strict=not left_out),
         )
+        for key in set(optimizers) & set(manifest.meta.get("fresh_optimizers") or []):
+            state[key].state.clear()  # saved before its first step: fresh, as it was (split_state)
     for key in [*rest, RNG_KEY]:
         name = entry_file(key, rank)
         if name not in manifest.files:

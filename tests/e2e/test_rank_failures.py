@@ -262,3 +262,40 @@ def test_a_signal_reaching_one_rank_after_the_agreement_changes_no_rank_s_save_a
         assert outcome["left_at"] == 3, outcomes
     assert [info.step for info in scan_local(root) if info.status == "complete"][-1] == 3
     assert load_manifest(root / "step-000000003").reason == "urgent"
+
+
+def test_a_save_of_several_ranks_before_the_first_step_changes_neither_training_nor_its_resume(tmp_path: Path) -> None:
+    """DCP's get_state_dict steps an optimizer that never stepped once (zero gradients, lr 0) to give
+    it a state: a save that early (a notice before the first step) left Adam at step 1 with zero
+    moments, so the run and every run resumed from the checkpoint were a step of bias correction off
+    an uninterrupted one."""
+    root = tmp_path / "nvme"
+
+    def ranks(how: str) -> list[dict[str, Any]]:
+        env = {**os.environ, "WORLD_SIZE": "2", "RENDEZVOUS_FILE": str(tmp_path / f"rendezvous-{how}")}
+        procs = [
+            popen(
+                [sys.executable, "-m", "tests.e2e.dist_fresh_optimizer", str(root), how],
+                env={**env, "RANK": str(rank)},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+            for rank in range(2)
+        ]
+        outcomes = []
+        try:
+            for proc in procs:
+                out, err = proc.communicate(timeout=120)
+                assert proc.returncode == 0, err
+                outcomes.append(json.loads(out.strip().splitlines()[-1]))
+        finally:
+            for proc in procs:
+                proc.kill()
+        return outcomes
+
+    plain, saved, resumed = ranks("plain"), ranks("save"), ranks("resume")
+    for rank in range(2):
+        assert saved[rank]["after_save"] == []  # still never stepped
+        assert saved[rank]["steps"] == resumed[rank]["steps"] == plain[rank]["steps"] == [3.0, 3.0]
+        assert saved[rank]["params"] == plain[rank]["params"]
+        assert resumed[rank]["params"] == plain[rank]["params"]
