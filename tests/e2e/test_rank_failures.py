@@ -67,6 +67,31 @@ def run_two_ranks(
     return lines
 
 
+def last_lines(rendezvous: Path, module: str, *args: str) -> list[dict[str, Any]]:
+    """Both ranks of the gloo job ``python -m module args``, each to a clean exit; the JSON of each
+    one's last line of output, rank 0's first."""
+    env = {**os.environ, "WORLD_SIZE": "2", "RENDEZVOUS_FILE": str(rendezvous)}
+    procs = [
+        popen(
+            [sys.executable, "-m", module, *args],
+            env={**env, "RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for rank in range(2)
+    ]
+    outcomes = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err
+            outcomes.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            proc.kill()
+    return outcomes
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("reason", ["urgent", "periodic"])
 def test_a_rank_whose_write_fails_takes_every_rank_down_with_the_same_error(
@@ -237,26 +262,8 @@ def test_a_signal_reaching_one_rank_after_the_agreement_changes_no_rank_s_save_a
     matched, and the job hung where the VM was going away. Rank 1 then left the loop alone, and rank
     0 waited for it in the next step's agreement. Now the save keeps the agreed reason, and the stop
     is agreed at the next step boundary, on both ranks."""
-    env = {**os.environ, "WORLD_SIZE": "2", "RENDEZVOUS_FILE": str(tmp_path / "rendezvous")}
     root = tmp_path / "nvme"
-    procs = [
-        popen(
-            [sys.executable, "-m", "tests.e2e.dist_late_signal", str(root)],
-            env={**env, "RANK": str(rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-        for rank in range(2)
-    ]
-    outcomes = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=120)
-            assert proc.returncode == 0, err
-            outcomes.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for proc in procs:
-            proc.kill()
+    outcomes = last_lines(tmp_path / "rendezvous", "tests.e2e.dist_late_signal", str(root))
     for outcome in outcomes:
         assert outcome["saves"] == [[2, "periodic"], [3, "urgent"]], outcomes
         assert outcome["left_at"] == 3, outcomes
@@ -272,26 +279,7 @@ def test_a_save_of_several_ranks_before_the_first_step_changes_neither_training_
     root = tmp_path / "nvme"
 
     def ranks(how: str) -> list[dict[str, Any]]:
-        env = {**os.environ, "WORLD_SIZE": "2", "RENDEZVOUS_FILE": str(tmp_path / f"rendezvous-{how}")}
-        procs = [
-            popen(
-                [sys.executable, "-m", "tests.e2e.dist_fresh_optimizer", str(root), how],
-                env={**env, "RANK": str(rank)},
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-            )
-            for rank in range(2)
-        ]
-        outcomes = []
-        try:
-            for proc in procs:
-                out, err = proc.communicate(timeout=120)
-                assert proc.returncode == 0, err
-                outcomes.append(json.loads(out.strip().splitlines()[-1]))
-        finally:
-            for proc in procs:
-                proc.kill()
-        return outcomes
+        return last_lines(tmp_path / f"rendezvous-{how}", "tests.e2e.dist_fresh_optimizer", str(root), how)
 
     plain, saved, resumed = ranks("plain"), ranks("save"), ranks("resume")
     for rank in range(2):

@@ -23,8 +23,7 @@ from spotguard.emulate.registry import start_emulator
 from spotguard.harness import Vm, wait_for
 from tests.checkpoints import write_checkpoint
 from tests.pacedrelay import PacedRelay
-from tests.peers import TOKEN, bucket_keys, peer_behind_a_slow_bucket
-from tests.servers import moto_s3, point_at
+from tests.peers import bucket_keys, peer_behind_a_slow_bucket
 
 MiB = 1 << 20
 REBALANCE_HORIZON = 120  # seconds from a rebalance recommendation's noticeTime to its deadline
@@ -131,12 +130,7 @@ def test_a_notice_that_comes_while_the_last_notices_checkpoint_is_still_handed_o
     meanwhile, and nothing handed it over (the route stayed ``peer``, so nothing asked again)."""
     emu = start_emulator("aws")
     try:
-        with moto_s3() as server, PacedRelay(server.endpoint_url, 1_000_000) as bucket_link:
-            url = point_at(server, monkeypatch)
-            monkeypatch.setenv("AWS_ENDPOINT_URL_S3", bucket_link.url)
-            monkeypatch.setenv("SPOTGUARD_PEER_TOKEN", TOKEN)
-            vm_b = Vm(tmp_path, "vm-b", url, extra_args=["--provider", "none", "--peer-listen", "127.0.0.1:0"])
-            vm_b.start_daemon()
+        with peer_behind_a_slow_bucket(tmp_path, monkeypatch) as (url, vm_b):
             listen = vm_b.status()["peers"]["listen"]
             # B behind 3 MB/s a connection: the first checkpoint's 24 MiB take some 8 s to hand over.
             with PacedRelay(f"http://{listen}", 3_000_000, buffer_bytes=64 * 1024) as peer_link:
@@ -175,6 +169,5 @@ def test_a_notice_that_comes_while_the_last_notices_checkpoint_is_still_handed_o
                     assert vm_a.log.read_text().count("-> handed") == 2
                 finally:
                     vm_a.kill_daemon()
-            vm_b.kill_daemon()
     finally:
         emu.stop()
