@@ -150,6 +150,8 @@ def test_node_0_gives_up_a_checkpoint_whose_other_share_never_comes_once_a_newer
                 (bucket / later.name / "shard.rank1.pt").write_bytes(rank1)
                 uploader.submit(later, urgent=False)
                 await wait_async(lambda later=later: later.name in uploader.committed, 30)
+            # Retention runs right after each commit is announced: keep_local counts step 1 no more.
+            await wait_async(lambda: local_steps(root) == [3, 4], 30)
             return took, local_steps(root)
         finally:
             task.cancel()
