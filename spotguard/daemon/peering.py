@@ -89,6 +89,8 @@ class Peering:
             return
         attach_peer_fetch(receiver)  # a replacement VM may fetch a replica back to resume from it
         self.receiver = receiver
+        if self.handoff is not None:
+            self.handoff.own_instance = receiver.instance  # a peers list naming this VM: passed over
         if self.registry is not None and receiver.address is not None:
             try:
                 address = await asyncio.to_thread(advertised_address, receiver.address, self.config.peer_advertise)

@@ -176,14 +176,17 @@ async def choose_peer(
     *,
     timeout: float = _CHOOSE_TIMEOUT,
     io_timeout: float = IO_TIMEOUT,
+    own_instance: str | None = None,
 ) -> PeerClient | None:
-    """The first peer in ``addresses`` that answers, shares ``bucket`` and has no hard notice of its
-    own; None if none. All are asked at once (connect, authenticate, query: ``timeout`` seconds for
-    the three), so dead or stale candidates cost no time while another answers; once one is found,
-    earlier-listed ones still answering get ``_PREFER_GRACE`` more. The others are closed."""
+    """The first peer in ``addresses`` that answers, shares ``bucket``, has no hard notice of its
+    own and is not this daemon (``own_instance``: its receiver's); None if none. All are asked at
+    once (connect, authenticate, query: ``timeout`` seconds for the three), so dead or stale
+    candidates cost no time while another answers; once one is found, earlier-listed ones still
+    answering get ``_PREFER_GRACE`` more. The others are closed."""
     tasks = [
         asyncio.create_task(
-            _ask(host, port, token, bucket, timeout=timeout, io_timeout=io_timeout), name=f"ask-peer-{host}:{port}"
+            _ask(host, port, token, bucket, timeout=timeout, io_timeout=io_timeout, own_instance=own_instance),
+            name=f"ask-peer-{host}:{port}",
         )
         for host, port in addresses
     ]
@@ -202,7 +205,14 @@ async def choose_peer(
 
 
 async def _ask(
-    host: str, port: int, token: PeerToken, bucket: str, *, timeout: float, io_timeout: float
+    host: str,
+    port: int,
+    token: PeerToken,
+    bucket: str,
+    *,
+    timeout: float,
+    io_timeout: float,
+    own_instance: str | None = None,
 ) -> PeerClient | None:
     """A connection to ``host:port`` if that peer may be chosen; else None (and it is closed)."""
     client: PeerClient | None = None
@@ -219,6 +229,9 @@ async def _ask(
         raise
     if state is None:
         pass
+    elif own_instance is not None and state.get("instance") == own_instance:
+        # A replica on this VM's own disk rescues nothing; its notice is this VM's too.
+        logger.info("peer %s:%d is this daemon itself: not choosing it", host, port)
     elif state.get("busy"):
         logger.warning("peer %s:%d has a hard notice of its own: not choosing it", host, port)
     elif state.get("bucket") != bucket:

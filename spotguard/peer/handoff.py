@@ -108,6 +108,7 @@ class Handoff:
         self.bucket = bucket
         self._io_timeout = io_timeout  # the channel's record deadline (spotguard/peer/channel.py)
         self.max_flows = max_flows  # connections one replica may use (spotguard/peer/flows.py)
+        self.own_instance: str | None = None  # this daemon's receiver's (passed over as a peer)
         self._expected = 0  # bytes the plan expects the checkpoint to hold
         self._sized_from_commit = False  # whether the last open told a peer the committed checkpoint's size
         self._deadline: float | None = None  # monotonic; None: no deadline known (one flow)
@@ -237,7 +238,9 @@ class Handoff:
         short_of_room = asked_again = False  # a peer refused for room; the refused were asked again
         while True:
             left = [(host, port) for host, port in addresses if f"{host}:{port}" not in refused + failed]
-            client = await choose_peer(left, self._token, self.bucket, io_timeout=self._io_timeout)
+            client = await choose_peer(
+                left, self._token, self.bucket, io_timeout=self._io_timeout, own_instance=self.own_instance
+            )
             if client is None and short_of_room and not asked_again and await self._committed_since_refused(refused):
                 asked_again = True
                 refused.clear()

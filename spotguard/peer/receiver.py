@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -144,6 +145,9 @@ class PeerReceiver:
         self.port = port
         self.busy = busy
         self.limits = limits
+        # This daemon's, told in every state answer: a sender whose list names itself (one static
+        # peers list for a whole fleet) knows its own receiver and passes it over.
+        self.instance = uuid.uuid4().hex
         admission = Admission(area, limits.replicas)
         self.store = ReplicaStore(area, storage, concurrency=limits.concurrency, admission=admission)
         self.refused = 0  # connections that failed to authenticate or broke the protocol
@@ -397,6 +401,7 @@ class PeerReceiver:
             "busy": self.busy(),
             "bucket": self.storage.url if self.storage is not None else None,
             "replicas": len(self.replicas),
+            "instance": self.instance,
         }
 
     async def _open(self, header: dict[str, Any], who: str) -> Replica:

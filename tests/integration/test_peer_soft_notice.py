@@ -10,6 +10,7 @@ notice ends with nothing saved must end too, not wait for a save that no longer 
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -169,5 +170,41 @@ def test_a_notice_that_comes_while_the_last_notices_checkpoint_is_still_handed_o
                     assert vm_a.log.read_text().count("-> handed") == 2
                 finally:
                     vm_a.kill_daemon()
+    finally:
+        emu.stop()
+
+
+def test_a_peers_list_that_names_this_daemon_too_hands_over_to_the_other(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One static peers list for a whole fleet names every VM, this one too, first here. At a soft
+    notice this daemon's own receiver answered (no hard notice of its own) and took the replica: a
+    copy on the disk of the VM the notice is about, and no rescue."""
+    with socket.socket() as probe:  # a port for A's receiver, known before A starts
+        probe.bind(("127.0.0.1", 0))
+        own = f"127.0.0.1:{probe.getsockname()[1]}"
+    emu = start_emulator("aws")
+    try:
+        with peer_behind_a_slow_bucket(tmp_path, monkeypatch) as (url, vm_b):
+            other = vm_b.status()["peers"]["listen"]
+            aws = ["--provider", "aws", "--metadata-url", emu.url, "--poll-interval", "0.2"]
+            vm_a = Vm(tmp_path, "vm-a", url, extra_args=[*aws, "--peer-listen", own, "--peers", f"{own},{other}"])
+            write_checkpoint(vm_a.root, 1, {"state.bin": bytes(24 * MiB)})
+            vm_a.start_daemon()
+            try:
+                assert vm_a.status()["peers"]["listen"] == own
+                wait_for(lambda: vm_a.status()["upload_rate_bytes_s"], 30, "A's upload-rate probe")
+                event_id = rebalance(vm_a, emu, seconds_left=20)
+                name = save_for(vm_a, event_id, 5)
+                handoff = wait_for(
+                    lambda: (h := vm_a.status()["peers"]["handoff"])["name"] == name and h["seconds"] and h,
+                    30,
+                    f"A to hand {name} over",
+                )
+                assert handoff["peer"] == other and handoff["error"] is None, handoff
+                assert vm_a.status()["peers"]["replicas"] == []  # nothing of its own taken in
+                assert f"peer {own} is this daemon itself: not choosing it" in vm_a.log.read_text()
+            finally:
+                vm_a.kill_daemon()
     finally:
         emu.stop()
