@@ -33,6 +33,7 @@ from spotguard.daemon.events import EventBus, NoticeMoved
 from spotguard.daemon.lifecycle import NoticeState, TrackedNotice
 from spotguard.jsontext import parse_json
 from spotguard.notice import UNTIMED_NOTICE_WINDOW, Action, Notice, steady_now, utcnow
+from spotguard.repeats import Latest
 from spotguard.safefile import SpareFile, replace_file
 
 logger = logging.getLogger("spotguard.daemon")
@@ -238,7 +239,7 @@ class NoticeBook:
         self.bus = bus if bus is not None else EventBus()
         self.clock = clock
         self._live: dict[str, TrackedNotice] = {}  # pending or held
-        self._outlived_said: dict[str, None] = {}  # oldest first, at most MAX_OUTLIVED_SAID
+        self._outlived_said: Latest[str, None] = Latest(MAX_OUTLIVED_SAID)  # each logged once
 
     def seen(self, event_id: str) -> bool:
         return event_id in self.log
@@ -255,9 +256,7 @@ class NoticeBook:
         if notice.is_hard or behind <= FORGET_AFTER.total_seconds():
             return False
         if notice.event_id not in self._outlived_said:
-            if len(self._outlived_said) >= MAX_OUTLIVED_SAID:
-                self._outlived_said.pop(next(iter(self._outlived_said)))
-            self._outlived_said[notice.event_id] = None
+            self._outlived_said.put(notice.event_id, None)
             logger.info(
                 "%s %s notice %s: its deadline %s is %.1f h past; not acted on (any action on it was taken then)",
                 notice.provider,

@@ -93,14 +93,16 @@ class Announced:
         """The notice is over: nothing it announced counts any more. ``up_to``: only the checkpoints
         of that step and older (what a handoff sent), the next notice's newer ones staying."""
         last = None if up_to is None else parse_step_dir(up_to)
-        for key in list(self.streams):
-            if last is None or (parse_step_dir(key[0]) or 0) <= last:
-                self.drop(key)
-        for name in list(self._checkpoints):
-            if last is None or (parse_step_dir(name) or 0) <= last:
-                self._checkpoints.pop(name, None)
-                self._saved.discard(name)
-                self._committed.pop(name, None)
+
+        def gone(name: str) -> bool:
+            return last is None or (parse_step_dir(name) or 0) <= last
+
+        for key in [key for key in self.streams if gone(key[0])]:
+            self.drop(key)
+        for name in [name for name in self._checkpoints if gone(name)]:
+            del self._checkpoints[name]
+            self._saved.discard(name)
+            self._committed.pop(name, None)
 
     # --- what was announced ---------------------------------------------------------------
 

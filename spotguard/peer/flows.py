@@ -422,6 +422,7 @@ class Flows:
                 continue
             piece = self._queue.take(self._sending)
             source = piece.source
+            held = False  # a joined flow's piece, until the peer says it read it (sent())
             if not source.stale:
                 self._sending[id(source)] += 1
                 try:
@@ -436,13 +437,12 @@ class Flows:
                 self.bytes_sent += piece.length
                 if piece.sent is not None:
                     piece.sent(piece)
-                if client is not self.opener:  # held until the peer says it read them (sent())
+                held = client is not self.opener
+                if held:
                     self._unconfirmed.setdefault(client, []).append(piece)
-                    self._queued_bytes -= piece.length
-                    self._progress.set()
-                    continue
             self._queued_bytes -= piece.length
-            source.release()
+            if not held:
+                source.release()
             self._progress.set()
 
     def _ended(self, task: asyncio.Task[None]) -> None:

@@ -161,8 +161,7 @@ class Handoff:
             self._start_pending = True
             return
         if self._task is not None:  # the last notice's handoff ended (handed or failed) and was not reset
-            self._announced.forget(up_to=self.name)
-            self._queued_files.clear()
+            self._forget_sent()
         self._begin()
 
     def _begin(self) -> None:
@@ -190,6 +189,11 @@ class Handoff:
             self.error = why
             self._move(HandoffState.FAILED, why)
         self._forget()
+
+    def _forget_sent(self) -> None:
+        """Forget what the last handoff sent, and older: a later notice's newer checkpoint stays."""
+        self._announced.forget(up_to=self.name)
+        self._queued_files.clear()
 
     def _forget(self) -> None:
         self._task = None
@@ -222,9 +226,8 @@ class Handoff:
             self._start_pending = False
             raise
         finally:
-            if self._start_pending:  # a later notice's checkpoint: what this one sent (and older) goes
-                self._announced.forget(up_to=self.name)
-                self._queued_files.clear()
+            if self._start_pending:  # a later notice's checkpoint
+                self._forget_sent()
                 self._begin()
             elif self._reset_at_end:
                 self._forget()

@@ -38,6 +38,7 @@ from spotguard.cloudclock import on_this_clock
 from spotguard.notice import UNTIMED_NOTICE_WINDOW, Acknowledgement, Kind, Notice, event_id_for
 from spotguard.providers import base
 from spotguard.providers.base import Monitor, MonitorError, MonitorSettings, PolledMonitor, Polling
+from spotguard.repeats import Latest
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ class AzureMonitor(PolledMonitor):
         super().__init__(session, base_url, **polling)
         self._vm_name = vm_name
         self._incarnation: int | None = None
-        self._shared_said: dict[str, None] = {}  # events said to be shared, oldest first (bounded)
+        self._shared_said: Latest[str, None] = Latest(MAX_SHARED_SAID)  # events said to be shared
 
     async def check_all(self) -> list[Notice]:
         vm_name = await self.vm_name()
@@ -197,9 +198,7 @@ class AzureMonitor(PolledMonitor):
         others = sorted({str(r) for r in event.get("Resources") or [] if str(r).casefold() != name})
         event_id = str(event["EventId"])
         if others and event_id not in self._shared_said:
-            if len(self._shared_said) >= MAX_SHARED_SAID:
-                self._shared_said.pop(next(iter(self._shared_said)))
-            self._shared_said[event_id] = None
+            self._shared_said.put(event_id, None)
             logger.info(
                 "azure: event %s also names %s: not approved early (Azure would start it for every VM it "
                 "names); it goes ahead at its NotBefore",

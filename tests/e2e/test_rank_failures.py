@@ -37,58 +37,54 @@ def read_only_dir(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", str(path)], check=True)
 
 
-def run_two_ranks(
-    tmp_path: Path, roots: list[Path], kind: str, plan: str, filler: Path | None = None, sockets: str = ""
-) -> list[list[dict[str, Any]]]:
-    """Both ranks of tests/e2e/dist_failure.py; each rank's JSON lines (one per save), rank 0's first.
-    ``sockets``: each rank's daemon, comma-separated."""
-    env = {**os.environ, "WORLD_SIZE": "2", "RENDEZVOUS_FILE": str(tmp_path / "rendezvous"), "FILLER": str(filler)}
-    if sockets:
-        env["SOCKETS"] = sockets
+def two_ranks(
+    rendezvous: Path, module: str, *args: str, env: dict[str, str] | None = None
+) -> list[tuple[int, str, str]]:
+    """Both ranks of the gloo job ``python -m module args`` (``env`` added), run to their end: each
+    one's (exit status, stdout, stderr), rank 0's first."""
+    base = {**os.environ, **(env or {}), "WORLD_SIZE": "2", "RENDEZVOUS_FILE": str(rendezvous)}
     procs = [
         popen(
-            [sys.executable, "-m", "tests.e2e.dist_failure", ",".join(map(str, roots)), kind, plan],
-            env={**env, "RANK": str(rank)},
+            [sys.executable, "-m", module, *args],
+            env={**base, "RANK": str(rank)},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
         )
         for rank in range(2)
     ]
-    lines = []
+    ended = []
     try:
         for proc in procs:
             out, err = proc.communicate(timeout=120)
-            mine = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-            assert len(mine) == plan.count(":"), f"rank printed {mine}; stderr:\n{err}"
-            lines.append(mine)
+            ended.append((proc.returncode, out, err))
     finally:
         for proc in procs:
             proc.kill()
+    return ended
+
+
+def run_two_ranks(
+    tmp_path: Path, roots: list[Path], kind: str, plan: str, filler: Path | None = None, sockets: str = ""
+) -> list[list[dict[str, Any]]]:
+    """Both ranks of tests/e2e/dist_failure.py; each rank's JSON lines (one per save), rank 0's first.
+    ``sockets``: each rank's daemon, comma-separated."""
+    env = {"FILLER": str(filler), **({"SOCKETS": sockets} if sockets else {})}
+    args = (",".join(map(str, roots)), kind, plan)
+    lines = []
+    for _, out, err in two_ranks(tmp_path / "rendezvous", "tests.e2e.dist_failure", *args, env=env):
+        mine = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        assert len(mine) == plan.count(":"), f"rank printed {mine}; stderr:\n{err}"
+        lines.append(mine)
     return lines
 
 
 def last_lines(rendezvous: Path, module: str, *args: str) -> list[dict[str, Any]]:
     """Both ranks of the gloo job ``python -m module args``, each to a clean exit; the JSON of each
     one's last line of output, rank 0's first."""
-    env = {**os.environ, "WORLD_SIZE": "2", "RENDEZVOUS_FILE": str(rendezvous)}
-    procs = [
-        popen(
-            [sys.executable, "-m", module, *args],
-            env={**env, "RANK": str(rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-        for rank in range(2)
-    ]
     outcomes = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=120)
-            assert proc.returncode == 0, err
-            outcomes.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for proc in procs:
-            proc.kill()
+    for status, out, err in two_ranks(rendezvous, module, *args):
+        assert status == 0, err
+        outcomes.append(json.loads(out.strip().splitlines()[-1]))
     return outcomes
 
 
